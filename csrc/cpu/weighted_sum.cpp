@@ -1,0 +1,208 @@
+// CPU kernel of fedkernels::weighted_sum. This file is compiled once per instruction set
+// (CPU_CAPABILITY = DEFAULT, AVX2, AVX512), each into a library of its own; fedkernels loads
+// the best one the CPU supports, so no build ever runs instructions the CPU lacks.
+//
+// Work: the tensors are cut into chunks (the parallel unit); a chunk is walked in tiles whose
+// fp32 accumulators stay in L1. For each tile, clients are read in groups of four, so every
+// input element is read from memory exactly once and every output element written once:
+// (K + 1) * P element traffic (K + 2 with a separate base).
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../elementwise.h"
+#include "../weighted_sum_host.h"
+
+namespace fedkernels {
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+constexpr int64_t kTile = 2048;    // elements whose accumulators stay in L1 (8 KiB in fp32)
+constexpr int64_t kChunk = 65536;  // elements per parallel work item
+constexpr int kClientGroup = 4;    // clients whose loads are in flight together
+
+// Loads 2 * Vectorized<A>::size() elements of type T as two vectors of the accumulate type A.
+template <typename T, typename A>
+inline void load2(const T* p, Vectorized<A>& lo, Vectorized<A>& hi) {
+  if constexpr (std::is_same_v<T, A>) {
+    lo = Vectorized<A>::loadu(p);
+    hi = Vectorized<A>::loadu(p + Vectorized<A>::size());
+  } else {
+    at::vec::load_to_float<T>(p, lo, hi);
+  }
+}
+
+template <typename U, typename A>
+inline void store2(U* p, const Vectorized<A>& lo, const Vectorized<A>& hi) {
+  if constexpr (std::is_same_v<U, A>) {
+    lo.store(p);
+    hi.store(p + Vectorized<A>::size());
+  } else {
+    at::vec::convert_from_float<U>(lo, hi).store(p);
+  }
+}
+
+template <typename T, typename U>
+struct TileArgs {
+  const T* const* src;  // K client pointers, already offset to the tile
+  const U* base;        // null without a base
+  U* out;
+  const acc_type<T>* weights;
+  int64_t num_clients;
+  int64_t len;
+};
+
+// acc[0, len) += sum over clients [k0, k0 + n) of w_k * (x_k - [delta] base).
+template <int n, typename T, typename U>
+inline void accumulate_clients(
+    const TileArgs<T, U>& a, int64_t k0, acc_type<T>* acc, const WeightedSumMath& math,
+    bool first) {
+  using A = acc_type<T>;
+  using Vec = Vectorized<A>;
+  constexpr int64_t step = 2 * Vec::size();
+  const int64_t vec_len = a.len - a.len % step;
+  Vec w[n];
+  for (int i = 0; i < n; ++i) w[i] = Vec(a.weights[k0 + i]);
+  for (int64_t j = 0; j < vec_len; j += step) {
+    Vec acc_lo = first ? Vec(A(0)) : Vec::loadu(acc + j);
+    Vec acc_hi = first ? Vec(A(0)) : Vec::loadu(acc + j + Vec::size());
+    Vec b_lo(A(0)), b_hi(A(0));
+    if (math.delta) load2<U, A>(a.base + j, b_lo, b_hi);
+    for (int i = 0; i < n; ++i) {
+      Vec x_lo, x_hi;
+      load2<T, A>(a.src[k0 + i] + j, x_lo, x_hi);
+      acc_lo = math.accumulate(acc_lo, w[i], x_lo, b_lo);
+      acc_hi = math.accumulate(acc_hi, w[i], x_hi, b_hi);
+    }
+    acc_lo.store(acc + j);
+    acc_hi.store(acc + j + Vec::size());
+  }
+  for (int64_t j = vec_len; j < a.len; ++j) {
+    A s = first ? A(0) : acc[j];
+    const A b = math.delta ? static_cast<A>(a.base[j]) : A(0);
+    for (int i = 0; i < n; ++i) {
+      s = math.accumulate(s, a.weights[k0 + i], static_cast<A>(a.src[k0 + i][j]), b);
+    }
+    acc[j] = s;
+  }
+}
+
+template <typename T, typename U>
+void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc_type<T> scale) {
+  using A = acc_type<T>;
+  using Vec = Vectorized<A>;
+  constexpr int64_t step = 2 * Vec::size();
+  alignas(64) A acc[kTile];
+  int64_t k0 = 0;
+  for (; k0 + kClientGroup <= a.num_clients; k0 += kClientGroup) {
+    accumulate_clients<kClientGroup>(a, k0, acc, math, k0 == 0);
+  }
+  switch (a.num_clients - k0) {
+    case 3: accumulate_clients<3>(a, k0, acc, math, k0 == 0); break;
+    case 2: accumulate_clients<2>(a, k0, acc, math, k0 == 0); break;
+    case 1: accumulate_clients<1>(a, k0, acc, math, k0 == 0); break;
+    default: break;
+  }
+  const int64_t vec_len = a.len - a.len % step;
+  const Vec scale_v(scale);
+  for (int64_t j = 0; j < vec_len; j += step) {
+    Vec b_lo(A(0)), b_hi(A(0));
+    if (math.has_base) load2<U, A>(a.base + j, b_lo, b_hi);
+    const Vec lo = math.finish(Vec::loadu(acc + j), scale_v, b_lo);
+    const Vec hi = math.finish(Vec::loadu(acc + j + Vec::size()), scale_v, b_hi);
+    store2<U, A>(a.out + j, lo, hi);
+  }
+  for (int64_t j = vec_len; j < a.len; ++j) {
+    const A b = math.has_base ? static_cast<A>(a.base[j]) : A(0);
+    a.out[j] = static_cast<U>(math.finish(acc[j], scale, b));
+  }
+}
+
+template <typename T, typename U>
+void weighted_sum_group(const WeightedSumPlan& p) {
+  using A = acc_type<T>;
+  const int64_t K = p.num_clients;
+  const int64_t n = p.num_tensors();
+  std::vector<A> weights(K);
+  const double* w = p.weights.const_data_ptr<double>();
+  for (int64_t k = 0; k < K; ++k) weights[k] = static_cast<A>(w[k]);
+  std::vector<int64_t> chunk_begin(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    chunk_begin[i + 1] = chunk_begin[i] + (p.numels[i] + kChunk - 1) / kChunk;
+  }
+  const WeightedSumMath math{!p.bases.empty(), p.delta};
+  const A scale = static_cast<A>(p.scale);
+
+  at::parallel_for(0, chunk_begin[n], 1, [&](int64_t c0, int64_t c1) {
+    std::vector<const T*> src(K);
+    int64_t i = std::upper_bound(chunk_begin.begin(), chunk_begin.end(), c0) -
+        chunk_begin.begin() - 1;
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= chunk_begin[i + 1]) ++i;
+      const int64_t begin = (c - chunk_begin[i]) * kChunk;
+      const int64_t end = std::min(p.numels[i], begin + kChunk);
+      for (int64_t off = begin; off < end; off += kTile) {
+        for (int64_t k = 0; k < K; ++k) {
+          src[k] = static_cast<const T*>(p.inputs[k * n + i]) + off;
+        }
+        TileArgs<T, U> a{
+            src.data(),
+            math.has_base ? static_cast<const U*>(p.bases[i]) + off : nullptr,
+            static_cast<U*>(p.outs[i]) + off,
+            weights.data(),
+            K,
+            std::min(kTile, end - off)};
+        weighted_sum_tile<T, U>(a, math, scale);
+      }
+    }
+  });
+}
+
+void weighted_sum_cpu_group(const WeightedSumPlan& p) {
+  const auto in = p.in_dtype, out = p.out_dtype;
+  if (in == at::kFloat && out == at::kFloat) return weighted_sum_group<float, float>(p);
+  if (in == at::kDouble && out == at::kDouble) return weighted_sum_group<double, double>(p);
+  if (in == at::kHalf && out == at::kHalf) return weighted_sum_group<at::Half, at::Half>(p);
+  if (in == at::kBFloat16 && out == at::kBFloat16) {
+    return weighted_sum_group<at::BFloat16, at::BFloat16>(p);
+  }
+  if (in == at::kHalf && out == at::kFloat) return weighted_sum_group<at::Half, float>(p);
+  if (in == at::kBFloat16 && out == at::kFloat) return weighted_sum_group<at::BFloat16, float>(p);
+  TORCH_CHECK(false, "fedkernels.weighted_sum: unsupported dtypes ", in, " -> ", out);
+}
+
+std::vector<at::Tensor> weighted_sum_cpu(
+    at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
+    bool delta) {
+  return weighted_sum_functional(updates, weights, base, scale, delta, &weighted_sum_cpu_group);
+}
+
+void weighted_sum_out_cpu(
+    at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
+    bool delta, at::TensorList out) {
+  weighted_sum_out(updates, weights, base, scale, delta, out, &weighted_sum_cpu_group);
+}
+
+void weighted_sum_inplace_cpu(
+    at::TensorList base, at::TensorList updates, const at::Tensor& weights, double scale,
+    bool delta) {
+  weighted_sum_inplace(base, updates, weights, scale, delta, &weighted_sum_cpu_group);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
+  m.impl("weighted_sum", &weighted_sum_cpu);
+  m.impl("weighted_sum.out", &weighted_sum_out_cpu);
+  m.impl("weighted_sum_", &weighted_sum_inplace_cpu);
+}
+
+}  // namespace fedkernels

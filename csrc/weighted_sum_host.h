@@ -1,0 +1,325 @@
+// Host-side part of fedkernels::weighted_sum shared by the CPU and CUDA backends: input
+// validation (nothing is written before it passes), output allocation, and the split of the
+// tensor list into groups of one (input dtype, output dtype) pair, each run by one kernel call.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace fedkernels {
+
+// One kernel call: n tensors that share the input and output dtypes.
+struct WeightedSumPlan {
+  at::ScalarType in_dtype;
+  at::ScalarType out_dtype;
+  int64_t num_clients = 0;
+  std::vector<const void*> inputs;  // [K][n], client-major
+  std::vector<const void*> bases;   // [n], empty when there is no base
+  std::vector<void*> outs;          // [n]; may equal bases (in place)
+  std::vector<int64_t> numels;      // [n]
+  at::Tensor weights;               // [K] float64, contiguous, on the CPU or on `device`
+  double scale = 1.0;
+  bool delta = false;
+  at::Device device = at::kCPU;
+
+  int64_t num_tensors() const { return static_cast<int64_t>(numels.size()); }
+};
+
+using WeightedSumRunner = void (*)(const WeightedSumPlan&);
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// The dtype the result is stored in when base is given: base's own, which must be the update
+// dtype or float32 for half-precision updates (fp32 accumulators of a streaming sum).
+inline bool base_dtype_ok(at::ScalarType update, at::ScalarType base) {
+  return base == update ||
+      (base == at::kFloat && (update == at::kHalf || update == at::kBFloat16));
+}
+
+inline std::string where(int64_t k, int64_t t) {
+  return "client " + std::to_string(k) + ", tensor " + std::to_string(t);
+}
+
+// Byte range [begin, end) a tensor may touch, for overlap checks between lists.
+struct MemoryRange {
+  uintptr_t begin, end;
+  int role;  // 0 = output, 1 = input
+  int64_t index;
+};
+
+inline MemoryRange range_of(const at::Tensor& t, int role, int64_t index) {
+  auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  int64_t span = 0;
+  if (t.numel() > 0) {
+    span = 1;
+    for (const auto d : c10::irange(t.dim())) span += (t.size(d) - 1) * t.stride(d);
+  }
+  return {begin, begin + static_cast<uintptr_t>(span) * t.element_size(), role, index};
+}
+
+// Raise if any output overlaps any input or another output (a sort and a sweep, so that
+// K = 1000 clients of 200 tensors each cost milliseconds, not seconds).
+inline void check_no_overlap(
+    at::TensorList outs,
+    const std::vector<std::pair<const at::Tensor*, std::string>>& inputs) {
+  std::vector<MemoryRange> ranges;
+  ranges.reserve(outs.size() + inputs.size());
+  for (const auto i : c10::irange(outs.size())) {
+    if (outs[i].numel() > 0) ranges.push_back(range_of(outs[i], 0, i));
+  }
+  for (const auto i : c10::irange(inputs.size())) {
+    if (inputs[i].first->numel() > 0) ranges.push_back(range_of(*inputs[i].first, 1, i));
+  }
+  std::sort(ranges.begin(), ranges.end(), [](const MemoryRange& a, const MemoryRange& b) {
+    return a.begin < b.begin;
+  });
+  // Track the open range that reaches furthest, separately for outputs and inputs; an output
+  // starting inside any open range (or any range starting inside an open output) overlaps.
+  const MemoryRange* open_out = nullptr;
+  const MemoryRange* open_in = nullptr;
+  for (const auto& r : ranges) {
+    const MemoryRange* clash = nullptr;
+    if (open_out && r.begin < open_out->end) clash = open_out;
+    if (!clash && r.role == 0 && open_in && r.begin < open_in->end) clash = open_in;
+    if (clash) {
+      const MemoryRange& o = r.role == 0 ? r : *clash;
+      const MemoryRange& other = r.role == 0 ? *clash : r;
+      TORCH_CHECK_VALUE(
+          false, "fedkernels.weighted_sum: out tensor ", o.index, " overlaps ",
+          other.role == 0 ? "out tensor " + std::to_string(other.index)
+                          : inputs[other.index].second,
+          "; the output must not alias a client update (or base, except in place)");
+    }
+    auto& open = r.role == 0 ? open_out : open_in;
+    if (!open || r.end > open->end) open = &r;
+  }
+}
+
+struct WeightedSumShape {
+  int64_t num_clients;
+  int64_t num_tensors;
+};
+
+// Checks everything about the inputs that does not depend on the output.
+inline WeightedSumShape check_inputs(
+    at::TensorList updates, const at::Tensor& weights,
+    at::TensorList base) {
+  TORCH_CHECK_VALUE(
+      weights.dim() == 1, "fedkernels.weighted_sum: weights must be 1-D, got ", weights.dim(),
+      "-D");
+  const int64_t K = weights.numel();
+  TORCH_CHECK_VALUE(K > 0, "fedkernels.weighted_sum: need at least one client (weights is empty)");
+  TORCH_CHECK_TYPE(
+      at::isFloatingType(weights.scalar_type()) || at::isIntegralType(weights.scalar_type(), false),
+      "fedkernels.weighted_sum: weights must be real numbers, got ", weights.scalar_type());
+  const int64_t n = static_cast<int64_t>(updates.size());
+  TORCH_CHECK_VALUE(
+      n % K == 0, "fedkernels.weighted_sum: got ", n, " update tensors for ", K,
+      " weights; expected K * T tensors, client-major");
+  const int64_t T = n / K;
+  TORCH_CHECK_VALUE(
+      base.empty() || static_cast<int64_t>(base.size()) == T, "fedkernels.weighted_sum: base has ",
+      base.size(), " tensors, clients have ", T);
+  const at::Device device = T > 0 ? updates[0].device() : weights.device();
+  TORCH_CHECK_VALUE(
+      weights.device() == device || weights.device().is_cpu(),
+      "fedkernels.weighted_sum: weights are on ", weights.device(), ", updates on ", device);
+  if (weights.device().is_cpu()) {
+    const auto w = weights.to(at::kDouble).contiguous();
+    const double* wp = w.const_data_ptr<double>();
+    for (const auto k : c10::irange(K)) {
+      TORCH_CHECK_VALUE(
+          std::isfinite(wp[k]), "fedkernels.weighted_sum: weight of client ", k, " is ", wp[k]);
+    }
+  }
+  for (const auto t : c10::irange(T)) {
+    const at::Tensor& ref = updates[t];
+    TORCH_CHECK_TYPE(
+        is_supported_float(ref.scalar_type()), "fedkernels.weighted_sum: ", where(0, t),
+        " has dtype ", ref.scalar_type(), "; supported: float32, float64, float16, bfloat16");
+    for (const auto k : c10::irange(K)) {
+      const at::Tensor& x = updates[k * T + t];
+      TORCH_CHECK_VALUE(
+          x.device() == device, "fedkernels.weighted_sum: ", where(k, t), " is on ", x.device(),
+          ", expected ", device);
+      TORCH_CHECK_VALUE(
+          x.sizes() == ref.sizes(), "fedkernels.weighted_sum: ", where(k, t), " has shape ",
+          x.sizes(), ", client 0 has ", ref.sizes());
+      TORCH_CHECK_TYPE(
+          x.scalar_type() == ref.scalar_type(), "fedkernels.weighted_sum: ", where(k, t),
+          " has dtype ", x.scalar_type(), ", client 0 has ", ref.scalar_type());
+    }
+    if (!base.empty()) {
+      const at::Tensor& b = base[t];
+      TORCH_CHECK_VALUE(
+          b.device() == device, "fedkernels.weighted_sum: base tensor ", t, " is on ", b.device(),
+          ", expected ", device);
+      TORCH_CHECK_VALUE(
+          b.sizes() == ref.sizes(), "fedkernels.weighted_sum: base tensor ", t, " has shape ",
+          b.sizes(), ", clients have ", ref.sizes());
+      TORCH_CHECK_TYPE(
+          base_dtype_ok(ref.scalar_type(), b.scalar_type()), "fedkernels.weighted_sum: base tensor ",
+          t, " has dtype ", b.scalar_type(), " for ", ref.scalar_type(),
+          " updates; expected the same dtype (or float32 for half-precision updates)");
+    }
+  }
+  return {K, T};
+}
+
+inline at::ScalarType result_dtype(
+    at::TensorList updates, at::TensorList base, int64_t t) {
+  return base.empty() ? updates[t].scalar_type() : base[t].scalar_type();
+}
+
+inline void check_outputs(
+    at::TensorList updates, at::TensorList base,
+    at::TensorList out, const WeightedSumShape& shape, bool out_is_base) {
+  const int64_t K = shape.num_clients, T = shape.num_tensors;
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(out.size()) == T, "fedkernels.weighted_sum: out has ", out.size(),
+      " tensors, clients have ", T);
+  for (const auto t : c10::irange(T)) {
+    const at::Tensor& o = out[t];
+    const at::Tensor& ref = updates[t];
+    TORCH_CHECK_VALUE(
+        o.device() == ref.device(), "fedkernels.weighted_sum: out tensor ", t, " is on ",
+        o.device(), ", updates on ", ref.device());
+    TORCH_CHECK_VALUE(
+        o.sizes() == ref.sizes(), "fedkernels.weighted_sum: out tensor ", t, " has shape ",
+        o.sizes(), ", clients have ", ref.sizes());
+    TORCH_CHECK_TYPE(
+        o.scalar_type() == result_dtype(updates, base, t), "fedkernels.weighted_sum: out tensor ",
+        t, " has dtype ", o.scalar_type(), ", expected ", result_dtype(updates, base, t));
+    TORCH_CHECK_VALUE(
+        at::has_internal_overlap(o) != at::MemOverlap::Yes, "fedkernels.weighted_sum: out tensor ",
+        t, " has internal overlap (an expanded view)");
+  }
+  std::vector<std::pair<const at::Tensor*, std::string>> inputs;
+  inputs.reserve(updates.size() + base.size());
+  for (const auto k : c10::irange(K)) {
+    for (const auto t : c10::irange(T)) inputs.emplace_back(&updates[k * T + t], where(k, t));
+  }
+  if (!out_is_base) {
+    for (const auto t : c10::irange(base.size())) {
+      inputs.emplace_back(&base[t], "base tensor " + std::to_string(t));
+    }
+  }
+  check_no_overlap(out, inputs);
+}
+
+// Runs the kernel into `out` (already validated). Non-contiguous tensors are handled with
+// contiguous copies, so kernels only ever see dense memory.
+inline void run_weighted_sum(
+    at::TensorList updates, const at::Tensor& weights,
+    at::TensorList base, double scale, bool delta,
+    at::TensorList out, const WeightedSumShape& shape, WeightedSumRunner runner) {
+  const int64_t K = shape.num_clients, T = shape.num_tensors;
+  if (T == 0) return;
+  const at::Device device = updates[0].device();
+  const at::Tensor w = weights.to(at::kDouble).contiguous();
+
+  std::vector<at::Tensor> keep_alive;  // contiguous copies of strided inputs
+  auto dense = [&keep_alive](const at::Tensor& x) -> const at::Tensor& {
+    if (x.is_contiguous()) return x;
+    keep_alive.push_back(x.contiguous());
+    return keep_alive.back();
+  };
+  keep_alive.reserve(updates.size() + 2 * T);
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (dense result, strided out)
+
+  std::map<std::pair<at::ScalarType, at::ScalarType>, WeightedSumPlan> plans;
+  for (const auto t : c10::irange(T)) {
+    const int64_t numel = updates[t].numel();
+    if (numel == 0) continue;
+    const auto key = std::make_pair(updates[t].scalar_type(), out[t].scalar_type());
+    auto it = plans.find(key);
+    if (it == plans.end()) {
+      WeightedSumPlan p;
+      p.in_dtype = key.first;
+      p.out_dtype = key.second;
+      p.num_clients = K;
+      p.weights = w;
+      p.scale = scale;
+      p.delta = delta;
+      p.device = device;
+      it = plans.emplace(key, std::move(p)).first;
+    }
+    WeightedSumPlan& p = it->second;
+    p.numels.push_back(numel);
+    if (!base.empty()) p.bases.push_back(dense(base[t]).const_data_ptr());
+    if (out[t].is_contiguous()) {
+      p.outs.push_back(out[t].data_ptr());
+    } else {
+      // The base is read before the dense result is copied back, so in place stays correct.
+      auto tmp = at::empty(out[t].sizes(), out[t].options());
+      p.outs.push_back(tmp.data_ptr());
+      write_back.emplace_back(tmp, out[t]);
+    }
+  }
+  for (auto& [key, p] : plans) {
+    const int64_t n = p.num_tensors();
+    p.inputs.resize(K * n);
+  }
+  // Fill the client-major pointer tables group by group (second pass keeps them dense).
+  std::map<std::pair<at::ScalarType, at::ScalarType>, int64_t> fill;
+  for (const auto t : c10::irange(T)) {
+    if (updates[t].numel() == 0) continue;
+    const auto key = std::make_pair(updates[t].scalar_type(), out[t].scalar_type());
+    WeightedSumPlan& p = plans.at(key);
+    const int64_t i = fill[key]++;
+    const int64_t n = p.num_tensors();
+    for (const auto k : c10::irange(K)) {
+      p.inputs[k * n + i] = dense(updates[k * T + t]).const_data_ptr();
+    }
+  }
+  for (auto& [key, p] : plans) runner(p);
+  for (auto& [dense_result, strided] : write_back) strided.copy_(dense_result);
+}
+
+inline std::vector<at::Tensor> weighted_sum_functional(
+    at::TensorList updates, const at::Tensor& weights,
+    at::TensorList base, double scale, bool delta, WeightedSumRunner runner) {
+  const auto shape = check_inputs(updates, weights, base);
+  std::vector<at::Tensor> out;
+  out.reserve(shape.num_tensors);
+  for (const auto t : c10::irange(shape.num_tensors)) {
+    out.push_back(at::empty(
+        updates[t].sizes(), updates[t].options().dtype(result_dtype(updates, base, t))));
+  }
+  run_weighted_sum(updates, weights, base, scale, delta, out, shape, runner);
+  return out;
+}
+
+inline void weighted_sum_out(
+    at::TensorList updates, const at::Tensor& weights,
+    at::TensorList base, double scale, bool delta,
+    at::TensorList out, WeightedSumRunner runner) {
+  const auto shape = check_inputs(updates, weights, base);
+  check_outputs(updates, base, out, shape, /*out_is_base=*/false);
+  run_weighted_sum(updates, weights, base, scale, delta, out, shape, runner);
+}
+
+inline void weighted_sum_inplace(
+    at::TensorList base, at::TensorList updates,
+    const at::Tensor& weights, double scale, bool delta, WeightedSumRunner runner) {
+  const auto shape = check_inputs(updates, weights, base);
+  TORCH_CHECK_VALUE(
+      static_cast<int64_t>(base.size()) == shape.num_tensors,
+      "fedkernels.weighted_sum_: base has ", base.size(), " tensors, clients have ",
+      shape.num_tensors);
+  check_outputs(updates, base, base, shape, /*out_is_base=*/true);
+  run_weighted_sum(updates, weights, base, scale, delta, base, shape, runner);
+}
+
+}  // namespace fedkernels

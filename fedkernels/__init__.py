@@ -1,0 +1,15 @@
+"""fedkernels: fused aggregation ops for federated learning, as real torch ops.
+
+>>> import fedkernels
+>>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
+"""
+
+from . import _native
+
+_native.load()
+
+from . import ops, reference  # noqa: E402  (the ops must be registered first)
+from .aggregate import Accumulator, aggregate  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["aggregate", "Accumulator", "ops", "reference"]

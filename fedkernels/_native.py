@@ -1,0 +1,69 @@
+"""Loads the native libraries: the op schemas, the CPU kernels built for the best instruction
+set this CPU supports, and the CUDA kernels when they were built.
+
+FEDKERNELS_CPU_CAPABILITY=default|avx2|avx512 forces one CPU build (tests use it to compare
+the builds); otherwise torch's own choice (which honours ATEN_CPU_CAPABILITY) is followed.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_ORDER = ("avx512", "avx2", "default")
+_BUILD_HINT = (
+    "fedkernels' native ops are not built. From the source folder run:\n"
+    "    pip install --no-build-isolation -e .\n"
+    "(with torch already installed; see README.md)."
+)
+
+cpu_capability: str = ""
+cuda_available: bool = False
+
+
+def _library(name: str) -> str | None:
+    found = sorted(glob.glob(os.path.join(_PACKAGE_DIR, f"{name}.*so")))
+    return found[0] if found else None
+
+
+def _supported_capabilities() -> list[str]:
+    torch_choice = torch.backends.cpu.get_cpu_capability().lower()
+    if torch_choice.startswith("avx512"):
+        return ["avx512", "avx2", "default"]
+    if torch_choice.startswith("avx2"):
+        return ["avx2", "default"]
+    return ["default"]
+
+
+def load() -> None:
+    global cpu_capability, cuda_available
+    schemas = _library("_C")
+    if schemas is None:
+        raise ImportError(_BUILD_HINT)
+    torch.ops.load_library(schemas)
+
+    forced = os.environ.get("FEDKERNELS_CPU_CAPABILITY", "").lower()
+    if forced:
+        if forced not in _ORDER:
+            raise ImportError(f"FEDKERNELS_CPU_CAPABILITY must be one of {_ORDER}, not {forced!r}")
+        if forced not in _supported_capabilities():
+            raise ImportError(f"FEDKERNELS_CPU_CAPABILITY={forced} but this CPU does not support it")
+        candidates = [forced]
+    else:
+        candidates = _supported_capabilities()
+    for cap in candidates:
+        path = _library(f"_cpu_{cap}")
+        if path is not None:
+            torch.ops.load_library(path)
+            cpu_capability = cap
+            break
+    else:
+        raise ImportError(f"no CPU kernel library ({', '.join(candidates)}) was found. " + _BUILD_HINT)
+
+    cuda = _library("_cuda")
+    if cuda is not None and torch.version.cuda is not None:
+        torch.ops.load_library(cuda)
+        cuda_available = True

@@ -1,0 +1,431 @@
+"""The public aggregation API: :func:`aggregate` (all K clients at once) and
+:class:`Accumulator` (clients arrive one at a time).
+
+Both accept the shapes FL code already has: a list of ``state_dict`` s, a list of tensor lists,
+or one ``[K, P]`` tensor of flat vectors, and run the fused ``fedkernels::weighted_sum`` op,
+which reads every client tensor once and writes the result once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import ops
+
+Model = Union[Mapping[str, Tensor], Sequence[Tensor], Tensor]
+
+INT_POLICIES = ("max", "first", "skip", "error")
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- structure handling
+
+
+class _Layout:
+    """How one client's model maps to a flat tensor list: its kind, names, and which entries
+    are floating point (aggregated by the op) or integer/bool (handled by ``int_policy``)."""
+
+    def __init__(self, kind: str, names: list, float_mask: list[bool]):
+        self.kind = kind  # "dict", "list" or "tensor"
+        self.names = names
+        self.float_mask = float_mask
+
+    @staticmethod
+    def of(model: Model, what: str) -> "_Layout":
+        if isinstance(model, Tensor):
+            return _Layout("tensor", [None], [_is_float(model, what, None)])
+        if isinstance(model, Mapping):
+            names = list(model.keys())
+            return _Layout("dict", names, [_is_float(model[n], what, n) for n in names])
+        if isinstance(model, Sequence) and not isinstance(model, (str, bytes)):
+            names = list(range(len(model)))
+            return _Layout("list", names, [_is_float(model[i], what, i) for i in names])
+        raise TypeError(
+            f"fedkernels.aggregate: {what} must be a state_dict (mapping name -> tensor), "
+            f"a sequence of tensors or a tensor, got {type(model).__name__}"
+        )
+
+    def tensors(self, model: Model, what: str) -> list[Tensor]:
+        """The model's tensors in layout order, after checking it has this layout."""
+        if self.kind == "tensor":
+            if not isinstance(model, Tensor):
+                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
+                                "client 0 is a tensor")
+            return [model]
+        if self.kind == "dict":
+            if not isinstance(model, Mapping):
+                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
+                                "client 0 is a state_dict")
+            if len(model) != len(self.names) or any(n not in model for n in self.names):
+                missing = [n for n in self.names if n not in model]
+                extra = [n for n in model if n not in set(self.names)]
+                raise ValueError(
+                    f"fedkernels.aggregate: {what} has different keys than client 0"
+                    + (f"; missing {missing[:5]}" if missing else "")
+                    + (f"; unexpected {extra[:5]}" if extra else "")
+                )
+            out = [model[n] for n in self.names]
+        else:
+            if isinstance(model, (Mapping, Tensor)) or not isinstance(model, Sequence):
+                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
+                                "client 0 is a sequence of tensors")
+            if len(model) != len(self.names):
+                raise ValueError(f"fedkernels.aggregate: {what} has {len(model)} tensors, "
+                                 f"client 0 has {len(self.names)}")
+            out = list(model)
+        for name, t in zip(self.names, out):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"fedkernels.aggregate: {what}, tensor {self.label(name)} is a "
+                                f"{type(t).__name__}, not a tensor")
+        return out
+
+    def label(self, name) -> str:
+        return repr(name) if self.kind == "dict" else str(name)
+
+    def build(self, tensors: list[Tensor]) -> Model:
+        if self.kind == "tensor":
+            return tensors[0]
+        if self.kind == "dict":
+            return dict(zip(self.names, tensors))
+        return list(tensors)
+
+
+def _is_float(t: Any, what: str, name) -> bool:
+    if not isinstance(t, Tensor):
+        where = what if name is None else f"{what}, tensor {name!r}"
+        raise TypeError(f"fedkernels.aggregate: {where} is a {type(t).__name__}, not a tensor")
+    if t.dtype in _FLOAT_DTYPES:
+        return True
+    if t.is_floating_point() or t.is_complex():
+        where = what if name is None else f"{what}, tensor {name!r}"
+        raise TypeError(f"fedkernels.aggregate: {where} has unsupported dtype {t.dtype}; "
+                        "supported: float32, float64, float16, bfloat16 (integer and bool "
+                        "tensors follow int_policy)")
+    return False
+
+
+def _clients(updates) -> tuple[list[Model], bool]:
+    """The K client models, and whether the input was one [K, P] tensor."""
+    if isinstance(updates, Tensor):
+        if updates.dim() != 2:
+            raise ValueError("fedkernels.aggregate: a tensor of updates must be 2-D [K, P] "
+                             f"(one flat vector per client), got shape {tuple(updates.shape)}")
+        return list(updates.unbind(0)), True
+    if isinstance(updates, Mapping) or not isinstance(updates, Sequence):
+        raise TypeError("fedkernels.aggregate: updates must be a sequence of client models "
+                        "(state_dicts or tensor lists) or a [K, P] tensor, got "
+                        f"{type(updates).__name__}")
+    return list(updates), False
+
+
+def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
+    if isinstance(weights, Tensor):
+        w = weights.detach()
+    else:
+        try:
+            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"fedkernels.aggregate: weights must be K numbers: {err}") from None
+    if w.dim() != 1 or w.numel() != num_clients:
+        raise ValueError(f"fedkernels.aggregate: got {num_clients} clients but weights of "
+                         f"shape {tuple(w.shape)}; expected {num_clients} numbers")
+    if w.is_complex() or w.dtype == torch.bool:
+        raise TypeError(f"fedkernels.aggregate: weights must be real numbers, got {w.dtype}")
+    w = w.to(torch.float64)
+    if w.device.type == "cpu":
+        bad = (~torch.isfinite(w)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"fedkernels.aggregate: weight of client {bad[0]} is "
+                             f"{w[bad[0]].item()} (non-finite weights: clients {bad[:10]})")
+    if normalize:
+        total = w.sum()
+        if w.device.type == "cpu" and total.item() == 0:
+            raise ValueError("fedkernels.aggregate: normalize=True but the weights sum to 0")
+        w = w / total
+    return w
+
+
+def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str) -> Tensor:
+    first = values[0]
+    for k, v in enumerate(values[1:], start=1):
+        if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
+            raise ValueError(
+                f"fedkernels.aggregate: client {k}, tensor {label}: {v.dtype} {tuple(v.shape)} "
+                f"on {v.device}, client 0 has {first.dtype} {tuple(first.shape)} on {first.device}"
+            )
+    if policy == "error":
+        raise TypeError(f"fedkernels.aggregate: tensor {label} has dtype {first.dtype} and "
+                        "int_policy='error'; choose 'max', 'first' or 'skip'")
+    if policy == "first":
+        return first
+    if policy == "skip":
+        return first if base is None else base
+    out = first
+    for v in values[1:]:
+        out = torch.maximum(out, v)
+    return out
+
+
+_WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor |tensor )(\d+)")
+
+
+def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
+    """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
+
+    def name(match: re.Match) -> str:
+        i = int(match.group(2))
+        label = layout.label(float_names[i]) if i < len(float_names) else match.group(2)
+        return match.group(1) + label
+
+    message = _WHERE.sub(name, str(err).split("\nException raised from")[0])
+    kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
+    return kind(message)
+
+
+def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: _Layout) -> list[str]:
+    report = []
+    for k, tensors in enumerate(clients):
+        bad = [layout.label(n) for n, t in zip(names, tensors) if not torch.isfinite(t).all()]
+        if bad:
+            report.append(f"client {k} (tensors {', '.join(bad[:5])}"
+                          + (", ..." if len(bad) > 5 else "") + ")")
+    return report
+
+
+def _same_memory(a: Tensor, b: Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
+# ---------------------------------------------------------------- aggregate
+
+
+def aggregate(
+    updates,
+    weights,
+    *,
+    base: Model | None = None,
+    scale: float = 1.0,
+    normalize: bool = False,
+    out: Model | None = None,
+    int_policy: str = "max",
+    check_finite: bool = False,
+) -> Model:
+    r"""Weighted sum of K client models in one fused pass.
+
+    Plain mode: :math:`r = \mathrm{scale}\cdot\sum_k w_k x_k`. Delta mode (``base`` given):
+    :math:`r = b + \mathrm{scale}\cdot\sum_k w_k (x_k - b)`, the server-learning-rate form of
+    FedAvgM, FedAU and AAggFF (``scale`` is the server learning rate).
+
+    Args:
+        updates: K client models: a list of state_dicts (same keys and shapes), a list of
+            tensor lists (same shapes), a list of tensors, or one ``[K, P]`` tensor of flat
+            vectors. The result has the structure of one client (dict, list or 1-D tensor).
+        weights: K numbers (tensor, list or numpy array), used as given unless ``normalize``.
+        base: the current global model, same structure as a client; turns on delta mode.
+        scale: multiplies the weighted sum (server learning rate in delta mode).
+        normalize: divide the weights by their sum (FedAvg); off by default because some
+            methods (FedAU) divide by the number of clients instead.
+        out: where to write the result (same structure, dtype and device as the result); may
+            be ``base`` itself to update the global model in place. Must not alias a client.
+        int_policy: what integer/bool tensors (BatchNorm's ``num_batches_tracked``) become:
+            ``"max"`` (default: elementwise max over clients, right for counters),
+            ``"first"`` (client 0's), ``"skip"`` (base's, or client 0's without a base), or
+            ``"error"``.
+        check_finite: scan the updates first and raise a ``ValueError`` naming the clients
+            that carry NaN/Inf (costs one extra read of the updates).
+
+    Half-precision inputs accumulate in fp32, float64 in fp64; the result has the updates'
+    dtype (or base's in delta mode). Clients are summed in order, so the same inputs give
+    bitwise the same result on the same device. Nothing is written before every input has
+    been checked; errors name the client and tensor at fault.
+    """
+    if int_policy not in INT_POLICIES:
+        raise ValueError(f"fedkernels.aggregate: int_policy must be one of {INT_POLICIES}, "
+                         f"not {int_policy!r}")
+    models, flat = _clients(updates)
+    if not models:
+        raise ValueError("fedkernels.aggregate: no client updates (K = 0)")
+    layout = _Layout.of(models[0], "client 0")
+    clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
+    w = _weights(weights, len(models), normalize)
+    base_tensors = None if base is None else layout.tensors(base, "base")
+    out_tensors = None if out is None else layout.tensors(out, "out")
+    if flat and base_tensors is not None and base_tensors[0].dim() != 1:
+        raise ValueError("fedkernels.aggregate: with [K, P] updates, base must be a 1-D [P] tensor")
+
+    is_float = layout.float_mask
+    float_names = [n for n, f in zip(layout.names, is_float) if f]
+    floats = [[t for t, f in zip(c, is_float) if f] for c in clients]
+    float_base = [] if base_tensors is None else [t for t, f in zip(base_tensors, is_float) if f]
+
+    # Integer/bool entries: checked and resolved before anything is written.
+    int_results = {}
+    for i, (name, f) in enumerate(zip(layout.names, is_float)):
+        if not f:
+            int_results[i] = _int_result(
+                [c[i] for c in clients],
+                None if base_tensors is None else base_tensors[i],
+                int_policy,
+                layout.label(name),
+            )
+    if check_finite:
+        report = _nonfinite_clients(floats, float_names, layout)
+        if report:
+            raise ValueError("fedkernels.aggregate: non-finite values (NaN/Inf) in "
+                             + "; ".join(report))
+
+    flat_updates = [t for c in floats for t in c]
+    delta = base is not None
+    try:
+        if out_tensors is None:
+            results = ops.weighted_sum(flat_updates, w, float_base, scale, delta)
+        else:
+            float_out = [t for t, f in zip(out_tensors, is_float) if f]
+            for i, r in int_results.items():
+                o = out_tensors[i]
+                if o.shape != r.shape or o.dtype != r.dtype:
+                    raise ValueError(f"fedkernels.aggregate: out tensor "
+                                     f"{layout.label(layout.names[i])} is {o.dtype} "
+                                     f"{tuple(o.shape)}, expected {r.dtype} {tuple(r.shape)}")
+            in_place = bool(float_base) and all(
+                _same_memory(o, b) for o, b in zip(float_out, float_base)
+            )
+            if in_place:
+                ops.weighted_sum_(float_base, flat_updates, w, scale, delta)
+            else:
+                ops.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
+            results = float_out
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise _rename(err, layout, float_names) from None
+
+    merged, it = [], iter(results)
+    for i, f in enumerate(is_float):
+        if f:
+            merged.append(next(it))
+        elif out_tensors is not None:
+            if out_tensors[i].data_ptr() != int_results[i].data_ptr():
+                out_tensors[i].copy_(int_results[i])
+            merged.append(out_tensors[i])
+        else:
+            merged.append(int_results[i].clone())
+    if out is not None:
+        return out
+    return layout.build(merged)
+
+
+# ---------------------------------------------------------------- streaming
+
+
+class Accumulator:
+    r"""Streaming weighted sum for servers that receive clients one at a time.
+
+    Holds one accumulator per tensor (fp32, or fp64 for fp64 models): O(P) memory whatever
+    the number of clients. Each :meth:`add` is one fused pass ``acc += w·x``.
+    :meth:`result` returns what :func:`aggregate` would for the same clients and weights, up
+    to float rounding: :math:`\mathrm{scale}\sum_k w_k x_k`, or with ``base``
+    :math:`b + \mathrm{scale}\,(\sum_k w_k x_k - (\sum_k w_k)\, b)`.
+
+    >>> acc = Accumulator()
+    >>> for sd, n in incoming:        # doctest: +SKIP
+    ...     acc.add(sd, n)
+    >>> global_sd = acc.result(normalize=True)  # doctest: +SKIP
+    """
+
+    def __init__(self, *, base: Model | None = None, scale: float = 1.0,
+                 int_policy: str = "max"):
+        if int_policy not in INT_POLICIES:
+            raise ValueError(f"fedkernels.Accumulator: int_policy must be one of {INT_POLICIES}, "
+                             f"not {int_policy!r}")
+        self.base = base
+        self.scale = float(scale)
+        self.int_policy = int_policy
+        self._layout: _Layout | None = None
+        self._acc: list[Tensor] = []
+        self._ints: dict[int, Tensor] = {}
+        self._dtypes: list[torch.dtype] = []
+        self._total_weight = 0.0
+        self.count = 0
+
+    def add(self, update: Model, weight: float) -> None:
+        """Adds ``weight · update``. ``update`` has the structure of the first one added."""
+        w = _weights([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1, False)
+        if self._layout is None:
+            layout = _Layout.of(update, "update")
+            tensors = layout.tensors(update, "update")
+            if self.base is not None:
+                layout.tensors(self.base, "base")
+        else:
+            layout = self._layout
+            tensors = layout.tensors(update, f"update {self.count}")
+            for name, t, dtype in zip(layout.names, tensors, self._dtypes):
+                if t.dtype != dtype:
+                    raise TypeError(f"fedkernels.Accumulator: update {self.count}, tensor "
+                                    f"{layout.label(name)} has dtype {t.dtype}, the first "
+                                    f"update had {dtype}")
+        floats = [t for t, f in zip(tensors, layout.float_mask) if f]
+        float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
+        for i, f in enumerate(layout.float_mask):
+            if not f:
+                prev = self._ints.get(i)
+                values = [tensors[i]] if prev is None else [prev, tensors[i]]
+                policy = "first" if self.int_policy in ("first", "skip") else self.int_policy
+                _int_result(values, None, policy, layout.label(layout.names[i]))
+        acc = self._acc
+        if self._layout is None:
+            acc = [torch.zeros(t.shape, device=t.device,
+                               dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+                   for t in floats]
+        try:
+            ops.weighted_sum_(acc, floats, w, 1.0, False)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise _rename(err, layout, float_names) from None
+        # Only now, with the update accepted, is any state changed.
+        for i, f in enumerate(layout.float_mask):
+            if not f:
+                prev = self._ints.get(i)
+                if prev is None or self.int_policy in ("first", "skip"):
+                    self._ints.setdefault(i, tensors[i].clone())
+                else:
+                    self._ints[i] = torch.maximum(prev, tensors[i])
+        self._layout, self._acc = layout, acc
+        self._dtypes = [t.dtype for t in tensors]
+        self._total_weight += float(w[0])
+        self.count += 1
+
+    def result(self, *, normalize: bool = False) -> Model:
+        """The aggregate so far, in the models' dtypes; ``normalize`` divides by Σw."""
+        if self._layout is None:
+            raise ValueError("fedkernels.Accumulator: no update was added")
+        if normalize and self._total_weight == 0:
+            raise ValueError("fedkernels.Accumulator: normalize=True but the weights sum to 0")
+        layout = self._layout
+        div = self._total_weight if normalize else 1.0
+        base = None if self.base is None else layout.tensors(self.base, "base")
+        out, acc = [], iter(self._acc)
+        for i, f in enumerate(layout.float_mask):
+            if not f:
+                if self.int_policy == "skip" and base is not None:
+                    out.append(base[i].clone())
+                else:
+                    out.append(self._ints[i].clone())
+                continue
+            a = next(acc)
+            dtype = self._dtypes[i]
+            if base is None:
+                out.append((a * (self.scale / div)).to(dtype))
+            else:
+                b = base[i].to(a.dtype)
+                out.append((b + (self.scale / div) * (a - (self._total_weight) * b)).to(
+                    base[i].dtype))
+        return layout.build(out)
+
+    def reset(self) -> None:
+        """Forgets every update added so far."""
+        self.__init__(base=self.base, scale=self.scale, int_policy=self.int_policy)

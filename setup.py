@@ -1,0 +1,119 @@
+"""Build of the fedkernels native libraries.
+
+`pip install --no-build-isolation -e .` compiles against the torch already installed:
+
+* `fedkernels._C`: the op schemas (always);
+* `fedkernels._cpu_{default,avx2,avx512}`: the CPU kernels, once per instruction set; the
+  package loads the best one the running CPU supports (see fedkernels/_native.py);
+* `fedkernels._cuda`: the CUDA kernels, when FEDKERNELS_CUDA=1, or when FEDKERNELS_CUDA=auto
+  (the default) and torch is a CUDA build and nvcc is found. TORCH_CUDA_ARCH_LIST is honoured.
+
+DEBUG=1 builds without optimisation and with debug symbols.
+"""
+
+import glob
+import os
+import sys
+
+from setuptools import setup
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEBUG = os.environ.get("DEBUG", "0") == "1"
+
+# The instruction sets a CPU-kernel library is built for: name -> compiler flags. The macros
+# select at::vec's implementation and give its types a namespace of their own.
+CPU_CAPABILITIES = {
+    "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
+    "avx2": ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+    "avx512": [
+        "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw",
+        "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+    ],
+}
+
+
+def rel(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def cxx_flags():
+    opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+    # Hidden symbols: each library keeps its own copy of shared inline code, so libraries
+    # built for different instruction sets never lend each other a function.
+    return opt + ["-std=c++17", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fopenmp"]
+
+
+def want_cuda():
+    mode = os.environ.get("FEDKERNELS_CUDA", "auto").lower()
+    if mode not in ("auto", "0", "1"):
+        sys.exit(f"FEDKERNELS_CUDA must be auto, 0 or 1, not {mode!r}")
+    import torch
+
+    possible = torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    if mode == "1" and not possible:
+        sys.exit(
+            "FEDKERNELS_CUDA=1 but torch is not a CUDA build or nvcc was not found "
+            f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME})"
+        )
+    return mode == "1" or (mode == "auto" and possible)
+
+
+def cuda_header_dirs():
+    # The pip CUDA wheels ship headers (cuBLAS, cuSPARSE, ...) that torch's headers include
+    # but a bare CUDA toolkit may lack.
+    dirs = []
+    for path in sys.path:
+        dirs += glob.glob(os.path.join(path, "nvidia", "cu*", "include"))
+        dirs += glob.glob(os.path.join(path, "nvidia", "*", "include"))
+    return sorted(set(d for d in dirs if os.path.isdir(d)))
+
+
+def extensions():
+    exts = [
+        cpp_extension.CppExtension(
+            "fedkernels._C", rel("csrc/*.cpp"), extra_compile_args={"cxx": cxx_flags()}
+        )
+    ]
+    for name, flags in CPU_CAPABILITIES.items():
+        exts.append(
+            cpp_extension.CppExtension(
+                f"fedkernels._cpu_{name}",
+                rel("csrc/cpu/*.cpp"),
+                extra_compile_args={"cxx": cxx_flags() + flags},
+                extra_link_args=["-fopenmp"],
+            )
+        )
+    if want_cuda():
+        nvcc = ["-O0", "-g", "-G"] if DEBUG else ["-O3", "-lineinfo"]
+        exts.append(
+            cpp_extension.CUDAExtension(
+                "fedkernels._cuda",
+                rel("csrc/cuda/*.cu"),
+                include_dirs=cuda_header_dirs(),
+                extra_compile_args={
+                    "cxx": cxx_flags(),
+                    "nvcc": nvcc + ["-std=c++17", "--expt-relaxed-constexpr"],
+                },
+            )
+        )
+    return exts
+
+
+class BuildPerExtension(cpp_extension.BuildExtension):
+    """One temporary folder per library: the CPU kernels compile from the same sources with
+    different flags, and must not share object files."""
+
+    def build_extension(self, ext):
+        base = self.build_temp
+        self.build_temp = os.path.join(base, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = base
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildPerExtension.with_options(use_ninja=True)},
+)
