@@ -1,0 +1,234 @@
+"""Benchmark of fedkernels.aggregate against what FL code writes instead.
+
+    python bench/bench_aggregate.py                 # CPU, the full table
+    python bench/bench_aggregate.py --device cuda   # on a GPU machine
+    python bench/bench_aggregate.py --quick         # K=10 only, fewer repeats
+
+Each row is one way of computing sum_k w_k x_k over K client models:
+
+  fused        fedkernels.aggregate(clients, w)               (allocates the result)
+  fused out=   fedkernels.aggregate(clients, w, out=result)   (into a preallocated model)
+  loop         per tensor: sum(w_k * x_k), the Python loop of most FL frameworks
+  foreach      out = _foreach_mul(x_0, w_0); K-1 x _foreach_add_(out, x_k, alpha=w_k)
+  stack        per tensor: (torch.stack(x_k) * w).sum(0), as FedLab and FL-bench do
+  flat mv      torch.mv on the clients already flattened into one [K, P] tensor (GEMV)
+  reference    fedkernels.reference.aggregate_reference (fp32 accumulation, per tensor)
+
+The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
+GB/s is that traffic over the median time, and "% read" / "% copy" compare it with the
+bandwidth probes measured in the same run. "extra MB" is the peak memory one call allocates
+beyond its inputs, result included ("x out" in units of one result); on the CPU it is measured
+in a child process. "vs fused" is each method's time over the fused op's (higher = slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fedkernels  # noqa: E402
+from common import (  # noqa: E402
+    bandwidth_probes,
+    environment,
+    exact_cpu_memory_accounting,
+    median_time,
+    peak_extra_memory,
+    write_results,
+)
+
+
+def resnet18_shapes() -> list[tuple[int, ...]]:
+    """The 62 parameter tensors of torchvision's ResNet-18 (11.69 M parameters)."""
+    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    c_in = 64
+    for c_out, first_stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
+        for block in range(2):
+            cin = c_in if block == 0 else c_out
+            shapes += [(c_out, cin, 3, 3), (c_out,), (c_out,), (c_out, c_out, 3, 3), (c_out,), (c_out,)]
+            if block == 0 and (first_stride != 1 or cin != c_out):
+                shapes += [(c_out, cin, 1, 1), (c_out,), (c_out,)]
+        c_in = c_out
+    return shapes + [(1000, 512), (1000,)]
+
+
+def transformer_shapes(layers: int = 16, d: int = 256, ff: int = 1024,
+                       vocab: int = 8000) -> list[tuple[int, ...]]:
+    """A pre-norm transformer encoder: 12 tensors per layer, embeddings and a final norm
+    (196 tensors, 14.7 M parameters with the defaults)."""
+    shapes: list[tuple[int, ...]] = [(vocab, d), (512, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
+                   (d,), (d,), (ff, d), (ff,), (d, ff), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes}
+
+
+def make_clients(shapes, num_clients, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    clients = []
+    for _ in range(num_clients):
+        clients.append([torch.randn(s, generator=gen).to(device=device, dtype=dtype)
+                        for s in shapes])
+    return clients
+
+
+def methods(clients, weights, device):
+    w_list = weights.tolist()
+    w_dev = weights.to(device=device, dtype=torch.float32)
+    num_clients = len(clients)
+    dtype = clients[0][0].dtype
+    out = [torch.empty_like(t) for t in clients[0]]
+
+    def loop():
+        return [sum(w_list[k] * clients[k][t] for k in range(num_clients))
+                for t in range(len(clients[0]))]
+
+    def foreach():
+        acc = torch._foreach_mul(clients[0], w_list[0])
+        for k in range(1, num_clients):
+            torch._foreach_add_(acc, clients[k], alpha=w_list[k])
+        return acc
+
+    def stack():
+        res = []
+        for t in range(len(clients[0])):
+            xs = torch.stack([c[t] for c in clients])
+            w = w_dev.to(dtype).view(-1, *([1] * (xs.dim() - 1)))
+            res.append((xs * w).sum(0))
+        return res
+
+    flat = torch.stack([torch.cat([t.reshape(-1) for t in c]) for c in clients])
+    w_flat = w_dev.to(dtype)
+
+    return {
+        "fused": lambda: fedkernels.aggregate(clients, weights),
+        "fused out=": lambda: fedkernels.aggregate(clients, weights, out=out),
+        "loop": loop,
+        "foreach": foreach,
+        "stack": stack,
+        "flat mv": lambda: torch.mv(flat.t(), w_flat),
+        "reference": lambda: fedkernels.reference.aggregate_reference(clients, weights),
+    }, flat
+
+
+def configs(args):
+    """Yields (model, dtype name, K, shapes, numel, element size, the methods) per table block."""
+    device = torch.device(args.device)
+    for model in args.models:
+        shapes = MODELS[model]()
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            for num_clients in args.clients:
+                clients = make_clients(shapes, num_clients, dtype, device)
+                weights = torch.rand(num_clients, generator=torch.Generator().manual_seed(1),
+                                     dtype=torch.float64)
+                fns, _ = methods(clients, weights, device)
+                fns = {k: v for k, v in fns.items() if k not in args.skip}
+                yield model, dtype_name, num_clients, shapes, numel, clients[0][0].element_size(), fns
+                del clients, fns
+
+
+def measure_memory(args) -> dict[str, int | None]:
+    device = torch.device(args.device)
+    memory = {}
+    for model, dtype_name, num_clients, _, _, _, fns in configs(args):
+        for name, fn in fns.items():
+            fn()  # first touch of preallocated outputs is not the call's own memory
+            memory[f"{model}/{dtype_name}/{num_clients}/{name}"] = peak_extra_memory(fn, device)
+    return memory
+
+
+def memory_in_child(argv: list[str]) -> dict[str, int | None]:
+    """CPU peak memory is measured in a separate process whose allocator is set up for exact
+    accounting (which would distort the timings of this one)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "memory.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--memory-out", path],
+                       check=True)
+        with open(path) as f:
+            return json.load(f)
+
+
+def run(args, argv: list[str]) -> dict:
+    device = torch.device(args.device)
+    memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
+    probes = bandwidth_probes(device)
+    env = environment(device)
+    print(f"# {env['device']}  torch {env['torch']}  threads {env['threads']}  "
+          f"cpu build {env['fedkernels_cpu_build']}")
+    print(f"# probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    header = (f"{'model':<12}{'dtype':<10}{'K':>4}  {'method':<12}{'ms':>9}{'GB/s':>8}"
+              f"{'% read':>8}{'% copy':>8}{'extra MB':>10}{'x out':>7}{'vs fused':>9}")
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for model, dtype_name, num_clients, shapes, numel, esize, fns in configs(args):
+        traffic = (num_clients + 1) * numel * esize
+        out_bytes = numel * esize
+        times = {}
+        for name, fn in fns.items():
+            t = median_time(fn, device, repeats=args.repeats)
+            times[name] = t
+            mem = memory.get(f"{model}/{dtype_name}/{num_clients}/{name}")
+            gbps = traffic / t / 1e9
+            row = {
+                "model": model, "tensors": len(shapes), "params": numel,
+                "dtype": dtype_name, "K": num_clients, "method": name,
+                "median_ms": t * 1e3, "GBps": gbps,
+                "pct_read_probe": 100 * gbps / probes["read_GBps"],
+                "pct_copy_probe": 100 * gbps / probes["copy_GBps"],
+                "extra_MB": None if mem is None else mem / 1e6,
+                "extra_in_outputs": None if mem is None else mem / out_bytes,
+                "time_vs_fused": t / times["fused"] if "fused" in times else None,
+            }
+            rows.append(row)
+            mem_mb = "" if mem is None else f"{mem / 1e6:.0f}"
+            mem_x = "" if mem is None else f"{mem / out_bytes:.2f}"
+            speed = "" if row["time_vs_fused"] is None else f"{row['time_vs_fused']:.2f}"
+            print(f"{model:<12}{dtype_name:<10}{num_clients:>4}  {name:<12}"
+                  f"{t * 1e3:>9.2f}{gbps:>8.1f}{row['pct_read_probe']:>8.0f}"
+                  f"{row['pct_copy_probe']:>8.0f}{mem_mb:>10}{mem_x:>7}{speed:>9}",
+                  flush=True)
+    payload = {"environment": env, "probes": probes, "rows": rows,
+               "command": "python bench/bench_aggregate.py " + " ".join(argv)}
+    path = write_results("aggregate", device, payload)
+    print(f"# wrote {path}")
+    return payload
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--clients", nargs="+", type=int, default=[2, 10, 50])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    parser.add_argument("--quick", action="store_true", help="K=10 only, 3 repeats")
+    parser.add_argument("--memory-out", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.clients, args.repeats = [10], 3
+    if args.memory_out:
+        exact_cpu_memory_accounting()
+        with open(args.memory_out, "w") as f:
+            json.dump(measure_memory(args), f)
+        return
+    run(args, argv)
+
+
+if __name__ == "__main__":
+    main()
