@@ -251,7 +251,7 @@ inline void run_weighted_sum(
       p.num_clients = K;
       p.weights = w;
       p.scale = scale;
-      p.delta = delta;
+      p.delta = delta && !base.empty();  // delta needs a base; without one it is plain
       p.device = device;
       it = plans.emplace(key, std::move(p)).first;
     }

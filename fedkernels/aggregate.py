@@ -151,13 +151,15 @@ def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
     return w
 
 
-def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str) -> Tensor:
+def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str,
+                who: Sequence[str] | None = None) -> Tensor:
     first = values[0]
+    who = who or [f"client {k}" for k in range(len(values))]
     for k, v in enumerate(values[1:], start=1):
         if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
             raise ValueError(
-                f"fedkernels.aggregate: client {k}, tensor {label}: {v.dtype} {tuple(v.shape)} "
-                f"on {v.device}, client 0 has {first.dtype} {tuple(first.shape)} on {first.device}"
+                f"fedkernels.aggregate: {who[k]}, tensor {label}: {v.dtype} {tuple(v.shape)} "
+                f"on {v.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
             )
     if policy == "error":
         raise TypeError(f"fedkernels.aggregate: tensor {label} has dtype {first.dtype} and "
@@ -179,6 +181,9 @@ def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
     """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
 
     def name(match: re.Match) -> str:
+        if layout.kind == "tensor":  # one tensor per client: "client 2", "out", "base"
+            head = match.group(1).rsplit(" tensor", 1)[0].rstrip(",")
+            return head or match.group(0)
         i = int(match.group(2))
         label = layout.label(float_names[i]) if i < len(float_names) else match.group(2)
         return match.group(1) + label
@@ -294,6 +299,12 @@ def aggregate(
                     raise ValueError(f"fedkernels.aggregate: out tensor "
                                      f"{layout.label(layout.names[i])} is {o.dtype} "
                                      f"{tuple(o.shape)}, expected {r.dtype} {tuple(r.shape)}")
+                for k, c in enumerate(clients):  # the int copy below must not hit a client
+                    if o.numel() and c[i].data_ptr() == o.data_ptr():
+                        raise ValueError(f"fedkernels.aggregate: out tensor "
+                                         f"{layout.label(layout.names[i])} is client {k}, tensor "
+                                         f"{layout.label(layout.names[i])}; the output must not "
+                                         "alias a client update")
             in_place = bool(float_base) and all(
                 _same_memory(o, b) for o, b in zip(float_out, float_base)
             )
@@ -355,12 +366,25 @@ class Accumulator:
 
     def add(self, update: Model, weight: float) -> None:
         """Adds ``weight · update``. ``update`` has the structure of the first one added."""
-        w = _weights([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1, False)
+        what = f"update {self.count}"
+        try:
+            w = _weights([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
+                         False)
+        except (ValueError, TypeError) as err:
+            raise type(err)(str(err).replace("client 0", what)) from None
         if self._layout is None:
             layout = _Layout.of(update, "update")
             tensors = layout.tensors(update, "update")
             if self.base is not None:
-                layout.tensors(self.base, "base")
+                base = layout.tensors(self.base, "base")
+                for name, t, b, f in zip(layout.names, tensors, base, layout.float_mask):
+                    ok_dtype = b.dtype == t.dtype or (
+                        b.dtype == torch.float32 and t.dtype in (torch.float16, torch.bfloat16))
+                    if f and (b.shape != t.shape or b.device != t.device or not ok_dtype):
+                        raise ValueError(
+                            f"fedkernels.Accumulator: base tensor {layout.label(name)} is "
+                            f"{b.dtype} {tuple(b.shape)} on {b.device}, {what} has {t.dtype} "
+                            f"{tuple(t.shape)} on {t.device}")
         else:
             layout = self._layout
             tensors = layout.tensors(update, f"update {self.count}")
@@ -371,12 +395,18 @@ class Accumulator:
                                     f"update had {dtype}")
         floats = [t for t, f in zip(tensors, layout.float_mask) if f]
         float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
+        for name, t, a in zip(float_names, floats, self._acc):
+            if t.shape != a.shape or t.device != a.device:
+                raise ValueError(f"fedkernels.Accumulator: {what}, tensor {layout.label(name)} "
+                                 f"has shape {tuple(t.shape)} on {t.device}, the first update "
+                                 f"had {tuple(a.shape)} on {a.device}")
         for i, f in enumerate(layout.float_mask):
             if not f:
                 prev = self._ints.get(i)
                 values = [tensors[i]] if prev is None else [prev, tensors[i]]
                 policy = "first" if self.int_policy in ("first", "skip") else self.int_policy
-                _int_result(values, None, policy, layout.label(layout.names[i]))
+                _int_result(values, None, policy, layout.label(layout.names[i]),
+                            who=[what] if prev is None else ["the first update", what])
         acc = self._acc
         if self._layout is None:
             acc = [torch.zeros(t.shape, device=t.device,
@@ -385,7 +415,8 @@ class Accumulator:
         try:
             ops.weighted_sum_(acc, floats, w, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:
-            raise _rename(err, layout, float_names) from None
+            err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
+            raise type(err)(str(err).replace("client 0", what)) from None
         # Only now, with the update accepted, is any state changed.
         for i, f in enumerate(layout.float_mask):
             if not f:

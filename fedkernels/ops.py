@@ -65,9 +65,30 @@ def _num_tensors(updates: Sequence[Tensor], weights: Tensor) -> int:
     return len(updates) // k
 
 
+def _check_devices(updates, weights, base, out=()) -> None:
+    """The device checks of the native op, repeated here because a tensor on another device
+    (e.g. ``meta``) among CPU tensors dispatches to these fake kernels, not to the native ones.
+    """
+    device = updates[0].device if updates else weights.device
+    if weights.device != device and weights.device.type != "cpu":
+        raise ValueError(f"fedkernels.weighted_sum: weights are on {weights.device}, "
+                         f"updates on {device}")
+    for i, x in enumerate(updates):
+        if x.device != device:
+            n = len(updates) // max(int(weights.numel()), 1)
+            raise ValueError(f"fedkernels.weighted_sum: client {i // n}, tensor {i % n} is on "
+                             f"{x.device}, expected {device}")
+    for role, tensors in (("base", base), ("out", out)):
+        for t, x in enumerate(tensors):
+            if x.device != device:
+                raise ValueError(f"fedkernels.weighted_sum: {role} tensor {t} is on {x.device}, "
+                                 f"expected {device}")
+
+
 @torch.library.register_fake("fedkernels::weighted_sum")
 def _weighted_sum_fake(updates, weights, base, scale, delta):
     n = _num_tensors(updates, weights)
+    _check_devices(updates, weights, base)
     torch._check(len(base) in (0, n), lambda: "fedkernels.weighted_sum: base length")
     return [
         updates[t].new_empty(updates[t].shape, dtype=base[t].dtype if base else updates[t].dtype)
@@ -79,18 +100,20 @@ def _weighted_sum_fake(updates, weights, base, scale, delta):
 def _weighted_sum_out_fake(updates, weights, base, scale, delta, *, out):
     n = _num_tensors(updates, weights)
     torch._check(len(out) == n, lambda: "fedkernels.weighted_sum: out length")
+    _check_devices(updates, weights, base, out)
 
 
 @torch.library.register_fake("fedkernels::weighted_sum_")
 def _weighted_sum_inplace_fake(base, updates, weights, scale, delta):
     n = _num_tensors(updates, weights)
     torch._check(len(base) == n, lambda: "fedkernels.weighted_sum_: base length")
+    _check_devices(updates, weights, base)
 
 
 def _weighted_sum_setup(ctx, inputs, output):
     updates, weights, base, scale, delta = inputs
     ctx.num_tensors = len(updates) // weights.numel()
-    ctx.scale, ctx.delta = scale, delta
+    ctx.scale, ctx.delta = scale, bool(delta) and len(base) > 0  # delta without base is plain
     ctx.save_for_backward(weights, *updates, *base)
     ctx.has_base = len(base) > 0
 

@@ -69,7 +69,8 @@ def aggregate_reference(
 ):
     """What :func:`fedkernels.aggregate` computes, written with plain loops.
 
-    ``updates`` is a list of state_dicts, a list of tensor lists, or a ``[K, P]`` tensor.
+    ``updates`` is a list of state_dicts, a list of tensor lists, a list of tensors, or a
+    ``[K, P]`` tensor.
     """
     w = torch.as_tensor(weights, dtype=torch.float64).cpu()
     if normalize:
@@ -79,6 +80,12 @@ def aggregate_reference(
         rows = [[updates[k]] for k in range(updates.shape[0])]
         b = None if base is None else [base]
         return weighted_sum_reference(rows, w, b, scale, delta)[0]
+    if isinstance(updates[0], Tensor):  # one tensor per client: the result is one tensor
+        out = aggregate_reference(
+            [[u] for u in updates], w, base=None if base is None else [base], scale=scale,
+            normalize=False, int_policy=int_policy,
+        )
+        return out[0]
     if isinstance(updates[0], Mapping):
         result = {}
         for name, first in updates[0].items():

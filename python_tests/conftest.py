@@ -1,0 +1,179 @@
+"""Shared fixtures and helpers of the fedkernels test suite.
+
+CUDA tests carry ``@pytest.mark.cuda`` (or use the ``DEVICES`` parametrization, whose CUDA
+entry carries it) and are skipped when no GPU is visible; on a GPU machine they run unchanged
+and compare the CUDA op with the pure-PyTorch reference and with the CPU op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import pytest
+import torch
+
+import fedkernels  # noqa: F401  (registers the ops)
+
+HAS_CUDA = torch.cuda.is_available()
+
+FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+
+# Every device test runs on the CPU, and on CUDA where a GPU is visible.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="no CUDA GPU visible (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------- tolerances
+
+
+def tolerances(dtype: torch.dtype, num_clients: int = 1) -> dict:
+    """Native vs reference: same client order and accumulate dtype, so they differ only by
+    rounding (FMA contraction, the final cast). Half types: one rounding of the output."""
+    grow = max(1.0, math.sqrt(num_clients))
+    if dtype == torch.float64:
+        return dict(rtol=1e-12, atol=1e-12 * grow)
+    if dtype == torch.float32:
+        return dict(rtol=1e-5, atol=1e-5 * grow)
+    if dtype == torch.float16:
+        return dict(rtol=2e-3, atol=1e-3 * grow)
+    return dict(rtol=1.6e-2, atol=1e-2 * grow)  # bfloat16
+
+
+def assert_close(actual, expected, dtype=None, num_clients=1):
+    """Compares tensors, lists of tensors or dicts of tensors: structure, dtypes, devices and
+    values (integer tensors exactly)."""
+    if isinstance(expected, Mapping):
+        assert isinstance(actual, Mapping), f"expected a dict, got {type(actual).__name__}"
+        assert list(actual.keys()) == list(expected.keys())
+        for key in expected:
+            assert_close(actual[key], expected[key], dtype, num_clients)
+        return
+    if isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)), f"expected a list, got {type(actual).__name__}"
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            assert_close(a, e, dtype, num_clients)
+        return
+    assert isinstance(actual, torch.Tensor), f"expected a tensor, got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    if not expected.is_floating_point():
+        assert torch.equal(actual.cpu(), expected.cpu())
+        return
+    tol = tolerances(dtype or expected.dtype, num_clients)
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), **tol)
+
+
+def bitwise_equal(a, b) -> bool:
+    """Same structure, dtypes, shapes and bytes (so NaN == NaN and -0.0 != 0.0)."""
+    if isinstance(a, Mapping):
+        return list(a) == list(b) and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    as_bytes = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
+    return torch.equal(as_bytes(a), as_bytes(b))
+
+
+def to_device(model, device):
+    if isinstance(model, Mapping):
+        return {k: v.to(device) for k, v in model.items()}
+    if isinstance(model, (list, tuple)):
+        return [to_device(m, device) for m in model]
+    return model.to(device)
+
+
+def clone(model):
+    if isinstance(model, Mapping):
+        return {k: v.clone() for k, v in model.items()}
+    if isinstance(model, (list, tuple)):
+        return [clone(m) for m in model]
+    return model.clone()
+
+
+# ---------------------------------------------------------------- inputs
+
+
+# Odd shapes on purpose: 0-d, empty, 1, 31 (shorter than a vector), a vector tail, 2-D.
+ODD_SHAPES = [(), (0,), (1,), (31,), (3, 0), (5, 7), (2, 3, 4), (129,)]
+
+
+def randn(shape, dtype, generator, device="cpu"):
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).to(device)
+
+
+def make_clients_list(num_clients, shapes, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [[randn(s, dtype, g, device) for s in shapes] for _ in range(num_clients)]
+
+
+def make_weights(num_clients, seed=0):
+    g = torch.Generator().manual_seed(seed + 1000)
+    return (torch.rand(num_clients, generator=g, dtype=torch.float64) + 0.1).tolist()
+
+
+def make_state_dicts(num_clients, dtype, seed=0, device="cpu"):
+    shapes = {"conv.weight": (4, 3, 3, 3), "conv.bias": (4,), "fc.weight": (5, 36),
+              "fc.bias": (5,), "scalar": ()}
+    g = torch.Generator().manual_seed(seed)
+    return [{k: randn(s, dtype, g, device) for k, s in shapes.items()}
+            for _ in range(num_clients)]
+
+
+class SmallNet(torch.nn.Module):
+    """An ordinary model whose state_dict mixes float parameters, float buffers and BatchNorm's
+    int64 ``num_batches_tracked``."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4 * 4 * 4, 3)
+        self.bn1d = torch.nn.BatchNorm1d(3)
+
+    def forward(self, x):
+        x = torch.relu(self.bn(self.conv(x)))
+        return self.bn1d(self.fc(x.flatten(1)))
+
+
+def trained_state_dicts(num_clients, seed=0):
+    """K clients of SmallNet, each after a different number of training-mode forward passes
+    (so running stats and num_batches_tracked differ) and perturbed parameters."""
+    torch.manual_seed(seed)
+    states = []
+    for k in range(num_clients):
+        net = SmallNet()
+        net.train()
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(0.1 * torch.randn_like(p))
+            for _ in range(k + 1):
+                net(torch.randn(4, 1, 6, 6))
+        states.append({n: t.detach().clone() for n, t in net.state_dict().items()})
+    return states
+
+
+@pytest.fixture
+def cuda_device():
+    if not HAS_CUDA:
+        pytest.skip("no CUDA GPU visible")
+    return torch.device("cuda")
