@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Compiles fedkernels' CUDA kernels against the registry's CUDA build of torch 2.13.0, so that a
+# CUDA compile error fails CI on a machine without a GPU, then checks that the CUDA library loads
+# and registers its kernels.
+#
+#   FK_CUDA_VENV          virtualenv with the CUDA torch (default /opt/fk-cuda-venv; created, or
+#                         reused when it already has torch 2.13.0 built for CUDA)
+#   CUDA_HOME             CUDA toolkit with nvcc (default /usr/local/cuda)
+#   TORCH_CUDA_ARCH_LIST  architectures to compile for (default 9.0: there is no GPU to detect)
+#   MAX_JOBS              parallel compile jobs (default 2)
+#   FK_KEEP_BUILD=1       keep the temporary build folder
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=${FK_CUDA_VENV:-/opt/fk-cuda-venv}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-2}
+export FEDKERNELS_CUDA=1
+torch_version=2.13.0
+
+start=$SECONDS
+step_start=$SECONDS
+step() {
+  echo "--- $1"
+  step_start=$SECONDS
+}
+step_done() {
+  echo "    ($((SECONDS - step_start)) s; $((SECONDS - start)) s in all)"
+}
+
+step "toolkit"
+if [[ ! -x "$CUDA_HOME/bin/nvcc" ]]; then
+  echo "error: no nvcc at $CUDA_HOME/bin/nvcc (set CUDA_HOME)" >&2
+  exit 1
+fi
+"$CUDA_HOME/bin/nvcc" --version | tail -n 2
+step_done
+
+has_cuda_torch() {
+  [[ -x "$venv/bin/python" ]] && "$venv/bin/python" - "$torch_version" <<'EOF' 2>/dev/null
+import sys
+import torch
+sys.exit(0 if torch.__version__.split("+")[0] == sys.argv[1] and torch.version.cuda else 1)
+EOF
+}
+
+step "virtualenv $venv"
+if has_cuda_torch; then
+  echo "reusing it"
+else
+  if [[ ! -x "$venv/bin/python" ]]; then
+    "${PYTHON:-python3}" -m venv "$venv"
+  fi
+  # The machine's pip configuration prefers a local CPU-only torch wheel; ignore it so that the
+  # registry's CUDA build is installed.
+  PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= "$venv/bin/python" -m pip install -q \
+    "torch==$torch_version" numpy ninja setuptools
+  if ! has_cuda_torch; then
+    echo "error: $venv does not have a CUDA build of torch $torch_version after the install" >&2
+    exit 1
+  fi
+fi
+"$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+step_done
+
+step "copy of the repository"
+build=$(mktemp -d "${TMPDIR:-/tmp}/fedkernels-cuda.XXXXXX")
+cleanup() {
+  if [[ "${FK_KEEP_BUILD:-0}" == 1 ]]; then
+    echo "build kept in $build"
+  else
+    rm -rf "$build"
+  fi
+}
+trap cleanup EXIT
+if git -C "$repo" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  # Tracked files and untracked ones git does not ignore: no virtualenvs or build outputs.
+  (cd "$repo" && git ls-files -z --cached --others --exclude-standard |
+    xargs -0 -r sh -c 'for f; do [ -e "$f" ] && printf "%s\0" "$f"; done' sh |
+    tar --null -T - -cf -) | tar -xf - -C "$build"
+else
+  tar -C "$repo" --exclude=./build --exclude='./.venv*' --exclude='*.so' -cf - . |
+    tar -xf - -C "$build"
+fi
+echo "$build"
+step_done
+
+step "build (FEDKERNELS_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS)"
+log="$build/build.log"
+if ! (cd "$build" && "$venv/bin/python" setup.py build_ext --inplace) >"$log" 2>&1; then
+  echo "error: the build failed. Errors:" >&2
+  grep -n -E "error|Error" "$log" | grep -v -E "^[0-9]+: *warning" | head -n 60 >&2 || true
+  echo "... last lines of the log:" >&2
+  tail -n 15 "$log" >&2
+  exit 1
+fi
+echo "$(grep -c -E 'warning' "$log" || true) warning lines in the build log (FK_KEEP_BUILD=1 keeps it)"
+ls -l "$build"/fedkernels/_cuda*.so
+step_done
+
+step "import with the CUDA library"
+(cd "$build" && "$venv/bin/python" - "$build" <<'EOF')
+import os
+import sys
+
+import torch
+
+import fedkernels
+from fedkernels import _native
+
+build = os.path.realpath(sys.argv[1])
+assert os.path.realpath(fedkernels.__file__).startswith(build + os.sep), fedkernels.__file__
+assert _native.cuda_available, "fedkernels._cuda was not loaded"
+for op in ("fedkernels::weighted_sum", "fedkernels::weighted_sum.out", "fedkernels::weighted_sum_"):
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), f"{op} has no CUDA kernel"
+print("fedkernels", fedkernels.__version__, "CUDA kernels loaded; GPU visible:",
+      torch.cuda.is_available())
+EOF
+step_done
+
+echo "CUDA compile check passed in $((SECONDS - start)) s"
