@@ -41,7 +41,7 @@ def cxx_flags():
     opt = ["-O0", "-g"] if DEBUG else ["-O3"]
     # Hidden symbols: each library keeps its own copy of shared inline code, so libraries
     # built for different instruction sets never lend each other a function.
-    return opt + ["-std=c++17", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fopenmp"]
+    return opt + ["-std=c++20", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fopenmp"]
 
 
 def want_cuda():
@@ -93,7 +93,7 @@ def extensions():
                 include_dirs=cuda_header_dirs(),
                 extra_compile_args={
                     "cxx": cxx_flags(),
-                    "nvcc": nvcc + ["-std=c++17", "--expt-relaxed-constexpr"],
+                    "nvcc": nvcc + ["-std=c++20", "--expt-relaxed-constexpr"],
                 },
             )
         )

@@ -21,3 +21,30 @@ TORCH_LIBRARY(fedkernels, m) {
       "weighted_sum_(Tensor(a!)[] base, Tensor[] updates, Tensor weights, float scale, "
       "bool delta) -> ()");
 }
+
+// ---------------------------------------------------------------- SuPerFed (issue 5)
+// Spec: specs/superfed.md §1.5 (mixing), §1.4 and §3 K1-K3 (regularizers). Kernels:
+// csrc/cpu/superfed.cpp, csrc/cuda/superfed.cu; Python: fedkernels/mixing.py.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // theta_t = (1 - lam_t) g_t + lam_t l_t, computed as torch.lerp does (exact at lam = 0 and 1).
+  // lam: one value (model mixing, MM) or one per tensor (layer mixing, LM).
+  m.def("mix_endpoints(Tensor[] global_params, Tensor[] local_params, Tensor lam) -> Tensor[]");
+  // One pass over (G, g, l): grad_g = (1 - lam) G, grad_l = lam G, grad_lam = sum <G, l - g>
+  // (per tensor for LM, over all tensors for MM; shaped like lam). A false output_mask entry
+  // returns an empty list (a zero lam gradient for the third).
+  m.def(
+      "mix_endpoints_backward(Tensor[] grads, Tensor[] global_params, Tensor[] local_params, "
+      "Tensor lam, bool[3] output_mask) -> (Tensor[], Tensor[], Tensor)");
+  // One read pass over g, l, a: float64 [T, 4] with per-tensor rows
+  //   [<g, l>, ||g||^2, ||l||^2, ||g - a||^2]
+  // (columns of an empty list are 0). Cosine orthogonality and both proximal forms are scalar
+  // functions of these rows, so they share this one pass.
+  m.def(
+      "superfed_stats(Tensor[] global_params, Tensor[] local_params, Tensor[] anchor) -> Tensor");
+  // One elementwise pass, given H = d loss / d stats [T, 4]:
+  //   grad_g = H0 l + 2 H1 g + 2 H3 (g - a),  grad_l = H0 g + 2 H2 l,  grad_a = -2 H3 (g - a).
+  m.def(
+      "superfed_stats_backward(Tensor grad_stats, Tensor[] global_params, "
+      "Tensor[] local_params, Tensor[] anchor, bool[3] output_mask) "
+      "-> (Tensor[], Tensor[], Tensor[])");
+}
