@@ -126,7 +126,7 @@ def _clients(updates) -> tuple[list[Model], bool]:
 
 def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
     if isinstance(weights, Tensor):
-        w = weights.detach()
+        w = weights
     else:
         try:
             w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
@@ -138,14 +138,17 @@ def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
     if w.is_complex() or w.dtype == torch.bool:
         raise TypeError(f"fedkernels.aggregate: weights must be real numbers, got {w.dtype}")
     w = w.to(torch.float64)
-    if w.device.type == "cpu":
+    # Data-dependent checks read the weights on the host; under torch.compile they are left to
+    # the native op, which checks CPU weights too.
+    host_checks = w.device.type == "cpu" and not torch.compiler.is_compiling()
+    if host_checks:
         bad = (~torch.isfinite(w)).nonzero().flatten().tolist()
         if bad:
             raise ValueError(f"fedkernels.aggregate: weight of client {bad[0]} is "
                              f"{w[bad[0]].item()} (non-finite weights: clients {bad[:10]})")
     if normalize:
         total = w.sum()
-        if w.device.type == "cpu" and total.item() == 0:
+        if host_checks and total.item() == 0:
             raise ValueError("fedkernels.aggregate: normalize=True but the weights sum to 0")
         w = w / total
     return w

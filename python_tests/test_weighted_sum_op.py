@@ -462,3 +462,25 @@ def test_cuda_deterministic_and_weights_on_either_device(dtype, cuda_device):
     assert bitwise_equal(first, again)
     assert bitwise_equal(ops.weighted_sum(flat(clients), w, [], 1.0, False), first)
     assert first[0].device.type == "cuda"
+
+
+def test_aggregate_compiles_fullgraph():
+    """The structure-aware API traces too: a state_dict with an integer buffer, normalize."""
+    gen = torch.Generator().manual_seed(0)
+    clients = [{"w": torch.randn(3, 4, generator=gen), "n": torch.tensor(k)} for k in range(3)]
+    weights = torch.tensor([1.0, 2.0, 3.0])
+
+    def step(clients, weights):
+        return fedkernels.aggregate(clients, weights, normalize=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got, want = compiled(clients, weights), step(clients, weights)
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["n"], want["n"])
+
+
+def test_aggregate_is_differentiable_in_weights():
+    """Learned client weights: d/dw_k of sum(result) is sum(x_k)."""
+    xs = [torch.full((4,), float(k), dtype=torch.float64) for k in range(3)]
+    w = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    fedkernels.aggregate(xs, w).sum().backward()
+    assert torch.equal(w.grad, torch.tensor([0.0, 4.0, 8.0], dtype=torch.float64))
