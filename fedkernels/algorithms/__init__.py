@@ -1,0 +1,24 @@
+"""Federated-learning algorithms as strategies on the shared simulation loop.
+
+Each module defines one algorithm and registers it; ``fedkernels run --algorithm NAME``
+and :func:`build_strategy` choose from the registry:
+
+- ``fedavg``: :class:`~fedkernels.algorithms.fedavg.FedAvg` (with ``server.optimizer`` it is
+  also FedAvgM, FedAdam, FedYogi, FedAdagrad);
+- ``fedprox``: :class:`~fedkernels.algorithms.fedprox.FedProx`;
+"""
+
+# Importing an algorithm's module registers it.
+from .fedavg import FedAvg
+from .fedprox import FedProx, FedProxConfig
+from .registry import available, build_strategy, register, strategy_class
+
+__all__ = [
+    "FedAvg",
+    "FedProx",
+    "FedProxConfig",
+    "available",
+    "build_strategy",
+    "register",
+    "strategy_class",
+]

@@ -1,0 +1,118 @@
+r"""Local training of one client, and the minibatch plan both training paths share.
+
+Client k in round t starts from the global model :math:`x_t` and runs SGD (PyTorch's
+``torch.optim.SGD``: momentum :math:`\mu`, weight decay :math:`\lambda`, no dampening) with the
+learning rate :math:`\gamma_t = \gamma\,\rho^t` (``lr * lr_decay**t``) on
+
+.. math:: \ell_k(x) = \mathrm{CE}(x; \text{minibatch}) + P(x, x_t),
+
+where :math:`P` is the strategy's local penalty (FedProx: :math:`\tfrac{\mu}{2}\|x - x_t\|^2`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import seeding
+from .config import ClientConfig
+from .federation import ClientData
+from .strategy import Strategy
+
+
+@dataclass
+class ClientUpdate:
+    """The result of one client's local training."""
+
+    state: dict[str, Tensor]  # the trained model's full state_dict
+    train_loss: float  # mean minibatch cross-entropy over the local steps
+
+
+def local_lr(config: ClientConfig, round_index: int) -> float:
+    """``gamma_t = lr * lr_decay**t``."""
+    return config.lr * config.lr_decay**round_index
+
+
+def batch_plan(
+    num_samples: int, config: ClientConfig, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """The minibatches (row indices) of one client's local training in one round.
+
+    Epoch mode: ``epochs`` passes, each over a fresh permutation cut into batches of
+    ``batch_size`` (the last one smaller). Step mode (``steps`` set): ``steps`` batches of
+    ``min(batch_size, n)`` rows taken in order from consecutive permutations (a batch that
+    spans two permutations may hold a row twice). A trailing batch of a single sample is merged into
+    the batch before it (BatchNorm cannot train on one sample).
+    """
+    b = config.batch_size
+    if config.steps is None:
+        batches = []
+        for _ in range(config.epochs):
+            order = rng.permutation(num_samples)
+            batches += _cut(order, b)
+        return batches
+    needed = config.steps * min(b, num_samples)
+    order = np.concatenate(
+        [rng.permutation(num_samples) for _ in range(-(-needed // num_samples))]
+    )[:needed]
+    return np.split(order, config.steps)
+
+
+def _cut(order: np.ndarray, size: int) -> list[np.ndarray]:
+    pieces = [order[i : i + size] for i in range(0, len(order), size)]
+    if len(pieces) > 1 and len(pieces[-1]) == 1:
+        pieces[-2:] = [np.concatenate(pieces[-2:])]
+    return pieces
+
+
+class LocalTrainer:
+    """Trains clients one after another on a reusable working copy of the model."""
+
+    def __init__(
+        self, model: nn.Module, config: ClientConfig, strategy: Strategy, seed: int
+    ) -> None:
+        self.model = copy.deepcopy(model)
+        self.config = config
+        self.strategy = strategy
+        self.seed = seed
+        self.parameter_names = [n for n, _ in self.model.named_parameters()]
+
+    def train(
+        self, global_state: dict[str, Tensor], data: ClientData, round_index: int, client_id: int
+    ) -> ClientUpdate:
+        """Local training of client ``client_id`` in round ``round_index`` (module docstring);
+        minibatch order from ``(seed, BATCHES, round, client)``, torch randomness (dropout) from
+        ``(seed, LOCAL_TRAINING, round, client)``."""
+        model, config = self.model, self.config
+        model.load_state_dict(global_state)
+        model.train()
+        global_params = {n: global_state[n] for n in self.parameter_names}
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=local_lr(config, round_index),
+            momentum=config.momentum,
+            weight_decay=config.weight_decay,
+        )
+        plan = batch_plan(
+            data.num_train,
+            config,
+            seeding.numpy_rng(self.seed, seeding.BATCHES, round_index, client_id),
+        )
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
+            for rows in plan:
+                index = torch.from_numpy(rows)
+                loss = F.cross_entropy(model(data.train_x[index]), data.train_y[index])
+                penalty = self.strategy.local_penalty(dict(model.named_parameters()), global_params)
+                optimizer.zero_grad(set_to_none=True)
+                objective = self.strategy.transform_local_loss(loss)
+                (objective if penalty is None else objective + penalty).backward()
+                optimizer.step()
+                loss_sum += loss.detach()
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        return ClientUpdate(state, float(loss_sum) / len(plan))

@@ -1,0 +1,344 @@
+"""Experiment configuration: plain dataclasses, one per section.
+
+A YAML/JSON file and the CLI map onto them one to one: the file's top-level keys are the fields
+of :class:`ExperimentConfig`, each section (``data``, ``partition``, ``participation``, ``model``,
+``client``, ``server``) is a nested mapping, and a CLI flag ``--section.field VALUE`` sets one
+field (``--rounds`` and the other top-level scalars have no section). Every value goes through
+:func:`from_dict`, which converts strings from the command line to the field's type and rejects
+unknown keys; every dataclass checks its ranges in ``__post_init__``. All problems raise
+:class:`ConfigError`, which the CLI reports as a usage error (exit code 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value or combination of values."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class DataConfig:
+    """Where the samples come from (:mod:`fedkernels.sim.data`)."""
+
+    name: Literal["digits", "synthetic", "gaussian_mixture", "csv"] = _field(
+        "digits",
+        "data set: scikit-learn digits, FedProx synthetic(alpha,beta), Gaussian "
+        "mixture, or a CSV file",
+    )
+    test_fraction: float = _field(
+        0.2, "fraction of each client's samples held out for its test split"
+    )
+    alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
+    beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
+    iid: bool = _field(
+        False, "synthetic: one shared model and input distribution (the IID variant)"
+    )
+    max_samples: int = _field(2000, "synthetic: cap on the log-normal number of samples per user")
+    num_samples: int = _field(3000, "gaussian_mixture: number of samples")
+    num_features: int = _field(10, "gaussian_mixture: dimension")
+    num_classes: int = _field(5, "gaussian_mixture: number of classes (one Gaussian each)")
+    separation: float = _field(2.0, "gaussian_mixture: scale of the class means (unit noise)")
+    path: str | None = _field(None, "csv: path of the file (header row required)")
+    label_column: str = _field("label", "csv: name of the label column")
+    client_column: str | None = _field(
+        "client", "csv: name of the client column (natural partition)"
+    )
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.test_fraction < 1.0, "data.test_fraction must be in (0, 1)")
+        _require(self.alpha >= 0 and self.beta >= 0, "data.alpha and data.beta must be >= 0")
+        _require(self.max_samples >= 50, "data.max_samples must be >= 50 (the generator's minimum)")
+        _require(self.num_samples >= 2, "data.num_samples must be >= 2")
+        _require(self.num_features >= 1, "data.num_features must be >= 1")
+        _require(self.num_classes >= 2, "data.num_classes must be >= 2")
+        _require(self.separation >= 0, "data.separation must be >= 0")
+        _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
+
+
+@dataclass
+class PartitionConfig:
+    """How the pooled samples are split among clients (:mod:`fedkernels.sim.partition`)."""
+
+    kind: Literal["iid", "dirichlet", "pathological", "natural"] = _field(
+        "iid",
+        "iid; dirichlet label skew; pathological (classes_per_client labels each); "
+        "natural (the data's own client column/users)",
+    )
+    num_clients: int = _field(10, "number of clients N (synthetic: number of generated users)")
+    alpha: float = _field(0.5, "dirichlet: concentration; smaller is more skewed")
+    classes_per_client: int = _field(2, "pathological: distinct labels per client")
+    min_samples: int = _field(2, "minimum samples per client (train + test)")
+
+    def __post_init__(self) -> None:
+        _require(self.num_clients >= 1, "partition.num_clients must be >= 1")
+        _require(self.alpha > 0, "partition.alpha must be > 0")
+        _require(self.classes_per_client >= 1, "partition.classes_per_client must be >= 1")
+        _require(self.min_samples >= 2, "partition.min_samples must be >= 2 (one train, one test)")
+
+
+@dataclass
+class ParticipationConfig:
+    """Which clients take part in each round (:mod:`fedkernels.sim.participation`)."""
+
+    kind: Literal["full", "uniform", "bernoulli", "markov", "cyclic"] = _field(
+        "full",
+        "full; uniform sample of a fraction; independent Bernoulli(p_n); Markov on/off; "
+        "cyclic on/off",
+    )
+    fraction: float = _field(
+        0.1, "uniform: fraction C of clients per round; bernoulli/markov/cyclic: mean p_n"
+    )
+    probability_model: Literal["constant", "label_correlated"] = _field(
+        "constant",
+        "p_n = fraction for all, or FedAU's data-correlated p_n = "
+        "clip(C * fraction * <kappa_n, q>, min_probability, 1)",
+    )
+    probabilities: list[float] | None = _field(
+        None, "explicit p_n, one per client (overrides the model)"
+    )
+    min_probability: float = _field(0.02, "label_correlated: lower clip p_min")
+    label_concentration: float = _field(0.1, "label_correlated: q ~ Dirichlet(concentration)")
+    markov_delta: float = _field(0.05, "markov: largest probability of switching to active")
+    cycle_length: int = _field(100, "cyclic: rounds per on/off cycle")
+
+    def __post_init__(self) -> None:
+        _require(0.0 < self.fraction <= 1.0, "participation.fraction must be in (0, 1]")
+        _require(
+            0.0 <= self.min_probability <= 1.0, "participation.min_probability must be in [0, 1]"
+        )
+        _require(self.label_concentration > 0, "participation.label_concentration must be > 0")
+        _require(0.0 < self.markov_delta <= 1.0, "participation.markov_delta must be in (0, 1]")
+        _require(self.cycle_length >= 2, "participation.cycle_length must be >= 2")
+        if self.probabilities is not None:
+            _require(
+                all(0.0 <= p <= 1.0 for p in self.probabilities),
+                "participation.probabilities must all be in [0, 1]",
+            )
+
+
+@dataclass
+class ModelConfig:
+    """The model every client trains (:mod:`fedkernels.sim.models`)."""
+
+    name: Literal["logreg", "mlp", "cnn"] = _field("mlp", "logistic regression, MLP or small CNN")
+    hidden: list[int] = _field([64], "mlp: hidden layer widths")
+    channels: list[int] = _field([16, 32], "cnn: channels of the two conv blocks")
+    batch_norm: bool = _field(False, "mlp/cnn: BatchNorm after each hidden layer")
+
+    def __post_init__(self) -> None:
+        _require(all(h >= 1 for h in self.hidden), "model.hidden widths must be >= 1")
+        _require(
+            len(self.channels) == 2 and all(c >= 1 for c in self.channels),
+            "model.channels must be two positive numbers",
+        )
+
+
+@dataclass
+class ClientConfig:
+    """Local training (:mod:`fedkernels.sim.client`)."""
+
+    epochs: int = _field(1, "local epochs (ignored when steps is set)")
+    steps: int | None = _field(None, "local SGD steps per round (instead of epochs)")
+    batch_size: int = _field(16, "minibatch size")
+    lr: float = _field(0.1, "local learning rate (round 0)")
+    lr_decay: float = _field(1.0, "per-round factor: lr_t = lr * lr_decay**t")
+    momentum: float = _field(0.0, "SGD momentum")
+    weight_decay: float = _field(0.0, "SGD weight decay (L2)")
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "client.epochs must be >= 1")
+        _require(self.steps is None or self.steps >= 1, "client.steps must be >= 1")
+        _require(self.batch_size >= 1, "client.batch_size must be >= 1")
+        _require(self.lr > 0, "client.lr must be > 0")
+        _require(0 < self.lr_decay <= 1, "client.lr_decay must be in (0, 1]")
+        _require(0 <= self.momentum < 1, "client.momentum must be in [0, 1)")
+        _require(self.weight_decay >= 0, "client.weight_decay must be >= 0")
+
+
+SERVER_OPTIMIZERS = ("sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+DEFAULT_SERVER_LR = {"sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01, "fedadagrad": 0.1}
+
+
+@dataclass
+class ServerConfig:
+    """The server step on the pseudo-gradient (:mod:`fedkernels.sim.server`)."""
+
+    optimizer: Literal["sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = _field(
+        "sgd", "server optimizer on the aggregated update (sgd with lr 1 is plain FedAvg)"
+    )
+    lr: float | None = _field(
+        None,
+        "server learning rate eta (default: 1 for sgd/fedavgm, 0.1 fedadam/fedadagrad, "
+        "0.01 fedyogi)",
+    )
+    momentum: float = _field(0.9, "fedavgm: server momentum")
+    beta1: float = _field(0.9, "fedadam/fedyogi: first-moment decay")
+    beta2: float = _field(0.99, "fedadam/fedyogi: second-moment decay")
+    tau: float = _field(1e-3, "fedadam/fedyogi/fedadagrad: adaptivity epsilon")
+
+    def __post_init__(self) -> None:
+        _require(self.lr is None or self.lr > 0, "server.lr must be > 0")
+        _require(0 <= self.momentum < 1, "server.momentum must be in [0, 1)")
+        _require(
+            0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "server.beta1/beta2 must be in [0, 1)"
+        )
+        _require(self.tau > 0, "server.tau must be > 0")
+
+    @property
+    def learning_rate(self) -> float:
+        """``lr``, or the optimizer's default when it is not set."""
+        return DEFAULT_SERVER_LR[self.optimizer] if self.lr is None else self.lr
+
+
+@dataclass
+class ExperimentConfig:
+    """One federated experiment: everything ``fedkernels run`` needs."""
+
+    algorithm: str = _field("fedavg", "algorithm (strategy) from fedkernels.algorithms")
+    algorithm_params: dict[str, Any] = _field({}, "the algorithm's own parameters")
+    rounds: int = _field(50, "communication rounds")
+    seed: int = _field(0, "seed of every random stream (data, partition, sampling, training)")
+    eval_every: int = _field(1, "evaluate every this many rounds (and after the last)")
+    checkpoint_every: int = _field(1, "write the resume checkpoint every this many rounds")
+    vmap: bool = _field(False, "train a round's clients at once with torch.func.vmap")
+    data: DataConfig = field(default_factory=DataConfig)
+    partition: PartitionConfig = field(default_factory=PartitionConfig)
+    participation: ParticipationConfig = field(default_factory=ParticipationConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        _require(self.rounds >= 1, "rounds must be >= 1")
+        _require(self.eval_every >= 1, "eval_every must be >= 1")
+        _require(self.checkpoint_every >= 1, "checkpoint_every must be >= 1")
+        _require(self.seed >= 0, "seed must be >= 0")
+        probs = self.participation.probabilities
+        _require(
+            probs is None
+            or len(probs) == self.partition.num_clients
+            or self.partition.kind == "natural",
+            "participation.probabilities needs one value per client (partition.num_clients)",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = ("data", "partition", "participation", "model", "client", "server")
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+_NONE = {"none", "null", "~", ""}
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Converts ``value`` (a YAML/JSON value or a command-line string) to the type ``tp``."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin is Literal:
+        choices = get_args(tp)
+        _require(
+            value in choices, f"{where}: {value!r} is not one of: {', '.join(map(str, choices))}"
+        )
+        return value
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in _NONE):
+            _require(len(args) < len(get_args(tp)), f"{where}: a value is required")
+            return None
+        return _coerce(value, args[0], where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value))
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        _require(isinstance(value, str), f"{where}: expected a string, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.replace(" ", "").split(",") if v]
+        _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        _require(isinstance(value, Mapping), f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, where)
+    raise TypeError(f"{where}: unsupported field type {tp!r}")  # a bug in a config class
+
+
+T = typing.TypeVar("T")
+
+
+def from_dict(cls: type[T], data: Any, where: str = "") -> T:
+    """Builds the dataclass ``cls`` from a mapping, converting and checking every value.
+
+    Unknown keys and wrong types raise :class:`ConfigError` naming the key, e.g.
+    ``partition.alpha: expected a number, got 'x'``.
+    """
+    section = where or cls.__name__
+    _require(isinstance(data, Mapping), f"{section}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    prefix = f"{where}." if where else ""
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]} (valid: {', '.join(names)})")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each field of a config dataclass (for the CLI's flags)."""
+    return get_type_hints(cls)
+
+
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    """``set_dotted(d, "partition.alpha", "0.3")`` sets ``d["partition"]["alpha"]``."""
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for key in parents:
+        node = node.setdefault(key, {})
+        _require(isinstance(node, dict), f"{dotted}: {key} is not a section")
+    node[leaf] = value

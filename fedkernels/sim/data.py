@@ -1,0 +1,250 @@
+"""Pooled labelled data sets, before they are split among clients.
+
+Loaders: scikit-learn's bundled digits (real 8x8 images, no download), the FedProx
+synthetic(alpha, beta) generator, a Gaussian mixture, user tensors, and a CSV file with a client
+column. A data set that comes with its own clients (synthetic users, the CSV's client column)
+carries them in ``groups`` for the ``natural`` partition.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import seeding
+from .config import ConfigError, DataConfig
+
+
+@dataclass
+class Dataset:
+    """Samples ``x[i]`` (float32, flattened features) with labels ``y[i]`` in ``[0, num_classes)``.
+
+    ``groups[i]`` is sample i's natural client (an integer; clients are the sorted distinct
+    values), or ``None``. ``image_shape`` (e.g. ``(1, 8, 8)``) says how a CNN views a row.
+    """
+
+    x: Tensor
+    y: Tensor
+    num_classes: int
+    groups: np.ndarray | None = None
+    image_shape: tuple[int, ...] | None = None
+    name: str = "tensors"
+
+    def __post_init__(self) -> None:
+        if self.x.dim() != 2 or not self.x.is_floating_point():
+            raise ConfigError(
+                f"dataset x must be a 2-D float tensor, got {tuple(self.x.shape)} {self.x.dtype}"
+            )
+        if self.y.shape != (self.x.shape[0],) or self.y.dtype != torch.int64:
+            raise ConfigError(f"dataset y must be int64 of shape ({self.x.shape[0]},)")
+        if self.x.shape[0] == 0:
+            raise ConfigError("dataset is empty")
+        if int(self.y.min()) < 0 or int(self.y.max()) >= self.num_classes:
+            raise ConfigError(f"dataset labels must lie in [0, {self.num_classes})")
+        if not torch.isfinite(self.x).all():
+            raise ConfigError("dataset x has non-finite values")
+        if self.groups is not None and len(self.groups) != self.x.shape[0]:
+            raise ConfigError("dataset groups must have one entry per sample")
+        if self.image_shape is not None and math.prod(self.image_shape) != self.x.shape[1]:
+            raise ConfigError(
+                f"image_shape {self.image_shape} does not match {self.x.shape[1]} features"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def num_features(self) -> int:
+        return self.x.shape[1]
+
+    @classmethod
+    def from_tensors(
+        cls,
+        x: Tensor,
+        y: Tensor,
+        groups: Tensor | np.ndarray | None = None,
+        *,
+        num_classes: int | None = None,
+        image_shape: tuple[int, ...] | None = None,
+    ) -> Dataset:
+        """User data: ``x`` of shape ``[n, ...]`` (flattened to ``[n, d]``; a 3-D sample shape
+        becomes ``image_shape``), integer labels ``y``, optional natural client ids ``groups``."""
+        x = torch.as_tensor(x)
+        if x.dim() >= 3 and image_shape is None:
+            image_shape = tuple(x.shape[1:]) if x.dim() == 4 else (1, *x.shape[1:])
+        x = x.reshape(x.shape[0], -1).to(torch.float32)
+        y = torch.as_tensor(y).to(torch.int64)
+        if groups is not None:
+            groups = np.asarray(torch.as_tensor(groups).cpu().numpy(), dtype=np.int64)
+        k = int(y.max()) + 1 if num_classes is None else num_classes
+        return cls(x, y, k, groups, image_shape)
+
+
+def load_digits() -> Dataset:
+    """scikit-learn's digits: 1797 real 8x8 grey images of the digits 0-9, pixels scaled to
+    [0, 1]. Shipped inside scikit-learn, so it needs no download."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ConfigError(
+            "the digits data set needs scikit-learn: pip install 'fedkernels[sim]'"
+        ) from err
+    x, y = sk_load_digits(return_X_y=True)
+    return Dataset(
+        torch.from_numpy(x / 16.0).to(torch.float32),
+        torch.from_numpy(y).to(torch.int64),
+        10,
+        image_shape=(1, 8, 8),
+        name="digits",
+    )
+
+
+def synthetic(
+    alpha: float,
+    beta: float,
+    num_users: int,
+    rng: np.random.Generator,
+    *,
+    iid: bool = False,
+    max_samples: int = 2000,
+    dimension: int = 60,
+    num_classes: int = 10,
+) -> Dataset:
+    """The FedProx synthetic(alpha, beta) data (Li et al. 2020, ``generate_synthetic.py``).
+
+    For user k: ``n_k = min(int(LogNormal(4, 2)) + 50, max_samples)``;
+    ``u_k ~ N(0, alpha)``, ``B_k ~ N(0, beta)`` (alpha and beta are standard deviations, as in
+    the original code); ``W_k ~ N(u_k, 1)^{d x C}``, ``b_k ~ N(u_k, 1)^C``;
+    ``v_k ~ N(B_k, 1)^d``; ``x ~ N(v_k, Sigma)`` with ``Sigma = diag(j^-1.2)``, j = 1..d;
+    ``y = argmax(W_k^T x + b_k)``. The IID variant shares one ``W, b`` and sets
+    ``v_k = B_k * 1``. ``groups`` holds the user of each sample (the natural partition).
+    """
+    sizes = np.minimum(rng.lognormal(4, 2, num_users).astype(np.int64) + 50, max_samples)
+    mean_w = rng.normal(0.0, alpha, num_users)
+    shift = rng.normal(0.0, beta, num_users)
+    std_x = np.power(np.arange(1, dimension + 1, dtype=np.float64), -1.2) ** 0.5
+    shared_w = rng.normal(0.0, 1.0, (dimension, num_classes))
+    shared_b = rng.normal(0.0, 1.0, num_classes)
+    xs, ys = [], []
+    for k in range(num_users):
+        if iid:
+            mean_x = np.full(dimension, shift[k])
+            w, b = shared_w, shared_b
+        else:
+            mean_x = rng.normal(shift[k], 1.0, dimension)
+            w = rng.normal(mean_w[k], 1.0, (dimension, num_classes))
+            b = rng.normal(mean_w[k], 1.0, num_classes)
+        x = mean_x + std_x * rng.standard_normal((sizes[k], dimension))
+        xs.append(x)
+        ys.append(np.argmax(x @ w + b, axis=1))
+    groups = np.repeat(np.arange(num_users), sizes)
+    return Dataset(
+        torch.from_numpy(np.concatenate(xs)).to(torch.float32),
+        torch.from_numpy(np.concatenate(ys)).to(torch.int64),
+        num_classes,
+        groups,
+        name=f"synthetic({alpha},{beta})" + ("-iid" if iid else ""),
+    )
+
+
+def gaussian_mixture(
+    num_samples: int,
+    num_features: int,
+    num_classes: int,
+    separation: float,
+    rng: np.random.Generator,
+) -> Dataset:
+    """A toy mixture: class means ``mu_c ~ separation * N(0, I)``, labels uniform,
+    ``x = mu_y + N(0, I)``."""
+    means = separation * rng.standard_normal((num_classes, num_features))
+    y = rng.integers(0, num_classes, num_samples)
+    x = means[y] + rng.standard_normal((num_samples, num_features))
+    return Dataset(
+        torch.from_numpy(x).to(torch.float32),
+        torch.from_numpy(y).to(torch.int64),
+        num_classes,
+        name="gaussian_mixture",
+    )
+
+
+def load_csv(
+    path: str | Path, label_column: str = "label", client_column: str | None = "client"
+) -> Dataset:
+    """A CSV file with a header row: one label column, optionally one client column (the
+    natural partition), and numeric feature columns (all the others).
+
+    Labels may be integers or strings; they are mapped to ``0..C-1`` in sorted order. Client ids
+    may be anything; they become ``0..N-1`` in sorted order.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data.path: no such file: {path}")
+    with path.open(newline="") as handle:
+        rows = list(csv.reader(handle))
+    if len(rows) < 2:
+        raise ConfigError(f"{path}: needs a header row and at least one data row")
+    header, body = rows[0], rows[1:]
+    for column in (label_column, client_column):
+        if column is not None and column not in header:
+            raise ConfigError(f"{path}: no column {column!r} (columns: {', '.join(header)})")
+    features = [c for c in header if c not in (label_column, client_column)]
+    if not features:
+        raise ConfigError(f"{path}: no feature columns")
+    x = np.empty((len(body), len(features)), dtype=np.float32)
+    position = {c: header.index(c) for c in header}
+    for r, row in enumerate(body, start=2):
+        if len(row) != len(header):
+            raise ConfigError(f"{path}:{r}: {len(row)} fields, the header has {len(header)}")
+        for j, column in enumerate(features):
+            try:
+                x[r - 2, j] = float(row[position[column]])
+            except ValueError:
+                raise ConfigError(
+                    f"{path}:{r}: column {column!r} value {row[position[column]]!r} is not a number"
+                ) from None
+    labels = [row[position[label_column]] for row in body]
+    y = _codes(labels)
+    groups = (
+        None if client_column is None else _codes([row[position[client_column]] for row in body])
+    )
+    return Dataset(
+        torch.from_numpy(x), torch.from_numpy(y), int(y.max()) + 1, groups, name=path.name
+    )
+
+
+def _codes(values: list[str]) -> np.ndarray:
+    """Maps values to ``0..m-1`` in sorted order (numerically when all are integers)."""
+    try:
+        keys = [int(v) for v in values]
+    except ValueError:
+        keys = values
+    distinct = {v: i for i, v in enumerate(sorted(set(keys)))}
+    return np.array([distinct[v] for v in keys], dtype=np.int64)
+
+
+def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
+    """The data set ``config`` names; ``num_clients`` is the number of synthetic users."""
+    rng = seeding.numpy_rng(seed, seeding.DATA)
+    if config.name == "digits":
+        return load_digits()
+    if config.name == "synthetic":
+        return synthetic(
+            config.alpha,
+            config.beta,
+            num_clients,
+            rng,
+            iid=config.iid,
+            max_samples=config.max_samples,
+        )
+    if config.name == "gaussian_mixture":
+        return gaussian_mixture(
+            config.num_samples, config.num_features, config.num_classes, config.separation, rng
+        )
+    return load_csv(config.path, config.label_column, config.client_column)

@@ -1,0 +1,97 @@
+"""The clients of a simulation: each one's train and test split of its share of the data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import seeding
+from .config import PartitionConfig
+from .data import Dataset
+from .partition import partition
+
+
+@dataclass
+class ClientData:
+    """One client's samples. ``train_index``/``test_index`` are rows of the pooled data set."""
+
+    train_x: Tensor
+    train_y: Tensor
+    test_x: Tensor
+    test_y: Tensor
+    train_index: np.ndarray
+    test_index: np.ndarray
+
+    @property
+    def num_train(self) -> int:
+        return len(self.train_index)
+
+    @property
+    def num_test(self) -> int:
+        return len(self.test_index)
+
+
+@dataclass
+class Federation:
+    """All clients, plus what a model needs to know about the data."""
+
+    clients: list[ClientData]
+    num_classes: int
+    num_features: int
+    image_shape: tuple[int, ...] | None = None
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.clients)
+
+    def train_sizes(self) -> Tensor:
+        """``n_k``, the number of training samples of each client (float64, ``[N]``)."""
+        return torch.tensor([c.num_train for c in self.clients], dtype=torch.float64)
+
+    def label_distributions(self) -> np.ndarray:
+        """``kappa[n, c]``: the fraction of client n's training labels equal to c."""
+        counts = np.stack(
+            [np.bincount(c.train_y.numpy(), minlength=self.num_classes) for c in self.clients]
+        ).astype(np.float64)
+        return counts / counts.sum(axis=1, keepdims=True)
+
+
+def split_client(
+    indices: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded shuffle of one client's rows, cut into train and
+    ``max(1, round(test_fraction * n))`` test rows (at least one of each)."""
+    shuffled = rng.permutation(indices)
+    num_test = min(max(1, round(test_fraction * len(indices))), len(indices) - 1)
+    return np.sort(shuffled[num_test:]), np.sort(shuffled[:num_test])
+
+
+def build_federation(
+    dataset: Dataset, config: PartitionConfig, test_fraction: float, seed: int
+) -> Federation:
+    """Partitions ``dataset`` and splits each client's share into train and test, with the
+    split of client k seeded by ``(seed, SPLIT, k)``."""
+    parts = partition(
+        config,
+        dataset.y.numpy(),
+        dataset.groups,
+        seeding.numpy_rng(seed, seeding.PARTITION),
+    )
+    clients = []
+    for k, rows in enumerate(parts):
+        train, test = split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
+        train_t, test_t = torch.from_numpy(train), torch.from_numpy(test)
+        clients.append(
+            ClientData(
+                dataset.x[train_t],
+                dataset.y[train_t],
+                dataset.x[test_t],
+                dataset.y[test_t],
+                train,
+                test,
+            )
+        )
+    return Federation(clients, dataset.num_classes, dataset.num_features, dataset.image_shape)

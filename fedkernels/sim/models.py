@@ -1,0 +1,100 @@
+"""Small models for the simulations. Any ``nn.Module`` that maps a ``[B, d]`` float batch to
+``[B, C]`` logits works as well (pass it to :class:`~fedkernels.sim.run.Simulation`)."""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor, nn
+
+from . import seeding
+from .config import ConfigError, ModelConfig
+
+
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: ``logits = W x + b``."""
+
+    def __init__(self, num_features: int, num_classes: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(num_features, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x)
+
+
+class MLP(nn.Module):
+    """Fully connected ReLU network; optional BatchNorm after each hidden layer."""
+
+    def __init__(
+        self, num_features: int, hidden: list[int], num_classes: int, batch_norm: bool = False
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = num_features
+        for h in hidden:
+            layers.append(nn.Linear(width, h))
+            if batch_norm:
+                layers.append(nn.BatchNorm1d(h))
+            layers.append(nn.ReLU())
+            width = h
+        layers.append(nn.Linear(width, num_classes))
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layers(x)
+
+
+class SmallCNN(nn.Module):
+    """Two conv3x3 (padding 1) + ReLU + maxpool2 blocks, then a linear layer; for small
+    images such as the 8x8 digits (8x8 -> 4x4 -> 2x2). Rows are viewed as ``image_shape``."""
+
+    def __init__(
+        self,
+        image_shape: tuple[int, ...],
+        num_classes: int,
+        channels: list[int] = (16, 32),
+        batch_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if len(image_shape) != 3:
+            raise ConfigError(
+                f"cnn needs a (channels, height, width) image shape, got {image_shape}"
+            )
+        self.image_shape = tuple(image_shape)
+        blocks: list[nn.Module] = []
+        width = image_shape[0]
+        for c in channels:
+            blocks.append(nn.Conv2d(width, c, 3, padding=1))
+            if batch_norm:
+                blocks.append(nn.BatchNorm2d(c))
+            blocks += [nn.ReLU(), nn.MaxPool2d(2)]
+            width = c
+        self.features = nn.Sequential(*blocks)
+        side = math.prod(s // 4 for s in image_shape[1:])
+        if side == 0:
+            raise ConfigError(f"cnn needs images of at least 4x4, got {image_shape}")
+        self.head = nn.Linear(width * side, num_classes)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.view(x.shape[0], *self.image_shape)
+        return self.head(self.features(x).flatten(1))
+
+
+def build_model(
+    config: ModelConfig,
+    num_features: int,
+    num_classes: int,
+    image_shape: tuple[int, ...] | None,
+    seed: int,
+) -> nn.Module:
+    """The model ``config`` names, initialised from the ``(seed, MODEL_INIT)`` stream."""
+    with seeding.torch_stream(seed, seeding.MODEL_INIT):
+        if config.name == "logreg":
+            return LogisticRegression(num_features, num_classes)
+        if config.name == "mlp":
+            return MLP(num_features, config.hidden, num_classes, config.batch_norm)
+        if image_shape is None:
+            raise ConfigError(
+                "model.name=cnn needs image data (digits, or tensors with an image shape)"
+            )
+        return SmallCNN(image_shape, num_classes, config.channels, config.batch_norm)

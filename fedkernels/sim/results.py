@@ -1,0 +1,47 @@
+"""The outcome of a run and its ``results.json`` form."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RunResult:
+    """``config`` (the resolved experiment), ``rounds`` (one metrics dict per round, evaluation
+    keys only on evaluated rounds), ``clients`` (final per-client metrics) and ``summary``."""
+
+    config: dict[str, Any]
+    dataset: str
+    rounds: list[dict[str, Any]]
+    clients: list[dict[str, Any]]
+    summary: dict[str, Any]
+    environment: dict[str, Any] = field(
+        default_factory=lambda: {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        }
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config,
+            "dataset": self.dataset,
+            "summary": self.summary,
+            "rounds": self.rounds,
+            "clients": self.clients,
+            "environment": self.environment,
+        }
+
+    def write_json(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path

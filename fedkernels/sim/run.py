@@ -1,0 +1,287 @@
+"""The round loop shared by every algorithm, with checkpoint and resume.
+
+>>> from fedkernels.sim import ExperimentConfig, Simulation
+>>> from fedkernels.algorithms import build_strategy
+>>> simulation = Simulation(ExperimentConfig(rounds=20), build_strategy("fedavg"))
+>>> result = simulation.run()  # doctest: +SKIP
+>>> result.rounds[-1]["test_accuracy"]  # doctest: +SKIP
+
+One round is described in :mod:`fedkernels.sim.strategy`. All randomness comes from the seeded
+streams of :mod:`fedkernels.sim.seeding`; the one stateful generator (participation) is saved
+in the checkpoint together with the global model, the server optimizer's moments, the
+strategy's state, the participation history and the metrics so far. A run resumed from a
+checkpoint therefore ends with the same numbers as an uninterrupted run with the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .client import ClientUpdate, LocalTrainer
+from .config import ConfigError, ExperimentConfig
+from .data import Dataset, load_dataset
+from .federation import build_federation
+from .metrics import ClientEvaluation, distribution_summary, evaluate_clients
+from .models import build_model
+from .participation import ParticipationHistory, build_sampler
+from .results import RunResult
+from .server import Server, build_server_optimizer
+from .strategy import RoundInfo, SetupInfo, Strategy
+from .vmap import BatchedTrainer
+
+CHECKPOINT_FORMAT = 1
+
+
+class Simulation:
+    """A federated experiment: data, clients, model, server and a strategy.
+
+    Args:
+        config: the experiment. ``config.algorithm``/``algorithm_params`` are replaced by the
+            strategy's own name and parameters.
+        strategy: the algorithm (see :mod:`fedkernels.algorithms`).
+        dataset: user data instead of ``config.data`` (see :meth:`Dataset.from_tensors`).
+        model: any ``nn.Module`` mapping ``[B, d]`` rows to logits, instead of ``config.model``;
+            its current weights are the initial global model.
+        checkpoint: file to write after every ``config.checkpoint_every`` rounds and to resume from.
+    """
+
+    def __init__(
+        self,
+        config: ExperimentConfig,
+        strategy: Strategy,
+        *,
+        dataset: Dataset | None = None,
+        model: nn.Module | None = None,
+        checkpoint: str | os.PathLike | None = None,
+    ) -> None:
+        strategy_config = getattr(strategy, "config", None)
+        params = dataclasses.asdict(strategy_config) if strategy_config is not None else {}
+        self.config = dataclasses.replace(config, algorithm=strategy.name, algorithm_params=params)
+        seed = config.seed
+        if dataset is None:
+            dataset = load_dataset(config.data, config.partition.num_clients, seed)
+        self.dataset_name = dataset.name
+        self.federation = build_federation(
+            dataset, config.partition, config.data.test_fraction, seed
+        )
+        fed = self.federation
+        if model is None:
+            model = build_model(
+                config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
+            )
+        self.server = Server(model, build_server_optimizer(config.server))
+        self.sampler = build_sampler(config.participation, fed, seed)
+        self.history = ParticipationHistory(fed.num_clients)
+        self.strategy = strategy
+        trainer_class = BatchedTrainer if config.vmap else LocalTrainer
+        self.trainer = trainer_class(model, config.client, strategy, seed)
+        self.eval_model = copy.deepcopy(model)
+        self.records: list[dict[str, Any]] = []
+        self.next_round = 0
+        self.checkpoint = None if checkpoint is None else Path(checkpoint)
+        strategy.setup(
+            SetupInfo(
+                fed.num_clients,
+                fed.train_sizes(),
+                fed.num_classes,
+                self.sampler.probabilities,
+                list(self.server.parameter_names),
+                model=model,
+                client_config=config.client,
+                rounds=config.rounds,
+                seed=seed,
+            )
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(
+        self, *, resume: bool = False, on_round: Callable[[dict[str, Any]], None] | None = None
+    ) -> RunResult:
+        """Plays the rounds up to ``config.rounds`` (from the checkpoint when ``resume``) and
+        returns the result. ``on_round`` is called with each round's metrics."""
+        if resume:
+            self.load_checkpoint()
+        for t in range(self.next_round, self.config.rounds):
+            record = self.play_round(t)
+            self.records.append(record)
+            self.next_round = t + 1
+            last = t + 1 == self.config.rounds
+            if self.checkpoint is not None and (
+                last or (t + 1) % self.config.checkpoint_every == 0
+            ):
+                self.save_checkpoint()
+            if on_round is not None:
+                on_round(record)
+        return self.result()
+
+    def play_round(self, t: int) -> dict[str, Any]:
+        """One round (see :mod:`fedkernels.sim.strategy`); returns its metrics."""
+        fed = self.federation
+        mask = torch.from_numpy(self.sampler.sample())
+        self.history.record(mask)
+        ids = mask.nonzero().flatten()
+        record: dict[str, Any] = {"round": t, "participants": len(ids)}
+        time_client = time_aggregate = 0.0
+        if len(ids):
+            clients = [fed.clients[i] for i in ids.tolist()]
+            global_state = {k: v.clone() for k, v in self.server.state.items()}
+            global_losses = None
+            if self.strategy.wants_global_loss:
+                self.eval_model.load_state_dict(global_state)
+                global_losses = evaluate_clients(
+                    self.eval_model, [c.train_x for c in clients], [c.train_y for c in clients]
+                ).loss
+            start = time.perf_counter()
+            updates = self._train(global_state, clients, t, ids.tolist())
+            time_client = time.perf_counter() - start
+            info = RoundInfo(
+                round=t,
+                num_clients=fed.num_clients,
+                participants=ids,
+                num_samples=torch.tensor([c.num_train for c in clients], dtype=torch.float64),
+                global_state=global_state,
+                client_states=[u.state for u in updates],
+                train_losses=torch.tensor([u.train_loss for u in updates], dtype=torch.float64),
+                global_losses=global_losses,
+                history=self.history,
+            )
+            start = time.perf_counter()
+            extra = self.strategy.aggregate(info, self.server)
+            time_aggregate = time.perf_counter() - start
+            record["train_loss"] = float(info.train_losses.mean())
+            if global_losses is not None:
+                record["global_loss_before"] = float(global_losses.mean())
+            record.update({f"strategy_{k}": float(v) for k, v in extra.items()})
+        record["time_client"] = time_client
+        record["time_aggregate"] = time_aggregate
+        if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
+            start = time.perf_counter()
+            evaluation = self.evaluate()
+            record["test_accuracy"] = evaluation.pooled_accuracy()
+            record["test_loss"] = evaluation.pooled_loss()
+            for key, value in distribution_summary(evaluation.accuracy).items():
+                record[f"client_accuracy_{key}"] = value
+            record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
+            record["time_eval"] = time.perf_counter() - start
+        return record
+
+    def _train(self, global_state, clients, t: int, ids: list[int]) -> list[ClientUpdate]:
+        own = [self.strategy.train_client(global_state, c, t, i) for c, i in zip(clients, ids)]
+        if all(u is not None for u in own):
+            return own
+        if isinstance(self.trainer, BatchedTrainer):
+            return self.trainer.train(global_state, clients, t, ids)
+        return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
+
+    def evaluate(self) -> ClientEvaluation:
+        """The global model on every client's own test split."""
+        self.eval_model.load_state_dict(self.server.state)
+        clients = self.federation.clients
+        return evaluate_clients(
+            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients]
+        )
+
+    def result(self) -> RunResult:
+        """Config, per-round metrics, and per-client metrics of the current global model."""
+        evaluation = self.evaluate()
+        counts = self.history.counts()
+        probabilities = self.sampler.probabilities
+        clients = []
+        for k, c in enumerate(self.federation.clients):
+            entry = {
+                "client": k,
+                "num_train": c.num_train,
+                "num_test": c.num_test,
+                "test_accuracy": float(evaluation.accuracy[k]),
+                "test_loss": float(evaluation.loss[k]),
+                "rounds_participated": int(counts[k]),
+            }
+            if probabilities is not None:
+                entry["participation_probability"] = float(probabilities[k])
+            clients.append(entry)
+        summary = {
+            "test_accuracy": evaluation.pooled_accuracy(),
+            "test_loss": evaluation.pooled_loss(),
+            **{
+                f"client_accuracy_{k}": v
+                for k, v in distribution_summary(evaluation.accuracy).items()
+            },
+            **self.strategy.evaluate(self.server.state, self.federation.clients),
+            "rounds_completed": self.next_round,
+            "time_client_total": sum(r["time_client"] for r in self.records),
+            "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
+        }
+        return RunResult(
+            self.config.to_dict(), self.dataset_name, list(self.records), clients, summary
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self) -> None:
+        """Writes the checkpoint atomically (a temporary file renamed over the old one)."""
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.config.to_dict(),
+            "next_round": self.next_round,
+            "server": self.server.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "history": self.history.state_dict(),
+            "records": self.records,
+        }
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        partial = self.checkpoint.with_name(self.checkpoint.name + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, self.checkpoint)
+
+    def load_checkpoint(self) -> None:
+        """Restores the state saved by :meth:`save_checkpoint`. The saved config must equal
+        this run's, except ``rounds``, which may grow to continue a finished run."""
+        if self.checkpoint is None or not self.checkpoint.is_file():
+            raise ConfigError(f"cannot resume: no checkpoint at {self.checkpoint}")
+        state = torch.load(self.checkpoint, weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ConfigError(
+                f"{self.checkpoint}: unknown checkpoint format {state.get('format')!r}"
+            )
+        saved, current = dict(state["config"]), self.config.to_dict()
+        saved.pop("rounds"), current.pop("rounds")
+        changed = sorted(_differences(saved, current))
+        if changed:
+            keys = ", ".join(changed)
+            raise ConfigError(
+                f"cannot resume: the configuration differs from the checkpoint's in {keys}"
+            )
+        if state["next_round"] > self.config.rounds:
+            raise ConfigError(
+                f"cannot resume: the checkpoint is at round {state['next_round']}, "
+                f"past rounds={self.config.rounds}"
+            )
+        self.server.load_state_dict(state["server"])
+        self.strategy.load_state_dict(state["strategy"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.history.load_state_dict(state["history"])
+        self.records = list(state["records"])
+        self.next_round = state["next_round"]
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    keys = set(a) | set(b)
+    out = []
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict) and k != "algorithm_params":
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out

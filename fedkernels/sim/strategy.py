@@ -1,0 +1,134 @@
+"""The strategy interface: what an algorithm adds to the shared round loop.
+
+A round of :class:`~fedkernels.sim.run.Simulation` is
+
+1. the participation sampler picks the clients ``S_t`` (recorded in the history);
+2. if the strategy sets ``wants_global_loss``, the loss ``f_k(x_t)`` of the current global model
+   on each participant's training split is computed (one forward pass, before local training);
+3. each participant trains locally from ``x_t``, minimising its cross-entropy plus the
+   strategy's :meth:`Strategy.local_penalty`;
+4. the strategy's :meth:`Strategy.aggregate` turns the round's :class:`RoundInfo` into the next
+   global model. By default it asks :meth:`Strategy.client_weights` for ``w_k`` and lets the
+   server apply ``Delta_t = sum_k w_k (x_k - x_t)`` through its optimizer
+   (plain: ``x_{t+1} = x_t + eta * Delta_t``), fused in one :func:`fedkernels.aggregate` call.
+
+A new algorithm subclasses :class:`Strategy`, overrides what it needs, and registers itself in
+:mod:`fedkernels.algorithms`. Strategy state that must survive a resume (running estimates,
+per-client tables) goes through :meth:`Strategy.state_dict`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+from torch import Tensor
+
+from .participation import ParticipationHistory
+
+if TYPE_CHECKING:
+    from .server import Server
+
+
+@dataclass
+class SetupInfo:
+    """What a strategy may know before the first round."""
+
+    num_clients: int
+    train_sizes: Tensor  # n_k of every client, float64 [N]
+    num_classes: int
+    participation_probabilities: np.ndarray | None  # stationary p_n, or None (full/uniform)
+    parameter_names: list[str]  # the model's trainable entries, in state_dict order
+    # For strategies that run their own local training (Strategy.train_client):
+    model: Any = None  # the initial global nn.Module (do not modify it)
+    client_config: Any = None  # sim.config.ClientConfig
+    rounds: int = 0  # total rounds R of the run
+    seed: int = 0  # the experiment seed
+
+
+@dataclass
+class RoundInfo:
+    """Everything a strategy sees when it aggregates round ``round`` (0-based).
+
+    Per-participant tensors are aligned with ``participants`` (sorted client ids).
+    """
+
+    round: int
+    num_clients: int
+    participants: Tensor  # int64 [K]
+    num_samples: Tensor  # n_k, float64 [K]
+    global_state: Mapping[str, Tensor]  # x_t (read-only)
+    client_states: list[dict[str, Tensor]]  # x_k after local training (full state_dicts)
+    train_losses: Tensor  # mean local minibatch loss, float64 [K]
+    global_losses: Tensor | None  # f_k(x_t) before local training, float64 [K] (wants_global_loss)
+    history: ParticipationHistory  # I[tau, n] for tau <= round
+
+
+class Strategy:
+    """Base class of the algorithms. Subclasses set ``config_class`` to a dataclass of their
+    parameters (the CLI builds flags ``--<name>.<field>`` from it) and take it in ``__init__``."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type | None] = None
+    wants_global_loss: ClassVar[bool] = False
+
+    def __init__(self, config: Any = None) -> None:
+        if self.config_class is None:
+            if config is not None:
+                raise TypeError(f"{type(self).__name__} takes no configuration")
+        elif config is None:
+            config = self.config_class()
+        elif not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}")
+        self.config = config
+
+    def setup(self, info: SetupInfo) -> None:
+        """Called once, when the :class:`~fedkernels.sim.run.Simulation` is built (on resume,
+        before :meth:`load_state_dict`)."""
+        self.info = info
+
+    def local_penalty(
+        self, params: Mapping[str, Tensor], global_params: Mapping[str, Tensor]
+    ) -> Tensor | None:
+        """A term added to every local minibatch loss, as a function of the client's current
+        trainable parameters and the round's global ones (``None``: no term). It must be a pure
+        tensor function so that the batched (vmap) client path can trace it."""
+        return None
+
+    def transform_local_loss(self, loss: Tensor) -> Tensor:
+        """Maps each local minibatch's mean cross-entropy before the penalty is added and the
+        gradient taken (PropFair's ``-log(1 - loss/M)``); default: unchanged. It must be a pure
+        tensor function (no Python branches on values) so the vmap path can trace it."""
+        return loss
+
+    def train_client(
+        self, global_state: Mapping[str, Tensor], data: Any, round_index: int, client_id: int
+    ) -> Any:
+        """Local training of one client done by the strategy itself (a
+        :class:`~fedkernels.sim.client.ClientUpdate` whose state is what the server aggregates),
+        or ``None`` (the default): the shared trainer's SGD on cross-entropy plus
+        :meth:`local_penalty`."""
+        return None
+
+    def evaluate(self, global_state: Mapping[str, Tensor], clients: list[Any]) -> dict[str, float]:
+        """Extra metrics at each evaluation, e.g. of personalized models on every client's own
+        test split (``clients``: the federation's ``ClientData``); default none."""
+        return {}
+
+    def client_weights(self, info: RoundInfo) -> Tensor:
+        """``w_k`` of the combine ``Delta_t = sum_k w_k (x_k - x_t)``."""
+        raise NotImplementedError(f"{type(self).__name__} must define client_weights or aggregate")
+
+    def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
+        """Updates ``server``'s global model from the round; returns scalars to log."""
+        server.step(info.client_states, self.client_weights(info), info.round)
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain values to checkpoint (default: none)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`."""

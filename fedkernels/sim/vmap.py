@@ -1,0 +1,153 @@
+r"""Training all of a round's clients at once with ``torch.func``.
+
+The K participants' parameters are stacked into ``[K, ...]`` tensors and every local step runs
+``vmap(grad(loss))`` over them: one batched forward and backward instead of K small ones, which
+is where the time of CPU simulations with small models goes (``specs/prior_art.md`` §K6).
+
+Clients whose minibatch plans differ (different data sizes) are padded: step s of client k
+uses the rows of its own plan (the same :func:`~fedkernels.sim.client.batch_plan` the
+sequential path uses), padded to the largest batch with a 0/1 row mask, so its loss is
+:math:`\sum_i m_i \ell_i / \sum_i m_i`, the mean over its real rows; a client whose plan has
+ended is frozen by an ``active`` mask. The SGD step is PyTorch's (momentum :math:`\mu`,
+weight decay :math:`\lambda`, no dampening) written on the stacked tensors:
+
+.. math:: g \leftarrow \nabla + \lambda x,\quad b \leftarrow g \text{ (first step) or }
+          \mu b + g,\quad x \leftarrow x - \gamma_t b.
+
+So the result equals the sequential path up to float rounding. Models whose layers mix the
+rows of a batch (BatchNorm) would see the padding and cannot use this path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from . import seeding
+from .client import ClientUpdate, batch_plan, local_lr
+from .config import ClientConfig, ConfigError
+from .federation import ClientData
+from .strategy import Strategy
+
+
+def check_batchable(model: nn.Module) -> None:
+    """Raises :class:`ConfigError` if ``model`` cannot be trained on the batched path."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise ConfigError(
+                f"vmap client training cannot handle BatchNorm (layer {name!r}): padded rows would "
+                "enter the batch statistics; use model.batch_norm=false or vmap=false"
+            )
+
+
+class BatchedTrainer:
+    """Trains a list of clients with one vmapped step per local step (module docstring)."""
+
+    def __init__(
+        self, model: nn.Module, config: ClientConfig, strategy: Strategy, seed: int
+    ) -> None:
+        check_batchable(model)
+        self.model = copy.deepcopy(model)
+        self.config = config
+        self.strategy = strategy
+        self.seed = seed
+        self.parameter_names = [n for n, _ in self.model.named_parameters()]
+
+    def train(
+        self,
+        global_state: dict[str, Tensor],
+        clients: list[ClientData],
+        round_index: int,
+        client_ids: list[int],
+    ) -> list[ClientUpdate]:
+        """Local training of ``clients`` (ids ``client_ids``) in round ``round_index``, with the
+        minibatch plans of the sequential path; dropout draws from
+        ``(seed, LOCAL_TRAINING, round)``, so it differs from the sequential path's."""
+        config, k_count = self.config, len(clients)
+        plans = [
+            batch_plan(
+                c.num_train, config, seeding.numpy_rng(self.seed, seeding.BATCHES, round_index, cid)
+            )
+            for c, cid in zip(clients, client_ids)
+        ]
+        index, mask, active = _pad_plans(plans)
+        x_all = _stack_rows([c.train_x for c in clients])
+        y_all = _stack_rows([c.train_y for c in clients])
+
+        names = self.parameter_names
+        params = {n: global_state[n].unsqueeze(0).repeat_interleave(k_count, 0) for n in names}
+        buffers = {n: t for n, t in global_state.items() if n not in params}
+        global_params = {n: global_state[n] for n in names}
+        strategy, model = self.strategy, self.model
+
+        def losses(p: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+            logits = functional_call(model, (p, buffers), (x,))
+            data = (F.cross_entropy(logits, y, reduction="none") * m).sum() / m.sum().clamp_min(1.0)
+            objective = strategy.transform_local_loss(data)
+            penalty = strategy.local_penalty(p, global_params)
+            return (objective if penalty is None else objective + penalty), data
+
+        step = vmap(grad_and_value(losses, has_aux=True), randomness="different")
+        lr = local_lr(config, round_index)
+        rows = torch.arange(k_count).unsqueeze(1)
+        momentum: dict[str, Tensor] = {}
+        loss_sum = torch.zeros(k_count, dtype=torch.float64)
+        model.train()
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index):
+            for s in range(index.shape[0]):
+                grads, (_, data_loss) = step(
+                    params, x_all[rows, index[s]], y_all[rows, index[s]], mask[s]
+                )
+                on = active[s]
+                for n in names:
+                    p, g = params[n], grads[n]
+                    if config.weight_decay:
+                        g = g + config.weight_decay * p
+                    if config.momentum:
+                        if s > 0:
+                            g = _where(on, config.momentum * momentum[n] + g, momentum[n])
+                        momentum[n] = g
+                    params[n] = _where(on, p - lr * g, p)
+                loss_sum += torch.where(on, data_loss.double(), 0.0)
+
+        steps = active.sum(dim=0).double()
+        order = list(global_state)
+        return [
+            ClientUpdate(
+                {n: (params[n][k] if n in params else buffers[n]).clone() for n in order},
+                float(loss_sum[k] / steps[k]),
+            )
+            for k in range(k_count)
+        ]
+
+
+def _where(on: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    return torch.where(on.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+def _stack_rows(tensors: list[Tensor]) -> Tensor:
+    """``[K, n_max, ...]``, each client's rows first, zero padded."""
+    out = tensors[0].new_zeros(
+        (len(tensors), max(t.shape[0] for t in tensors), *tensors[0].shape[1:])
+    )
+    for k, t in enumerate(tensors):
+        out[k, : t.shape[0]] = t
+    return out
+
+
+def _pad_plans(plans: list[list[np.ndarray]]) -> tuple[Tensor, Tensor, Tensor]:
+    """``index [S, K, B]`` (padding points at row 0), ``mask [S, K, B]`` and ``active [S, K]``."""
+    steps = max(len(p) for p in plans)
+    width = max(len(b) for p in plans for b in p)
+    index = np.zeros((steps, len(plans), width), dtype=np.int64)
+    mask = np.zeros((steps, len(plans), width), dtype=np.float32)
+    for k, plan in enumerate(plans):
+        for s, rows in enumerate(plan):
+            index[s, k, : len(rows)] = rows
+            mask[s, k, : len(rows)] = 1.0
+    return torch.from_numpy(index), torch.from_numpy(mask), torch.from_numpy(mask.any(axis=2))
