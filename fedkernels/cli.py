@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    commands.add_parser(
+        "compare", help="run several algorithms over several seeds (see fedkernels compare -h)"
+    )
 
     top = run.add_argument_group("experiment")
     types = field_types(ExperimentConfig)
@@ -213,6 +216,11 @@ def _default_out(config: ExperimentConfig) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fedkernels`` script."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:  # several strategies x seeds -> table + plot (compare.py)
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

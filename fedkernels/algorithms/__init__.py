@@ -13,6 +13,11 @@ from .fedavg import FedAvg
 from .fedprox import FedProx, FedProxConfig
 from .registry import available, build_strategy, register, strategy_class
 
+# Fair and participation-aware aggregation (issue 4): q-FFL, q-FedAvg, AFL, TERM, PropFair,
+# GiFair, Delta-FL, FedMGDA+, VRed, Semi-VRed; FedAU, MIFA, FedVARP and the averaging
+# baselines; AAggFF-S/-D.
+from . import aaggff, fairness, participation  # noqa: E402,F401
+
 __all__ = [
     "FedAvg",
     "FedProx",
