@@ -160,6 +160,29 @@ def memory_in_child(argv: list[str]) -> dict[str, int | None]:
             return json.load(f)
 
 
+def markdown_table(rows: list[dict]) -> str:
+    """One line per (model, dtype, K): the fused op's time, bandwidth and memory, and how many
+    times slower each alternative is."""
+    others = ["loop", "foreach", "stack", "flat mv", "reference"]
+    lines = [
+        "| model | dtype | K | fused ms | GB/s | % read probe | extra mem (outputs) | "
+        + " | ".join(f"{o} ×" for o in others) + " |",
+        "|" + "---|" * (7 + len(others)),
+    ]
+    blocks: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        blocks.setdefault((r["model"], r["dtype"], r["K"]), {})[r["method"]] = r
+    for (model, dtype, k), by in blocks.items():
+        f = by.get("fused")
+        if f is None:
+            continue
+        mem = "" if f["extra_in_outputs"] is None else f"{f['extra_in_outputs']:.2f}"
+        cells = [f"{by[o]['time_vs_fused']:.1f}" if o in by else "" for o in others]
+        lines.append(f"| {model} | {dtype} | {k} | {f['median_ms']:.1f} | {f['GBps']:.1f} | "
+                     f"{f['pct_read_probe']:.0f} | {mem} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def run(args, argv: list[str]) -> dict:
     device = torch.device(args.device)
     memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
@@ -203,7 +226,8 @@ def run(args, argv: list[str]) -> dict:
     payload = {"environment": env, "probes": probes, "rows": rows,
                "command": "python bench/bench_aggregate.py " + " ".join(argv)}
     path = write_results("aggregate", device, payload)
-    print(f"# wrote {path}")
+    print(f"# wrote {path}\n")
+    print(markdown_table(rows))
     return payload
 
 
