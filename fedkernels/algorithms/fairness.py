@@ -90,6 +90,52 @@ class LossWeighted(Strategy):
         return {"weight_min": float(weights.min()), "weight_max": float(weights.max())}
 
 
+# ---------------------------------------------------------------- pure weight rules
+# The strategies below read f_k and n_k off the round and call these; the Flower strategies of
+# fedkernels.integrations.flower call them on the values the clients report.
+
+
+def qffl_weights(num_samples: Tensor, losses: Tensor, q: float) -> Tensor:
+    r""":math:`w_k = n_k f_k^q / \sum_j n_j f_j^q` (losses clamped at 1e-12)."""
+    raw = num_samples * losses.clamp_min(1e-12) ** q
+    return raw / raw.sum()
+
+
+def qfedavg_weights(losses: Tensor, sq_norms: Tensor, q: float, lipschitz: float) -> Tensor:
+    r"""q-FedAvg's weights on :math:`x_k - x_t`: :math:`w_k = L (f_k+\epsilon)^q / \sum_j h_j`,
+    :math:`h_k = q (f_k+\epsilon)^{q-1} L^2 \|x_k - x_t\|^2 + L (f_k+\epsilon)^q`,
+    :math:`\epsilon = 10^{-10}` (``sq_norms``: :math:`\|x_k - x_t\|^2`)."""
+    f = losses + 1e-10
+    h = q * f ** (q - 1.0) * lipschitz**2 * sq_norms + lipschitz * f**q
+    return lipschitz * f**q / h.sum()
+
+
+def term_weights(num_samples: Tensor, losses: Tensor, tilt: float, use_sizes: bool = True
+                 ) -> Tensor:
+    r""":math:`w = \mathrm{softmax}(\tau f + \log p)` with :math:`p_k = n_k/\sum_j n_j`
+    (without :math:`\log p` when ``use_sizes`` is false)."""
+    logits = tilt * losses
+    if use_sizes:
+        logits = logits + (num_samples / num_samples.sum()).log()
+    return torch.softmax(logits, dim=0)
+
+
+def vred_weights(num_samples: Tensor, losses: Tensor, beta: float, semi: bool,
+                 clamp_negative: bool = False) -> Tensor:
+    r"""(Semi-)VRed: :math:`w_k = p_k (1 + 2\beta (a_k - A))`, :math:`a_k = f_k - \bar f`
+    (``semi``: :math:`(f_k - \bar f)_+`), :math:`\bar f = \sum p_j f_j`,
+    :math:`A = \sum p_j a_j`; ``clamp_negative`` clips at 0 and renormalises."""
+    p = num_samples / num_samples.sum()
+    a = losses - (p * losses).sum()
+    if semi:
+        a = a.clamp_min(0.0)
+    w = p * (1.0 + 2.0 * beta * (a - (p * a).sum()))
+    if clamp_negative:
+        w = w.clamp_min(0.0)
+        w = w / w.sum()
+    return w
+
+
 # ---------------------------------------------------------------- q-FFL
 
 
@@ -111,8 +157,7 @@ class QFFL(LossWeighted):
     config_class = QFFLConfig
 
     def client_weights(self, info: RoundInfo) -> Tensor:
-        raw = info.num_samples * self.losses(info).clamp_min(1e-12) ** self.config.q
-        return raw / raw.sum()
+        return qffl_weights(info.num_samples, self.losses(info), self.config.q)
 
 
 @dataclass
@@ -156,11 +201,8 @@ class QFedAvg(LossWeighted):
             raise ConfigError("qfedavg: set qfedavg.lipschitz (no client learning rate known)")
 
     def client_weights(self, info: RoundInfo) -> Tensor:
-        q, lip = self.config.q, self.lipschitz
-        f = self.losses(info) + 1e-10
         sq_norms = update_sq_norms(info.client_states, info.global_state, self.info.parameter_names)
-        h = q * f ** (q - 1.0) * lip**2 * sq_norms + lip * f**q
-        return lip * f**q / h.sum()
+        return qfedavg_weights(self.losses(info), sq_norms, self.config.q, self.lipschitz)
 
 
 # ---------------------------------------------------------------- AFL
@@ -228,10 +270,8 @@ class TERM(LossWeighted):
     config_class = TERMConfig
 
     def client_weights(self, info: RoundInfo) -> Tensor:
-        logits = self.config.tilt * self.losses(info)
-        if self.config.use_sizes:
-            logits = logits + self.data_fractions(info).log()
-        return torch.softmax(logits, dim=0)
+        return term_weights(info.num_samples, self.losses(info), self.config.tilt,
+                            self.config.use_sizes)
 
 
 # ---------------------------------------------------------------- PropFair
@@ -423,16 +463,8 @@ class VRed(LossWeighted):
     semi = False
 
     def client_weights(self, info: RoundInfo) -> Tensor:
-        p = self.data_fractions(info)
-        f = self.losses(info)
-        a = f - (p * f).sum()
-        if self.semi:
-            a = a.clamp_min(0.0)
-        w = p * (1.0 + 2.0 * self.config.beta * (a - (p * a).sum()))
-        if self.config.clamp_negative:
-            w = w.clamp_min(0.0)
-            w = w / w.sum()
-        return w
+        return vred_weights(info.num_samples, self.losses(info), self.config.beta, self.semi,
+                            self.config.clamp_negative)
 
 
 @register
@@ -458,5 +490,9 @@ __all__ = [
     "SemiVRed",
     "VRed",
     "cvar_weights",
+    "qfedavg_weights",
+    "qffl_weights",
+    "term_weights",
+    "vred_weights",
     "superquantile_selection",
 ]
