@@ -68,3 +68,74 @@ struct StatsMath {
 };
 
 }  // namespace fedkernels
+
+// ---------------------------------------------------------------- Ensemble distillation (issue 7)
+// specs/fedgo.md §2.2-2.4 and §4 K1-K4; schemas in csrc/ops.cpp. Scalar math only (A = float
+// or double): the CPU and CUDA kernels compute the same per-row statistics and call these to
+// turn them into scores, weights and loss terms.
+#include <cmath>
+
+namespace fedkernels {
+
+// exp and log of float/double on either device (std:: on the host, CUDA's overloads on it).
+template <typename A>
+FEDKERNELS_HD A math_exp(A x) {
+#if defined(__CUDA_ARCH__)
+  return exp(x);
+#else
+  return std::exp(x);
+#endif
+}
+template <typename A>
+FEDKERNELS_HD A math_log(A x) {
+#if defined(__CUDA_ARCH__)
+  return log(x);
+#else
+  return std::log(x);
+#endif
+}
+
+enum class Weighting : int { kUniform = 0, kEntropy = 1, kFedgo = 2, kVariance = 3, kDomain = 4 };
+
+struct DistillMath {
+  // Softmax-normalised weightings (w = softmax_k(score + log_prior)); the others are linear.
+  FEDKERNELS_HD static bool softmax_kind(Weighting w) {
+    return w == Weighting::kUniform || w == Weighting::kEntropy || w == Weighting::kFedgo;
+  }
+  template <typename A>
+  FEDKERNELS_HD static A sigmoid(A z) {
+    return A(1) / (A(1) + math_exp(-z));
+  }
+  // H(softmax(x)) = lse - sum_c p_c x_c, from m = max x, s = sum e^(x - m), t = sum e^(x - m) x
+  // (the stable form of §4 K2).
+  template <typename A>
+  FEDKERNELS_HD static A entropy(A m, A s, A t) {
+    return m + math_log(s) - t / s;
+  }
+  // The per-client score of one sample before normalisation over clients:
+  //   softmax kinds: the exponent (without log_prior); linear kinds: the non-negative mass
+  //   (without the n_k factor). var = (1/C) sum_c (x_c - mean)^2.
+  template <typename A>
+  FEDKERNELS_HD static A score(Weighting w, A z, A ent, A var, A tau, bool double_sigmoid) {
+    switch (w) {
+      case Weighting::kEntropy: return -ent / tau;
+      case Weighting::kFedgo: return double_sigmoid ? sigmoid(z) : z;
+      case Weighting::kVariance: return var;
+      case Weighting::kDomain: return sigmoid(z);
+      default: return A(0);
+    }
+  }
+  // One element of the KL loss: y (log y - log q), with 0 at y = 0 (xlogy).
+  template <typename A>
+  FEDKERNELS_HD static A kl_term(A y, A log_q) {
+    return y > A(0) ? y * (math_log(y) - log_q) : A(0);
+  }
+  // d loss / d S for one element: (scale / T) (q sum_c y - y), i.e. (scale / T) (q - y) for a
+  // normalised target (exact for any non-negative target).
+  template <typename A>
+  FEDKERNELS_HD static A kl_grad(A q, A y, A y_sum, A scale_over_t) {
+    return scale_over_t * (q * y_sum - y);
+  }
+};
+
+}  // namespace fedkernels

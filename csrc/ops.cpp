@@ -47,4 +47,42 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "superfed_stats_backward(Tensor grad_stats, Tensor[] global_params, "
       "Tensor[] local_params, Tensor[] anchor, bool[3] output_mask) "
       "-> (Tensor[], Tensor[], Tensor[])");
+  // Both of the above in one pass each way (the SuPerFed local step): theta as mix_endpoints
+  // and the stats rows as superfed_stats(g, l, anchor). Backward, given G (for theta) and H:
+  //   grad_g = (1 - lam) G + H0 l + 2 H1 g + 2 H3 (g - a),  grad_l = lam G + H0 g + 2 H2 l,
+  //   grad_lam = sum <G, l - g>,  grad_a = -2 H3 (g - a).
+  m.def(
+      "mix_endpoints_with_stats(Tensor[] global_params, Tensor[] local_params, Tensor lam, "
+      "Tensor[] anchor) -> (Tensor[], Tensor)");
+  m.def(
+      "mix_endpoints_with_stats_backward(Tensor[] grads, Tensor grad_stats, "
+      "Tensor[] global_params, Tensor[] local_params, Tensor lam, Tensor[] anchor, "
+      "bool[4] output_mask) -> (Tensor[], Tensor[], Tensor, Tensor[])");
+}
+
+// ---------------------------------------------------------------- Ensemble distillation (issue 7)
+// Spec: specs/fedgo.md §2.2-2.4, §2.9 and §4 K1-K4. Kernels: csrc/cpu/distill.cpp,
+// csrc/cuda/distill.cu; host side: csrc/distill_host.h; Python: fedkernels/distill.py.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Pseudo-labels of K teachers' logits L[K, N, C] in one pass per sample i:
+  //   weights w[k, i] (sum_k w = 1), by `weighting`:
+  //     uniform:  softmax_k(log_prior_k)
+  //     entropy:  softmax_k(-H(softmax(L[k, i])) / tau + log_prior_k)
+  //     fedgo:    softmax_k(g(z[k, i]) + log_prior_k), g = sigmoid (double_sigmoid) or identity
+  //     variance: n_k Var_c(L[k, i]) / sum_j n_j Var_c(L[j, i])  (uniform when the sum is 0)
+  //     domain:   n_k sig(z[k, i]) / sum_j n_j sig(z[j, i])
+  //   (n_k = exp(log_prior_k); scores z = the discriminators' logits [K, N], for fedgo/domain)
+  //   combine "logits": y[i] = softmax(sum_k w[k, i] L[k, i] / T)
+  //   combine "probs":  y[i] = sum_k w[k, i] softmax(L[k, i] / T)
+  // Returns (y [N, C], w [K, N]), both in L's dtype; accumulation in fp32 (fp64 for fp64).
+  m.def(
+      "ensemble_pseudo_labels(Tensor logits, Tensor? scores, Tensor? log_prior, str weighting, "
+      "str combine, float temperature, float tau, bool double_sigmoid) -> (Tensor, Tensor)");
+  // Distillation loss and its gradient in one pass over (S [N, C], y [N, C]):
+  //   loss = scale * sum_i sum_c y (log y - log_softmax(S / T))   (y log y = 0 at y = 0)
+  //   grad = d loss / d S = (scale / T) (softmax(S / T) sum_c y - y)  (empty when not with_grad)
+  // The loss is float32 (float64 for float64 S); grad has S's dtype.
+  m.def(
+      "distill_kl(Tensor student_logits, Tensor target, float temperature, float scale, "
+      "bool with_grad) -> (Tensor, Tensor)");
 }

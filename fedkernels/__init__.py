@@ -10,6 +10,10 @@ _native.load()
 
 from . import ops, reference  # noqa: E402  (the ops must be registered first)
 from .aggregate import Accumulator, aggregate  # noqa: E402
+from .mixing import (  # noqa: E402,F401
+    cosine_orthogonality, mix_endpoints, proximal_term, superfed_mix, superfed_regularizer,
+)
+from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402,F401
 
 __version__ = "0.1.0"
 __all__ = ["aggregate", "Accumulator", "ops", "reference"]

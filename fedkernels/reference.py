@@ -105,3 +105,166 @@ def aggregate_reference(
         as_dicts, w, base=b, scale=scale, normalize=False, int_policy=int_policy
     )
     return [out[n] for n in names]
+
+
+# ---------------------------------------------------------------- SuPerFed (issue 5)
+# specs/superfed.md §1.4, §1.5 and §3 K1-K3; the ops are in fedkernels/mixing.py.
+
+
+def mix_endpoints_reference(
+    global_params: Sequence[Tensor], local_params: Sequence[Tensor], lam
+) -> list[Tensor]:
+    """``theta_t = lerp(g_t, l_t, lam_t)`` with one lam for all tensors or one per tensor,
+    in fp32 for half types (differentiable in all three arguments)."""
+    lam = torch.as_tensor(lam, dtype=torch.float64)
+    lams = lam.reshape(-1).expand(len(global_params))
+    out = []
+    for t, (g, l) in enumerate(zip(global_params, local_params)):
+        acc = _acc_dtype(g.dtype)
+        w = lams[t].to(acc)
+        out.append(torch.lerp(g.to(acc), l.to(acc), w.to(g.device)).to(g.dtype))
+    return out
+
+
+def superfed_stats_reference(
+    global_params: Sequence[Tensor],
+    local_params: Sequence[Tensor] = (),
+    anchor: Sequence[Tensor] = (),
+) -> Tensor:
+    """Float64 ``[T, 4]`` rows ``[<g,l>, ||g||^2, ||l||^2, ||g-a||^2]`` (0 for a missing list)."""
+    rows = []
+    for t, g in enumerate(global_params):
+        g64 = g.double()
+        zero = g64.new_zeros(())
+        l64 = local_params[t].double() if len(local_params) else None
+        a64 = anchor[t].double() if len(anchor) else None
+        rows.append(torch.stack([
+            (g64 * l64).sum() if l64 is not None else zero,
+            (g64 * g64).sum(),
+            (l64 * l64).sum() if l64 is not None else zero,
+            ((g64 - a64) ** 2).sum() if a64 is not None else zero,
+        ]))
+    if not rows:
+        return torch.zeros((0, 4), dtype=torch.float64)
+    return torch.stack(rows)
+
+
+def cosine_orthogonality_reference(
+    global_params: Sequence[Tensor],
+    local_params: Sequence[Tensor],
+    per_tensor: bool = False,
+    numerator_eps: float = 0.0,
+    eps: float = 1e-12,
+) -> Tensor:
+    """``(<g,l> + numerator_eps * N)^2 / (||g||^2 ||l||^2 + eps)`` over the flattened model (or
+    per tensor), written as the official code does with per-tensor Python loops, in float64."""
+    if per_tensor:
+        return torch.stack([
+            cosine_orthogonality_reference([g], [l], False, numerator_eps, eps)
+            for g, l in zip(global_params, local_params)
+        ])
+    pairs = zip(global_params, local_params)
+    s = sum((g.double() * l.double() + numerator_eps).sum() for g, l in pairs)
+    a = sum(g.double().pow(2).sum() for g in global_params)
+    b = sum(l.double().pow(2).sum() for l in local_params)
+    return torch.as_tensor(s) ** 2 / (a * b + eps)
+
+
+def proximal_term_reference(
+    global_params: Sequence[Tensor],
+    anchor: Sequence[Tensor],
+    mu: float = 1.0,
+    form: str = "paper",
+) -> Tensor:
+    """paper: ``mu/2 * sum_p ||g_p - a_p||^2``; code: ``mu * sum_p ||g_p - a_p||`` (torch.norm,
+    whose gradient is 0 at 0), in float64."""
+    diffs = [g.double() - a.double() for g, a in zip(global_params, anchor)]
+    if form == "paper":
+        return 0.5 * mu * sum((d**2).sum() for d in diffs)
+    return mu * sum(torch.linalg.vector_norm(d) for d in diffs)
+
+
+# ---------------------------------------------------------------- Ensemble distillation (issue 7)
+# specs/fedgo.md §2.2-2.4, §2.9, §4 K1-K4. The composition a user would write with torch ops.
+
+
+def ensemble_weights_reference(
+    logits: Tensor,
+    scores: Tensor | None = None,
+    weighting: str = "uniform",
+    sample_sizes: Sequence[float] | Tensor | None = None,
+    tau: float = 1.0,
+    odds: str = "double_sigmoid",
+) -> Tensor:
+    """Per-sample client weights ``w[K, N]`` (each column sums to 1) in the accumulate dtype:
+    uniform, entropy ``softmax(-H/tau)``, fedgo ``softmax(g(z) + log n)``, variance
+    ``n v / sum n v`` (uniform where every v is 0), domain ``n sig(z) / sum n sig(z)``."""
+    acc = _acc_dtype(logits.dtype)
+    L = logits.to(acc)
+    K, N, _ = L.shape
+    log_n = (
+        torch.zeros(K, dtype=acc, device=L.device)
+        if sample_sizes is None
+        else torch.as_tensor(sample_sizes, dtype=torch.float64).log().to(acc).to(L.device)
+    )
+    if weighting in ("uniform", "entropy", "fedgo"):
+        if weighting == "uniform":
+            a = torch.zeros(K, N, dtype=acc, device=L.device)
+        elif weighting == "entropy":
+            p = torch.softmax(L, dim=-1)
+            a = (p * torch.log_softmax(L, dim=-1)).sum(-1) / tau  # -H / tau
+        else:
+            z = scores.to(acc)
+            a = torch.sigmoid(z) if odds == "double_sigmoid" else z
+        return torch.softmax(a + log_n[:, None], dim=0)
+    if weighting == "variance":
+        s = L.var(dim=-1, unbiased=False)
+    elif weighting == "domain":
+        s = torch.sigmoid(scores.to(acc))
+    else:
+        raise ValueError(f"unknown weighting {weighting!r}")
+    s = s * log_n.exp()[:, None]
+    total = s.sum(0, keepdim=True)
+    return torch.where(total > 0, s / total.clamp_min(torch.finfo(acc).tiny), 1.0 / K)
+
+
+def ensemble_pseudo_labels_reference(
+    logits: Tensor,
+    scores: Tensor | None = None,
+    *,
+    weighting: str = "uniform",
+    sample_sizes: Sequence[float] | Tensor | None = None,
+    combine: str = "logits",
+    temperature: float = 1.0,
+    tau: float = 1.0,
+    odds: str = "double_sigmoid",
+    return_weights: bool = False,
+):
+    """``y[N, C]``: ``softmax(sum_k w_k L_k / T)`` (logits) or ``sum_k w_k softmax(L_k / T)``
+    (probs), with ``w`` from :func:`ensemble_weights_reference`; in ``logits``' dtype."""
+    acc = _acc_dtype(logits.dtype)
+    L = logits.to(acc)
+    w = ensemble_weights_reference(logits, scores, weighting, sample_sizes, tau, odds)
+    if combine == "logits":
+        y = torch.softmax((w[:, :, None] * L).sum(0) / temperature, dim=-1)
+    else:
+        y = (w[:, :, None] * torch.softmax(L / temperature, dim=-1)).sum(0)
+    y = y.to(logits.dtype)
+    return (y, w.to(logits.dtype)) if return_weights else y
+
+
+def distill_kl_reference(
+    student_logits: Tensor,
+    pseudo_labels: Tensor,
+    temperature: float = 1.0,
+    scale: float | None = None,
+) -> Tensor:
+    """``scale * sum_i sum_c y (log y - log_softmax(S/T))`` with ``0 log 0 = 0``; default scale
+    ``T^2 / N`` (forward KL, batchmean). Float32 (float64 for float64 inputs)."""
+    acc = _acc_dtype(student_logits.dtype)
+    n = student_logits.shape[0]
+    if scale is None:
+        scale = temperature**2 / max(n, 1)
+    log_q = torch.log_softmax(student_logits.to(acc) / temperature, dim=-1)
+    y = pseudo_labels.to(acc)
+    return scale * (torch.xlogy(y, y) - y * log_q).sum()

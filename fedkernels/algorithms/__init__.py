@@ -6,22 +6,29 @@ and :func:`build_strategy` choose from the registry:
 - ``fedavg``: :class:`~fedkernels.algorithms.fedavg.FedAvg` (with ``server.optimizer`` it is
   also FedAvgM, FedAdam, FedYogi, FedAdagrad);
 - ``fedprox``: :class:`~fedkernels.algorithms.fedprox.FedProx`;
+- ``superfed-mm``, ``superfed-lm``: :mod:`~fedkernels.algorithms.superfed` (personalized).
 """
 
 # Importing an algorithm's module registers it.
 from .fedavg import FedAvg
 from .fedprox import FedProx, FedProxConfig
 from .registry import available, build_strategy, register, strategy_class
+from .superfed import SuPerFedConfig, SuPerFedLM, SuPerFedMM  # noqa: E402
 
 # Fair and participation-aware aggregation (issue 4): q-FFL, q-FedAvg, AFL, TERM, PropFair,
 # GiFair, Delta-FL, FedMGDA+, VRed, Semi-VRed; FedAU, MIFA, FedVARP and the averaging
 # baselines; AAggFF-S/-D.
 from . import aaggff, fairness, participation  # noqa: E402,F401
+# Ensemble distillation (issue 7): feddf, fedet, entropy-kd, dafkd, fedgo.
+from . import distillation  # noqa: E402,F401
 
 __all__ = [
     "FedAvg",
     "FedProx",
     "FedProxConfig",
+    "SuPerFedConfig",
+    "SuPerFedLM",
+    "SuPerFedMM",
     "available",
     "build_strategy",
     "register",

@@ -61,9 +61,15 @@ class DataConfig:
     client_column: str | None = _field(
         "client", "csv: name of the client column (natural partition)"
     )
+    server_fraction: float = _field(
+        0.0,
+        "fraction of each class held out as the server's unlabeled data (ensemble "
+        "distillation; 0: none)",
+    )
 
     def __post_init__(self) -> None:
         _require(0.0 < self.test_fraction < 1.0, "data.test_fraction must be in (0, 1)")
+        _require(0.0 <= self.server_fraction < 1.0, "data.server_fraction must be in [0, 1)")
         _require(self.alpha >= 0 and self.beta >= 0, "data.alpha and data.beta must be >= 0")
         _require(self.max_samples >= 50, "data.max_samples must be >= 50 (the generator's minimum)")
         _require(self.num_samples >= 2, "data.num_samples must be >= 2")

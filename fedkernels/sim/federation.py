@@ -42,6 +42,7 @@ class Federation:
     num_classes: int
     num_features: int
     image_shape: tuple[int, ...] | None = None
+    server_x: Tensor | None = None  # the server's unlabeled data (data.server_fraction)
 
     @property
     def num_clients(self) -> int:
@@ -69,17 +70,45 @@ def split_client(
     return np.sort(shuffled[num_test:]), np.sort(shuffled[:num_test])
 
 
+def server_split(
+    labels: np.ndarray, fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(client_rows, server_rows)``: ``round(fraction * n_c)`` random samples of each class c
+    go to the server (its unlabeled data, specs/fedgo.md §2.11), the rest to the clients."""
+    server = []
+    for c in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == c))
+        server.append(members[: int(round(fraction * len(members)))])
+    server_rows = np.sort(np.concatenate(server)) if server else np.zeros(0, dtype=np.int64)
+    client_rows = np.setdiff1d(np.arange(len(labels)), server_rows)
+    return client_rows, server_rows
+
+
 def build_federation(
-    dataset: Dataset, config: PartitionConfig, test_fraction: float, seed: int
+    dataset: Dataset,
+    config: PartitionConfig,
+    test_fraction: float,
+    seed: int,
+    server_fraction: float = 0.0,
 ) -> Federation:
     """Partitions ``dataset`` and splits each client's share into train and test, with the
-    split of client k seeded by ``(seed, SPLIT, k)``."""
+    split of client k seeded by ``(seed, SPLIT, k)``. With ``server_fraction`` > 0 that
+    fraction of every class is first held out, unlabeled, for the server (``server_x``)."""
+    labels = dataset.y.numpy()
+    rows = np.arange(len(labels))
+    server_x = None
+    if server_fraction > 0:
+        rows, server_rows = server_split(
+            labels, server_fraction, seeding.numpy_rng(seed, seeding.SERVER_SPLIT)
+        )
+        server_x = dataset.x[torch.from_numpy(server_rows)]
     parts = partition(
         config,
-        dataset.y.numpy(),
-        dataset.groups,
+        labels[rows],
+        None if dataset.groups is None else dataset.groups[rows],
         seeding.numpy_rng(seed, seeding.PARTITION),
     )
+    parts = [rows[p] for p in parts]
     clients = []
     for k, rows in enumerate(parts):
         train, test = split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
@@ -94,4 +123,6 @@ def build_federation(
                 test,
             )
         )
-    return Federation(clients, dataset.num_classes, dataset.num_features, dataset.image_shape)
+    return Federation(
+        clients, dataset.num_classes, dataset.num_features, dataset.image_shape, server_x
+    )

@@ -71,7 +71,7 @@ class Simulation:
             dataset = load_dataset(config.data, config.partition.num_clients, seed)
         self.dataset_name = dataset.name
         self.federation = build_federation(
-            dataset, config.partition, config.data.test_fraction, seed
+            dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction
         )
         fed = self.federation
         if model is None:
@@ -99,6 +99,7 @@ class Simulation:
                 client_config=config.client,
                 rounds=config.rounds,
                 seed=seed,
+                server_data=fed.server_x,
             )
         )
 

@@ -22,6 +22,7 @@ PARTICIPATION = 3
 MODEL_INIT = 4
 BATCHES = 5
 LOCAL_TRAINING = 6
+SERVER_SPLIT = 7
 
 
 def numpy_rng(seed: int, stream: int, *keys: int) -> np.random.Generator:

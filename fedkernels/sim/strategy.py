@@ -46,6 +46,7 @@ class SetupInfo:
     client_config: Any = None  # sim.config.ClientConfig
     rounds: int = 0  # total rounds R of the run
     seed: int = 0  # the experiment seed
+    server_data: Tensor | None = None  # the server's unlabeled rows (data.server_fraction)
 
 
 @dataclass

@@ -1,0 +1,119 @@
+"""The fused pseudo-label op against its PyTorch composition (specs/fedgo.md §4 K1-K3).
+
+    OMP_NUM_THREADS=2 python bench/bench_distill.py [--device cuda] [--repeats 7]
+
+For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} classes (fp32):
+
+- ``fused``: ``fedkernels.ensemble_pseudo_labels`` (one pass per sample: weights, combination,
+  softmax);
+- ``torch``: the composition a user writes (``fedkernels.reference.ensemble_pseudo_labels_reference``:
+  sigmoid/softmax over clients for the weights, broadcast multiply, sum over K, softmax), eager.
+
+Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once) and
+``entropy`` (a per-teacher softmax and entropy first: the composition materialises several
+[K, N, C] intermediates). Effective bandwidth counts the minimum traffic (read L and the scores,
+write y and w) and is compared with a read-bandwidth probe measured in the same run. The
+machine may be shared: the two variants are timed interleaved, and the ratio is the median
+over rounds of the per-round ratio. Results: bench/results/<device>.json under
+``ensemble_pseudo_labels``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bandwidth_probes, environment, synchronize, write_results  # noqa: E402
+
+import fedkernels  # noqa: E402
+from fedkernels import reference as R  # noqa: E402
+
+KS = (10, 40)
+NS = (256, 4096)
+CS = (10, 100, 1000)
+WEIGHTINGS = ("fedgo", "entropy")
+
+
+def timed(fn, device) -> float:
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved(fns: dict, device, repeats: int) -> dict:
+    for fn in fns.values():  # warm-up
+        fn()
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(timed(fn, device))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    probes = bandwidth_probes(device, args.probe_bytes)
+    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for K in KS:
+        for N in NS:
+            for C in CS:
+                L = (3 * torch.randn(K, N, C, generator=g)).to(device)
+                z = torch.randn(K, N, generator=g).to(device)
+                n = torch.arange(1, K + 1, dtype=torch.float64) * 10
+                for weighting in WEIGHTINGS:
+                    s = z if weighting == "fedgo" else None
+                    sizes = n if weighting == "fedgo" else None
+                    kw = dict(weighting=weighting, sample_sizes=sizes)
+                    fns = {
+                        "fused": lambda: fedkernels.ensemble_pseudo_labels(L, s, **kw),
+                        "torch": lambda: R.ensemble_pseudo_labels_reference(L, s, **kw),
+                    }
+                    big = K * N * C >= 40 * 4096 * 100
+                    times = interleaved(fns, device, max(3, args.repeats // 2) if big else args.repeats)
+                    nbytes = 4 * (K * N * C + (K * N if s is not None else 0) + N * C + K * N)
+                    fused = statistics.median(times["fused"])
+                    ref = statistics.median(times["torch"])
+                    ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
+                    row = {
+                        "K": K, "N": N, "C": C, "weighting": weighting,
+                        "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
+                        "speedup_median_of_ratios": ratio,
+                        "min_traffic_bytes": nbytes,
+                        "fused_GBps": nbytes / fused / 1e9,
+                        "fused_fraction_of_read_probe": nbytes / fused / 1e9 / probes["read_GBps"],
+                        "torch_GBps": nbytes / ref / 1e9,
+                    }
+                    rows.append(row)
+                    print(f"K={K:3d} N={N:5d} C={C:5d} {weighting:8s} fused {1e3*fused:9.3f} ms "
+                          f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
+                          f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
+                del L, z
+    payload = {"environment": environment(device), "probes": probes, "rows": rows,
+               "dtype": "float32", "repeats": args.repeats}
+    print("wrote", write_results("ensemble_pseudo_labels", device, payload))
+
+
+if __name__ == "__main__":
+    main()

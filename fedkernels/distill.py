@@ -1,0 +1,278 @@
+r"""Ensemble-distillation ops (issue 7; math in ``specs/fedgo.md`` §2.2-2.4, §2.9, §4 K1-K4).
+
+Two native ops, each with a fake (``torch.compile``) and an autograd formula:
+
+- ``fedkernels::ensemble_pseudo_labels``: the pseudo-labels of K teachers on N samples from
+  their logits ``L[K, N, C]`` in one pass per sample: per-sample client weights
+  :math:`w_{k,i}` (:math:`\sum_k w_{k,i} = 1`), then
+
+  * ``combine="logits"`` (the paper's default): :math:`y_i = \mathrm{softmax}(\sum_k w_{k,i} L_{k,i}/T)`;
+  * ``combine="probs"``: :math:`y_i = \sum_k w_{k,i}\,\mathrm{softmax}(L_{k,i}/T)`.
+
+  The weightings (§2.9), with :math:`n_k` the optional ``sample_sizes`` and :math:`z` the
+  discriminators' logits ``scores[K, N]``:
+
+  * ``uniform`` (FedDF): :math:`w \propto n_k` (1/K without sample sizes);
+  * ``entropy`` (FedHKT/FedDS): :math:`\mathrm{softmax}_k(-H(\mathrm{softmax}(L_{k,i}))/\tau + \log n_k)`;
+  * ``fedgo``: :math:`\mathrm{softmax}_k(g(z_{k,i}) + \log n_k)`, the odds form of
+    :math:`n_k\Phi_k / \sum_j n_j\Phi_j` (Theorem 3.6) with :math:`g = \mathrm{sig}` for the
+    paper's double-sigmoid discriminator head (``odds="double_sigmoid"``, the default) or
+    :math:`g(z) = z` for the plain head (``odds="exact"``);
+  * ``variance`` (Fed-ET): :math:`n_k v_{k,i} / \sum_j n_j v_{j,i}` with :math:`v` the variance of
+    the C logits (uniform where every variance is 0);
+  * ``domain`` (DaFKD): :math:`n_k\,\mathrm{sig}(z_{k,i}) / \sum_j n_j\,\mathrm{sig}(z_{j,i})`.
+
+  The spec's methods pass ``sample_sizes`` only to ``fedgo`` (§8.4). Its backward (only needed
+  when a generator is trained through the ensemble) is the composition of §4 K1-K3, evaluated
+  with torch ops from the saved outputs.
+- ``fedkernels::distill_kl``: :math:`\ell = s\sum_i\sum_c y_{ic}(\log y_{ic} - \log q_{ic})`,
+  :math:`q = \mathrm{softmax}(S/T)`, and in the same pass its gradient
+  :math:`\partial\ell/\partial S = (s/T)(q\sum_c y_c - y)` (:math:`(s/T)(q - y)` for a
+  normalised target), which the backward only scales by the incoming
+  gradient. ``reduction`` picks :math:`s`: ``"batchmean"`` :math:`T^2/N` (default, §2.4),
+  ``"feddf"`` :math:`1/N`, ``"dafkd"`` :math:`T^2/(NC)`, ``"sum"`` :math:`T^2`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.fedkernels
+
+WEIGHTINGS = ("uniform", "fedgo", "entropy", "variance", "domain")
+COMBINES = ("logits", "probs")
+ODDS = ("double_sigmoid", "exact")
+REDUCTIONS = ("batchmean", "feddf", "dafkd", "sum")
+
+__all__ = [
+    "WEIGHTINGS",
+    "COMBINES",
+    "ODDS",
+    "REDUCTIONS",
+    "ensemble_pseudo_labels",
+    "distill_kl",
+    "kl_scale",
+]
+
+
+# ---------------------------------------------------------------- public API
+
+
+def ensemble_pseudo_labels(
+    logits: Tensor,
+    scores: Tensor | None = None,
+    *,
+    weighting: str = "uniform",
+    sample_sizes: Sequence[float] | Tensor | None = None,
+    combine: str = "logits",
+    temperature: float = 1.0,
+    tau: float = 1.0,
+    odds: str = "double_sigmoid",
+    return_weights: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    r"""Pseudo-labels ``[N, C]`` of K teachers' ``logits[K, N, C]`` (module docstring), in
+    ``logits``' dtype (fp32 accumulation for fp16/bf16). ``scores[K, N]``: the discriminators'
+    logits, required by ``fedgo`` and ``domain`` and refused by the others. With
+    ``return_weights`` also the weights ``[K, N]``."""
+    if odds not in ODDS:
+        raise ValueError(f"fedkernels.ensemble_pseudo_labels: odds must be one of {ODDS}, not {odds!r}")
+    log_prior = None
+    if sample_sizes is not None:
+        # log n_k in float64 on the CPU; the op checks it is finite (n_k > 0) and moves it.
+        log_prior = torch.as_tensor(sample_sizes, dtype=torch.float64).log()
+    y, w = _ops.ensemble_pseudo_labels(
+        logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
+        odds == "double_sigmoid",
+    )
+    return (y, w) if return_weights else y
+
+
+def kl_scale(reduction: str, num_samples: int, num_classes: int, temperature: float) -> float:
+    """The factor :math:`s` of :func:`distill_kl` for ``reduction`` (module docstring)."""
+    n = max(num_samples, 1)
+    t2 = temperature * temperature
+    if reduction == "batchmean":
+        return t2 / n
+    if reduction == "feddf":
+        return 1.0 / n
+    if reduction == "dafkd":
+        return t2 / (n * max(num_classes, 1))
+    if reduction == "sum":
+        return t2
+    raise ValueError(f"fedkernels.distill_kl: reduction must be one of {REDUCTIONS}, not {reduction!r}")
+
+
+def distill_kl(
+    student_logits: Tensor,
+    pseudo_labels: Tensor,
+    temperature: float = 1.0,
+    *,
+    reduction: str = "batchmean",
+) -> Tensor:
+    r"""Forward KL(pseudo_labels ‖ softmax(student_logits / T)) scaled by ``reduction``
+    (module docstring), with the gradient formed in the same pass when it is needed. Returns a
+    0-d float32 tensor (float64 for float64 inputs)."""
+    n, c = (student_logits.shape[0], student_logits.shape[1]) if student_logits.dim() == 2 else (1, 1)
+    scale = kl_scale(reduction, n, c, float(temperature))
+    with_grad = torch.is_grad_enabled() and (
+        student_logits.requires_grad or pseudo_labels.requires_grad
+    )
+    loss, _ = _ops.distill_kl(student_logits, pseudo_labels, float(temperature), scale, with_grad)
+    return loss
+
+
+# ---------------------------------------------------------------- fake implementations
+
+
+@torch.library.register_fake("fedkernels::ensemble_pseudo_labels")
+def _ensemble_pseudo_labels_fake(
+    logits, scores, log_prior, weighting, combine, temperature, tau, double_sigmoid
+):
+    torch._check(
+        logits.dim() == 3,
+        lambda: f"fedkernels.ensemble_pseudo_labels: logits must be [K, N, C], got {logits.dim()}-D",
+    )
+    k, n, c = logits.shape
+    if scores is not None:
+        torch._check(
+            scores.dim() == 2 and scores.shape[0] == k and scores.shape[1] == n,
+            lambda: f"fedkernels.ensemble_pseudo_labels: scores must be [K, N], got {tuple(scores.shape)}",
+        )
+    return logits.new_empty((n, c)), logits.new_empty((k, n))
+
+
+@torch.library.register_fake("fedkernels::distill_kl")
+def _distill_kl_fake(student_logits, target, temperature, scale, with_grad):
+    torch._check(
+        student_logits.dim() == 2,
+        lambda: f"fedkernels.distill_kl: student_logits must be [N, C], got {student_logits.dim()}-D",
+    )
+    torch._check(
+        target.shape == student_logits.shape,
+        lambda: "fedkernels.distill_kl: pseudo_labels and student_logits differ in shape",
+    )
+    acc = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
+    loss = student_logits.new_empty((), dtype=acc)
+    grad = student_logits.new_empty(student_logits.shape if with_grad else (0,))
+    return loss, grad
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _pseudo_setup(ctx, inputs, output):
+    logits, scores, log_prior, weighting, combine, temperature, tau, double_sigmoid = inputs
+    y, w = output
+    ctx.weighting, ctx.combine = weighting, combine
+    ctx.temperature, ctx.tau, ctx.double_sigmoid = temperature, tau, double_sigmoid
+    ctx.has_scores, ctx.has_prior = scores is not None, log_prior is not None
+    ctx.save_for_backward(logits, scores, log_prior, y, w)
+
+
+def _pseudo_backward(ctx, grad_y, grad_w):
+    """§4 K3 (combine), then K1 (normalisation over clients) and K2 (entropy/variance scores),
+    in the accumulate dtype."""
+    logits, scores, log_prior, y, w = ctx.saved_tensors
+    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    L, y, w = logits.to(acc), y.to(acc), w.to(acc)
+    K = L.shape[0]
+    T = ctx.temperature
+    gy = torch.zeros_like(y) if grad_y is None else grad_y.to(acc)
+    gw = torch.zeros_like(w) if grad_w is None else grad_w.to(acc)
+    # Combine (K3).
+    if ctx.combine == "logits":
+        gm = y * (gy - (y * gy).sum(-1, keepdim=True)) / T  # [N, C]
+        grad_L = w[:, :, None] * gm[None]
+        gw = gw + (L * gm[None]).sum(-1)
+    else:
+        p = torch.softmax(L / T, dim=-1)
+        wg = w[:, :, None] * gy[None]
+        grad_L = p * (wg - (p * wg).sum(-1, keepdim=True)) / T
+        gw = gw + (p * gy[None]).sum(-1)
+    # Normalisation over clients (K1): d/d(score) of softmax or linear weights.
+    centred = gw - (w * gw).sum(0, keepdim=True)  # [K, N]
+    grad_scores = grad_prior = None
+    weighting = ctx.weighting
+    if weighting in ("uniform", "entropy", "fedgo"):
+        g_a = w * centred
+        if weighting == "entropy":
+            # a = -H/tau; dH/dL = -P (log P + H).
+            logp = torch.log_softmax(L, dim=-1)
+            p1 = logp.exp()
+            h = -(p1 * logp).sum(-1, keepdim=True)
+            grad_L = grad_L + (g_a / ctx.tau)[:, :, None] * p1 * (logp + h)
+        elif weighting == "fedgo":
+            z = scores.to(acc)
+            if ctx.double_sigmoid:
+                sz = torch.sigmoid(z)
+                grad_scores = g_a * sz * (1 - sz)
+            else:
+                grad_scores = g_a
+        if ctx.has_prior:
+            grad_prior = g_a.sum(1)
+    else:
+        n = log_prior.to(acc).to(L.device).exp() if ctx.has_prior else torch.ones(
+            K, dtype=acc, device=L.device)
+        if weighting == "variance":
+            base = L.var(dim=-1, unbiased=False)
+        else:
+            base = torch.sigmoid(scores.to(acc))
+        mass = n[:, None] * base
+        total = mass.sum(0, keepdim=True)
+        g_s = torch.where(total > 0, centred / total.clamp_min(torch.finfo(acc).tiny), 0.0)
+        if weighting == "variance":
+            C = L.shape[-1]
+            grad_L = grad_L + (g_s * n[:, None])[:, :, None] * 2.0 / C * (
+                L - L.mean(-1, keepdim=True))
+        else:
+            grad_scores = g_s * n[:, None] * base * (1 - base)
+        if ctx.has_prior:
+            grad_prior = (g_s * mass).sum(1)
+    grad_logits = grad_L.to(logits.dtype)
+    if grad_scores is not None:
+        grad_scores = grad_scores.to(scores.dtype)
+    elif ctx.has_scores:
+        grad_scores = torch.zeros_like(scores)
+    if grad_prior is not None:
+        grad_prior = grad_prior.to(log_prior.dtype).to(log_prior.device)
+    return grad_logits, grad_scores, grad_prior, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "fedkernels::ensemble_pseudo_labels", _pseudo_backward, setup_context=_pseudo_setup
+)
+
+
+def _kl_setup(ctx, inputs, output):
+    student, target, temperature, scale, with_grad = inputs
+    _, grad = output
+    ctx.temperature, ctx.scale, ctx.with_grad = temperature, scale, with_grad
+    ctx.save_for_backward(student, target, grad)
+
+
+def _kl_backward(ctx, grad_loss, _grad_of_grad):
+    student, target, grad = ctx.saved_tensors
+    need_s, need_t = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    grad_s = grad_t = None
+    if grad_loss is None:
+        grad_loss = torch.zeros((), dtype=torch.float32, device=student.device)
+    if need_s:
+        if ctx.with_grad:
+            grad_s = (grad.to(grad_loss.dtype) * grad_loss).to(student.dtype)
+        else:  # the forward ran without a gradient (e.g. under no_grad, then re-entered)
+            q = torch.softmax(student.to(grad_loss.dtype) / ctx.temperature, dim=-1)
+            y = target.to(q.dtype)
+            grad_s = (ctx.scale / ctx.temperature * (q * y.sum(-1, keepdim=True) - y) * grad_loss
+                      ).to(student.dtype)
+    if need_t:
+        acc = grad_loss.dtype
+        y = target.to(acc)
+        log_q = torch.log_softmax(student.to(acc) / ctx.temperature, dim=-1)
+        grad_t = (ctx.scale * (torch.log(y) + 1 - log_q) * grad_loss).to(target.dtype)
+    return grad_s, grad_t, None, None, None
+
+
+torch.library.register_autograd("fedkernels::distill_kl", _kl_backward, setup_context=_kl_setup)

@@ -1,0 +1,314 @@
+"""Tests of the ensemble-distillation ops (fedkernels/distill.py; spec: specs/fedgo.md §2.2-2.4,
+§2.9, §4): ``ensemble_pseudo_labels`` and ``distill_kl`` against the pure-PyTorch references,
+the spec's properties, opcheck, float64 gradcheck, torch.compile and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fedkernels
+from fedkernels import distill
+from fedkernels import reference as R
+
+from conftest import DEVICES, FLOAT_DTYPES, bitwise_equal, dtype_id, randn
+
+ops = torch.ops.fedkernels
+
+WEIGHTINGS = list(distill.WEIGHTINGS)
+# (K, N, C): one client, one class, vector tails, a row longer than a CUDA block's threads.
+SHAPES = [(1, 3, 1), (3, 5, 7), (4, 17, 10), (2, 2, 300), (8, 9, 33)]
+
+
+def tol(dtype):
+    return {
+        torch.float64: dict(rtol=1e-10, atol=1e-12),
+        torch.float32: dict(rtol=1e-5, atol=1e-6),
+        torch.float16: dict(rtol=2e-3, atol=2e-3),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2),
+    }[dtype]
+
+
+def make_inputs(shape, dtype, weighting, seed=0, device="cpu", spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    K, N, C = shape
+    logits = (spread * randn(shape, torch.float64, g)).to(dtype).to(device)
+    scores = randn((K, N), torch.float64, g).to(device) * 2 if weighting in ("fedgo", "domain") else None
+    return logits, scores
+
+
+def close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.cpu().double(), expected.cpu().double(), **tol(dtype))
+
+
+# ---------------------------------------------------------------- ensemble_pseudo_labels
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("combine", ["logits", "probs"])
+def test_pseudo_labels_match_reference(device, dtype, weighting, combine):
+    for shape in SHAPES:
+        logits, scores = make_inputs(shape, dtype, weighting, device=device)
+        sizes = torch.arange(1, shape[0] + 1, dtype=torch.float64) * 10
+        kw = dict(weighting=weighting, combine=combine, sample_sizes=sizes, return_weights=True)
+        y, w = fedkernels.ensemble_pseudo_labels(logits, scores, **kw)
+        y_ref, w_ref = R.ensemble_pseudo_labels_reference(logits, scores, **kw)
+        close(y, y_ref, dtype)
+        close(w, w_ref, dtype)
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("options", [
+    dict(temperature=2.5), dict(tau=0.3), dict(odds="exact"), dict(combine="probs", temperature=0.5),
+])
+def test_pseudo_labels_options(weighting, options):
+    logits, scores = make_inputs((5, 11, 13), torch.float64, weighting, seed=3)
+    y = fedkernels.ensemble_pseudo_labels(logits, scores, weighting=weighting, **options)
+    close(y, R.ensemble_pseudo_labels_reference(logits, scores, weighting=weighting, **options),
+          torch.float64)
+
+
+def test_pseudo_labels_properties():
+    logits, scores = make_inputs((6, 40, 10), torch.float64, "fedgo", seed=1)
+    sizes = torch.tensor([5.0, 10, 20, 40, 80, 160], dtype=torch.float64)
+    for weighting in WEIGHTINGS:
+        s = scores if weighting in ("fedgo", "domain") else None
+        y, w = fedkernels.ensemble_pseudo_labels(logits, s, weighting=weighting, return_weights=True)
+        torch.testing.assert_close(w.sum(0), torch.ones(40, dtype=torch.float64))
+        torch.testing.assert_close(y.sum(1), torch.ones(40, dtype=torch.float64))
+        assert (w >= 0).all() and (y >= 0).all()
+    # FedGO with equal z and equal n: uniform.
+    _, w = fedkernels.ensemble_pseudo_labels(
+        logits, torch.full((6, 40), 0.7, dtype=torch.float64), weighting="fedgo",
+        sample_sizes=[3.0] * 6, return_weights=True)
+    torch.testing.assert_close(w, torch.full_like(w, 1 / 6))
+    # Double sigmoid: max/min weight <= e * n_max / n_min (§2.2).
+    big = 50 * torch.randn(6, 40, dtype=torch.float64)
+    _, w = fedkernels.ensemble_pseudo_labels(
+        logits, big, weighting="fedgo", sample_sizes=sizes, return_weights=True)
+    ratio = (w.max(0).values / w.min(0).values).max()
+    assert ratio <= math.e * 160 / 5 * (1 + 1e-12)
+    # Exact odds: w = n Phi / sum n Phi with Phi = e^z (Theorem 3.6).
+    _, w = fedkernels.ensemble_pseudo_labels(
+        logits, scores, weighting="fedgo", sample_sizes=sizes, odds="exact", return_weights=True)
+    d = torch.sigmoid(scores)
+    odds = sizes[:, None] * d / (1 - d)
+    torch.testing.assert_close(w, odds / odds.sum(0))
+    # Entropy weights tend to uniform as tau grows.
+    _, w = fedkernels.ensemble_pseudo_labels(logits, weighting="entropy", tau=1e9,
+                                             return_weights=True)
+    torch.testing.assert_close(w, torch.full_like(w, 1 / 6))
+    # Variance of constant logits: uniform fallback.
+    flat = torch.ones(3, 4, 5, dtype=torch.float64)
+    _, w = fedkernels.ensemble_pseudo_labels(flat, weighting="variance", return_weights=True)
+    torch.testing.assert_close(w, torch.full_like(w, 1 / 3))
+    # One client: its own softmax.
+    y = fedkernels.ensemble_pseudo_labels(logits[:1], weighting="entropy")
+    torch.testing.assert_close(y, torch.softmax(logits[0], -1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pseudo_labels_empty_noncontiguous_deterministic(device):
+    y, w = fedkernels.ensemble_pseudo_labels(torch.zeros(3, 0, 4, device=device),
+                                             return_weights=True)
+    assert y.shape == (0, 4) and w.shape == (3, 0)
+    base = torch.randn(7, 10, 5, dtype=torch.float32, device=device)
+    strided = base.transpose(0, 2)  # [5, 10, 7], not contiguous
+    y = fedkernels.ensemble_pseudo_labels(strided, weighting="entropy")
+    close(y, R.ensemble_pseudo_labels_reference(strided, weighting="entropy"), torch.float32)
+    big = torch.randn(12, 300, 37, device=device)
+    first = fedkernels.ensemble_pseudo_labels(big, weighting="variance")
+    assert all(bitwise_equal(first, fedkernels.ensemble_pseudo_labels(big, weighting="variance"))
+               for _ in range(3))
+
+
+def test_pseudo_labels_errors():
+    L = torch.randn(3, 4, 5)
+    z = torch.randn(3, 4)
+    cases = [
+        (lambda: fedkernels.ensemble_pseudo_labels(L[0]), ValueError, r"\[K, N, C\].*got 2-D"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L.int()), TypeError, "dtype"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L[:0]), ValueError, "at least one client"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L[:, :, :0]), ValueError, "at least one class"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, weighting="median"), ValueError, "weighting"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, combine="max"), ValueError, "combine"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, weighting="fedgo"), ValueError, "needs scores"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, z), ValueError, "does not use scores"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, z[:, :3], weighting="fedgo"), ValueError,
+         r"\[K, N\]"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, sample_sizes=[1.0, 2.0]), ValueError,
+         "log_prior"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, sample_sizes=[1.0, 0.0, 2.0]), ValueError,
+         "client 1"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, temperature=0.0), ValueError, "temperature"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, weighting="entropy", tau=-1.0), ValueError,
+         "tau"),
+        (lambda: fedkernels.ensemble_pseudo_labels(L, odds="log"), ValueError, "odds"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("combine", ["logits", "probs"])
+def test_pseudo_labels_opcheck(device, weighting, combine):
+    logits, scores = make_inputs((3, 4, 5), torch.float64, weighting, device=device)
+    logits.requires_grad_(True)
+    if scores is not None:
+        scores.requires_grad_(True)
+    prior = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    torch.library.opcheck(
+        ops.ensemble_pseudo_labels,
+        (logits, scores, prior, weighting, combine, 1.5, 0.7, True),
+    )
+
+
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("combine", ["logits", "probs"])
+@pytest.mark.parametrize("double_sigmoid", [True, False])
+def test_pseudo_labels_gradcheck(weighting, combine, double_sigmoid):
+    if double_sigmoid is False and weighting != "fedgo":
+        pytest.skip("odds only matter for fedgo")
+    logits, scores = make_inputs((3, 4, 5), torch.float64, weighting, seed=5)
+    logits.requires_grad_(True)
+    prior = torch.tensor([0.1, 0.7, 1.3], dtype=torch.float64, requires_grad=True)
+    inputs = [logits, prior]
+    if scores is not None:
+        scores.requires_grad_(True)
+        inputs.append(scores)
+
+    def f(L, p, *s):
+        return ops.ensemble_pseudo_labels(L, s[0] if s else None, p, weighting, combine, 1.3, 0.8,
+                                          double_sigmoid)
+
+    assert torch.autograd.gradcheck(f, tuple(inputs))
+
+
+def test_pseudo_labels_compile():
+    logits, scores = make_inputs((4, 6, 5), torch.float32, "fedgo")
+
+    @torch.compile(fullgraph=True)
+    def f(L, z):
+        return fedkernels.ensemble_pseudo_labels(L, z, weighting="fedgo", sample_sizes=None) * 2
+
+    torch.testing.assert_close(
+        f(logits, scores), 2 * R.ensemble_pseudo_labels_reference(logits, scores, weighting="fedgo"))
+
+
+# ---------------------------------------------------------------- distill_kl
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("reduction", distill.REDUCTIONS)
+def test_distill_kl_matches_reference(device, dtype, reduction):
+    g = torch.Generator().manual_seed(2)
+    for n, c in [(1, 1), (5, 7), (70, 10), (3, 1000), (130, 3)]:
+        s = (3 * randn((n, c), torch.float64, g)).to(dtype).to(device)
+        y = torch.softmax(2 * randn((n, c), torch.float64, g), -1).to(dtype).to(device)
+        if c > 2:
+            y[0, 0] = 0  # xlogy: 0 log 0 = 0
+        for temperature in (1.0, 3.0):
+            scale = distill.kl_scale(reduction, n, c, temperature)
+            loss = fedkernels.distill.distill_kl(s, y, temperature, reduction=reduction)
+            ref = R.distill_kl_reference(s, y, temperature, scale)
+            close(loss, ref, torch.float64 if dtype == torch.float64 else torch.float32)
+            # The fused gradient.
+            s2 = s.clone().requires_grad_(True)
+            fedkernels.distill_kl(s2, y, temperature, reduction=reduction).backward()
+            s3 = s.double().clone().requires_grad_(True)
+            R.distill_kl_reference(s3, y.double(), temperature, scale).backward()
+            close(s2.grad, s3.grad.to(dtype), dtype)
+
+
+def test_distill_kl_properties():
+    s = torch.randn(20, 6, dtype=torch.float64)
+    assert fedkernels.distill_kl(s, torch.softmax(torch.randn(20, 6, dtype=torch.float64), -1)) >= 0
+    assert abs(float(fedkernels.distill_kl(s, torch.softmax(s, -1)))) < 1e-12
+    assert abs(float(fedkernels.distill_kl(s, torch.softmax(s / 2, -1), 2.0))) < 1e-12
+    # Matches torch's kl_div with batchmean (FedDF's form, no T^2).
+    y = torch.softmax(torch.randn(20, 6, dtype=torch.float64), -1)
+    expected = torch.nn.functional.kl_div(torch.log_softmax(s / 2, -1), y, reduction="batchmean")
+    torch.testing.assert_close(fedkernels.distill_kl(s, y, 2.0, reduction="feddf"), expected)
+    # No gradient pass when none is wanted.
+    loss, grad = ops.distill_kl(s, y, 1.0, 0.05, False)
+    assert grad.numel() == 0
+    empty = fedkernels.distill_kl(torch.zeros(0, 6), torch.zeros(0, 6))
+    assert float(empty) == 0.0
+
+
+def test_distill_kl_errors():
+    s = torch.randn(4, 5)
+    y = torch.softmax(torch.randn(4, 5), -1)
+    with pytest.raises(ValueError, match="shape"):
+        fedkernels.distill_kl(s, y[:, :4])
+    with pytest.raises(TypeError, match="dtype"):
+        fedkernels.distill_kl(s, y.double())
+    with pytest.raises(ValueError, match="temperature"):
+        fedkernels.distill_kl(s, y, 0.0)
+    with pytest.raises(ValueError, match="reduction"):
+        fedkernels.distill_kl(s, y, reduction="mean")
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        ops.distill_kl(s[0], y[0], 1.0, 1.0, False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distill_kl_opcheck(device):
+    s = torch.randn(6, 5, dtype=torch.float64, device=device, requires_grad=True)
+    y = torch.softmax(torch.randn(6, 5, dtype=torch.float64, device=device), -1).requires_grad_()
+    torch.library.opcheck(ops.distill_kl, (s, y, 2.0, 0.25, True))
+    torch.library.opcheck(ops.distill_kl, (s.detach(), y.detach(), 1.0, 1.0, False))
+
+
+def test_distill_kl_gradcheck():
+    s = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    y = torch.softmax(torch.randn(5, 4, dtype=torch.float64), -1).requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda a, b: fedkernels.distill_kl(a, b, 1.7, reduction="dafkd"), (s, y))
+    # Through the pseudo-labels too: the whole server objective, differentiable in the teachers.
+    L = torch.randn(3, 5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda a, t: fedkernels.distill_kl(a, fedkernels.ensemble_pseudo_labels(t, weighting="entropy")),
+        (s, L))
+
+
+def test_distill_kl_compile():
+    s = torch.randn(8, 5, requires_grad=True)
+    y = torch.softmax(torch.randn(8, 5), -1)
+
+    @torch.compile(fullgraph=True)
+    def f(a, b):
+        return fedkernels.distill_kl(a, b, 2.0)
+
+    loss = f(s, y)
+    loss.backward()
+    s2 = s.detach().clone().requires_grad_(True)
+    R.distill_kl_reference(s2, y, 2.0).backward()
+    torch.testing.assert_close(loss, R.distill_kl_reference(s, y, 2.0))
+    torch.testing.assert_close(s.grad, s2.grad)
+
+
+@pytest.mark.cuda
+def test_cuda_matches_cpu(cuda_device):
+    for weighting in WEIGHTINGS:
+        for combine in ("logits", "probs"):
+            for shape in [(10, 256, 10), (40, 64, 1000), (3, 5, 20000)]:
+                logits, scores = make_inputs(shape, torch.float32, weighting)
+                cpu = fedkernels.ensemble_pseudo_labels(logits, scores, weighting=weighting,
+                                                        combine=combine, return_weights=True)
+                gpu = fedkernels.ensemble_pseudo_labels(
+                    logits.to(cuda_device), None if scores is None else scores.to(cuda_device),
+                    weighting=weighting, combine=combine, return_weights=True)
+                for a, b in zip(gpu, cpu):
+                    torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-6)
+    s = torch.randn(4096, 100)
+    y = torch.softmax(torch.randn(4096, 100), -1)
+    torch.testing.assert_close(fedkernels.distill_kl(s.to(cuda_device), y.to(cuda_device)).cpu(),
+                               fedkernels.distill_kl(s, y), rtol=1e-5, atol=1e-6)
