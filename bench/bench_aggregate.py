@@ -161,25 +161,27 @@ def memory_in_child(argv: list[str]) -> dict[str, int | None]:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (model, dtype, K): the fused op's time, bandwidth and memory, and how many
-    times slower each alternative is."""
+    """One line per (model, dtype, K): the fused op's time (allocating its result, and into a
+    preallocated ``out=``), bandwidth and memory, and how many times slower each alternative
+    (allocating its result) is than the allocating fused call."""
     others = ["loop", "foreach", "stack", "flat mv", "reference"]
     lines = [
-        "| model | dtype | K | fused ms | GB/s | % read probe | extra mem (outputs) | "
-        + " | ".join(f"{o} ×" for o in others) + " |",
-        "|" + "---|" * (7 + len(others)),
+        "| model | dtype | K | fused ms | out= ms | out= GB/s | out= % read probe | "
+        "extra mem (outputs) | " + " | ".join(f"{o} ×" for o in others) + " |",
+        "|" + "---|" * (8 + len(others)),
     ]
     blocks: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         blocks.setdefault((r["model"], r["dtype"], r["K"]), {})[r["method"]] = r
     for (model, dtype, k), by in blocks.items():
-        f = by.get("fused")
-        if f is None:
+        f, o = by.get("fused"), by.get("fused out=")
+        if f is None or o is None:
             continue
         mem = "" if f["extra_in_outputs"] is None else f"{f['extra_in_outputs']:.2f}"
-        cells = [f"{by[o]['time_vs_fused']:.1f}" if o in by else "" for o in others]
-        lines.append(f"| {model} | {dtype} | {k} | {f['median_ms']:.1f} | {f['GBps']:.1f} | "
-                     f"{f['pct_read_probe']:.0f} | {mem} | " + " | ".join(cells) + " |")
+        cells = [f"{by[m]['time_vs_fused']:.1f}" if m in by else "" for m in others]
+        lines.append(f"| {model} | {dtype} | {k} | {f['median_ms']:.1f} | {o['median_ms']:.1f} | "
+                     f"{o['GBps']:.1f} | {o['pct_read_probe']:.0f} | {mem} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
