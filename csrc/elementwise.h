@@ -139,3 +139,63 @@ struct DistillMath {
 };
 
 }  // namespace fedkernels
+
+// ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
+// specs/fedevg.md §1.4-1.5 and §3 K1-K2; schemas in csrc/ops.cpp.
+#include <ATen/core/PhiloxRNGEngine.h>
+
+#include <cstdint>
+
+namespace fedkernels {
+
+struct SgldMath {
+  // clip(g, -tau, tau) (tau = +inf: no clip; NaN passes through).
+  template <typename A>
+  FEDKERNELS_HD static A clip(A g, A tau) {
+    return g < -tau ? -tau : (g > tau ? tau : g);
+  }
+  // x' = clamp(x - step a + std eps, lo, hi) (lo/hi = -inf/+inf: no clamp).
+  template <typename A>
+  FEDKERNELS_HD static A update(A x, A a, A eps, A step, A std, A lo, A hi) {
+    const A v = x - step * a + std * eps;
+    return v < lo ? lo : (v > hi ? hi : v);
+  }
+  // z = log w + phi(-E): phi = identity (exact, eq. 4.13) or sign (signed, §1.4).
+  template <typename A>
+  FEDKERNELS_HD static A logit(A log_w, A energy, bool signed_mode) {
+    if (!signed_mode) return log_w - energy;
+    const A s = energy < A(0) ? A(1) : (energy > A(0) ? A(-1) : A(0));
+    return log_w + s;
+  }
+};
+
+// Standard normals for the SGLD noise, the same on both devices: element e of a call takes
+// lane e % 4 of the Philox-4x32-10 block (seed, subsequence = e / 4, offset); lanes (0, 1) and
+// (2, 3) are Box-Muller pairs, u1 = (r + 1) 2^-32 in (0, 1], u2 = r 2^-32 in [0, 1).
+struct PhiloxNormal {
+  template <typename A>
+  FEDKERNELS_HD static void box_muller(uint32_t r1, uint32_t r2, A& n0, A& n1) {
+    const A scale = A(2.3283064365386963e-10);  // 2^-32
+    const A u1 = (static_cast<A>(r1) + A(1)) * scale;
+    const A u2 = static_cast<A>(r2) * scale;
+    const A two_pi = A(6.283185307179586);
+#if defined(__CUDA_ARCH__)
+    const A r = sqrt(A(-2) * log(u1));
+    n0 = r * cos(two_pi * u2);
+    n1 = r * sin(two_pi * u2);
+#else
+    const A r = std::sqrt(A(-2) * std::log(u1));
+    n0 = r * std::cos(two_pi * u2);
+    n1 = r * std::sin(two_pi * u2);
+#endif
+  }
+  template <typename A>
+  FEDKERNELS_HD static void normal4(uint64_t seed, uint64_t offset, uint64_t group, A* out) {
+    at::philox_engine engine(seed, group, offset);
+    const uint32_t r0 = engine(), r1 = engine(), r2 = engine(), r3 = engine();
+    box_muller<A>(r0, r1, out[0], out[1]);
+    box_muller<A>(r2, r3, out[2], out[3]);
+  }
+};
+
+}  // namespace fedkernels

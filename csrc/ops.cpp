@@ -86,3 +86,38 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "distill_kl(Tensor student_logits, Tensor target, float temperature, float scale, "
       "bool with_grad) -> (Tensor, Tensor)");
 }
+
+// ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
+// Spec: specs/fedevg.md §1.2 (energies), §1.4 (composition), §1.5 and §3 K1-K3 (SGLD steps).
+// Kernels: csrc/cpu/sgld.cpp, csrc/cuda/sgld.cu; host side: csrc/sgld_host.h; Python:
+// fedkernels/sgld.py.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // E_i = -logits[i, labels_i] (labels given) or -logsumexp_c logits[i, c]; logits [N, C],
+  // labels int64 [N]; E in logits' dtype (fp32 accumulation for fp16/bf16).
+  m.def("energy_from_logits(Tensor logits, Tensor? labels) -> Tensor");
+  // x' = clamp(x - step_size * clip(grad, -grad_clip, grad_clip) + noise_std * eps,
+  //            clamp_min, clamp_max), elementwise, one pass. eps = noise when given, else
+  // standard normals from Philox-4x32-10 keyed by the generator (default generator when None):
+  // element e takes lane e % 4 of block (subsequence e / 4), Box-Muller on its pairs.
+  m.def(
+      "sgld_step(Tensor x, Tensor grad, float step_size, float noise_std, float? grad_clip, "
+      "float? clamp_min, float? clamp_max, Tensor? noise, Generator? generator) -> Tensor");
+  m.def(
+      "sgld_step_(Tensor(a!) x, Tensor grad, float step_size, float noise_std, "
+      "float? grad_clip, float? clamp_min, float? clamp_max, Tensor? noise, "
+      "Generator? generator) -> ()");
+  // Mixture composition of K client energies and one SGLD step, for x [M, ...],
+  // grads [K, M, ...], energies [K, M], log_weights [K]:
+  //   z_kj = log_weights_k + phi(-energies_kj),  phi = identity (weighting "exact") | sign ("signed")
+  //   pi_kj = softmax_k(z_kj);  a_j = sum_k pi_kj clip(grads_kj, -grad_clip, grad_clip)
+  //   x'_j = clamp(x_j - step_size a_j + noise_std eps_j, clamp_min, clamp_max)
+  // Returns (x', pi); pi is float32 (float64 for float64 x). Clients are summed in order.
+  m.def(
+      "sgld_compose_step(Tensor x, Tensor grads, Tensor energies, Tensor log_weights, str weighting, "
+      "float step_size, float noise_std, float? grad_clip, float? clamp_min, float? clamp_max, "
+      "Tensor? noise, Generator? generator) -> (Tensor, Tensor)");
+  m.def(
+      "sgld_compose_step_(Tensor(a!) x, Tensor grads, Tensor energies, Tensor log_weights, "
+      "str weighting, float step_size, float noise_std, float? grad_clip, float? clamp_min, "
+      "float? clamp_max, Tensor? noise, Generator? generator) -> Tensor");
+}

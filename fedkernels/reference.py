@@ -268,3 +268,89 @@ def distill_kl_reference(
     log_q = torch.log_softmax(student_logits.to(acc) / temperature, dim=-1)
     y = pseudo_labels.to(acc)
     return scale * (torch.xlogy(y, y) - y * log_q).sum()
+
+
+# ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
+
+
+def energy_from_logits_reference(logits: Tensor, labels: Tensor | None = None) -> Tensor:
+    """``-logits[i, labels_i]`` or ``-logsumexp_c logits[i, c]`` (specs/fedevg.md §1.2)."""
+    acc = _acc_dtype(logits.dtype)
+    f = logits.to(acc)
+    e = -f.gather(1, labels[:, None])[:, 0] if labels is not None else -torch.logsumexp(f, dim=1)
+    return e.to(logits.dtype)
+
+
+def _clamp_bounds(clamp):
+    return (None, None) if clamp is None else (clamp[0], clamp[1])
+
+
+def sgld_step_reference(
+    x: Tensor,
+    grad: Tensor,
+    step_size: float,
+    noise_std: float,
+    noise: Tensor | None = None,
+    grad_clip: float | None = None,
+    clamp: tuple[float, float] | None = None,
+) -> Tensor:
+    """``clamp(x - step * clip(grad, -tau, tau) + std * noise, lo, hi)`` (§1.5), in fp32 for
+    fp16/bf16 (fp64 for fp64); ``noise=None`` means no noise."""
+    acc = _acc_dtype(x.dtype)
+    g = grad.to(acc)
+    if grad_clip is not None:
+        g = g.clamp(-grad_clip, grad_clip)
+    v = x.to(acc) - step_size * g
+    if noise is not None:
+        v = v + noise_std * noise.to(acc)
+    lo, hi = _clamp_bounds(clamp)
+    if lo is not None or hi is not None:
+        v = v.clamp(lo, hi)
+    return v.to(x.dtype)
+
+
+def sgld_compose_weights_reference(
+    energies: Tensor, log_weights: Tensor, mode: str = "exact", dtype: torch.dtype | None = None
+) -> Tensor:
+    """``pi[K, M] = softmax_k(log w_k + phi(-E_kj))``, phi = identity (exact, eq. 4.13) or sign
+    (signed, §1.4), computed in ``dtype`` (default: fp64 for fp64 energies, else fp32)."""
+    acc = dtype or (torch.float64 if energies.dtype == torch.float64 else torch.float32)
+    e = energies.to(acc)
+    phi = -e if mode == "exact" else torch.sign(-e)
+    return torch.softmax(log_weights.to(acc)[:, None] + phi, dim=0)
+
+
+def sgld_compose_step_reference(
+    x: Tensor,
+    grads: Tensor,
+    energies: Tensor,
+    log_weights: Tensor,
+    step_size: float,
+    noise_std: float,
+    noise: Tensor | None = None,
+    mode: str = "exact",
+    grad_clip: float | None = None,
+    clamp: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The composition of specs/fedevg.md §3 K1 in PyTorch: ``(x', pi)`` with
+    ``a_j = sum_k pi_kj clip(G_kj)`` and ``x' = clamp(x - step a + std noise)``."""
+    acc = _acc_dtype(x.dtype)
+    pi = sgld_compose_weights_reference(energies, log_weights, mode, acc)
+    g = grads.to(acc)
+    if grad_clip is not None:
+        g = g.clamp(-grad_clip, grad_clip)
+    shape = (grads.shape[0], grads.shape[1]) + (1,) * (x.dim() - 1)
+    a = (pi.reshape(shape) * g).sum(0)
+    return _step_from_direction(x, a, step_size, noise_std, noise, clamp), pi
+
+
+def _step_from_direction(x, a, step_size, noise_std, noise, clamp):
+    """``clamp(x - step a + std noise)`` in a's (accumulate) dtype, cast to x's."""
+    acc = a.dtype
+    v = x.to(acc) - step_size * a
+    if noise is not None:
+        v = v + noise_std * noise.to(acc)
+    lo, hi = _clamp_bounds(clamp)
+    if lo is not None or hi is not None:
+        v = v.clamp(lo, hi)
+    return v.to(x.dtype)

@@ -21,15 +21,13 @@
 #include <vector>
 
 #include "../distill_host.h"
+#include "vec_io.h"
 #include "../elementwise.h"
 
 namespace fedkernels {
 namespace {
 
 using at::vec::Vectorized;
-
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 constexpr int64_t kRowBlock = 64;  // rows per parallel work item (and per loss partial)
 

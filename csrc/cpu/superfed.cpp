@@ -18,14 +18,12 @@
 
 #include "../elementwise.h"
 #include "../superfed_host.h"
+#include "vec_io.h"
 
 namespace fedkernels {
 namespace {
 
 using at::vec::Vectorized;
-
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 constexpr int64_t kTile = 2048;    // elements per fp32 partial sum
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
@@ -33,26 +31,6 @@ constexpr int64_t kChunk = 65536;  // elements per parallel work item
 // than the pass (and, on a busy machine, can cost milliseconds). Models are lists of many
 // small tensors, so the chunk count alone would start a team for a few thousand elements.
 constexpr int64_t kParallelMin = 4 * kChunk;
-
-template <typename T, typename A>
-inline void load2(const T* p, Vectorized<A>& lo, Vectorized<A>& hi) {
-  if constexpr (std::is_same_v<T, A>) {
-    lo = Vectorized<A>::loadu(p);
-    hi = Vectorized<A>::loadu(p + Vectorized<A>::size());
-  } else {
-    at::vec::load_to_float<T>(p, lo, hi);
-  }
-}
-
-template <typename T, typename A>
-inline void store2(T* p, const Vectorized<A>& lo, const Vectorized<A>& hi) {
-  if constexpr (std::is_same_v<T, A>) {
-    lo.store(p);
-    hi.store(p + Vectorized<A>::size());
-  } else {
-    at::vec::convert_from_float<T>(lo, hi).store(p);
-  }
-}
 
 template <typename A>
 inline double horizontal_sum(const Vectorized<A>& lo, const Vectorized<A>& hi) {

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "../elementwise.h"
+#include "vec_io.h"
 #include "../weighted_sum_host.h"
 
 namespace fedkernels {
@@ -22,33 +23,9 @@ namespace {
 
 using at::vec::Vectorized;
 
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 constexpr int64_t kTile = 2048;    // elements whose accumulators stay in L1 (8 KiB in fp32)
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
 constexpr int kClientGroup = 4;    // clients whose loads are in flight together
-
-// Loads 2 * Vectorized<A>::size() elements of type T as two vectors of the accumulate type A.
-template <typename T, typename A>
-inline void load2(const T* p, Vectorized<A>& lo, Vectorized<A>& hi) {
-  if constexpr (std::is_same_v<T, A>) {
-    lo = Vectorized<A>::loadu(p);
-    hi = Vectorized<A>::loadu(p + Vectorized<A>::size());
-  } else {
-    at::vec::load_to_float<T>(p, lo, hi);
-  }
-}
-
-template <typename U, typename A>
-inline void store2(U* p, const Vectorized<A>& lo, const Vectorized<A>& hi) {
-  if constexpr (std::is_same_v<U, A>) {
-    lo.store(p);
-    hi.store(p + Vectorized<A>::size());
-  } else {
-    at::vec::convert_from_float<U>(lo, hi).store(p);
-  }
-}
 
 template <typename T, typename U>
 struct TileArgs {

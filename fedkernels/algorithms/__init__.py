@@ -21,6 +21,8 @@ from .superfed import SuPerFedConfig, SuPerFedLM, SuPerFedMM  # noqa: E402
 from . import aaggff, fairness, participation  # noqa: E402,F401
 # Ensemble distillation (issue 7): feddf, fedet, entropy-kd, dafkd, fedgo.
 from . import distillation  # noqa: E402,F401
+# FedEvg, federated energy-based synthetic data (issue 6).
+from . import fedevg  # noqa: E402,F401
 
 __all__ = [
     "FedAvg",

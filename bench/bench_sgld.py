@@ -1,0 +1,117 @@
+"""The fused FedEvg server step against its PyTorch composition (specs/fedevg.md §3 K1).
+
+    OMP_NUM_THREADS=2 python bench/bench_sgld.py [--device cuda] [--repeats 7] [--max-elements N]
+
+For K in {10, 100} clients, M in {100, 1000} synthetic samples, D = 3*32*32 (fp32, signed
+weighting, tau = 3, clamp [0, 1], drawn noise):
+
+- ``fused``: ``fedkernels.sgld_compose_step`` (weights, clipped weighted sum over K, step, noise,
+  clamp in one pass over grads);
+- ``torch``: what a user writes: ``softmax`` over clients, ``clamp`` of G, ``einsum``, ``randn``,
+  ``clamp``, eager.
+
+Effective bandwidth counts one read of ``grads`` (K*M*D*4 bytes, the op's dominant traffic) and
+is compared with the read-bandwidth probe measured in the same run. The two variants are timed
+interleaved; the speedup is the median over rounds of the per-round ratio. Results:
+bench/results/<device>.json under ``sgld_compose_step``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bandwidth_probes, environment, synchronize, write_results  # noqa: E402
+
+import fedkernels  # noqa: E402
+
+KS = (10, 100)
+MS = (100, 1000)
+D = 3 * 32 * 32
+
+
+def timed(fn, device) -> float:
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def torch_compose(x, grads, energies, log_w, beta, delta, gen):
+    pi = torch.softmax(log_w[:, None] + torch.sign(-energies), dim=0)
+    a = torch.einsum("km,kmd->md", pi, grads.clamp(-3.0, 3.0))
+    noise = torch.randn(x.shape, generator=gen, device=x.device, dtype=x.dtype)
+    return (x - beta * a + delta * noise).clamp(0.0, 1.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--max-elements", type=int, default=10**9,
+                        help="skip sizes whose grads have more elements (memory)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    probes = bandwidth_probes(device, args.probe_bytes)
+    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    rows = []
+    for K in KS:
+        for M in MS:
+            if K * M * D > args.max_elements:
+                print(f"K={K} M={M}: skipped (--max-elements)")
+                continue
+            g = torch.Generator(device=device).manual_seed(0)
+            grads = torch.randn(K, M, D, device=device, generator=g)
+            x = torch.rand(M, D, device=device, generator=g)
+            energies = torch.randn(K, M, device=device, generator=g)
+            log_w = torch.log(torch.rand(K, device=device, generator=g) + 0.1)
+            gen = torch.Generator(device=device).manual_seed(1)
+            fns = {
+                "fused": lambda: fedkernels.sgld_compose_step(
+                    x, grads, energies, log_w, mode="signed", step_size=10.0, noise_std=0.01,
+                    grad_clip=3.0, clamp=(0.0, 1.0), generator=gen),
+                "torch": lambda: torch_compose(x, grads, energies, log_w, 10.0, 0.01, gen),
+            }
+            for fn in fns.values():
+                fn()
+            times = {k: [] for k in fns}
+            reps = args.repeats if K * M < 100 * 1000 else max(3, args.repeats // 2)
+            for _ in range(reps):
+                for k, fn in fns.items():
+                    times[k].append(timed(fn, device))
+            nbytes = 4 * K * M * D
+            fused = statistics.median(times["fused"])
+            ref = statistics.median(times["torch"])
+            ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
+            row = {
+                "K": K, "M": M, "D": D, "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
+                "speedup_median_of_ratios": ratio, "grads_bytes": nbytes,
+                "fused_GBps": nbytes / fused / 1e9,
+                "fused_fraction_of_read_probe": nbytes / fused / 1e9 / probes["read_GBps"],
+                "torch_GBps": nbytes / ref / 1e9,
+            }
+            rows.append(row)
+            print(f"K={K:3d} M={M:5d} fused {1e3*fused:9.3f} ms torch {1e3*ref:9.3f} ms x{ratio:5.2f} "
+                  f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
+            del grads
+    payload = {"environment": environment(device), "probes": probes, "rows": rows,
+               "dtype": "float32", "repeats": args.repeats}
+    print("wrote", write_results("sgld_compose_step", device, payload))
+
+
+if __name__ == "__main__":
+    main()

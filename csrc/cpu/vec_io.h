@@ -1,0 +1,37 @@
+// Vector loads and stores shared by the CPU kernels: any supported input dtype is read as the
+// accumulate type (fp32, fp64 for fp64) and written back in the storage dtype.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
+
+namespace fedkernels {
+
+template <typename T>
+using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Loads 2 * Vectorized<A>::size() elements of type T as two vectors of the accumulate type A.
+template <typename T, typename A>
+inline void load2(const T* p, at::vec::Vectorized<A>& lo, at::vec::Vectorized<A>& hi) {
+  if constexpr (std::is_same_v<T, A>) {
+    lo = at::vec::Vectorized<A>::loadu(p);
+    hi = at::vec::Vectorized<A>::loadu(p + at::vec::Vectorized<A>::size());
+  } else {
+    at::vec::load_to_float<T>(p, lo, hi);
+  }
+}
+
+// Stores two vectors of the accumulate type A as 2 * Vectorized<A>::size() elements of type U.
+template <typename U, typename A>
+inline void store2(U* p, const at::vec::Vectorized<A>& lo, const at::vec::Vectorized<A>& hi) {
+  if constexpr (std::is_same_v<U, A>) {
+    lo.store(p);
+    hi.store(p + at::vec::Vectorized<A>::size());
+  } else {
+    at::vec::convert_from_float<U>(lo, hi).store(p);
+  }
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,274 @@
+// CUDA kernels of the SGLD / FedEvg ops (schemas: csrc/ops.cpp; host side: csrc/sgld_host.h;
+// math: specs/fedevg.md §1.2, §1.4-1.5 and §3 K1-K3, per-element formulas in
+// csrc/elementwise.h shared with the CPU kernels).
+//
+// energy_from_logits: one warp per row, shuffle reductions (max, then sum of exp).
+// sgld_compose_step: (1) one thread per sample j turns the K energies into pi[:, j] (softmax
+// over clients, stable); (2) one thread per group of 4 consecutive elements (the 4 lanes of one
+// Philox block) streams the K clients' gradients once, in client order, accumulating
+// pi[k, j] clip(G[k, e]) in fp32 (fp64 for fp64), then adds step, noise and clamp and writes
+// x'. sgld_step is (2) with K = 0. The Philox seed and offset come from the CUDA generator
+// (philox_cuda_state, graph-safe), so a seeded torch.Generator reproduces a run.
+#include <ATen/core/Tensor.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <tuple>
+#include <type_traits>
+
+#include "../elementwise.h"
+#include "../sgld_host.h"
+
+namespace fedkernels {
+namespace {
+
+template <typename T>
+using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+constexpr int kThreads = 256;
+
+int64_t num_blocks(int64_t work, int64_t per_block) {
+  const int64_t b = (work + per_block - 1) / per_block;
+  return std::max<int64_t>(1, std::min<int64_t>(b, 65535LL * 32));
+}
+
+template <typename T>
+__global__ void energy_kernel(const T* logits, const int64_t* labels, T* out, int64_t N, int64_t C) {
+  using A = acc_type<T>;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t i = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; i < N; i += warps) {
+    const T* row = logits + i * C;
+    if (labels) {
+      if (lane == 0) {
+        const int64_t y = labels[i];
+        CUDA_KERNEL_ASSERT(y >= 0 && y < C && "fedkernels.energy_from_logits: label out of range");
+        out[i] = static_cast<T>(-static_cast<A>(row[y]));
+      }
+      continue;
+    }
+    A m = -std::numeric_limits<A>::infinity();
+    for (int64_t c = lane; c < C; c += 32) m = max(m, static_cast<A>(row[c]));
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    A s = 0;
+    for (int64_t c = lane; c < C; c += 32) s += math_exp(static_cast<A>(row[c]) - m);
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) out[i] = static_cast<T>(-(m + math_log(s)));
+  }
+}
+
+template <typename A>
+__global__ void weights_kernel(
+    const A* energies, const A* log_w, A* pi, int64_t K, int64_t M, bool signed_mode) {
+  for (int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; j < M;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    A m = -std::numeric_limits<A>::infinity();
+    for (int64_t k = 0; k < K; ++k) {
+      const A z = SgldMath::logit<A>(log_w[k], energies[k * M + j], signed_mode);
+      pi[k * M + j] = z;
+      m = max(m, z);
+    }
+    A sum = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const A w = math_exp(pi[k * M + j] - m);
+      pi[k * M + j] = w;
+      sum += w;
+    }
+    for (int64_t k = 0; k < K; ++k) pi[k * M + j] /= sum;
+  }
+}
+
+struct UpdateArgs {
+  int64_t K, M, D, n;
+  double step, noise_std, tau, lo, hi;
+  bool draw_noise;
+  at::PhiloxCudaState philox;
+};
+
+template <typename T>
+__global__ void update_kernel(
+    const T* __restrict__ x, const T* __restrict__ grads, const acc_type<T>* __restrict__ pi,
+    const T* __restrict__ noise, T* out, UpdateArgs args) {
+  using A = acc_type<T>;
+  const A tau = static_cast<A>(args.tau), step = static_cast<A>(args.step);
+  const A std_ = static_cast<A>(args.noise_std);
+  const A lo = static_cast<A>(args.lo), hi = static_cast<A>(args.hi);
+  uint64_t seed = 0, offset = 0;
+  if (args.draw_noise) {
+    const auto so = at::cuda::philox::unpack(args.philox);
+    seed = std::get<0>(so);
+    offset = std::get<1>(so);
+  }
+  const int64_t n = args.n, groups = (n + 3) / 4;
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; g < groups;
+       g += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t e0 = g * 4;
+    const int cnt = static_cast<int>(n - e0 < 4 ? n - e0 : 4);
+    A acc[4] = {0, 0, 0, 0};
+    if (args.K == 0) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (i < cnt) acc[i] = SgldMath::clip<A>(static_cast<A>(grads[e0 + i]), tau);
+    } else {
+      int64_t j[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) j[i] = (e0 + i) / args.D;
+      for (int64_t k = 0; k < args.K; ++k) {
+        const T* gk = grads + k * n;
+        const A* pk = pi + k * args.M;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (i < cnt) acc[i] += pk[j[i]] * SgldMath::clip<A>(static_cast<A>(gk[e0 + i]), tau);
+        }
+      }
+    }
+    A eps[4] = {0, 0, 0, 0};
+    if (args.draw_noise) PhiloxNormal::normal4<A>(seed, offset, static_cast<uint64_t>(g), eps);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if (i < cnt) {
+        const A ei = noise ? static_cast<A>(noise[e0 + i]) : eps[i];
+        out[e0 + i] = static_cast<T>(
+            SgldMath::update<A>(static_cast<A>(x[e0 + i]), acc[i], ei, step, std_, lo, hi));
+      }
+    }
+  }
+}
+
+template <typename T>
+void energy_launch(const EnergyPlan& p) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int warps = kThreads / 32;
+  energy_kernel<T><<<num_blocks(p.N, warps), kThreads, 0, stream>>>(
+      static_cast<const T*>(p.logits), p.labels, static_cast<T*>(p.out), p.N, p.C);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void energy_cuda_run(const EnergyPlan& p) {
+  const c10::cuda::CUDAGuard guard(p.device);
+  switch (p.dtype) {
+    case at::kFloat: return energy_launch<float>(p);
+    case at::kDouble: return energy_launch<double>(p);
+    case at::kHalf: return energy_launch<at::Half>(p);
+    case at::kBFloat16: return energy_launch<at::BFloat16>(p);
+    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
+  }
+}
+
+template <typename T>
+void sgld_launch(const SgldPlan& p, const at::PhiloxCudaState& philox) {
+  using A = acc_type<T>;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (p.K > 0) {
+    weights_kernel<A><<<num_blocks(p.M, kThreads), kThreads, 0, stream>>>(
+        static_cast<const A*>(p.energies), static_cast<const A*>(p.log_weights),
+        static_cast<A*>(p.pi), p.K, p.M, p.signed_mode);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const int64_t n = p.M * p.D;
+  if (n == 0) return;
+  UpdateArgs a;
+  a.K = p.K;
+  a.M = p.M;
+  a.D = p.D;
+  a.n = n;
+  a.step = p.step;
+  a.noise_std = p.noise_std;
+  a.tau = p.tau;
+  a.lo = p.lo;
+  a.hi = p.hi;
+  a.draw_noise = p.draw_noise;
+  a.philox = philox;
+  update_kernel<T><<<num_blocks((n + 3) / 4, kThreads), kThreads, 0, stream>>>(
+      static_cast<const T*>(p.x), static_cast<const T*>(p.grads),
+      static_cast<const A*>(p.pi), static_cast<const T*>(p.noise), static_cast<T*>(p.out), a);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void sgld_cuda_run(SgldPlan& p) {
+  const c10::cuda::CUDAGuard guard(p.device);
+  at::PhiloxCudaState philox;
+  if (p.draw_noise && p.M * p.D > 0) {
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        p.generator, at::cuda::detail::getDefaultCUDAGenerator(p.device.index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    philox = gen->philox_cuda_state(4);  // one 128-bit block per subsequence (per thread)
+  }
+  switch (p.dtype) {
+    case at::kFloat: return sgld_launch<float>(p, philox);
+    case at::kDouble: return sgld_launch<double>(p, philox);
+    case at::kHalf: return sgld_launch<at::Half>(p, philox);
+    case at::kBFloat16: return sgld_launch<at::BFloat16>(p, philox);
+    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
+  }
+}
+
+at::Tensor energy_from_logits_cuda(const at::Tensor& logits, const std::optional<at::Tensor>& labels) {
+  return energy_from_logits_host(logits, labels, &energy_cuda_run);
+}
+
+at::Tensor sgld_step_cuda(
+    const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  return sgld_step_host(
+      x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator, false,
+      &sgld_cuda_run);
+}
+
+void sgld_step_inplace_cuda(
+    const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  sgld_step_host(
+      x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator, true,
+      &sgld_cuda_run);
+}
+
+std::tuple<at::Tensor, at::Tensor> sgld_compose_step_cuda(
+    const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
+    const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  return sgld_compose_step_host(
+      x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
+      clamp_min, clamp_max, noise, generator, false, &sgld_cuda_run);
+}
+
+at::Tensor sgld_compose_step_inplace_cuda(
+    const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
+    const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  return std::get<1>(sgld_compose_step_host(
+      x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
+      clamp_min, clamp_max, noise, generator, true, &sgld_cuda_run));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
+  m.impl("energy_from_logits", &energy_from_logits_cuda);
+  m.impl("sgld_step", &sgld_step_cuda);
+  m.impl("sgld_step_", &sgld_step_inplace_cuda);
+  m.impl("sgld_compose_step", &sgld_compose_step_cuda);
+  m.impl("sgld_compose_step_", &sgld_compose_step_inplace_cuda);
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,311 @@
+r"""FedEvg: federated energy-based averaging (issue 6; ``specs/fedevg.md``).
+
+The server keeps a balanced synthetic set :math:`\hat x` (``spc`` samples per class, fixed
+labels :math:`\hat y`, initialised from N(0, I)). Each round:
+
+1. every participant re-initialises an energy model / classifier f (a SiLU MLP with spectral
+   norm on its last layer; :math:`E(x, y) = -f(x)[y]`), trains it on its real data plus persistent
+   SGLD chains started from the downloaded :math:`\hat x` (§1.7:
+   :math:`L = \overline{E(x, y)} - \overline{E(\hat x', \hat y)} + CE(f(x), y) + \lambda CE(f(\hat x), \hat y)`,
+   one SGLD step per minibatch with :func:`fedkernels.sgld_step`), and uploads, on the downloaded
+   :math:`\hat x`, the clipped energy gradients :math:`g_{kj}` and energies :math:`E_{kj}` (§1.6);
+2. the server composes them with :func:`fedkernels.sgld_compose_step` (§1.4, eq. 4.14):
+   :math:`\pi_{kj} = \mathrm{softmax}_k(\log w_k + \mathrm{sgn}(-E_{kj}))`, :math:`w_k \propto n_k`,
+   :math:`\hat x_j \leftarrow \mathrm{clamp}(\hat x_j - \beta^{(t)} \sum_k \pi_{kj} g_{kj} + \delta\varepsilon)`,
+   with the cosine schedule :math:`\beta^{(t)}` from ``server_beta`` to ``server_beta_last``;
+3. a fresh copy of the run's model is trained on :math:`(\hat x, \hat y)` only and becomes the
+   global model, so the simulation's test accuracy is the paper's metric (that classifier on
+   every client's held-out split, §1.8).
+
+Constants: ``constants="paper"`` (default) takes the thesis' values (β_last = 0.01, δ = 0.01);
+``constants="code"`` the official scripts' (β_last = 1, δ = 1e-4). The gradient clip τ = 3 and the
+[0, 1] clamp exist only in the code; they are on by default (``grad_clip``, ``clamp``) because
+the sampler diverges without them; set ``clamp=false`` for unbounded data.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fedkernels
+from fedkernels.sim import seeding
+from fedkernels.sim.client import ClientUpdate
+from fedkernels.sim.config import ConfigError
+from fedkernels.sim.server import Server
+from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
+
+from .registry import register
+
+# Random streams of their own (beside those of fedkernels.sim.seeding).
+SYNTH_INIT = 121  # (seed, SYNTH_INIT): the initial synthetic set
+CLIENT = 122  # (seed, CLIENT, round, client): energy-model init, minibatches, SGLD noise
+SERVER = 123  # (seed, SERVER): the server's SGLD noise (a generator kept across rounds)
+EVAL = 124  # (seed, EVAL, round): the synthetic-set classifier's init and minibatches
+
+CONSTANTS = {"paper": dict(server_beta_last=0.01, server_sigma=0.01),
+             "code": dict(server_beta_last=1.0, server_sigma=1e-4)}
+
+
+@dataclass
+class FedEvgConfig:
+    constants: Literal["paper", "code"] = field(
+        default="paper", metadata={"help": "beta_last/delta of the thesis (0.01/0.01) or code (1/1e-4)"})
+    spc: int = field(default=10, metadata={"help": "synthetic samples per class (M = L * spc)"})
+    server_beta: float = field(default=10.0, metadata={"help": "beta^(0) of the server step"})
+    server_beta_last: float | None = field(
+        default=None, metadata={"help": "beta^(T-1) (default: from constants)"})
+    server_sigma: float | None = field(
+        default=None, metadata={"help": "delta, server SGLD noise (default: from constants)"})
+    mode: Literal["signed", "exact"] = field(
+        default="signed", metadata={"help": "client weights softmax(log w + sgn(-E)) or (log w - E)"})
+    grad_clip: float | None = field(default=3.0, metadata={"help": "tau, elementwise energy-grad clip"})
+    clamp: bool = field(default=True, metadata={"help": "clamp samples to [0, 1] (image data)"})
+    client_step: float = field(default=1.0, metadata={"help": "gamma, client SGLD step"})
+    client_sigma: float = field(default=0.01, metadata={"help": "sigma, client SGLD noise"})
+    sgld_steps: int = field(default=1, metadata={"help": "R, client SGLD steps per minibatch"})
+    ce_lambda: float = field(default=0.1, metadata={"help": "lambda, CE weight on synthetic data"})
+    lr: float = field(default=1e-3, metadata={"help": "client Adam learning rate"})
+    lr_decay: float = field(default=0.9, metadata={"help": "lr factor every lr_decay_step rounds"})
+    lr_decay_step: int = field(default=50, metadata={"help": "rounds between lr decays"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "client Adam weight decay"})
+    local_epochs: int = field(default=1, metadata={"help": "E, local epochs"})
+    batch_size: int = field(default=64, metadata={"help": "B, local minibatch size"})
+    hidden: list[int] = field(default_factory=lambda: [128, 128],
+                              metadata={"help": "energy-model MLP hidden widths"})
+    server_epochs: int = field(default=1, metadata={"help": "epochs of the synthetic-set classifier"})
+    server_lr: float = field(default=1e-3, metadata={"help": "Adam lr of the synthetic-set classifier"})
+    server_batch_size: int = field(default=64, metadata={"help": "its minibatch size"})
+    image_path: str = field(default="", metadata={"help": "write the synthetic set as a PNG grid here"})
+    image_shape: list[int] = field(default_factory=list,
+                                   metadata={"help": "H W of one image (default: square)"})
+
+    def __post_init__(self) -> None:
+        if self.spc < 1 or self.sgld_steps < 1 or self.local_epochs < 1 or self.batch_size < 1:
+            raise ConfigError("fedevg: spc, sgld_steps, local_epochs and batch_size must be >= 1")
+        if self.server_epochs < 0 or self.lr <= 0 or self.server_lr <= 0:
+            raise ConfigError("fedevg: server_epochs >= 0 and learning rates > 0")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ConfigError("fedevg: grad_clip must be > 0 (or None)")
+        c = CONSTANTS[self.constants]
+        if self.server_beta_last is None:
+            self.server_beta_last = c["server_beta_last"]
+        if self.server_sigma is None:
+            self.server_sigma = c["server_sigma"]
+
+
+def cosine_beta_schedule(beta_first: float, beta_last: float, rounds: int, s: float = 0.008) -> Tensor:
+    r"""§1.5: :math:`\bar\alpha_t = \cos^2(((t/T)+s)/(1+s)\,\pi/2)/\cos^2(s/(1+s)\,\pi/2)`,
+    :math:`b_t = 1 - \bar\alpha_{t+1}/\bar\alpha_t`, :math:`\beta^{(t)} = b_t(\beta_{last} - \beta_0) + \beta_0`."""
+    t = torch.arange(rounds + 1, dtype=torch.float64)
+    f = torch.cos(((t / rounds) + s) / (1 + s) * math.pi / 2) ** 2
+    abar = f / f[0]
+    b = 1 - abar[1:] / abar[:-1]
+    return b * (beta_last - beta_first) + beta_first
+
+
+class EnergyMLP(nn.Module):
+    """SiLU MLP with spectral norm on the last layer (§1.9's stabilisers, at MLP scale)."""
+
+    def __init__(self, num_features: int, hidden: list[int], num_classes: int) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = num_features
+        for h in hidden:
+            layers += [nn.Linear(width, h), nn.SiLU()]
+            width = h
+        self.body = nn.Sequential(*layers)
+        self.classifier = nn.Linear(width, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.xavier_normal_(m.weight)
+                nn.init.zeros_(m.bias)
+        self.classifier = nn.utils.parametrizations.spectral_norm(self.classifier)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.classifier(self.body(x))
+
+
+def energy_grad(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dE/dx, E)`` of :math:`E(x, y) = -f(x)[y]` per sample (the sum's gradient is per-sample
+    since samples do not interact)."""
+    with torch.enable_grad():
+        x = x.detach().requires_grad_(True)
+        e = fedkernels.energy_from_logits(model(x), y)
+        (g,) = torch.autograd.grad(e.sum(), x)
+    return g, e.detach()
+
+
+def write_png_grid(path: str | Path, images: Tensor, rows: int) -> None:
+    """Grey images ``[N, H, W]`` in [0, 1] as one PNG grid (``rows`` rows, 1-pixel gaps)."""
+    n, h, w = images.shape
+    cols = max(1, math.ceil(n / rows))
+    grid = torch.ones(rows * (h + 1) + 1, cols * (w + 1) + 1)
+    for i in range(n):
+        r, c = divmod(i, cols)
+        grid[1 + r * (h + 1): 1 + r * (h + 1) + h, 1 + c * (w + 1): 1 + c * (w + 1) + w] = images[i]
+    scale = max(1, 384 // max(grid.shape))
+    grid = grid.repeat_interleave(scale, 0).repeat_interleave(scale, 1)
+    pix = (grid.clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    raw = b"".join(b"\x00" + row.tobytes() for row in pix)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", pix.shape[1], pix.shape[0], 8, 0, 0, 0, 0))
+    png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_bytes(png)
+
+
+@register
+class FedEvg(Strategy):
+    """The round of the module docstring."""
+
+    name = "fedevg"
+    config_class = FedEvgConfig
+
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        if info.model is None:
+            raise ConfigError("fedevg needs the model in SetupInfo")
+        self.classifier = copy.deepcopy(info.model)
+        cfg = self.config
+        self.betas = cosine_beta_schedule(cfg.server_beta, cfg.server_beta_last, max(info.rounds, 1))
+        L = info.num_classes
+        self.synth_y = torch.arange(L).repeat_interleave(cfg.spc)
+        self.synth_x: Tensor | None = None  # [M, D], created when D is known (first client)
+        self.server_gen = torch.Generator().manual_seed(seeding.torch_seed(info.seed, SERVER))
+
+    def _ensure_synthetic(self, num_features: int) -> None:
+        if self.synth_x is None:
+            g = torch.Generator().manual_seed(seeding.torch_seed(self.info.seed, SYNTH_INIT))
+            self.synth_x = torch.randn(len(self.synth_y), num_features, generator=g)
+
+    def client_lr(self, round_index: int) -> float:
+        cfg = self.config
+        return cfg.lr * cfg.lr_decay ** ((round_index + 1) // cfg.lr_decay_step)
+
+    # -- clients (§1.7, §1.6)
+
+    def train_client(self, global_state, data, round_index, client_id):
+        cfg = self.config
+        self._ensure_synthetic(data.train_x.shape[1])
+        x_init = self.synth_x.clone()
+        y_hat = self.synth_y
+        M = len(y_hat)
+        clamp = (0.0, 1.0) if cfg.clamp else None
+        seed = seeding.torch_seed(self.info.seed, CLIENT, round_index, client_id)
+        gen = torch.Generator().manual_seed(seed)
+        with seeding.torch_stream(self.info.seed, CLIENT, round_index, client_id):
+            model = EnergyMLP(data.train_x.shape[1], cfg.hidden, self.info.num_classes)
+        opt = torch.optim.Adam(model.parameters(), lr=self.client_lr(round_index),
+                               betas=(0.5, 0.999), weight_decay=cfg.weight_decay)
+        buf = x_init.clone()
+        n = data.train_x.shape[0]
+        losses = []
+        for _ in range(cfg.local_epochs):
+            order = torch.randperm(n, generator=gen)
+            for start in range(0, n, cfg.batch_size):
+                idx_real = order[start: start + cfg.batch_size]
+                x, y = data.train_x[idx_real], data.train_y[idx_real]
+                b = min(len(idx_real), M)
+                idx = torch.randperm(M, generator=gen)[:b]
+                z, zy = buf[idx], y_hat[idx]
+                model.eval()
+                for r in range(cfg.sgld_steps):
+                    g, _ = energy_grad(model, z, zy)
+                    last = r + 1 == cfg.sgld_steps
+                    z = fedkernels.sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
+                                             grad_clip=cfg.grad_clip, clamp=clamp if last else None,
+                                             generator=gen)
+                buf[idx] = z
+                model.train()
+                e_real = fedkernels.energy_from_logits(logits_real := model(x), y)
+                e_fake = fedkernels.energy_from_logits(model(z), zy)
+                loss = (e_real.mean() - e_fake.mean() + F.cross_entropy(logits_real, y)
+                        + cfg.ce_lambda * F.cross_entropy(model(x_init[idx]), zy))
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        model.eval()
+        g, e = energy_grad(model, x_init, y_hat)
+        if cfg.grad_clip is not None:
+            g = g.clamp(-cfg.grad_clip, cfg.grad_clip)
+        mean_loss = sum(losses) / max(len(losses), 1)
+        return ClientUpdate(state={"energy_grad": g, "energy": e}, train_loss=mean_loss)
+
+    # -- server (eq. 4.14, §1.8)
+
+    def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
+        cfg = self.config
+        grads = torch.stack([s["energy_grad"] for s in info.client_states])
+        energies = torch.stack([s["energy"] for s in info.client_states])
+        log_w = torch.log(info.num_samples / info.num_samples.sum()).float()
+        beta = float(self.betas[min(info.round, len(self.betas) - 1)])
+        _, pi = fedkernels.sgld_compose_step(
+            self.synth_x, grads, energies, log_w, mode=cfg.mode, step_size=beta,
+            noise_std=cfg.server_sigma, grad_clip=cfg.grad_clip,
+            clamp=(0.0, 1.0) if cfg.clamp else None, generator=self.server_gen,
+            inplace=True, return_weights=True,
+        )
+        loss = self.train_synthetic_classifier(info.round)
+        with torch.no_grad():
+            for name, value in self.classifier.state_dict().items():
+                server.state[name].copy_(value)
+        if cfg.image_path and (info.round + 1 == self.info.rounds or (info.round + 1) % 10 == 0):
+            self.save_images(cfg.image_path)
+        return {"beta": beta, "synthetic_ce": loss, "pi_max_mean": float(pi.max(0).values.mean())}
+
+    def train_synthetic_classifier(self, round_index: int) -> float:
+        """A fresh copy of the run's model trained on the synthetic set only (§1.8 step 2)."""
+        cfg = self.config
+        with seeding.torch_stream(self.info.seed, EVAL, round_index):
+            model = copy.deepcopy(self.info.model)
+            for m in model.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+            opt = torch.optim.Adam(model.parameters(), lr=cfg.server_lr)
+            M = len(self.synth_y)
+            loss = float("nan")
+            model.train()
+            for _ in range(cfg.server_epochs):
+                order = torch.randperm(M)
+                for start in range(0, M, cfg.server_batch_size):
+                    i = order[start: start + cfg.server_batch_size]
+                    out = F.cross_entropy(model(self.synth_x[i]), self.synth_y[i])
+                    opt.zero_grad(set_to_none=True)
+                    out.backward()
+                    opt.step()
+                    loss = float(out.detach())
+        self.classifier.load_state_dict(model.state_dict())
+        return loss
+
+    def save_images(self, path: str) -> None:
+        x = self.synth_x
+        d = x.shape[1]
+        if self.config.image_shape:
+            h, w = self.config.image_shape
+        else:
+            h = w = int(round(math.sqrt(d)))
+        if h * w != d:
+            return  # not images
+        write_png_grid(path, x.reshape(-1, h, w), rows=self.info.num_classes)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"synth_x": None if self.synth_x is None else self.synth_x.clone(),
+                "server_gen": self.server_gen.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.synth_x = None if state["synth_x"] is None else state["synth_x"].clone()
+        self.server_gen.set_state(state["server_gen"])

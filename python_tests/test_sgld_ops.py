@@ -1,0 +1,356 @@
+"""Tests of the SGLD / FedEvg ops (issue 6; specs/fedevg.md §1.2, §1.4-1.5, §3 K1-K3): against
+the pure-PyTorch references with explicit noise, the noise's moments and reproducibility,
+opcheck, float64 gradcheck of the energy, torch.compile and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fedkernels
+from fedkernels import reference as ref
+from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
+
+ops = torch.ops.fedkernels
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _gen(seed, device="cpu"):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+# ---------------------------------------------------------------- energy_from_logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+@pytest.mark.parametrize("conditional", [True, False])
+def test_energy_matches_reference(device, dtype, conditional):
+    g = _gen(0)
+    logits = (torch.randn(37, 11, generator=g) * 4).to(dtype).to(device)
+    labels = torch.randint(0, 11, (37,), generator=g).to(device) if conditional else None
+    assert_close(
+        fedkernels.energy_from_logits(logits, labels),
+        ref.energy_from_logits_reference(logits, labels),
+    )
+
+
+@pytest.mark.parametrize("conditional", [True, False])
+def test_energy_gradcheck(conditional):
+    g = _gen(1)
+    logits = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 5, (6,), generator=g) if conditional else None
+    assert torch.autograd.gradcheck(lambda f: fedkernels.energy_from_logits(f, labels), (logits,))
+    # The spec's seeds: dE/df = -onehot(y) or -softmax(f).
+    (gf,) = torch.autograd.grad(fedkernels.energy_from_logits(logits, labels).sum(), logits)
+    want = (
+        -torch.nn.functional.one_hot(labels, 5).double()
+        if conditional
+        else -torch.softmax(logits.detach(), 1)
+    )
+    torch.testing.assert_close(gf, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_energy_opcheck(device):
+    logits = torch.randn(8, 4, device=device, requires_grad=True)
+    labels = torch.randint(0, 4, (8,), device=device)
+    torch.library.opcheck(ops.energy_from_logits, (logits, labels))
+    torch.library.opcheck(ops.energy_from_logits, (logits, None))
+
+
+def test_energy_empty_and_errors():
+    assert fedkernels.energy_from_logits(torch.zeros(0, 3)).shape == (0,)
+    with pytest.raises(ValueError, match=r"out of range"):
+        fedkernels.energy_from_logits(torch.zeros(2, 3), torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match=r"\[N, C\]"):
+        fedkernels.energy_from_logits(torch.zeros(2, 3, 4))
+    with pytest.raises(TypeError, match=r"int64"):
+        fedkernels.energy_from_logits(torch.zeros(2, 3), torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(TypeError, match=r"dtype"):
+        fedkernels.energy_from_logits(torch.zeros(2, 3, dtype=torch.int64))
+
+
+# ---------------------------------------------------------------- sgld_step
+
+
+def _step_inputs(shape, dtype, device, seed=0):
+    g = _gen(seed)
+    x = torch.rand(shape, generator=g).to(dtype).to(device)
+    grad = (torch.randn(shape, generator=g) * 3).to(dtype).to(device)
+    noise = torch.randn(shape, generator=g).to(dtype).to(device)
+    return x, grad, noise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+@pytest.mark.parametrize("shape", [(), (7,), (3, 1, 5, 5), (64, 3, 4, 4)])
+@pytest.mark.parametrize("clip_clamp", [(None, None), (3.0, (0.0, 1.0)), (1.0, (None, 0.5))])
+def test_sgld_step_exact_with_given_noise(device, dtype, shape, clip_clamp):
+    clip, clamp = clip_clamp
+    x, grad, noise = _step_inputs(shape, dtype, device)
+    kw = dict(step_size=0.7, noise_std=0.05, grad_clip=clip, clamp=clamp)
+    got = fedkernels.sgld_step(x, grad, noise=noise, **kw)
+    want = ref.sgld_step_reference(x, grad, 0.7, 0.05, noise=noise, grad_clip=clip, clamp=clamp)
+    assert_close(got, want)
+    # In place: the same values, written into x.
+    y = x.clone()
+    assert fedkernels.sgld_step_(y, grad, noise=noise, **kw) is y
+    assert bitwise_equal(y, got)
+
+
+def test_sgld_step_non_contiguous_inplace():
+    base = torch.rand(6, 8)
+    x = base.t()  # not contiguous
+    grad = torch.randn(8, 6)
+    noise = torch.randn(8, 6)
+    want = ref.sgld_step_reference(x, grad, 1.0, 0.1, noise=noise, clamp=(0, 1))
+    fedkernels.sgld_step_(x, grad, step_size=1.0, noise_std=0.1, clamp=(0, 1), noise=noise)
+    assert_close(base.t(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_moments(device):
+    n = 1 << 20
+    x = torch.zeros(n, device=device)
+    z = fedkernels.sgld_step(x, x, step_size=0.0, noise_std=1.0, generator=_gen(3, device)).double().cpu()
+    se = 1 / math.sqrt(n)
+    assert abs(z.mean().item()) < 5 * se
+    assert abs(z.var().item() - 1) < 5 * math.sqrt(2) * se
+    assert abs((z**3).mean().item()) < 5 * math.sqrt(15) * se  # skewness 0
+    assert abs((z**4).mean().item() - 3) < 5 * math.sqrt(96) * se  # kurtosis 3
+    assert abs((z.abs() < 1).double().mean().item() - 0.682689) < 5 * 0.47 * se
+    # The 4 lanes of a Philox block, and neighbouring blocks, are uncorrelated.
+    for lag in (1, 2, 3, 4):
+        r = (z[:-lag] * z[lag:]).mean().item()
+        assert abs(r) < 5 * se, (lag, r)
+    lanes = z.reshape(-1, 4)
+    for lane in range(4):
+        assert abs(lanes[:, lane].mean().item()) < 10 * se
+        assert abs(lanes[:, lane].var().item() - 1) < 10 * math.sqrt(2) * se
+    # noise_std scales it.
+    z2 = fedkernels.sgld_step(x, x, step_size=0.0, noise_std=0.25, generator=_gen(3, device))
+    torch.testing.assert_close(z2.double().cpu(), 0.25 * z)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_noise_reproducible_from_seed(device):
+    x = torch.rand(1001, device=device)
+    grad = torch.randn(1001, device=device)
+    kw = dict(step_size=0.1, noise_std=0.5)
+    a = fedkernels.sgld_step(x, grad, generator=_gen(42, device), **kw)
+    b = fedkernels.sgld_step(x, grad, generator=_gen(42, device), **kw)
+    c = fedkernels.sgld_step(x, grad, generator=_gen(43, device), **kw)
+    assert bitwise_equal(a, b)
+    assert not torch.equal(a, c)
+    gen = _gen(42, device)
+    first = fedkernels.sgld_step(x, grad, generator=gen, **kw)
+    second = fedkernels.sgld_step(x, grad, generator=gen, **kw)
+    assert bitwise_equal(first, a)
+    assert not torch.equal(first, second)  # the generator advanced
+    # The default generator follows torch.manual_seed.
+    torch.manual_seed(7)
+    d1 = fedkernels.sgld_step(x, grad, **kw)
+    torch.manual_seed(7)
+    d2 = fedkernels.sgld_step(x, grad, **kw)
+    assert bitwise_equal(d1, d2)
+    # No noise drawn (noise_std = 0) leaves the generator alone.
+    gen = _gen(5, device)
+    state = gen.get_state()
+    fedkernels.sgld_step(x, grad, step_size=1.0, noise_std=0.0, generator=gen)
+    assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+def test_drawn_noise_same_across_dtypes_and_compose(dtype):
+    """The noise stream depends only on the seed and the element index: the plain step and the
+    composed step (any K) with the same seed add the same noise."""
+    x = torch.zeros(5, 7, dtype=dtype)
+    zero = torch.zeros(5, 7, dtype=dtype)
+    a = fedkernels.sgld_step(x, zero, step_size=1.0, noise_std=1.0, generator=_gen(9))
+    b = fedkernels.sgld_compose_step(
+        x, torch.zeros(3, 5, 7, dtype=dtype), torch.randn(3, 5), torch.zeros(3),
+        step_size=1.0, noise_std=1.0, generator=_gen(9),
+    )
+    assert bitwise_equal(a, b)
+    ref32 = fedkernels.sgld_step(x.float(), zero.float(), step_size=1.0, noise_std=1.0, generator=_gen(9))
+    # Same stream; fp64 evaluates Box-Muller in fp64, so it agrees to fp32 rounding.
+    assert_close(a, ref32.to(dtype), dtype=torch.float32 if dtype == torch.float64 else dtype)
+
+
+# ---------------------------------------------------------------- sgld_compose_step
+
+
+def _compose_inputs(K, M, feat, dtype, device, seed=0):
+    g = _gen(seed)
+    x = torch.rand((M,) + feat, generator=g).to(dtype).to(device)
+    grads = (torch.randn((K, M) + feat, generator=g) * 4).to(dtype).to(device)
+    energies = (torch.randn(K, M, generator=g) * 3).to(device)
+    energies[0, :2] = 0.0  # sign(0) = 0 in the signed mode
+    log_w = torch.log(torch.rand(K, generator=g) + 0.1).to(device)
+    noise = torch.randn((M,) + feat, generator=g).to(dtype).to(device)
+    return x, grads, energies, log_w, noise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+@pytest.mark.parametrize("mode", ["exact", "signed"])
+@pytest.mark.parametrize("K,M,feat", [(1, 3, (5,)), (3, 10, (1, 3, 3)), (17, 9, (2, 7)), (4, 5, ())])
+def test_compose_matches_reference(device, dtype, mode, K, M, feat):
+    x, grads, energies, log_w, noise = _compose_inputs(K, M, feat, dtype, device)
+    kw = dict(step_size=10.0, noise_std=0.01, grad_clip=3.0, clamp=(0.0, 1.0))
+    got, pi = fedkernels.sgld_compose_step(
+        x, grads, energies, log_w, mode=mode, noise=noise, return_weights=True, **kw
+    )
+    want, want_pi = ref.sgld_compose_step_reference(
+        x, grads, energies, log_w, 10.0, 0.01, noise=noise, mode=mode, grad_clip=3.0, clamp=(0.0, 1.0)
+    )
+    assert_close(pi, want_pi)
+    # Without the clamp the direction is visible (the clamp saturates most values at step 10).
+    got2 = fedkernels.sgld_compose_step(
+        x, grads, energies, log_w, mode=mode, noise=noise, step_size=0.3, noise_std=0.1
+    )
+    want2, _ = ref.sgld_compose_step_reference(x, grads, energies, log_w, 0.3, 0.1, noise=noise, mode=mode)
+    assert_close(got, want, num_clients=K)
+    assert_close(got2, want2, num_clients=K)
+    y = x.clone()
+    pi_ = fedkernels.sgld_compose_step(
+        y, grads, energies, log_w, mode=mode, noise=noise, inplace=True, return_weights=True, **kw
+    )[1]
+    assert bitwise_equal(y, got) and bitwise_equal(pi_, pi)
+
+
+def test_compose_spec_formulas():
+    """specs/fedevg.md §1.4: signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
+    ones w_i e^{-E_i} / sum_k w_k e^{-E_k}; K = 1 is the plain step."""
+    x, grads, energies, log_w, noise = _compose_inputs(4, 6, (3,), torch.float64, "cpu")
+    _, pi = fedkernels.sgld_compose_step(
+        x, grads, energies, log_w, mode="signed", step_size=1.0, noise_std=0.0, return_weights=True
+    )
+    s = torch.exp(torch.sign(-energies.double())) * log_w.double().exp()[:, None]
+    torch.testing.assert_close(pi, s / s.sum(0))
+    _, pi = fedkernels.sgld_compose_step(
+        x, grads, energies, log_w, mode="exact", step_size=1.0, noise_std=0.0, return_weights=True
+    )
+    s = torch.exp(-energies.double()) * log_w.double().exp()[:, None]
+    torch.testing.assert_close(pi, s / s.sum(0))
+    one = fedkernels.sgld_compose_step(
+        x, grads[:1], energies[:1], log_w[:1], step_size=0.5, noise_std=0.2, noise=noise, grad_clip=1.0
+    )
+    plain = fedkernels.sgld_step(x, grads[0], step_size=0.5, noise_std=0.2, noise=noise, grad_clip=1.0)
+    torch.testing.assert_close(one, plain)
+
+
+def test_compose_deterministic_and_large_exact_energies():
+    x, grads, energies, log_w, noise = _compose_inputs(100, 33, (3, 4, 4), torch.float32, "cpu")
+    energies = energies * 1000  # softmax must stay finite (stable form)
+    a = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+    b = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+    assert bitwise_equal(a, b) and torch.isfinite(a).all()
+    torch.set_num_threads(1)
+    try:
+        c = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+    finally:
+        torch.set_num_threads(2)
+    assert bitwise_equal(a, c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sgld_opcheck(device):
+    x, grads, energies, log_w, noise = _compose_inputs(3, 4, (2, 3), torch.float32, device)
+    for args in (
+        (x, grads[0], 0.5, 0.1, 3.0, 0.0, 1.0, noise, None),
+        (x, grads[0], 0.5, 0.0, None, None, None, None, None),
+    ):
+        torch.library.opcheck(ops.sgld_step, args)
+        torch.library.opcheck(ops.sgld_step_, (x.clone(),) + args[1:])
+    for mode in ("exact", "signed"):
+        args = (x, grads, energies, log_w, mode, 10.0, 0.01, 3.0, 0.0, 1.0, noise, None)
+        torch.library.opcheck(ops.sgld_compose_step, args)
+        torch.library.opcheck(ops.sgld_compose_step_, (x.clone(),) + args[1:])
+
+
+def test_compile_fullgraph():
+    x, grads, energies, log_w, noise = _compose_inputs(3, 4, (2, 3), torch.float32, "cpu")
+    logits = torch.randn(4, 5)
+    labels = torch.tensor([0, 1, 2, 3])
+
+    @torch.compile(fullgraph=True)
+    def step(x, grads, energies, log_w, noise, logits):
+        e = fedkernels.energy_from_logits(logits, labels) + fedkernels.energy_from_logits(logits)
+        y = fedkernels.sgld_compose_step(
+            x, grads, energies + e, log_w, mode="signed", step_size=10.0, noise_std=0.01,
+            grad_clip=3.0, clamp=(0.0, 1.0), noise=noise,
+        )
+        return fedkernels.sgld_step(y, grads[0], step_size=1.0, noise_std=0.01, noise=noise)
+
+    e = fedkernels.energy_from_logits(logits, labels) + fedkernels.energy_from_logits(logits)
+    want = fedkernels.sgld_step(
+        fedkernels.sgld_compose_step(
+            x, grads, energies + e, log_w, mode="signed", step_size=10.0, noise_std=0.01,
+            grad_clip=3.0, clamp=(0.0, 1.0), noise=noise,
+        ),
+        grads[0], step_size=1.0, noise_std=0.01, noise=noise,
+    )
+    torch.testing.assert_close(step(x, grads, energies, log_w, noise, logits), want)
+
+
+def test_errors_and_nothing_written():
+    x, grads, energies, log_w, noise = _compose_inputs(3, 4, (5,), torch.float32, "cpu")
+    kw = dict(step_size=1.0, noise_std=0.1)
+    y = x.clone()
+    cases = [
+        (ValueError, r"mode", dict(mode="product")),
+        (ValueError, r"noise or generator", dict(noise=noise, generator=_gen(0))),
+        (ValueError, r"noise_std", dict(noise_std=-1.0)),
+        (ValueError, r"clamp_min", dict(clamp=(1.0, 0.0))),
+        (ValueError, r"grad_clip", dict(grad_clip=0.0)),
+        (ValueError, r"noise has shape", dict(noise=noise[:2])),
+    ]
+    for exc, msg, over in cases:
+        with pytest.raises(exc, match=msg):
+            fedkernels.sgld_compose_step(y, grads, energies, log_w, inplace=True, **{**kw, **over})
+    with pytest.raises(ValueError, match=r"log weight of client 1"):
+        fedkernels.sgld_compose_step(
+            y, grads, energies, torch.tensor([0.0, float("nan"), 0.0]), inplace=True, **kw
+        )
+    with pytest.raises(ValueError, match=r"energies must be \[K, M\]"):
+        fedkernels.sgld_compose_step(y, grads, energies[:2], log_w, inplace=True, **kw)
+    with pytest.raises(ValueError, match=r"grads must be \[K, M"):
+        fedkernels.sgld_compose_step(y, grads[:, :3], energies, log_w, inplace=True, **kw)
+    with pytest.raises(ValueError, match=r"at least one client"):
+        fedkernels.sgld_compose_step(y, grads[:0], energies[:0], log_w[:0], inplace=True, **kw)
+    with pytest.raises(TypeError, match=r"grads have dtype"):
+        fedkernels.sgld_compose_step(y, grads.double(), energies, log_w, inplace=True, **kw)
+    with pytest.raises(ValueError, match=r"grad has shape"):
+        fedkernels.sgld_step_(y, grads[0, :3], **kw)
+    with pytest.raises(TypeError, match=r"x has dtype"):
+        fedkernels.sgld_step(y.long(), grads[0].long(), **kw)
+    assert torch.equal(y, x)  # nothing written
+    # Empty inputs.
+    assert fedkernels.sgld_step(torch.zeros(0), torch.zeros(0), **kw).shape == (0,)
+    out, pi = fedkernels.sgld_compose_step(
+        torch.zeros(0, 3), torch.zeros(2, 0, 3), torch.zeros(2, 0), torch.zeros(2), return_weights=True, **kw
+    )
+    assert out.shape == (0, 3) and pi.shape == (2, 0)
+
+
+# ---------------------------------------------------------------- CUDA against CPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+def test_cuda_matches_cpu(dtype):
+    x, grads, energies, log_w, noise = _compose_inputs(10, 100, (3, 8, 8), dtype, "cpu")
+    kw = dict(mode="signed", step_size=10.0, noise_std=0.01, grad_clip=3.0, clamp=(0.0, 1.0))
+    cpu, pi = fedkernels.sgld_compose_step(x, grads, energies, log_w, noise=noise, return_weights=True, **kw)
+    dev = [t.cuda() for t in (x, grads, energies, log_w, noise)]
+    gpu, gpi = fedkernels.sgld_compose_step(*dev[:4], noise=dev[4], return_weights=True, **kw)
+    assert_close(gpu, cpu, num_clients=10)
+    assert_close(gpi, pi)
+    # Drawn noise on the GPU: reproducible and standard normal.
+    g1 = fedkernels.sgld_compose_step(*dev[:4], generator=_gen(3, "cuda"), **kw)
+    g2 = fedkernels.sgld_compose_step(*dev[:4], generator=_gen(3, "cuda"), **kw)
+    assert bitwise_equal(g1, g2)
