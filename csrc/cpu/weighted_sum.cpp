@@ -26,6 +26,9 @@ using at::vec::Vectorized;
 constexpr int64_t kTile = 2048;    // elements whose accumulators stay in L1 (8 KiB in fp32)
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
 constexpr int kClientGroup = 4;    // clients whose loads are in flight together
+// Below this many elements read and written in all, one thread does the work: waking a thread
+// team costs more than such a pass (milliseconds on a busy machine).
+constexpr int64_t kParallelMinTraffic = int64_t(1) << 20;
 
 template <typename T, typename U>
 struct TileArgs {
@@ -118,7 +121,10 @@ void weighted_sum_group(const WeightedSumPlan& p) {
   const WeightedSumMath math{!p.bases.empty(), p.delta};
   const A scale = static_cast<A>(p.scale);
 
-  at::parallel_for(0, chunk_begin[n], 1, [&](int64_t c0, int64_t c1) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += p.numels[i];
+  const int64_t grain = total * (K + 1) < kParallelMinTraffic ? chunk_begin[n] : 1;
+  at::parallel_for(0, chunk_begin[n], grain, [&](int64_t c0, int64_t c1) {
     std::vector<const T*> src(K);
     int64_t i = std::upper_bound(chunk_begin.begin(), chunk_begin.end(), c0) -
         chunk_begin.begin() - 1;
