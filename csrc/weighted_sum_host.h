@@ -8,6 +8,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/irange.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -320,6 +321,27 @@ inline void weighted_sum_inplace(
       shape.num_tensors);
   check_outputs(updates, base, base, shape, /*out_is_base=*/true);
   run_weighted_sum(updates, weights, base, scale, delta, base, shape, runner);
+}
+
+// Registers the three weighted_sum overloads of one backend (CPU, CUDA), all run by `runner`.
+template <WeightedSumRunner runner>
+void register_weighted_sum(torch::Library& m) {
+  m.impl(
+      "weighted_sum",
+      [](at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
+         bool delta) {
+        return weighted_sum_functional(updates, weights, base, scale, delta, runner);
+      });
+  m.impl(
+      "weighted_sum.out",
+      [](at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
+         bool delta, at::TensorList out) {
+        weighted_sum_out(updates, weights, base, scale, delta, out, runner);
+      });
+  m.impl(
+      "weighted_sum_",
+      [](at::TensorList base, at::TensorList updates, const at::Tensor& weights, double scale,
+         bool delta) { weighted_sum_inplace(base, updates, weights, scale, delta, runner); });
 }
 
 }  // namespace fedkernels

@@ -434,30 +434,10 @@ void weighted_sum_cuda_group(const WeightedSumPlan& p) {
   TORCH_CHECK(false, "fedkernels.weighted_sum: unsupported dtypes ", in, " -> ", out);
 }
 
-std::vector<at::Tensor> weighted_sum_cuda(
-    at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
-    bool delta) {
-  return weighted_sum_functional(updates, weights, base, scale, delta, &weighted_sum_cuda_group);
-}
-
-void weighted_sum_out_cuda(
-    at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
-    bool delta, at::TensorList out) {
-  weighted_sum_out(updates, weights, base, scale, delta, out, &weighted_sum_cuda_group);
-}
-
-void weighted_sum_inplace_cuda(
-    at::TensorList base, at::TensorList updates, const at::Tensor& weights, double scale,
-    bool delta) {
-  weighted_sum_inplace(base, updates, weights, scale, delta, &weighted_sum_cuda_group);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
-  m.impl("weighted_sum", &weighted_sum_cuda);
-  m.impl("weighted_sum.out", &weighted_sum_out_cuda);
-  m.impl("weighted_sum_", &weighted_sum_inplace_cuda);
+  register_weighted_sum<&weighted_sum_cuda_group>(m);
 }
 
 }  // namespace fedkernels
