@@ -112,8 +112,12 @@ from fedkernels import _native
 build = os.path.realpath(sys.argv[1])
 assert os.path.realpath(fedkernels.__file__).startswith(build + os.sep), fedkernels.__file__
 assert _native.cuda_available, "fedkernels._cuda was not loaded"
-for op in ("fedkernels::weighted_sum", "fedkernels::weighted_sum.out", "fedkernels::weighted_sum_"):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA"), f"{op} has no CUDA kernel"
+# Every op schema (each overload) must have a CUDA kernel.
+ops = sorted({s.name + ("." + s.overload_name if s.overload_name else "")
+              for s in torch._C._jit_get_all_schemas() if s.name.startswith("fedkernels::")})
+missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")]
+assert ops and not missing, f"ops without a CUDA kernel: {missing}"
+print(len(ops), "fedkernels ops, each with a CUDA kernel")
 print("fedkernels", fedkernels.__version__, "CUDA kernels loaded; GPU visible:",
       torch.cuda.is_available())
 EOF

@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, synchronize, write_results  # noqa: E402
+from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
 
 import fedkernels  # noqa: E402
 from fedkernels import reference as R  # noqa: E402
@@ -38,20 +37,6 @@ KS = (10, 40)
 NS = (256, 4096)
 CS = (10, 100, 1000)
 WEIGHTINGS = ("fedgo", "entropy")
-
-
-def timed(fn, device) -> float:
-    synchronize(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def interleaved(fns: dict, device, repeats: int) -> dict:

@@ -21,33 +21,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, synchronize, write_results  # noqa: E402
+from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
 
 import fedkernels  # noqa: E402
 
 KS = (10, 100)
 MS = (100, 1000)
 D = 3 * 32 * 32
-
-
-def timed(fn, device) -> float:
-    synchronize(device)
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def torch_compose(x, grads, energies, log_w, beta, delta, gen):

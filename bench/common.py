@@ -26,26 +26,27 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall time of one ``fn()`` call in seconds (CUDA: measured with events, synchronized)."""
+    synchronize(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int = 7,
                 warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` in seconds (CUDA: synchronized around each call)."""
+    """Median of ``repeats`` :func:`timed` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
 def exact_cpu_memory_accounting() -> None:

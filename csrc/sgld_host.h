@@ -10,6 +10,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/irange.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
@@ -292,6 +293,58 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   if (M == 0) return {inplace ? x : at::empty_like(x), pi};
   at::Tensor out = finish_into(x, inplace, p, runner);
   return {out, pi};
+}
+
+// Registers the FedEvg ops of one backend (CPU, CUDA), run by `energy` and `sgld`.
+template <EnergyRunner energy, SgldRunner sgld>
+void register_sgld(torch::Library& m) {
+  m.impl(
+      "energy_from_logits",
+      [](const at::Tensor& logits, const std::optional<at::Tensor>& labels) {
+        return energy_from_logits_host(logits, labels, energy);
+      });
+  m.impl(
+      "sgld_step",
+      [](const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
+         std::optional<double> grad_clip, std::optional<double> clamp_min,
+         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+         std::optional<at::Generator> generator) {
+        return sgld_step_host(
+            x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator,
+            false, sgld);
+      });
+  m.impl(
+      "sgld_step_",
+      [](const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
+         std::optional<double> grad_clip, std::optional<double> clamp_min,
+         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+         std::optional<at::Generator> generator) {
+        sgld_step_host(
+            x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator,
+            true, sgld);
+      });
+  m.impl(
+      "sgld_compose_step",
+      [](const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
+         const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
+         std::optional<double> grad_clip, std::optional<double> clamp_min,
+         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+         std::optional<at::Generator> generator) {
+        return sgld_compose_step_host(
+            x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
+            clamp_min, clamp_max, noise, generator, false, sgld);
+      });
+  m.impl(
+      "sgld_compose_step_",
+      [](const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
+         const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
+         std::optional<double> grad_clip, std::optional<double> clamp_min,
+         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+         std::optional<at::Generator> generator) {
+        return std::get<1>(sgld_compose_step_host(
+            x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
+            clamp_min, clamp_max, noise, generator, true, sgld));
+      });
 }
 
 }  // namespace fedkernels

@@ -177,60 +177,10 @@ void sgld_cpu_run(SgldPlan& p) {
   }
 }
 
-at::Tensor energy_from_logits_cpu(const at::Tensor& logits, const std::optional<at::Tensor>& labels) {
-  return energy_from_logits_host(logits, labels, &energy_cpu_run);
-}
-
-at::Tensor sgld_step_cpu(
-    const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
-    std::optional<double> grad_clip, std::optional<double> clamp_min,
-    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-    std::optional<at::Generator> generator) {
-  return sgld_step_host(
-      x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator, false,
-      &sgld_cpu_run);
-}
-
-void sgld_step_inplace_cpu(
-    const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
-    std::optional<double> grad_clip, std::optional<double> clamp_min,
-    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-    std::optional<at::Generator> generator) {
-  sgld_step_host(
-      x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator, true,
-      &sgld_cpu_run);
-}
-
-std::tuple<at::Tensor, at::Tensor> sgld_compose_step_cpu(
-    const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
-    const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
-    std::optional<double> grad_clip, std::optional<double> clamp_min,
-    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-    std::optional<at::Generator> generator) {
-  return sgld_compose_step_host(
-      x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
-      clamp_min, clamp_max, noise, generator, false, &sgld_cpu_run);
-}
-
-at::Tensor sgld_compose_step_inplace_cpu(
-    const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
-    const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
-    std::optional<double> grad_clip, std::optional<double> clamp_min,
-    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-    std::optional<at::Generator> generator) {
-  return std::get<1>(sgld_compose_step_host(
-      x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
-      clamp_min, clamp_max, noise, generator, true, &sgld_cpu_run));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
-  m.impl("energy_from_logits", &energy_from_logits_cpu);
-  m.impl("sgld_step", &sgld_step_cpu);
-  m.impl("sgld_step_", &sgld_step_inplace_cpu);
-  m.impl("sgld_compose_step", &sgld_compose_step_cpu);
-  m.impl("sgld_compose_step_", &sgld_compose_step_inplace_cpu);
+  register_sgld<&energy_cpu_run, &sgld_cpu_run>(m);
 }
 
 }  // namespace fedkernels
