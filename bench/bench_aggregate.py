@@ -12,7 +12,7 @@ Each row is one way of computing sum_k w_k x_k over K client models:
   foreach      out = _foreach_mul(x_0, w_0); K-1 x _foreach_add_(out, x_k, alpha=w_k)
   stack        per tensor: (torch.stack(x_k) * w).sum(0), as FedLab and FL-bench do
   flat mv      torch.mv on the clients already flattened into one [K, P] tensor (GEMV)
-  reference    fedkernels.reference.aggregate_reference (fp32 accumulation, per tensor)
+  reference    fedkernels.ops.reference.aggregate_reference (fp32 accumulation, per tensor)
 
 The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
 GB/s is that traffic over the median time, and "% read" / "% copy" compare it with the
@@ -34,7 +34,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fedkernels  # noqa: E402
 from common import (  # noqa: E402
     bandwidth_probes,
     environment,
@@ -43,6 +42,8 @@ from common import (  # noqa: E402
     peak_extra_memory,
     write_results,
 )
+
+import fedkernels  # noqa: E402
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -117,7 +118,7 @@ def methods(clients, weights, device):
         "foreach": foreach,
         "stack": stack,
         "flat mv": lambda: torch.mv(flat.t(), w_flat),
-        "reference": lambda: fedkernels.reference.aggregate_reference(clients, weights),
+        "reference": lambda: fedkernels.ops.reference.aggregate_reference(clients, weights),
     }, flat
 
 

@@ -6,7 +6,7 @@ For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} cl
 
 - ``fused``: ``fedkernels.ensemble_pseudo_labels`` (one pass per sample: weights, combination,
   softmax);
-- ``torch``: the composition a user writes (``fedkernels.reference.ensemble_pseudo_labels_reference``:
+- ``torch``: the composition a user writes (``fedkernels.ops.reference.ensemble_pseudo_labels_reference``:
   sigmoid/softmax over clients for the weights, broadcast multiply, sum over K, softmax), eager.
 
 Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once) and
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
 
 import fedkernels  # noqa: E402
-from fedkernels import reference as R  # noqa: E402
+from fedkernels.ops import reference as R  # noqa: E402
 
 KS = (10, 40)
 NS = (256, 4096)

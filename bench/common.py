@@ -14,7 +14,7 @@ import platform
 import re
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -134,7 +134,7 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
-        "fedkernels_cpu_build": fedkernels._native.cpu_capability,
+        "fedkernels_cpu_build": fedkernels.ops.native.cpu_capability,
     }
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda

@@ -5,7 +5,7 @@
 2. ``participation``: FedAU against averaging the participants (and the other
    participation-aware rules) under heterogeneous, label-correlated Bernoulli participation.
 
-Each writes compare.{json,md,png} under bench/results/compare_<name>/ (see fedkernels.compare).
+Each writes compare.{json,md,png} under bench/results/compare_<name>/ (see fedkernels.cli.compare).
 
     python bench/compare_strategies.py [fairness|participation|all] [--seeds 0,1,2,3,4]
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fedkernels.compare import compare, markdown_table
+from fedkernels.cli.compare import compare, markdown_table
 
 COMMON = {
     "data": {"name": "digits"},

@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fedkernels.algorithms import build_strategy

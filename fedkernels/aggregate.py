@@ -9,149 +9,13 @@ which reads every client tensor once and writes the result once.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from . import ops
-
-Model = Union[Mapping[str, Tensor], Sequence[Tensor], Tensor]
-
-INT_POLICIES = ("max", "first", "skip", "error")
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-# ---------------------------------------------------------------- structure handling
-
-
-class _Layout:
-    """How one client's model maps to a flat tensor list: its kind, names, and which entries
-    are floating point (aggregated by the op) or integer/bool (handled by ``int_policy``)."""
-
-    def __init__(self, kind: str, names: list, float_mask: list[bool]):
-        self.kind = kind  # "dict", "list" or "tensor"
-        self.names = names
-        self.float_mask = float_mask
-
-    @staticmethod
-    def of(model: Model, what: str) -> "_Layout":
-        if isinstance(model, Tensor):
-            return _Layout("tensor", [None], [_is_float(model, what, None)])
-        if isinstance(model, Mapping):
-            names = list(model.keys())
-            return _Layout("dict", names, [_is_float(model[n], what, n) for n in names])
-        if isinstance(model, Sequence) and not isinstance(model, (str, bytes)):
-            names = list(range(len(model)))
-            return _Layout("list", names, [_is_float(model[i], what, i) for i in names])
-        raise TypeError(
-            f"fedkernels.aggregate: {what} must be a state_dict (mapping name -> tensor), "
-            f"a sequence of tensors or a tensor, got {type(model).__name__}"
-        )
-
-    def tensors(self, model: Model, what: str) -> list[Tensor]:
-        """The model's tensors in layout order, after checking it has this layout."""
-        if self.kind == "tensor":
-            if not isinstance(model, Tensor):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a tensor")
-            return [model]
-        if self.kind == "dict":
-            if not isinstance(model, Mapping):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a state_dict")
-            if len(model) != len(self.names) or any(n not in model for n in self.names):
-                missing = [n for n in self.names if n not in model]
-                extra = [n for n in model if n not in set(self.names)]
-                raise ValueError(
-                    f"fedkernels.aggregate: {what} has different keys than client 0"
-                    + (f"; missing {missing[:5]}" if missing else "")
-                    + (f"; unexpected {extra[:5]}" if extra else "")
-                )
-            out = [model[n] for n in self.names]
-        else:
-            if isinstance(model, (Mapping, Tensor)) or not isinstance(model, Sequence):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a sequence of tensors")
-            if len(model) != len(self.names):
-                raise ValueError(f"fedkernels.aggregate: {what} has {len(model)} tensors, "
-                                 f"client 0 has {len(self.names)}")
-            out = list(model)
-        for name, t in zip(self.names, out):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"fedkernels.aggregate: {what}, tensor {self.label(name)} is a "
-                                f"{type(t).__name__}, not a tensor")
-        return out
-
-    def label(self, name) -> str:
-        return repr(name) if self.kind == "dict" else str(name)
-
-    def build(self, tensors: list[Tensor]) -> Model:
-        if self.kind == "tensor":
-            return tensors[0]
-        if self.kind == "dict":
-            return dict(zip(self.names, tensors))
-        return list(tensors)
-
-
-def _is_float(t: Any, what: str, name) -> bool:
-    if not isinstance(t, Tensor):
-        where = what if name is None else f"{what}, tensor {name!r}"
-        raise TypeError(f"fedkernels.aggregate: {where} is a {type(t).__name__}, not a tensor")
-    if t.dtype in _FLOAT_DTYPES:
-        return True
-    if t.is_floating_point() or t.is_complex():
-        where = what if name is None else f"{what}, tensor {name!r}"
-        raise TypeError(f"fedkernels.aggregate: {where} has unsupported dtype {t.dtype}; "
-                        "supported: float32, float64, float16, bfloat16 (integer and bool "
-                        "tensors follow int_policy)")
-    return False
-
-
-def _clients(updates) -> tuple[list[Model], bool]:
-    """The K client models, and whether the input was one [K, P] tensor."""
-    if isinstance(updates, Tensor):
-        if updates.dim() != 2:
-            raise ValueError("fedkernels.aggregate: a tensor of updates must be 2-D [K, P] "
-                             f"(one flat vector per client), got shape {tuple(updates.shape)}")
-        return list(updates.unbind(0)), True
-    if isinstance(updates, Mapping) or not isinstance(updates, Sequence):
-        raise TypeError("fedkernels.aggregate: updates must be a sequence of client models "
-                        "(state_dicts or tensor lists) or a [K, P] tensor, got "
-                        f"{type(updates).__name__}")
-    return list(updates), False
-
-
-def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
-    if isinstance(weights, Tensor):
-        w = weights
-    else:
-        try:
-            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"fedkernels.aggregate: weights must be K numbers: {err}") from None
-    if w.dim() != 1 or w.numel() != num_clients:
-        raise ValueError(f"fedkernels.aggregate: got {num_clients} clients but weights of "
-                         f"shape {tuple(w.shape)}; expected {num_clients} numbers")
-    if w.is_complex() or w.dtype == torch.bool:
-        raise TypeError(f"fedkernels.aggregate: weights must be real numbers, got {w.dtype}")
-    w = w.to(torch.float64)
-    # Data-dependent checks read the weights on the host; under torch.compile they are left to
-    # the native op, which checks CPU weights too.
-    host_checks = w.device.type == "cpu" and not torch.compiler.is_compiling()
-    if host_checks:
-        bad = (~torch.isfinite(w)).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"fedkernels.aggregate: weight of client {bad[0]} is "
-                             f"{w[bad[0]].item()} (non-finite weights: clients {bad[:10]})")
-    if normalize:
-        total = w.sum()
-        if host_checks and total.item() == 0:
-            raise ValueError("fedkernels.aggregate: normalize=True but the weights sum to 0")
-        w = w / total
-    return w
+from .model_layout import INT_POLICIES, Model, ModelLayout, split_clients, weight_vector
+from .ops import summation
 
 
 def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str,
@@ -180,7 +44,7 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
 _WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor |tensor )(\d+)")
 
 
-def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
+def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception:
     """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
 
     def name(match: re.Match) -> str:
@@ -196,7 +60,7 @@ def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
     return kind(message)
 
 
-def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: _Layout) -> list[str]:
+def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: ModelLayout) -> list[str]:
     report = []
     for k, tensors in enumerate(clients):
         bad = [layout.label(n) for n, t in zip(names, tensors) if not torch.isfinite(t).all()]
@@ -257,12 +121,12 @@ def aggregate(
     if int_policy not in INT_POLICIES:
         raise ValueError(f"fedkernels.aggregate: int_policy must be one of {INT_POLICIES}, "
                          f"not {int_policy!r}")
-    models, flat = _clients(updates)
+    models, flat = split_clients(updates)
     if not models:
         raise ValueError("fedkernels.aggregate: no client updates (K = 0)")
-    layout = _Layout.of(models[0], "client 0")
+    layout = ModelLayout.of(models[0], "client 0")
     clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
-    w = _weights(weights, len(models), normalize)
+    w = weight_vector(weights, len(models), normalize)
     base_tensors = None if base is None else layout.tensors(base, "base")
     out_tensors = None if out is None else layout.tensors(out, "out")
     if flat and base_tensors is not None and base_tensors[0].dim() != 1:
@@ -293,7 +157,7 @@ def aggregate(
     delta = base is not None
     try:
         if out_tensors is None:
-            results = ops.weighted_sum(flat_updates, w, float_base, scale, delta)
+            results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
             float_out = [t for t, f in zip(out_tensors, is_float) if f]
             for i, r in int_results.items():
@@ -312,9 +176,9 @@ def aggregate(
                 _same_memory(o, b) for o, b in zip(float_out, float_base)
             )
             if in_place:
-                ops.weighted_sum_(float_base, flat_updates, w, scale, delta)
+                summation.weighted_sum_(float_base, flat_updates, w, scale, delta)
             else:
-                ops.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
+                summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
             results = float_out
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None
@@ -360,7 +224,7 @@ class Accumulator:
         self.base = base
         self.scale = float(scale)
         self.int_policy = int_policy
-        self._layout: _Layout | None = None
+        self._layout: ModelLayout | None = None
         self._acc: list[Tensor] = []
         self._ints: dict[int, Tensor] = {}
         self._dtypes: list[torch.dtype] = []
@@ -371,12 +235,12 @@ class Accumulator:
         """Adds ``weight · update``. ``update`` has the structure of the first one added."""
         what = f"update {self.count}"
         try:
-            w = _weights([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
+            w = weight_vector([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
                          False)
         except (ValueError, TypeError) as err:
             raise type(err)(str(err).replace("client 0", what)) from None
         if self._layout is None:
-            layout = _Layout.of(update, "update")
+            layout = ModelLayout.of(update, "update")
             tensors = layout.tensors(update, "update")
             if self.base is not None:
                 base = layout.tensors(self.base, "base")
@@ -416,7 +280,7 @@ class Accumulator:
                                dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
                    for t in floats]
         try:
-            ops.weighted_sum_(acc, floats, w, 1.0, False)
+            summation.weighted_sum_(acc, floats, w, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:
             err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
             raise type(err)(str(err).replace("client 0", what)) from None

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import bitwise_equal
 
 import fedkernels
 from fedkernels import ops
-
-from conftest import bitwise_equal
 
 SENTINEL = 123.0
 INT_SENTINEL = 77

@@ -1,4 +1,4 @@
-"""fedkernels.distributed on real process groups: 2 and 4 processes on the gloo backend over
+"""fedkernels.integrations.distributed on real process groups: 2 and 4 processes on the gloo backend over
 loopback (torch.multiprocessing spawn), every result compared with single-process
 :func:`fedkernels.aggregate` on the union of all ranks' clients. The NCCL variant runs the same
 checks on CUDA tensors (marked cuda: skipped without a GPU).
@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fedkernels
-from fedkernels.distributed import WeightedPartial, all_reduce_aggregate
+from fedkernels.integrations.distributed import WeightedPartial, all_reduce_aggregate
 
 
 def _free_port() -> int:

@@ -19,7 +19,14 @@ import torch
 flwr = pytest.importorskip("flwr")
 
 from flwr.app import (  # noqa: E402
-    Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict,
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
 )
 from flwr.serverapp import strategy as flower_strategies  # noqa: E402
 
@@ -279,7 +286,7 @@ def test_state_dict_round_trip_bfloat16():
 def test_import_without_flwr_says_how_to_install():
     code = (
         "import sys; sys.modules['flwr'] = None\n"
-        "import fedkernels, fedkernels.integrations, fedkernels.adapters\n"
+        "import fedkernels, fedkernels.integrations, fedkernels.integrations.adapters\n"
         "try:\n"
         "    import fedkernels.integrations.flower\n"
         "except ImportError as e:\n"

@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
 
 import fedkernels
-from fedkernels import reference as ref
-from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
+from fedkernels.ops import reference as ref
 
 ops = torch.ops.fedkernels
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, randn
 
 import fedkernels
-from fedkernels import mixing
-from fedkernels import reference as R
-
-from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, randn
+from fedkernels.ops import mixing
+from fedkernels.ops import reference as R
 
 ops = torch.ops.fedkernels
 

@@ -43,13 +43,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-import fedkernels
+from fedkernels.ops.distill import distill_kl, ensemble_pseudo_labels
 from fedkernels.sim import seeding
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
@@ -234,7 +233,7 @@ def distill(
             rows = order[start : start + batch_size]
             if rows.numel() == 1 and x.shape[0] > 1:
                 continue  # a trailing single row (BatchNorm cannot train on it)
-            loss = fedkernels.distill_kl(
+            loss = distill_kl(
                 student(x[rows]), pseudo_labels[rows], temperature, reduction=reduction
             )
             opt.zero_grad(set_to_none=True)
@@ -326,7 +325,7 @@ class EnsembleDistillation(Strategy):
     def pseudo_labels(self, logits: Tensor, participants: list[int], sizes: Tensor,
                       scores: Tensor | None) -> tuple[Tensor, Tensor]:
         cfg = self.config
-        return fedkernels.ensemble_pseudo_labels(
+        return ensemble_pseudo_labels(
             logits,
             scores if self.uses_discriminators else None,
             weighting=self.weighting,

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import fedkernels
+from fedkernels.ops.sgld import energy_from_logits, sgld_compose_step, sgld_step
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate
 from fedkernels.sim.config import ConfigError
@@ -140,7 +140,7 @@ def energy_grad(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]
     since samples do not interact)."""
     with torch.enable_grad():
         x = x.detach().requires_grad_(True)
-        e = fedkernels.energy_from_logits(model(x), y)
+        e = energy_from_logits(model(x), y)
         (g,) = torch.autograd.grad(e.sum(), x)
     return g, e.detach()
 
@@ -225,13 +225,13 @@ class FedEvg(Strategy):
                 for r in range(cfg.sgld_steps):
                     g, _ = energy_grad(model, z, zy)
                     last = r + 1 == cfg.sgld_steps
-                    z = fedkernels.sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
+                    z = sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
                                              grad_clip=cfg.grad_clip, clamp=clamp if last else None,
                                              generator=gen)
                 buf[idx] = z
                 model.train()
-                e_real = fedkernels.energy_from_logits(logits_real := model(x), y)
-                e_fake = fedkernels.energy_from_logits(model(z), zy)
+                e_real = energy_from_logits(logits_real := model(x), y)
+                e_fake = energy_from_logits(model(z), zy)
                 loss = (e_real.mean() - e_fake.mean() + F.cross_entropy(logits_real, y)
                         + cfg.ce_lambda * F.cross_entropy(model(x_init[idx]), zy))
                 opt.zero_grad(set_to_none=True)
@@ -253,7 +253,7 @@ class FedEvg(Strategy):
         energies = torch.stack([s["energy"] for s in info.client_states])
         log_w = torch.log(info.num_samples / info.num_samples.sum()).float()
         beta = float(self.betas[min(info.round, len(self.betas) - 1)])
-        _, pi = fedkernels.sgld_compose_step(
+        _, pi = sgld_compose_step(
             self.synth_x, grads, energies, log_w, mode=cfg.mode, step_size=beta,
             noise_std=cfg.server_sigma, grad_clip=cfg.grad_clip,
             clamp=(0.0, 1.0) if cfg.clamp else None, generator=self.server_gen,

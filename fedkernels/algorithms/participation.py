@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedkernels import ops
+from fedkernels.ops import summation
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
@@ -209,8 +209,8 @@ class UpdateTable:
         old = [self.rows[j] for j in ids]
         inputs = [t for c in clients for t in c] + [t for r in old for t in r] + global_params
         weights = torch.tensor([1.0] * k + [-1.0] * k + [-float(k)], dtype=torch.float64)
-        variance_reduced = ops.weighted_sum(inputs, weights / k, self.mean, 1.0, False)
-        ops.weighted_sum_(self.mean, inputs, weights / n, 1.0, False)
+        variance_reduced = summation.weighted_sum(inputs, weights / k, self.mean, 1.0, False)
+        summation.weighted_sum_(self.mean, inputs, weights / n, 1.0, False)
         flat_old = [t for r in old for t in r]
         torch._foreach_copy_(flat_old, [t for c in clients for t in c])
         torch._foreach_sub_(flat_old, global_params * k)

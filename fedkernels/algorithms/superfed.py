@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call
 
-import fedkernels
+from fedkernels.ops.mixing import mix_endpoints, superfed_mix, superfed_regularizer
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
 from fedkernels.sim.config import ConfigError
@@ -171,7 +171,7 @@ class _SuPerFed(FedAvg):
             for rows in plan:
                 index = torch.from_numpy(rows)
                 if mixing:  # theta and the regularizers from one fused pass (and one back)
-                    theta, reg = fedkernels.superfed_mix(
+                    theta, reg = superfed_mix(
                         g,
                         l_params,
                         self.sample_lambda(lam_rng),
@@ -183,7 +183,7 @@ class _SuPerFed(FedAvg):
                     )
                 else:  # Phase I: FedProx on the global endpoint
                     theta = g
-                    reg = fedkernels.superfed_regularizer(
+                    reg = superfed_regularizer(
                         g, None, anchor, nu=0.0, mu=cfg.mu, prox_form=cfg.prox_form
                     )
                 logits = functional_call(
@@ -219,7 +219,7 @@ class _SuPerFed(FedAvg):
                 continue
             local = self.local_model(k, global_state)
             for j, lam in enumerate(EVAL_GRID):
-                theta = fedkernels.mix_endpoints(g, local, lam)
+                theta = mix_endpoints(g, local, lam)
                 logits = functional_call(model, dict(zip(self.names, theta)), (x,))
                 out[k, j] = (logits.argmax(1) == y).double().mean()
         model.train()

@@ -70,15 +70,18 @@ except ImportError as _err:  # pragma: no cover - exercised only without flwr
         "pip install 'fedkernels[flower]'"
     ) from _err
 
-import fedkernels
-from fedkernels.aggregate import INT_POLICIES
-from fedkernels.adapters import ndarrays_to_tensors, tensors_to_ndarrays
+from fedkernels.aggregate import aggregate
 from fedkernels.algorithms.aaggff import AAggFFConfig, AAggFFD, AAggFFDConfig, AAggFFS
 from fedkernels.algorithms.fairness import (
-    qfedavg_weights, qffl_weights, term_weights, vred_weights,
+    qfedavg_weights,
+    qffl_weights,
+    term_weights,
+    vred_weights,
 )
 from fedkernels.algorithms.participation import IntervalWeightEstimator
 from fedkernels.algorithms.update_stats import update_sq_norms
+from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
+from fedkernels.model_layout import INT_POLICIES
 from fedkernels.sim import server as _server
 from fedkernels.sim.strategy import SetupInfo
 
@@ -154,7 +157,7 @@ def aggregate_ndarrays(results: Sequence[tuple[Sequence[np.ndarray], float]]) ->
         raise ValueError("aggregate_ndarrays: no results")
     clients = [ndarrays_to_tensors(list(arrays)) for arrays, _ in results]
     weights = [float(n) for _, n in results]
-    out = fedkernels.aggregate(clients, weights, normalize=True)
+    out = aggregate(clients, weights, normalize=True)
     return [t.numpy() for t in out]
 
 
@@ -287,7 +290,7 @@ class FusedStrategy(_FlowerFedAvg):
         if self.check_finite:
             _check_finite(clients, node_ids=None)
         if isinstance(self.server_optimizer, _server.ServerSGD):
-            fedkernels.aggregate(clients, weights, base=params, scale=self.server_optimizer.lr,
+            aggregate(clients, weights, base=params, scale=self.server_optimizer.lr,
                                  out=params)
         else:
             self.server_optimizer.apply(params, clients, weights, server_round)
@@ -326,7 +329,7 @@ class FedAvg(FusedStrategy):
             return super().combine(server_round, states, metrics, node_ids)
         weights = self.client_weights(server_round, states, metrics, node_ids)
         self.last_weights, self.last_node_ids = weights, node_ids
-        return fedkernels.aggregate(states, weights, int_policy=self.int_policy,
+        return aggregate(states, weights, int_policy=self.int_policy,
                                     check_finite=self.check_finite)
 
 

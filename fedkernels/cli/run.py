@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from .algorithms import available, build_strategy, strategy_class
-from .sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
+from fedkernels.algorithms import available, build_strategy, strategy_class
+from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
+
+from .config_file import load_config_file
 
 CONFIG_NAME = "config.json"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -108,33 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The configuration tree in a ``.yaml``/``.yml`` or ``.json`` file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"--config: no such file: {path}")
-    text = path.read_text()
-    if path.suffix in (".yaml", ".yml"):
-        try:
-            import yaml
-        except ImportError:
-            raise ConfigError("YAML configs need PyYAML: pip install 'fedkernels[sim]'") from None
-        try:
-            tree = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: cannot parse: {err}") from None
-    else:
-        try:
-            tree = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: cannot parse: {err}") from None
-    if tree is None:
-        return {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping")
-    return tree
-
-
 # argparse destinations that are options of the command, not configuration fields
 _RUN_OPTIONS = {"command", "config", "out", "resume", "threads", "no_progress", "no_plots"}
 
@@ -175,8 +150,8 @@ def run_experiment(
 ) -> dict[str, Any]:
     """Runs ``config`` with its registered algorithm, writing the outputs into ``out``;
     returns the ``results.json`` content."""
-    from .sim.plots import plot_client_accuracy, plot_curves
-    from .sim.run import Simulation
+    from fedkernels.sim.plots import plot_client_accuracy, plot_curves
+    from fedkernels.sim.run import Simulation
 
     strategy = build_strategy(config.algorithm, config.algorithm_params)
     simulation = Simulation(config, strategy, checkpoint=out / CHECKPOINT_NAME)
@@ -215,12 +190,8 @@ def _default_out(config: ExperimentConfig) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fedkernels`` script."""
+    """``fedkernels run ...`` (``argv`` includes the word ``run``)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["compare"]:  # several strategies x seeds -> table + plot (compare.py)
-        from .compare import main as compare_main
-
-        return compare_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -257,6 +228,3 @@ def main(argv: list[str] | None = None) -> int:
     )
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import ops
-from .aggregate import INT_POLICIES, Model, _Layout, _weights
+from fedkernels.model_layout import INT_POLICIES, Model, ModelLayout, weight_vector
+from fedkernels.ops import summation
 
 __all__ = ["WeightedPartial", "all_reduce_aggregate"]
 
@@ -50,7 +50,7 @@ class WeightedPartial:
     :meth:`reduce` + :meth:`broadcast` for hierarchies), and read the model with
     :meth:`result`."""
 
-    def __init__(self, layout: _Layout, like: list[Tensor], base: list[Tensor] | None,
+    def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
                  int_policy: str) -> None:
         self.layout = layout
         self.base = base
@@ -89,7 +89,7 @@ class WeightedPartial:
 
     @classmethod
     def from_clients(cls, updates: Sequence[Model], weights, *, base: Model | None = None,
-                     like: Model | None = None, int_policy: str = "max") -> "WeightedPartial":
+                     like: Model | None = None, int_policy: str = "max") -> WeightedPartial:
         r"""The partial sum over this rank's clients: one fused pass
         :math:`S \mathrel{+}= \sum_k w_k x_k` (with ``base``: the inputs ``x_1..x_K, b`` with
         weights ``w_1..w_K, -\sum w``, i.e. :math:`\sum_k w_k (x_k - b)`).
@@ -97,14 +97,14 @@ class WeightedPartial:
         ``updates`` may be empty (a rank without clients); then ``like`` or ``base`` gives
         the structure."""
         if int_policy not in INT_POLICIES:
-            raise ValueError(f"fedkernels.distributed: int_policy must be one of "
+            raise ValueError(f"fedkernels.integrations.distributed: int_policy must be one of "
                              f"{INT_POLICIES}, not {int_policy!r}")
         updates = list(updates)
         template = updates[0] if updates else (like if like is not None else base)
         if template is None:
-            raise ValueError("fedkernels.distributed: a rank without clients needs like= or "
+            raise ValueError("fedkernels.integrations.distributed: a rank without clients needs like= or "
                              "base= (the model's structure)")
-        layout = _Layout.of(template, "client 0" if updates else "like")
+        layout = ModelLayout.of(template, "client 0" if updates else "like")
         clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(updates)]
         base_tensors = None if base is None else layout.tensors(base, "base")
         like_tensors = clients[0] if clients else layout.tensors(template, "like")
@@ -115,12 +115,12 @@ class WeightedPartial:
         if clients:
             partial.add_clients(clients, weights)
         elif weights is not None and len(weights) != 0:
-            raise ValueError("fedkernels.distributed: weights given but no updates")
+            raise ValueError("fedkernels.integrations.distributed: weights given but no updates")
         return partial
 
     def add_clients(self, clients: list[list[Tensor]], weights) -> None:
         """Adds more clients (tensor lists in the layout's order) in one fused pass."""
-        w = _weights(weights, len(clients), False)
+        w = weight_vector(weights, len(clients), False)
         floats = [i for i, f in enumerate(self.layout.float_mask) if f]
         inputs = [c[i] for c in clients for i in floats]
         total = w.sum()
@@ -128,7 +128,7 @@ class WeightedPartial:
             inputs += [self.base[i] for i in floats]
             w = torch.cat([w, -total.reshape(1)])
         if floats:
-            ops.weighted_sum_([self.views[i] for i in floats], inputs, w, 1.0, False)
+            summation.weighted_sum_([self.views[i] for i in floats], inputs, w, 1.0, False)
         self.total_weight.add_(total.to(self.buffers[0].dtype))
         for i, f in enumerate(self.layout.float_mask):
             if f:
@@ -136,7 +136,7 @@ class WeightedPartial:
             values = [c[i] for c in clients]
             if self.int_policy == "error":
                 label = self.layout.label(self.layout.names[i])
-                raise TypeError(f"fedkernels.distributed: tensor {label} has dtype "
+                raise TypeError(f"fedkernels.integrations.distributed: tensor {label} has dtype "
                                 f"{values[0].dtype} and int_policy='error'")
             if self.int_policy == "max":
                 local = torch.stack(values).amax(dim=0)
@@ -147,7 +147,7 @@ class WeightedPartial:
 
     # ---------------------------------------------------------------- collectives
 
-    def all_reduce(self, group=None) -> "WeightedPartial":
+    def all_reduce(self, group=None) -> WeightedPartial:
         """Sums the partials of every rank of ``group`` (one all-reduce per accumulate
         dtype, usually one; plus a max over the integer tensors)."""
         for buffer in self.buffers:
@@ -155,14 +155,14 @@ class WeightedPartial:
         self._reduce_ints(group, dst=None)
         return self
 
-    def reduce(self, dst: int, group=None) -> "WeightedPartial":
+    def reduce(self, dst: int, group=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
         for buffer in self.buffers:
             dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group)
         self._reduce_ints(group, dst=dst)
         return self
 
-    def broadcast(self, src: int, group=None) -> "WeightedPartial":
+    def broadcast(self, src: int, group=None) -> WeightedPartial:
         """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
         for buffer in self.buffers:
             dist.broadcast(buffer, src=src, group=group)
@@ -209,7 +209,7 @@ class WeightedPartial:
         dist.all_gather(flags, has, group=group)
         owners = [r for r, flag in zip(ranks, flags) if int(flag)]
         if not owners:
-            raise ValueError("fedkernels.distributed: no rank has a client")
+            raise ValueError("fedkernels.integrations.distributed: no rank has a client")
         for i in indices:
             dist.broadcast(self._int_tensor(i), src=owners[0], group=group)
 
@@ -222,7 +222,7 @@ class WeightedPartial:
         given (which may be the base, for an in-place server step)."""
         total = float(self.total_weight)
         if normalize and total == 0:
-            raise ValueError("fedkernels.distributed: normalize=True but the weights sum to 0")
+            raise ValueError("fedkernels.integrations.distributed: normalize=True but the weights sum to 0")
         factor = scale / total if normalize else scale
         out_tensors = None if out is None else self.layout.tensors(out, "out")
         results = []

@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .sim.config import ConfigError, ExperimentConfig, from_dict, set_dotted
+from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_dotted
+
+from .config_file import load_config_file
 
 METRICS = [
     ("test_accuracy", "pooled acc"),
@@ -55,8 +57,6 @@ def parse_algorithm(text: str) -> tuple[str, dict[str, str], str]:
 def base_tree(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     if config_file:
-        from .cli import load_config_file
-
         tree = load_config_file(config_file)
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -68,8 +68,8 @@ def base_tree(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
 
 def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) -> dict[str, Any]:
     """One simulation; returns its summary and per-client accuracies."""
-    from .algorithms import build_strategy
-    from .sim.run import Simulation
+    from fedkernels.algorithms import build_strategy
+    from fedkernels.sim.run import Simulation
 
     run_tree = json.loads(json.dumps(tree))
     run_tree["seed"] = seed
@@ -214,6 +214,3 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(entries))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
