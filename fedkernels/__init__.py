@@ -21,6 +21,7 @@ from .ops.mixing import (
     superfed_regularizer,
 )
 from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
+from .selfcheck import check
 
 __version__ = "0.1.0"
 __all__ = [
