@@ -8,6 +8,8 @@ which reads every client tensor once and writes the result once.
 
 from __future__ import annotations
 
+import bisect
+import math
 import re
 from collections.abc import Sequence
 
@@ -19,15 +21,23 @@ from .ops import summation
 
 
 def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str,
-                who: Sequence[str] | None = None) -> Tensor:
+                who: Sequence[str] | None = None, api: str = "fedkernels.aggregate") -> Tensor:
     first = values[0]
     who = who or [f"client {k}" for k in range(len(values))]
     for k, v in enumerate(values[1:], start=1):
         if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
             raise ValueError(
-                f"fedkernels.aggregate: {who[k]}, tensor {label}: {v.dtype} {tuple(v.shape)} "
+                f"{api}: {who[k]}, tensor {label}: {v.dtype} {tuple(v.shape)} "
                 f"on {v.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
             )
+    # The base has the clients' structure: its integer entries are checked whatever the policy
+    # ("skip" returns them as the result, and an in-place out is the base).
+    if base is not None and (base.shape != first.shape or base.dtype != first.dtype
+                             or base.device != first.device):
+        raise ValueError(
+            f"{api}: base tensor {label} is {base.dtype} {tuple(base.shape)} on "
+            f"{base.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
+        )
     if policy == "error":
         raise TypeError(f"fedkernels.aggregate: tensor {label} has dtype {first.dtype} and "
                         "int_policy='error'; choose 'max', 'first' or 'skip'")
@@ -73,6 +83,136 @@ def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: ModelLa
 def _same_memory(a: Tensor, b: Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
+
+
+# ---------------------------------------------------------------- memory footprints
+# The native op checks the floating-point outputs against the floating-point inputs. Integer
+# entries never reach it: they are copied into ``out`` afterwards, so their outputs are checked
+# here, before anything is written.
+
+
+def _byte_span(t: Tensor) -> tuple[int, int] | None:
+    """``[first byte, past last byte)`` that ``t`` can touch (None when it has no memory)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return start, start + extent * t.element_size()
+
+
+def _has_internal_overlap(t: Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (an expanded or overlapping view)."""
+    reach = 1  # elements spanned by the dimensions of smaller stride
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+class _Footprints:
+    """Memory ranges of labelled tensors, for "does this output overlap any of them" queries
+    in O(log n) each (sorted starts and a running maximum of the ends)."""
+
+    def __init__(self, tensors: list[tuple[Tensor, str]]):
+        spans = []
+        for t, label in tensors:
+            span = _byte_span(t)
+            if span is not None:
+                spans.append((span[0], span[1], t.device, label))
+        spans.sort(key=lambda item: item[0])
+        self._spans = spans
+        self._starts = [item[0] for item in spans]
+        self._reach, end = [], -1
+        for item in spans:
+            end = max(end, item[1])
+            self._reach.append(end)
+
+    def overlap(self, t: Tensor, exclude: str | None = None) -> str | None:
+        """The label of a tensor (other than ``exclude``) whose memory overlaps ``t``'s."""
+        span = _byte_span(t)
+        if span is None:
+            return None
+        start, stop = span
+        j = bisect.bisect_left(self._starts, stop) - 1
+        while j >= 0 and self._reach[j] > start:
+            _, end, device, label = self._spans[j]
+            if end > start and device == t.device and label != exclude:
+                return label
+            j -= 1
+        return None
+
+
+def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: dict[int, Tensor],
+                   clients: list[list[Tensor]], base_tensors: list[Tensor] | None) -> None:
+    """Every check of ``out`` that the native op does not make: the integer entries' shape,
+    dtype, device and memory (no expanded view, no overlap with an integer input or with another
+    output entry). Raises before anything is written."""
+    if not int_results:
+        return
+    label = [layout.label(n) for n in layout.names]
+    for i, r in int_results.items():
+        o = out_tensors[i]
+        if o.shape != r.shape or o.dtype != r.dtype or o.device != r.device:
+            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} is {o.dtype} "
+                             f"{tuple(o.shape)} on {o.device}, expected {r.dtype} "
+                             f"{tuple(r.shape)} on {r.device}")
+        if _has_internal_overlap(o):
+            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} has internal overlap "
+                             "(an expanded view); the output needs one element of memory each")
+    inputs = [(c[i], f"client {k}, tensor {label[i]}")
+              for k, c in enumerate(clients) for i in int_results]
+    if base_tensors is not None:  # the base may be the out entry itself (in place), not part
+        inputs += [(base_tensors[i], f"base tensor {label[i]}") for i in int_results
+                   if not _same_memory(base_tensors[i], out_tensors[i])]
+    inputs_map = _Footprints(inputs)
+    for i, o in enumerate(out_tensors):
+        hit = inputs_map.overlap(o)
+        if hit is not None:
+            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} overlaps {hit}; the "
+                             "output must not alias a client update (or base, except in place)")
+    outputs = _Footprints([(o, f"out tensor {label[j]}") for j, o in enumerate(out_tensors)])
+    for i in int_results:
+        hit = outputs.overlap(out_tensors[i], exclude=f"out tensor {label[i]}")
+        if hit is not None:
+            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} overlaps {hit}; "
+                             "every output entry needs its own memory")
+
+
+# ---------------------------------------------------------------- weight range
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_weight_range(w: Tensor, scale, normalize: bool, named_floats: list[tuple[object, Tensor]],
+                        layout: ModelLayout, api: str = "fedkernels.aggregate",
+                        who: str = "client") -> None:
+    """The op casts each weight and ``scale`` to the accumulate dtype: fp32 for fp32, fp16
+    and bf16 tensors. A weight that is finite in float64 but beyond fp32's range would become
+    inf there (and 0 * inf = NaN), so it is refused, naming the client. ``normalize=True``
+    divides in float64 first, so weights of any finite size are exact there."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(scale, (int, float)) and not math.isfinite(scale):
+        raise ValueError(f"{api}: scale must be finite, got {scale}")
+    narrow = next(((name, t.dtype) for name, t in named_floats if t.dtype != torch.float64), None)
+    if narrow is None:
+        return
+    where = f"tensor {layout.label(narrow[0])} ({narrow[1]}) accumulates in float32"
+    if isinstance(scale, (int, float)) and abs(scale) > FLOAT32_MAX:
+        raise ValueError(f"{api}: scale {scale:.4g} is beyond the float32 range "
+                         f"(|x| <= {FLOAT32_MAX:.4g}); {where}")
+    if w.device.type != "cpu":
+        return
+    big = (w.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
+    if big:
+        k = big[0]
+        after = " after normalization (the weights nearly cancel)" if normalize else ""
+        hint = "" if normalize else "; scale them down or pass normalize=True, which divides " \
+                                    "in float64 first"
+        raise ValueError(f"{api}: weight of {who} {k} is {float(w[k]):.4g}{after}, beyond the "
+                         f"float32 range (|w| <= {FLOAT32_MAX:.4g}): {where} (weights out of "
+                         f"range: {who}s {big[:10]}){hint}")
 
 
 # ---------------------------------------------------------------- aggregate
@@ -153,6 +293,12 @@ def aggregate(
             raise ValueError("fedkernels.aggregate: non-finite values (NaN/Inf) in "
                              + "; ".join(report))
 
+    _check_weight_range(w, scale, normalize,
+                        list(zip(float_names, floats[0])) + list(zip(float_names, float_base)),
+                        layout)
+    if out_tensors is not None:
+        _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
+
     flat_updates = [t for c in floats for t in c]
     delta = base is not None
     try:
@@ -160,18 +306,6 @@ def aggregate(
             results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
             float_out = [t for t, f in zip(out_tensors, is_float) if f]
-            for i, r in int_results.items():
-                o = out_tensors[i]
-                if o.shape != r.shape or o.dtype != r.dtype:
-                    raise ValueError(f"fedkernels.aggregate: out tensor "
-                                     f"{layout.label(layout.names[i])} is {o.dtype} "
-                                     f"{tuple(o.shape)}, expected {r.dtype} {tuple(r.shape)}")
-                for k, c in enumerate(clients):  # the int copy below must not hit a client
-                    if o.numel() and c[i].data_ptr() == o.data_ptr():
-                        raise ValueError(f"fedkernels.aggregate: out tensor "
-                                         f"{layout.label(layout.names[i])} is client {k}, tensor "
-                                         f"{layout.label(layout.names[i])}; the output must not "
-                                         "alias a client update")
             in_place = bool(float_base) and all(
                 _same_memory(o, b) for o, b in zip(float_out, float_base)
             )
@@ -221,6 +355,8 @@ class Accumulator:
         if int_policy not in INT_POLICIES:
             raise ValueError(f"fedkernels.Accumulator: int_policy must be one of {INT_POLICIES}, "
                              f"not {int_policy!r}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"fedkernels.Accumulator: scale must be finite, got {scale}")
         self.base = base
         self.scale = float(scale)
         self.int_policy = int_policy
@@ -246,8 +382,9 @@ class Accumulator:
                 base = layout.tensors(self.base, "base")
                 for name, t, b, f in zip(layout.names, tensors, base, layout.float_mask):
                     ok_dtype = b.dtype == t.dtype or (
-                        b.dtype == torch.float32 and t.dtype in (torch.float16, torch.bfloat16))
-                    if f and (b.shape != t.shape or b.device != t.device or not ok_dtype):
+                        f and b.dtype == torch.float32
+                        and t.dtype in (torch.float16, torch.bfloat16))
+                    if b.shape != t.shape or b.device != t.device or not ok_dtype:
                         raise ValueError(
                             f"fedkernels.Accumulator: base tensor {layout.label(name)} is "
                             f"{b.dtype} {tuple(b.shape)} on {b.device}, {what} has {t.dtype} "
@@ -262,6 +399,13 @@ class Accumulator:
                                     f"update had {dtype}")
         floats = [t for t, f in zip(tensors, layout.float_mask) if f]
         float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
+        narrow = next((n for n, t in zip(float_names, floats) if t.dtype != torch.float64), None)
+        if narrow is not None and w.device.type == "cpu" and abs(float(w[0])) > FLOAT32_MAX:
+            # The fp32 accumulators would hold inf (and 0 * inf = NaN): refused, not stored.
+            raise ValueError(f"fedkernels.Accumulator: weight of {what} is {float(w[0]):.4g}, "
+                             f"beyond the float32 range (|w| <= {FLOAT32_MAX:.4g}) of the "
+                             f"accumulator of tensor {layout.label(narrow)}; scale every weight "
+                             "down by one factor (result(normalize=True) cancels it)")
         for name, t, a in zip(float_names, floats, self._acc):
             if t.shape != a.shape or t.device != a.device:
                 raise ValueError(f"fedkernels.Accumulator: {what}, tensor {layout.label(name)} "
@@ -273,7 +417,8 @@ class Accumulator:
                 values = [tensors[i]] if prev is None else [prev, tensors[i]]
                 policy = "first" if self.int_policy in ("first", "skip") else self.int_policy
                 _int_result(values, None, policy, layout.label(layout.names[i]),
-                            who=[what] if prev is None else ["the first update", what])
+                            who=[what] if prev is None else ["the first update", what],
+                            api="fedkernels.Accumulator")
         acc = self._acc
         if self._layout is None:
             acc = [torch.zeros(t.shape, device=t.device,

@@ -10,6 +10,7 @@ single-process API (:mod:`fedkernels.aggregate`) and the distributed one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Union
 
@@ -146,5 +147,10 @@ def weight_vector(weights, num_clients: int, normalize: bool) -> Tensor:
         total = w.sum()
         if host_checks and total.item() == 0:
             raise ValueError("fedkernels.aggregate: normalize=True but the weights sum to 0")
+        if host_checks and not math.isfinite(total.item()):
+            # Finite weights whose float64 sum overflows (e.g. two of 1e308): w / inf would be
+            # 0. Dividing by the largest magnitude first keeps the sum finite, and the ratios.
+            w = w / w.abs().max()
+            total = w.sum()
         w = w / total
     return w
