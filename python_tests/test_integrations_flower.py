@@ -78,10 +78,13 @@ def model(generator, dtype=np.float32, scale=1.0, like=None):
 
 
 def round_replies(generator, global_state, nodes, dtype=np.float32):
+    """A function that builds the round's replies afresh on each call (Flower's QFedAvg, and
+    ours, empty the replies' ArrayRecords while aggregating)."""
     sizes = generator.integers(5, 50, size=len(nodes)).astype(float)
     losses = generator.uniform(0.2, 2.5, size=len(nodes))
-    return [reply(n, model(generator, dtype, 0.1, like=global_state), float(s), float(f))
-            for n, s, f in zip(nodes, sizes, losses)]
+    states = [model(generator, dtype, 0.1, like=global_state) for _ in nodes]
+    return lambda: [reply(n, s, float(z), float(f))
+                    for n, s, z, f in zip(nodes, states, sizes, losses)]
 
 
 def to_numpy(record: ArrayRecord) -> dict:
@@ -100,8 +103,8 @@ def run_rounds(ours, theirs, rounds=3, nodes=(11, 22, 33, 44), dtype=np.float32,
         ours.configure_train(r, arrays_ours, ConfigRecord(), grid)
         theirs.configure_train(r, arrays_theirs, ConfigRecord(), grid)
         replies = round_replies(generator, to_numpy(arrays_theirs), nodes, dtype)
-        arrays_ours, metrics_ours = ours.aggregate_train(r, replies)
-        arrays_theirs, metrics_theirs = theirs.aggregate_train(r, replies)
+        arrays_ours, metrics_ours = ours.aggregate_train(r, replies())
+        arrays_theirs, metrics_theirs = theirs.aggregate_train(r, replies())
         a, b = to_numpy(arrays_ours), to_numpy(arrays_theirs)
         assert a.keys() == b.keys()
         assert dict(metrics_ours) == pytest.approx(dict(metrics_theirs))
@@ -118,13 +121,13 @@ def test_fedavg_equals_flower(dtype):
     assert max(diffs) < (2e-6 if dtype == np.float32 else 1e-14)
 
 
-def test_fedavg_server_learning_rate():
+def test_fedavgm_server_learning_rate():
     generator = np.random.default_rng(3)
     start = model(generator)
-    strategy = fkf.FedAvg(server_learning_rate=0.5)
+    strategy = fkf.FedAvgM(server_learning_rate=0.5)
     strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in start.items()}),
                              ConfigRecord(), StandInGrid([1, 2]))
-    replies = round_replies(generator, start, [1, 2])
+    replies = round_replies(generator, start, [1, 2])()
     out, _ = strategy.aggregate_train(1, replies)
     n = np.array([float(m.content["metrics"]["num-examples"]) for m in replies])
     for k, x in start.items():
@@ -270,9 +273,14 @@ def test_integer_arrays_follow_int_policy():
     states = [{"w": np.ones(2, np.float32) * k, "num_batches_tracked": np.array(k * 10)}
               for k in (1, 2, 3)]
     replies = [reply(k, s, 1.0, 1.0) for k, s in enumerate(states)]
+    # Default: Flower's behaviour, the counter averaged into float64.
     out, _ = fkf.FedAvg().aggregate_train(1, replies)
+    assert out["num_batches_tracked"].numpy().dtype == np.float64
+    assert float(out["num_batches_tracked"].numpy()) == pytest.approx(20.0)
+    # One argument away: the counter stays an integer, the max over clients.
+    out, _ = fkf.FedAvg(int_policy="max").aggregate_train(1, replies)
     assert out["num_batches_tracked"].numpy().dtype == np.int64
-    assert int(out["num_batches_tracked"].numpy()) == 30  # the max over clients
+    assert int(out["num_batches_tracked"].numpy()) == 30
     np.testing.assert_allclose(out["w"].numpy(), [2.0, 2.0])
 
 
