@@ -160,9 +160,11 @@ def test_server_optimizers_equal_flower(name, kwargs):
 def test_aggregate_ndarrays_equals_flower_legacy():
     from flwr.server.strategy.aggregate import aggregate as flower_aggregate
 
+    from fedkernels.integrations.flower_legacy import aggregate_ndarrays
+
     generator = np.random.default_rng(1)
     results = [(list(model(generator).values()), int(n)) for n in (3, 10, 7)]
-    ours = fkf.aggregate_ndarrays(results)
+    ours = aggregate_ndarrays(results)
     theirs = flower_aggregate([([a.copy() for a in arrays], n) for arrays, n in results])
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)

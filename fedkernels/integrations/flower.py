@@ -106,7 +106,6 @@ __all__ = [
     "TERM",
     "VRed",
     "aggregate_arrayrecords",
-    "aggregate_ndarrays",
     "array_to_tensor",
     "arrayrecord_to_state_dict",
     "fused_weighted_mean",
@@ -160,18 +159,6 @@ def state_dict_to_arrayrecord(state: Mapping[str, Tensor]) -> ArrayRecord:
     format needs; bfloat16 becomes float32, which NumPy lacks)."""
     arrays = tensors_to_ndarrays(state)
     return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(state.keys(), arrays)})
-
-
-def aggregate_ndarrays(results: Sequence[tuple[Sequence[np.ndarray], float]]) -> list[np.ndarray]:
-    """For a legacy ``flwr.server.strategy`` ``aggregate_fit``: the same contract as Flower's
-    ``flwr.server.strategy.aggregate.aggregate`` (``[(ndarrays, num_examples), ...]`` to the
-    example-weighted mean), computed by one fused pass over zero-copy views of the arrays."""
-    if not results:
-        raise ValueError("aggregate_ndarrays: no results")
-    clients = [ndarrays_to_tensors(list(arrays)) for arrays, _ in results]
-    weights = [float(n) for _, n in results]
-    out = aggregate(clients, weights, normalize=True)
-    return [t.numpy() for t in out]
 
 
 # ---------------------------------------------------------------- Flower drop-ins
