@@ -211,9 +211,9 @@ def aggregate_ndarrays(results: Sequence[tuple[NDArrays, int]]) -> NDArrays:
                 parts = [np.empty(0, d) * n for d, n in zip(key, counts)]
                 mean_dtype[key] = (reduce(np.add, parts) / total).dtype
             dtypes.append(mean_dtype[key])
-        # float32/float64: sum n_k x_k, then Flower's own division by the total (so equal
-        # inputs give bitwise Flower's mean); float16: n_k x_k would overflow its range, so
-        # the fp32 accumulator is scaled by 1/total instead.
+        # float32/float64: sum n_k x_k, then Flower's own final division by the total (so
+        # only the rounding inside the sum differs); float16: n_k x_k would overflow its
+        # range, so the fp32 accumulator is scaled by 1/total instead.
         for half in (False, True):
             group = [i for i, d in enumerate(dtypes) if (d == np.float16) == half]
             if not group:
