@@ -1,4 +1,4 @@
-"""The fused pseudo-label op against its PyTorch composition (specs/fedgo.md §4 K1-K3).
+"""The fused pseudo-label op against its PyTorch composition (docs/algorithms/distillation.md).
 
     OMP_NUM_THREADS=2 python bench/bench_distill.py [--device cuda] [--repeats 7]
 

@@ -1,4 +1,5 @@
-"""The fused FedEvg server step against its PyTorch composition (specs/fedevg.md §3 K1).
+"""The fused FedEvg server step against its PyTorch composition (docs/algorithms/fedevg.md,
+section 5).
 
     OMP_NUM_THREADS=2 python bench/bench_sgld.py [--device cuda] [--repeats 7] [--max-elements N]
 

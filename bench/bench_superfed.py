@@ -14,9 +14,9 @@ default implementation for the device, and the same network code via functional_
   passes each way, and autograd adds the two gradients of each endpoint);
 - ``superfed_loops_mm`` / ``_lm``: the official code's way: per-parameter
   ``(1-lam)*w + lam*w_local``, the cosine from per-parameter dots and norms summed in Python,
-  the prox as a per-parameter loop (specs/superfed.md §1.4, §3);
+  the prox as a per-parameter loop;
 - ``superfed_foreach_lm``: mixing with ``torch._foreach_lerp`` (ScalarList, one lambda per
-  tensor: the baseline of specs/prior_art.md §2.2), the regularizers with ``_foreach_*``.
+  tensor: the best plain-PyTorch multi-tensor baseline), the regularizers with ``_foreach_*``.
 
 Also the ops alone (mix forward+backward and regularizer forward+backward, no network), with
 their effective bandwidth over their minimum traffic and its fraction of a copy probe.
@@ -50,7 +50,7 @@ NU, MU = 1.0, 0.01
 
 
 class TwoCNN(nn.Module):
-    """The paper's TwoCNN (specs/superfed.md §4): conv5(32)-pool-conv5(64)-pool-FC
+    """The paper's TwoCNN: conv5(32)-pool-conv5(64)-pool-FC
     3136-200-200-10 on 28x28x1; here with biases (as the simulation's models have them):
     0.72M parameters in 10 tensors."""
 

@@ -1,5 +1,5 @@
-"""Fair-aggregation strategies against independent NumPy formulas (specs/aaggff.md §7,
-specs/fedau_semivred.md §2): q-FFL, q-FedAvg, AFL, TERM, PropFair, GiFair, Delta-FL, FedMGDA+,
+"""Fair-aggregation strategies against independent NumPy formulas (docs/algorithms/fairness.md):
+q-FFL, q-FedAvg, AFL, TERM, PropFair, GiFair, Delta-FL, FedMGDA+,
 VRed, Semi-VRed; the simplex helpers; the batched update statistics."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def projection_by_bisection(v):
     return np.maximum(v - 0.5 * (lo + hi), 0)
 
 
-def test_project_simplex_spec_example_and_bisection():
+def test_project_simplex_worked_example_and_bisection():
     np.testing.assert_allclose(project_simplex(np.array([0.5, 1.2, -0.3, 0.9])), [0, 0.65, 0, 0.35])
     rng = np.random.default_rng(0)
     for _ in range(20):

@@ -1,6 +1,6 @@
-"""Tests of the ensemble-distillation ops (fedkernels/distill.py; spec: specs/fedgo.md §2.2-2.4,
-§2.9, §4): ``ensemble_pseudo_labels`` and ``distill_kl`` against the pure-PyTorch references,
-the spec's properties, opcheck, float64 gradcheck, torch.compile and the errors."""
+"""Tests of the ensemble-distillation ops (fedkernels/ops/distill.py; docs/algorithms/distillation.md):
+``ensemble_pseudo_labels`` and ``distill_kl`` against the pure-PyTorch references, the
+weightings' properties, opcheck, float64 gradcheck, torch.compile and the errors."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_pseudo_labels_properties():
         logits, torch.full((6, 40), 0.7, dtype=torch.float64), weighting="fedgo",
         sample_sizes=[3.0] * 6, return_weights=True)
     torch.testing.assert_close(w, torch.full_like(w, 1 / 6))
-    # Double sigmoid: max/min weight <= e * n_max / n_min (§2.2).
+    # Double sigmoid: max/min weight <= e * n_max / n_min (the odds lie in (1, e)).
     big = 50 * torch.randn(6, 40, dtype=torch.float64)
     _, w = fedkernels.ensemble_pseudo_labels(
         logits, big, weighting="fedgo", sample_sizes=sizes, return_weights=True)

@@ -1,4 +1,4 @@
-"""Tests of the SGLD / FedEvg ops (issue 6; specs/fedevg.md §1.2, §1.4-1.5, §3 K1-K3): against
+"""Tests of the SGLD / FedEvg ops (docs/algorithms/fedevg.md, sections 2, 4, 5, 8): against
 the pure-PyTorch references with explicit noise, the noise's moments and reproducibility,
 opcheck, float64 gradcheck of the energy, torch.compile and the errors."""
 
@@ -43,7 +43,7 @@ def test_energy_gradcheck(conditional):
     logits = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 5, (6,), generator=g) if conditional else None
     assert torch.autograd.gradcheck(lambda f: fedkernels.energy_from_logits(f, labels), (logits,))
-    # The spec's seeds: dE/df = -onehot(y) or -softmax(f).
+    # The gradients with respect to the logits: dE/df = -onehot(y) or -softmax(f).
     (gf,) = torch.autograd.grad(fedkernels.energy_from_logits(logits, labels).sum(), logits)
     want = (
         -torch.nn.functional.one_hot(labels, 5).double()
@@ -222,8 +222,8 @@ def test_compose_matches_reference(device, dtype, mode, K, M, feat):
     assert bitwise_equal(y, got) and bitwise_equal(pi_, pi)
 
 
-def test_compose_spec_formulas():
-    """specs/fedevg.md §1.4: signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
+def test_compose_weight_formulas():
+    """Signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
     ones w_i e^{-E_i} / sum_k w_k e^{-E_k}; K = 1 is the plain step."""
     x, grads, energies, log_w, noise = _compose_inputs(4, 6, (3,), torch.float64, "cpu")
     _, pi = fedkernels.sgld_compose_step(

@@ -1,4 +1,4 @@
-"""Tests of the SuPerFed ops (fedkernels/mixing.py; spec: specs/superfed.md §1.4, §1.5, §3):
+"""Tests of the SuPerFed ops (fedkernels/ops/mixing.py; docs/algorithms/superfed.md):
 ``mix_endpoints``, ``superfed_stats`` and the regularizers built on it, against the
 pure-PyTorch references, with opcheck, float64 gradcheck, torch.compile and the errors."""
 

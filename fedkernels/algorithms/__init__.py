@@ -10,11 +10,11 @@ and :func:`build_strategy` choose from the registry:
 """
 
 # Importing an algorithm's module registers it.
-# Fair and participation-aware aggregation (issue 4): q-FFL, q-FedAvg, AFL, TERM, PropFair,
+# Fair and participation-aware aggregation: q-FFL, q-FedAvg, AFL, TERM, PropFair,
 # GiFair, Delta-FL, FedMGDA+, VRed, Semi-VRed; FedAU, MIFA, FedVARP and the averaging
 # baselines; AAggFF-S/-D.
-# Ensemble distillation (issue 7): feddf, fedet, entropy-kd, dafkd, fedgo.
-# FedEvg, federated energy-based synthetic data (issue 6).
+# Ensemble distillation: feddf, fedet, entropy-kd, dafkd, fedgo.
+# FedEvg, federated energy-based synthetic data.
 from . import (  # noqa: E402,F401
     aaggff,
     distillation,  # noqa: E402,F401

@@ -1,7 +1,8 @@
 r"""Server-side ensemble distillation: FedDF, Fed-ET, entropy weighting, DaFKD-style
-domain-aware weighting and FedGO (Jang, Park, Lee, ICML 2025). Spec: ``specs/fedgo.md``.
+domain-aware weighting and FedGO (Jang, Park, Lee, ICML 2025). Equations, defaults and
+citations: ``docs/algorithms/distillation.md``.
 
-Every method shares one round (Algorithm 1 of the paper, §2.1):
+Every method shares one round (Algorithm 1 of the FedGO paper):
 
 1. the participants train their classifiers locally (the shared trainer: cross-entropy, the
    run's client optimizer settings) from the server model;
@@ -15,24 +16,24 @@ Every method shares one round (Algorithm 1 of the paper, §2.1):
 4. the server model is distilled for ``server_epochs`` epochs of Adam on
    :func:`fedkernels.distill_kl` (forward KL, batchmean) over minibatches of U.
 
-They differ only in :math:`w_k(x)` (§2.9): ``feddf`` uniform, ``fedet`` variance of the logits,
+They differ only in :math:`w_k(x)`: ``feddf`` uniform, ``fedet`` variance of the logits,
 ``entropy-kd`` :math:`\mathrm{softmax}(-H/\tau)`, ``dafkd`` :math:`D_k/\sum D_j` and ``fedgo``
 :math:`\mathrm{softmax}(\mathrm{sig}(z_k) + \log n_k)` (the double-sigmoid odds of Theorem 3.6).
 ``dafkd`` is the *weighting* of DaFKD in FedGO's pipeline (the paper's Fig. 2 comparison), not
-the full DaFKD method, which retrains generator and discriminators jointly every round (§7).
+the full DaFKD method, which retrains generator and discriminators jointly every round.
 
 Discriminators (``dafkd``, ``fedgo``; Algorithm 3): client k trains an MLP discriminator once,
 on its own training rows (real) against fake rows from the server's generator, the first time
 it takes part (the result is the same as training all K before round 0: it depends only on the
 client's data, the generator and a per-client seed). Its logits on U are cached for the whole
-run (the discriminators never change). Generators (§2.6): ``server_data`` uses U itself as the
+run (the discriminators never change). Generators: ``server_data`` uses U itself as the
 fake set (p_g = p_s, the paper's toy example), ``random`` a randomly initialised MLP generator
 (Table 12's "0 steps"), ``gan`` a small MLP GAN trained on U by the server before round 0 (G1).
 The distillation set is U (scenario D1) or, with ``distill_set=generated``, ``num_generated``
 samples of the generator drawn once (D2).
 
 The server's unlabeled data comes from ``data.server_fraction`` (that fraction of every class is
-held out before the clients' partition, §2.11); without it the run stops with a clear error.
+held out before the clients' partition); without it the run stops with a clear error.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def train_discriminator(
 def train_gan(
     generator: nn.Module, data: Tensor, *, steps: int, noise_dim: int, seed: int, batch_size: int = 64
 ) -> nn.Module:
-    """A small non-saturating GAN on ``data`` (the server's G1 generator, §2.6, scaled down):
+    """A small non-saturating GAN on ``data`` (a scaled-down stand-in for the paper's WGAN-GP):
     an MLP critic, Adam 2e-4 betas (0.5, 0.999), one critic step per generator step."""
     if steps == 0:
         return generator
@@ -218,7 +219,7 @@ def distill(
     max_grad_norm: float | None = None,
 ) -> float:
     """Adam on ``distill_kl(student(x_b), y_b)`` over ``epochs`` shuffled passes of ``x``
-    (a fresh optimizer, as the spec's per-round server step); returns the mean loss of the last
+    (a fresh optimizer every round); returns the mean loss of the last
     epoch (``nan`` without steps)."""
     if epochs == 0 or x.shape[0] == 0:
         return math.nan
@@ -345,7 +346,7 @@ class EnsembleDistillation(Strategy):
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         cfg = self.config
-        # FedAvg initialisation of the server model (§2.1 step 3).
+        # FedAvg initialisation of the server model.
         server.step(info.client_states, info.num_samples / info.num_samples.sum(), info.round)
         ids = info.participants.tolist()
         logits = teacher_logits(self.model, info.client_states, self.distill_x)  # cached per round
@@ -370,7 +371,7 @@ class EnsembleDistillation(Strategy):
         return {"distill_loss": loss, "weight_max_mean": float(w.max(0).values.mean())}
 
     def evaluate(self, global_state, clients) -> dict[str, float]:
-        """Ensemble test accuracy (§2.12): argmax of the pseudo-label of the last round's
+        """Ensemble test accuracy: argmax of the pseudo-label of the last round's
         teachers on every client's test rows, the discriminators evaluated at those rows."""
         if not self.last_teachers:
             return {}

@@ -1,4 +1,5 @@
-r"""Aggregation under unknown, heterogeneous client participation (``specs/fedau_semivred.md`` §1).
+r"""Aggregation under unknown, heterogeneous client participation (equations, defaults and
+citations: ``docs/algorithms/participation.md``).
 
 The objective is the unweighted average :math:`f = \frac1N \sum_n F_n` of all N clients, but
 client n takes part in a round only with (unknown) probability :math:`p_n`. With
@@ -20,7 +21,7 @@ client n takes part in a round only with (unknown) probability :math:`p_n`. With
 MIFA and FedVARP keep their N update vectors in one preallocated ``[N + 1, P]`` buffer (row N
 holds the running mean :math:`\bar Y`) and update it with the fused ``weighted_sum`` op and
 ``torch._foreach_*`` calls: :math:`O(|S_t| P)` work per round instead of recomputing the
-mean over N rows (spec §3 K3).
+mean over N rows.
 """
 
 from __future__ import annotations

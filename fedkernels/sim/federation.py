@@ -74,7 +74,7 @@ def server_split(
     labels: np.ndarray, fraction: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(client_rows, server_rows)``: ``round(fraction * n_c)`` random samples of each class c
-    go to the server (its unlabeled data, specs/fedgo.md §2.11), the rest to the clients."""
+    go to the server (its unlabeled data for ensemble distillation), the rest to the clients."""
     server = []
     for c in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == c))

@@ -4,7 +4,7 @@ For per-client accuracies :math:`a_1..a_N` (each on the client's own test split)
 
 - mean and standard deviation (population, ``ddof = 0``);
 - worst-10% / best-10%: the mean of the :math:`\max(1, \lfloor 0.1 N \rfloor)` smallest /
-  largest values (``specs/prior_art.md`` §K5);
+  largest values (``docs/algorithms/fairness.md``, "12. Evaluation metrics");
 - Gini coefficient :math:`G = \sum_i\sum_j |a_i - a_j| / (2 N^2 \bar a)` (0 when all are
   equal or the mean is 0).
 """
