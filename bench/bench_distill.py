@@ -28,7 +28,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    bandwidth_probes,
+    check_output_arguments,
+    environment,
+    resolve_device,
+    timed,
+    write_results,
+)
 
 import fedkernels  # noqa: E402
 from fedkernels.ops import reference as R  # noqa: E402
@@ -55,15 +63,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--tiny", action="store_true",
+                        help="K=2, N=8, C=5, 1 repeat, small probe: checks the script runs")
+    add_output_arguments(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    ks, ns, cs = (KS, NS, CS)
+    if args.tiny:
+        ks, ns, cs, args.repeats = (2,), (8,), (5,), 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
     probes = bandwidth_probes(device, args.probe_bytes)
     print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
     rows = []
     g = torch.Generator().manual_seed(0)
-    for K in KS:
-        for N in NS:
-            for C in CS:
+    for K in ks:
+        for N in ns:
+            for C in cs:
                 L = (3 * torch.randn(K, N, C, generator=g)).to(device)
                 z = torch.randn(K, N, generator=g).to(device)
                 n = torch.arange(1, K + 1, dtype=torch.float64) * 10
@@ -97,7 +113,8 @@ def main() -> None:
                 del L, z
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
-    print("wrote", write_results("ensemble_pseudo_labels", device, payload))
+    print("wrote", write_results("ensemble_pseudo_labels", device, payload, save=args.save,
+                                 out=args.out))
 
 
 if __name__ == "__main__":
