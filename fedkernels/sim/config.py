@@ -61,6 +61,21 @@ class DataConfig:
     client_column: str | None = _field(
         "client", "csv: name of the client column (natural partition)"
     )
+    label_map: str | None = _field(
+        None, "csv: label value -> class, e.g. 'benign=0,malignant=1' (default: sorted values)"
+    )
+    positive_labels: list[Any] | None = _field(
+        None, "csv: these label values are class 1, every other value class 0, e.g. 1,2,3,4"
+    )
+    categorical_columns: list[str] | None = _field(
+        None, "csv: read these columns as categories even where their values are numbers"
+    )
+    ignore_columns: list[str] | None = _field(
+        None, "csv: columns left out of the features (identifiers, free text)"
+    )
+    standardize: bool = _field(
+        True, "csv: scale numeric features by the training rows' mean and standard deviation"
+    )
     server_fraction: float = _field(
         0.0,
         "fraction of each class held out as the server's unlabeled data (ensemble "

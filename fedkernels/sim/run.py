@@ -223,7 +223,12 @@ class Simulation:
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
         }
         return RunResult(
-            self.config.to_dict(), self.dataset_name, list(self.records), clients, summary
+            self.config.to_dict(),
+            self.dataset_name,
+            list(self.records),
+            clients,
+            summary,
+            data_preparation=self.federation.data_info,
         )
 
     # ------------------------------------------------------------------ checkpoints
