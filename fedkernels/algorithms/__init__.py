@@ -21,6 +21,7 @@ from . import (  # noqa: E402,F401
     fairness,
     fedevg,  # noqa: E402,F401
     participation,
+    personalized,  # local, fedavg-ft, fedper, fedrep, lg-fedavg, apfl, ditto, pfedme
 )
 from .fedavg import FedAvg
 from .fedprox import FedProx, FedProxConfig
