@@ -120,3 +120,72 @@ def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, 
     (run,) = _runs(bench_copy)
     assert json.loads(run.read_text())[key]["rows"]
     assert committed.read_text() == before
+
+
+# ---------------------------------------------------------------- bench/gpu_validate.sh
+
+GPU_VALIDATE = BENCH / "gpu_validate.sh"
+
+
+def _validate(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = _env()
+    env["PYTHON"] = python
+    return subprocess.run(["bash", str(GPU_VALIDATE), *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=BENCH.parent)
+
+
+needs_no_gpu = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.version.cuda is not None,
+    reason="the refusal path needs a machine without a GPU")
+
+
+@needs_no_gpu
+def test_gpu_validate_refuses_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "validation"
+    proc = _validate(str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_validate: refused: "), proc.stderr
+    assert ("CPU-only build" in lines[0]) == (torch.version.cuda is None)
+    assert not out.exists()
+
+
+def test_gpu_validate_refuses_without_a_python_that_imports_torch(tmp_path):
+    proc = _validate(str(tmp_path / "v"), python="/bin/false")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gpu_validate: refused: /bin/false cannot import torch"
+    proc = _validate("--bogus")
+    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+
+
+@needs_no_gpu
+def test_gpu_validate_dry_run_shows_every_step(tmp_path):
+    out = tmp_path / "validation"
+    proc = _validate(str(out), "--dry-run")
+    plan = proc.stdout
+    assert f"FEDKERNELS_CUDA=1 MAX_JOBS=16 {sys.executable} setup.py build_ext --inplace" in plan
+    assert f"-m fedkernels.cli check --json {out}/check.json" in plan
+    assert "-m pytest python_tests -m cuda" in plan
+    # every benchmark with a --device flag runs on the GPU, into the output folder
+    for script in sorted(BENCH.glob("bench_*.py")):
+        if '"--device"' in script.read_text():
+            assert f"bench/{script.name} --device cuda --out {out}/" in plan, script.name
+    assert proc.returncode == 2 and "refused" in proc.stderr  # then this machine is refused
+    assert not out.exists()
+
+
+def test_tests_needing_flwr_or_expecttest_skip_without_them():
+    """The GPU machines lack flwr and expecttest: a test file that imports either at module
+    level must importorskip it first, or the whole CUDA test run fails to collect."""
+    import ast
+
+    for path in sorted((BENCH.parent / "python_tests").glob("test_*.py")):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for top in {n.split(".")[0] for n in names} & {"flwr", "expecttest"}:
+                assert f'importorskip("{top}")' in text, f"{path.name} imports {top} directly"
