@@ -101,11 +101,15 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(entries: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(entries: list[dict[str, Any]], path: Path, title: str):
+    """Bars of worst-10%/avg/best-10% client accuracy per method, and the pooled test accuracy
+    per round (mean over seeds), one distinct colour/line style/marker per method and integer
+    round ticks. Returns the (closed) figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.5))
     keys = [("client_accuracy_worst10", "worst-10%"), ("client_accuracy_mean", "avg"),
@@ -118,17 +122,26 @@ def plot(entries: list[dict[str, Any]], path: Path, title: str) -> None:
     bars.set_xticks(x, [e["label"] for e in entries], rotation=40, ha="right", fontsize=8)
     bars.set_ylabel("client test accuracy (%)")
     bars.legend(fontsize=8)
-    bars.set_title(title, fontsize=9)
-    for e in entries:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    line_styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "P"]
+    for i, e in enumerate(entries):
         rounds = np.array([[r for r, _ in run["curve"]] for run in e["runs"]])
         acc = np.array([[a for _, a in run["curve"]] for run in e["runs"]])
-        curves.plot(rounds[0] + 1, 100 * acc.mean(0), label=e["label"])
+        curves.plot(rounds[0] + 1, 100 * acc.mean(0), label=e["label"],
+                    color=colors[i % len(colors)],
+                    linestyle=line_styles[(i // len(colors)) % len(line_styles)],
+                    marker=markers[i % len(markers)], markersize=3,
+                    markevery=max(1, rounds.shape[1] // 10))
     curves.set_xlabel("round")
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
     curves.set_ylabel("pooled test accuracy (%)")
     curves.legend(fontsize=7, ncol=2)
+    if title:
+        fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return fig
 
 
 def compare(
