@@ -354,6 +354,29 @@ def test_add_clients_matches_state_dicts_by_name():
         partial.add_clients([bad], [1.0])
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_clients_under_float32_base(half):
+    # The server keeps a float32 model, the clients send half precision (as aggregate allows).
+    clients, weights = _clients(5, 3, half)
+    base = {n: t.float() if t.is_floating_point() else t
+            for n, t in _clients(6, 1)[0][0].items()}
+    got = WeightedPartial.from_clients(clients, weights, base=base).result(scale=0.5,
+                                                                            normalize=True)
+    _close(got, fedkernels.aggregate(clients, weights, base=base, scale=0.5, normalize=True),
+           1e-5, 1e-5)
+
+
+def test_flat_and_list_clients():
+    flat = torch.randn(3, 5)
+    weights = [1.0, 2.0, 3.0]
+    got = WeightedPartial.from_clients(flat, weights).result(normalize=True)
+    torch.testing.assert_close(got, fedkernels.aggregate(flat, weights, normalize=True))
+    lists = [[torch.randn(2), torch.randn(3, 1)] for _ in range(3)]
+    got = WeightedPartial.from_clients(lists, weights).result()
+    for a, b in zip(got, fedkernels.aggregate(lists, weights)):
+        torch.testing.assert_close(a, b)
+
+
 def test_rank_without_clients_needs_structure():
     with pytest.raises(ValueError, match="like= or base="):
         WeightedPartial.from_clients([], [])

@@ -387,14 +387,24 @@ class WeightedPartial:
     def _add(self, clients: list[list[Tensor]], weights) -> None:
         """Adds checked clients (tensor lists in the layout's order) in one fused pass."""
         w = weight_vector(weights, len(clients), False)
+        if not clients:
+            return
         floats = [i for i, f in enumerate(self.layout.float_mask) if f]
         inputs = [c[i] for c in clients for i in floats]
+        views = [self.views[i] for i in floats]
         total = w.sum()
-        if self.base is not None:
-            inputs += [self.base[i] for i in floats]
-            w = torch.cat([w, -total.reshape(1)])
+        if self.base is not None and floats:
+            base = [self.base[i] for i in floats]
+            if all(b.dtype == clients[0][i].dtype for b, i in zip(base, floats)):
+                # the base is one more input with weight -sum w: one pass
+                inputs += base
+                w = torch.cat([w, -total.reshape(1)])
+            else:
+                # a float32 base under half-precision clients: the op takes one dtype per
+                # tensor across its inputs, so the base term is a second pass
+                summation.weighted_sum_(views, base, -total.reshape(1), 1.0, False)
         if floats:
-            summation.weighted_sum_([self.views[i] for i in floats], inputs, w, 1.0, False)
+            summation.weighted_sum_(views, inputs, w, 1.0, False)
         self.total_weight.add_(total.to(self.buffers[0].dtype))
         for i, f in enumerate(self.layout.float_mask):
             if f:
