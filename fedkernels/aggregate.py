@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -92,12 +92,14 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
 
 
 def _byte_span(t: Tensor) -> tuple[int, int] | None:
-    """``[first byte, past last byte)`` that ``t`` can touch (None when it has no memory)."""
-    if t.numel() == 0 or t.device.type == "meta":
+    """``[first byte, past last byte)`` that ``t`` can touch (None when it has no memory).
+    Called for every integer input, so the common contiguous case costs three queries."""
+    start, size = t.data_ptr(), t.nbytes
+    if start == 0 or size == 0:  # meta and empty tensors touch no memory
         return None
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    start = t.data_ptr()
-    return start, start + extent * t.element_size()
+    if not t.is_contiguous():
+        size = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    return start, start + size
 
 
 def _has_internal_overlap(t: Tensor) -> bool:
@@ -111,16 +113,12 @@ def _has_internal_overlap(t: Tensor) -> bool:
 
 
 class _Footprints:
-    """Memory ranges of labelled tensors, for "does this output overlap any of them" queries
-    in O(log n) each (sorted starts and a running maximum of the ends)."""
+    """Memory ranges of tensors, each with a key, for "does this range overlap any of them"
+    queries in O(log n) each (sorted starts and a running maximum of the ends)."""
 
-    def __init__(self, tensors: list[tuple[Tensor, str]]):
-        spans = []
-        for t, label in tensors:
-            span = _byte_span(t)
-            if span is not None:
-                spans.append((span[0], span[1], t.device, label))
-        spans.sort(key=lambda item: item[0])
+    def __init__(self, spans: list[tuple[tuple[int, int] | None, Tensor, Hashable]]):
+        spans = sorted(((s[0], s[1], t, key) for s, t, key in spans if s is not None),
+                       key=lambda item: item[0])
         self._spans = spans
         self._starts = [item[0] for item in spans]
         self._reach, end = [], -1
@@ -128,17 +126,17 @@ class _Footprints:
             end = max(end, item[1])
             self._reach.append(end)
 
-    def overlap(self, t: Tensor, exclude: str | None = None) -> str | None:
-        """The label of a tensor (other than ``exclude``) whose memory overlaps ``t``'s."""
-        span = _byte_span(t)
+    def overlap(self, span: tuple[int, int] | None, t: Tensor, exclude: Hashable = None):
+        """The key of a tensor (other than ``exclude``) whose memory overlaps ``span`` (the
+        footprint of ``t``), or None."""
         if span is None:
             return None
         start, stop = span
         j = bisect.bisect_left(self._starts, stop) - 1
         while j >= 0 and self._reach[j] > start:
-            _, end, device, label = self._spans[j]
-            if end > start and device == t.device and label != exclude:
-                return label
+            _, end, other, key = self._spans[j]
+            if end > start and key != exclude and other.device == t.device:
+                return key
             j -= 1
         return None
 
@@ -150,33 +148,38 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
     output entry). Raises before anything is written."""
     if not int_results:
         return
-    label = [layout.label(n) for n in layout.names]
+
+    def label(i: int) -> str:
+        return layout.label(layout.names[i])
+
     for i, r in int_results.items():
         o = out_tensors[i]
         if o.shape != r.shape or o.dtype != r.dtype or o.device != r.device:
-            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} is {o.dtype} "
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} is {o.dtype} "
                              f"{tuple(o.shape)} on {o.device}, expected {r.dtype} "
                              f"{tuple(r.shape)} on {r.device}")
         if _has_internal_overlap(o):
-            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} has internal overlap "
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} has internal overlap "
                              "(an expanded view); the output needs one element of memory each")
-    inputs = [(c[i], f"client {k}, tensor {label[i]}")
-              for k, c in enumerate(clients) for i in int_results]
+    inputs = [(_byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
     if base_tensors is not None:  # the base may be the out entry itself (in place), not part
-        inputs += [(base_tensors[i], f"base tensor {label[i]}") for i in int_results
-                   if not _same_memory(base_tensors[i], out_tensors[i])]
+        inputs += [(_byte_span(base_tensors[i]), base_tensors[i], ("base", i))
+                   for i in int_results if not _same_memory(base_tensors[i], out_tensors[i])]
+    outputs = [(_byte_span(o), o, j) for j, o in enumerate(out_tensors)]
     inputs_map = _Footprints(inputs)
-    for i, o in enumerate(out_tensors):
-        hit = inputs_map.overlap(o)
+    for span, o, i in outputs:
+        hit = inputs_map.overlap(span, o)
         if hit is not None:
-            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} overlaps {hit}; the "
-                             "output must not alias a client update (or base, except in place)")
-    outputs = _Footprints([(o, f"out tensor {label[j]}") for j, o in enumerate(out_tensors)])
+            who = "base tensor " if hit[0] == "base" else f"client {hit[0]}, tensor "
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} overlaps "
+                             f"{who}{label(hit[1])}; the output must not alias a client update "
+                             "(or base, except in place)")
+    outputs_map = _Footprints(outputs)
     for i in int_results:
-        hit = outputs.overlap(out_tensors[i], exclude=f"out tensor {label[i]}")
+        hit = outputs_map.overlap(outputs[i][0], out_tensors[i], exclude=i)
         if hit is not None:
-            raise ValueError(f"fedkernels.aggregate: out tensor {label[i]} overlaps {hit}; "
-                             "every output entry needs its own memory")
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} overlaps out tensor "
+                             f"{label(hit)}; every output entry needs its own memory")
 
 
 # ---------------------------------------------------------------- weight range
