@@ -454,7 +454,7 @@ class APFLConfig:
         default=0.25,
         metadata={
             "help": "mixing weight alpha of the personal model (initial value when learned; "
-            "0.25: SuPerFed's setting, one of the APFL paper's)"
+            "0.25: the fixed alpha of SuPerFed's comparison)"
         },
     )
     learn_alpha: bool = field(
@@ -643,15 +643,15 @@ class PFedMeConfig:
     )
     inner_steps: int = field(
         default=5,
-        metadata={"help": "K: gradient steps on the personalized model per minibatch (paper: 5)"},
+        metadata={"help": "K: gradient steps on the personalized model per minibatch (pFedMe paper: 5)"},
     )
     personal_lr: float = field(
         default=0.09,
-        metadata={"help": "learning rate of the K inner steps (paper's MNIST DNN: 0.09)"},
+        metadata={"help": "learning rate of the K inner steps (pFedMe paper, MNIST DNN: 0.09)"},
     )
     beta: float = field(
         default=1.0,
-        metadata={"help": "server mixing: w <- (1-beta) w + beta avg(w_k) (paper: 1, or 2)"},
+        metadata={"help": "server mixing: w <- (1-beta) w + beta avg(w_k) (pFedMe paper: 1)"},
     )
 
     def __post_init__(self) -> None:
