@@ -679,3 +679,18 @@ def test_accumulator_checks_the_base_int_entries():
     acc = fedkernels.Accumulator(base=base, int_policy="skip")
     _raise(lambda: acc.add(clients[0], 1.0), ValueError, ["base tensor 'a.n'", "float32"])
     assert acc.count == 0
+
+
+@pytest.mark.cuda
+def test_cuda_out_int_entry_overlapping_a_client_int(cuda_device):
+    clients = [{k: v.to(cuda_device) for k, v in c.items()} for c in _two_counters()]
+    storage = torch.arange(10, device=cuda_device)
+    clients[1]["a.n"] = storage[2:5]
+    out = {k: v.to(cuda_device) for k, v in sentinel_like(clients[0]).items()}
+    out["a.n"] = storage[3:6]
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'a.n'", "client 1, tensor 'a.n'"])
+    assert torch.equal(storage.cpu(), torch.arange(10))
+    assert untouched({k: v.cpu() for k, v in out.items() if k != "a.n"})
+    cpu_out = sentinel_like(_two_counters()[0])  # same addresses on another device: no overlap
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=cpu_out), ValueError, ["cpu"])
