@@ -30,6 +30,7 @@ import numpy as np
 from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_dotted
 
 from .config_file import load_config_file
+from .parsing import Parser, missing_extra, one_line, require_extra
 
 METRICS = [
     ("test_accuracy", "pooled acc"),
@@ -183,7 +184,7 @@ def compare(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fedkernels compare",
         description="Run several strategies over several seeds; write a table and a plot.",
     )
@@ -211,18 +212,37 @@ def split_algorithms(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """``fedkernels compare ...`` (``argv`` holds what follows the word ``compare``)."""
+    argv = sys.argv[2:] if argv is None else list(argv)
     try:
+        try:
+            args = build_parser().parse_strict(argv)
+        except SystemExit as done:  # --help
+            return done.code if isinstance(done.code, int) else 0
         if args.threads:
             import torch
 
             torch.set_num_threads(args.threads)
-        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+        except ValueError:
+            raise ConfigError(
+                f"--seeds: expected comma-separated integers, got {args.seeds!r}"
+            ) from None
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--out {out}: exists and is not a folder")
+        require_extra("matplotlib", "plotting")
         tree = base_tree(args.config, args.set)
-        entries = compare(split_algorithms(args.algorithms), seeds, tree, Path(args.out),
-                          args.title)
+        entries = compare(split_algorithms(args.algorithms), seeds, tree, out, args.title)
     except ConfigError as err:
-        print(f"fedkernels compare: error: {err}", file=sys.stderr)
+        print(f"fedkernels compare: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        message = missing_extra(err)
+        if message is None:
+            raise
+        print(f"fedkernels compare: error: {message}", file=sys.stderr)
         return 2
     print(markdown_table(entries))
     return 0
