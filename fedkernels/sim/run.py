@@ -31,7 +31,7 @@ from .client import ClientUpdate, LocalTrainer
 from .config import ConfigError, ExperimentConfig
 from .data import Dataset, load_dataset
 from .federation import build_federation
-from .metrics import ClientEvaluation, distribution_summary, evaluate_clients
+from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
 from .models import build_model
 from .participation import ParticipationHistory, build_sampler
 from .results import RunResult
@@ -168,11 +168,7 @@ class Simulation:
         record["time_aggregate"] = time_aggregate
         if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
             start = time.perf_counter()
-            evaluation = self.evaluate()
-            record["test_accuracy"] = evaluation.pooled_accuracy()
-            record["test_loss"] = evaluation.pooled_loss()
-            for key, value in distribution_summary(evaluation.accuracy).items():
-                record[f"client_accuracy_{key}"] = value
+            record.update(evaluation_metrics(self.evaluate()))
             record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
             record["time_eval"] = time.perf_counter() - start
         return record
@@ -186,11 +182,12 @@ class Simulation:
         return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
 
     def evaluate(self) -> ClientEvaluation:
-        """The global model on every client's own test split."""
+        """The global model on every client's own test split (loss, accuracy and AUROC)."""
         self.eval_model.load_state_dict(self.server.state)
         clients = self.federation.clients
         return evaluate_clients(
-            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients]
+            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients],
+            auroc=True,
         )
 
     def result(self) -> RunResult:
@@ -206,18 +203,14 @@ class Simulation:
                 "num_test": c.num_test,
                 "test_accuracy": float(evaluation.accuracy[k]),
                 "test_loss": float(evaluation.loss[k]),
+                "test_auroc": _auroc_or_none(evaluation, k),
                 "rounds_participated": int(counts[k]),
             }
             if probabilities is not None:
                 entry["participation_probability"] = float(probabilities[k])
             clients.append(entry)
         summary = {
-            "test_accuracy": evaluation.pooled_accuracy(),
-            "test_loss": evaluation.pooled_loss(),
-            **{
-                f"client_accuracy_{k}": v
-                for k, v in distribution_summary(evaluation.accuracy).items()
-            },
+            **evaluation_metrics(evaluation),
             **self.strategy.evaluate(self.server.state, self.federation.clients),
             "rounds_completed": self.next_round,
             "time_client_total": sum(r["time_client"] for r in self.records),
@@ -321,3 +314,11 @@ def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list
         elif x != y:
             out.append(f"{prefix}{k}")
     return out
+
+
+def _auroc_or_none(evaluation: ClientEvaluation, k: int) -> float | None:
+    """Client k's AUROC, or None (``null`` in results.json) when its test split holds a single
+    class and the AUROC is undefined."""
+    if evaluation.auroc is None or bool(evaluation.auroc[k].isnan()):
+        return None
+    return float(evaluation.auroc[k])
