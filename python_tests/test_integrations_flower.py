@@ -306,3 +306,40 @@ def test_import_without_flwr_says_how_to_install():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'fedkernels[flower]'" in out.stdout
+
+
+ODD_ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asarray(2.5),  # 0-d float64
+    np.array([True, False, True]),
+    np.arange(5, dtype=np.int64),
+    np.zeros((0, 3), dtype=np.float32),
+    np.arange(6, dtype=">f4"),  # big-endian
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    np.arange(20.0)[::2],  # not contiguous
+    np.arange(7, dtype=np.float16),
+    np.arange(9, dtype=np.uint8).reshape(3, 3),
+]
+
+
+@pytest.mark.parametrize("a", ODD_ARRAYS, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_ndarray_to_array_is_flowers_array(a):
+    """The same object as flwr.app.Array(a), built with one copy instead of two."""
+    ours, theirs = fkf.ndarray_to_array(a), Array(a)
+    assert (ours.dtype, ours.shape, ours.stype) == (theirs.dtype, theirs.shape, theirs.stype)
+    assert ours.data == theirs.data
+    assert ours.object_id == theirs.object_id
+
+
+@pytest.mark.parametrize("a", ODD_ARRAYS, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_array_views_of_odd_arrays(a):
+    np.testing.assert_array_equal(fkf.array_to_tensor(Array(a)).numpy(), a)
+
+
+def test_array_view_checks_the_header_against_the_metadata():
+    """An Array whose dtype/shape attributes disagree with its bytes is read by its header."""
+    good = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    for dtype, shape in (("float64", (2, 3)), ("float32", (3, 2)), ("float32", (6,))):
+        odd = Array(dtype=dtype, shape=shape, stype=good.stype, data=good.data)
+        np.testing.assert_array_equal(fkf.array_to_tensor(odd).numpy(),
+                                      np.arange(6, dtype=np.float32).reshape(2, 3))

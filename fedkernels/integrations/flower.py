@@ -109,6 +109,7 @@ __all__ = [
     "array_to_tensor",
     "arrayrecord_to_state_dict",
     "fused_weighted_mean",
+    "ndarray_to_array",
     "state_dict_to_arrayrecord",
 ]
 
@@ -132,9 +133,15 @@ def array_to_tensor(array: Array, *, copy: bool = False) -> Tensor:
     return ndarrays_to_tensors([a])[0]
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
 def _array_view(array: Array) -> np.ndarray:
     """A read-only ndarray over a NumPy-serialized ``Array``'s bytes (no copy)."""
     data = array.data
+    fast = _array_view_from_metadata(array, data)
+    if fast is not None:
+        return fast
     stream = io.BytesIO(data)
     version = np.lib.format.read_magic(stream)
     if version == (1, 0):
@@ -146,6 +153,48 @@ def _array_view(array: Array) -> np.ndarray:
     count = math.prod(shape)
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
     return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
+    """The view from the dtype and shape the ``Array`` carries, once the ``.npy`` header has
+    been checked to say the same (C order, that descr, that shape): no header parsing
+    (``np.lib.format`` evaluates it as a Python literal, ~0.1 ms an array). None where
+    anything differs; the caller then parses the header."""
+    if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
+        return None
+    start = 10 if data[6] == 1 else 12
+    length = int.from_bytes(data[8:start], "little")
+    header = data[start:start + length]
+    try:
+        dtype = np.dtype(array.dtype)
+        shape = tuple(int(s) for s in array.shape)
+    except (TypeError, ValueError):
+        return None
+    if dtype.hasobject or b"'fortran_order': False" not in header \
+            or f"'descr': {dtype.str!r}".encode() not in header \
+            or f"'shape': {shape!r}".encode() not in header:
+        return None
+    count = math.prod(shape)
+    if start + length + count * dtype.itemsize > len(data):
+        return None
+    return np.frombuffer(data, dtype=dtype, count=count, offset=start + length).reshape(shape)
+
+
+def ndarray_to_array(a: np.ndarray) -> Array:
+    """``flwr.app.Array(a)``, the same object (``np.save``'s bytes, dtype, shape), built with
+    one copy of the data where ``Array`` makes two (``np.save`` into a buffer, then
+    ``getvalue``)."""
+    a = np.asarray(a)
+    if a.dtype.hasobject or not a.flags.c_contiguous:
+        return Array(a)
+    header = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
+    except ValueError:  # a header too long for format 1.0: let NumPy choose
+        return Array(a)
+    data = b"".join((header.getvalue(), memoryview(a.reshape(-1).view(np.uint8))))
+    return Array(dtype=str(a.dtype), shape=tuple(int(s) for s in a.shape),
+                 stype=_NUMPY_STYPE, data=data)
 
 
 def arrayrecord_to_state_dict(record: ArrayRecord, *, copy: bool = False) -> StateDict:
@@ -313,7 +362,7 @@ def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
 
 
 def _to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
+    return ArrayRecord({k: ndarray_to_array(v) for k, v in arrays.items()})
 
 
 class _FusedAggregation:
@@ -596,7 +645,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         clients = [{names[t]: _to_tensor(x[t], dtypes[t]) for t in floats} for x in local]
         q = self.q
         eps = 1e-10
-        sq_norms = [_sq_distance(c, base) for c in clients]
+        scratch = {n: torch.empty_like(b) for n, b in base.items()}  # one model, reused
+        sq_norms = [_sq_distance(c, base, scratch) for c in clients]
         loss_pow_q = [np.float_power(f + eps, q) for f in losses]
         sum_h = 0.0
         for f, lpq, sq in zip(losses, loss_pow_q, sq_norms):
@@ -615,7 +665,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         for t in ints:
             updated[names[t]] = _int_policy_entry(names[t], [x[t] for x in local],
                                                   global_arrays[t], policy)
-        record = ArrayRecord({n: Array(np.asarray(updated[n])) for n in names})
+        record = _to_arrayrecord({n: updated[n] for n in names})
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         # Flower's side effects: it reads the global and the local arrays with keep_input=False.
         for r in [self.current_arrays, *records]:
@@ -645,13 +695,17 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         return False
 
 
-def _sq_distance(client: Mapping[str, Tensor], base: Mapping[str, Tensor]) -> float:
-    r""":math:`\|x_k - x_t\|^2` over the entries of one reply (one model-sized temporary)."""
+def _sq_distance(client: Mapping[str, Tensor], base: Mapping[str, Tensor],
+                 scratch: Mapping[str, Tensor]) -> float:
+    r""":math:`\|x_k - x_t\|^2` over the entries of one reply, through ``scratch`` (one
+    model-sized buffer reused for every reply: fresh temporaries would cost a page fault per
+    page each time)."""
     if not base:
         return 0.0
-    names = list(base)
-    deltas = torch._foreach_sub([client[n] for n in names], [base[n] for n in names])
-    return float(sum(float(n.double()) ** 2 for n in torch._foreach_norm(deltas)))
+    for n, b in base.items():
+        torch.sub(client[n], b, out=scratch[n])
+    norms = torch._foreach_norm(list(scratch.values()))
+    return float(sum(float(n.double()) ** 2 for n in norms))
 
 
 # ---------------------------------------------------------------- fedkernels' own strategies
