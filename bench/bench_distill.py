@@ -109,8 +109,9 @@ def main() -> None:
                     rows.append(row)
                     print(f"K={K:3d} N={N:5d} C={C:5d} {weighting:8s} fused {1e3*fused:9.3f} ms "
                           f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
-                          f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
-                del L, z
+                          f"{row['fused_GBps']:6.1f} GB/s "
+                          f"({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
+                L = z = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
     print("wrote", write_results("ensemble_pseudo_labels", device, payload, save=args.save,

@@ -109,7 +109,7 @@ def main() -> None:
             rows.append(row)
             print(f"K={K:3d} M={M:5d} fused {1e3*fused:9.3f} ms torch {1e3*ref:9.3f} ms x{ratio:5.2f} "
                   f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
-            del grads
+            grads = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
     print("wrote", write_results("sgld_compose_step", device, payload, save=args.save,

@@ -7,7 +7,7 @@ The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference
 :mod:`fedkernels.aggregate` (the structure-aware aggregation API), :mod:`fedkernels.sim` (the
 simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
 :mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
-public names of the two lowest layers.
+public names of the two lowest layers, plus :func:`check` (the installation self-check).
 """
 
 from .aggregate import Accumulator, aggregate
@@ -28,5 +28,5 @@ __all__ = [
     "aggregate", "Accumulator", "ops", "reference", "native",
     "mix_endpoints", "cosine_orthogonality", "proximal_term", "superfed_mix",
     "superfed_regularizer", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
-    "sgld_step", "sgld_step_", "sgld_compose_step",
+    "sgld_step", "sgld_step_", "sgld_compose_step", "check",
 ]
