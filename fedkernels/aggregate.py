@@ -9,14 +9,22 @@ which reads every client tensor once and writes the result once.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import re
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor
 
-from .model_layout import INT_POLICIES, Model, ModelLayout, split_clients, weight_vector
+from .model_layout import (
+    INT_POLICIES,
+    Model,
+    ModelLayout,
+    split_clients,
+    weight_vector,
+    weights_and_values,
+)
 from .ops import summation
 
 
@@ -187,13 +195,15 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _check_weight_range(w: Tensor, scale, normalize: bool, named_floats: list[tuple[object, Tensor]],
-                        layout: ModelLayout, api: str = "fedkernels.aggregate",
-                        who: str = "client") -> None:
+def _check_weight_range(values: list[float] | None, scale, normalize: bool,
+                        named_floats: Iterable[tuple[object, Tensor]], layout: ModelLayout,
+                        api: str = "fedkernels.aggregate", who: str = "client") -> None:
     """The op casts each weight and ``scale`` to the accumulate dtype: fp32 for fp32, fp16
     and bf16 tensors. A weight that is finite in float64 but beyond fp32's range would become
     inf there (and 0 * inf = NaN), so it is refused, naming the client. ``normalize=True``
-    divides in float64 first, so weights of any finite size are exact there."""
+    divides in float64 first, so weights of any finite size are exact there. ``values`` are
+    the (normalized) weights read on the host, None where they cannot be (weights on a GPU,
+    or under torch.compile: the scale checks need no data, the weight check does)."""
     if torch.compiler.is_compiling():
         return
     if isinstance(scale, (int, float)) and not math.isfinite(scale):
@@ -205,15 +215,15 @@ def _check_weight_range(w: Tensor, scale, normalize: bool, named_floats: list[tu
     if isinstance(scale, (int, float)) and abs(scale) > FLOAT32_MAX:
         raise ValueError(f"{api}: scale {scale:.4g} is beyond the float32 range "
                          f"(|x| <= {FLOAT32_MAX:.4g}); {where}")
-    if w.device.type != "cpu":
+    if values is None or (max(values) <= FLOAT32_MAX and min(values) >= -FLOAT32_MAX):
         return
-    big = (w.abs() > FLOAT32_MAX).nonzero().flatten().tolist()
+    big = [k for k, x in enumerate(values) if abs(x) > FLOAT32_MAX]
     if big:
         k = big[0]
         after = " after normalization (the weights nearly cancel)" if normalize else ""
         hint = "" if normalize else "; scale them down or pass normalize=True, which divides " \
                                     "in float64 first"
-        raise ValueError(f"{api}: weight of {who} {k} is {float(w[k]):.4g}{after}, beyond the "
+        raise ValueError(f"{api}: weight of {who} {k} is {values[k]:.4g}{after}, beyond the "
                          f"float32 range (|w| <= {FLOAT32_MAX:.4g}): {where} (weights out of "
                          f"range: {who}s {big[:10]}){hint}")
 
@@ -267,37 +277,43 @@ def aggregate(
     models, flat = split_clients(updates)
     if not models:
         raise ValueError("fedkernels.aggregate: no client updates (K = 0)")
+    # The layout of client 0 is remembered across calls (see model_layout); every client is
+    # still checked against it on every call, and the native op checks shapes, dtypes,
+    # devices, weights and memory overlap in C++.
     layout = ModelLayout.of(models[0], "client 0")
-    clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
-    w = weight_vector(weights, len(models), normalize)
+    clients = layout.client_tensors(models)
+    w, w_values = weights_and_values(weights, len(models), normalize)
     base_tensors = None if base is None else layout.tensors(base, "base")
     out_tensors = None if out is None else layout.tensors(out, "out")
     if flat and base_tensors is not None and base_tensors[0].dim() != 1:
         raise ValueError("fedkernels.aggregate: with [K, P] updates, base must be a 1-D [P] tensor")
 
     is_float = layout.float_mask
-    float_names = [n for n, f in zip(layout.names, is_float) if f]
-    floats = [[t for t, f in zip(c, is_float) if f] for c in clients]
-    float_base = [] if base_tensors is None else [t for t, f in zip(base_tensors, is_float) if f]
+    float_names = layout.float_names
+    if layout.int_index:
+        index = layout.float_index
+        floats = [[c[i] for i in index] for c in clients]
+        float_base = [] if base_tensors is None else [base_tensors[i] for i in index]
+    else:
+        floats, float_base = clients, base_tensors or []
 
     # Integer/bool entries: checked and resolved before anything is written.
     int_results = {}
-    for i, (name, f) in enumerate(zip(layout.names, is_float)):
-        if not f:
-            int_results[i] = _int_result(
-                [c[i] for c in clients],
-                None if base_tensors is None else base_tensors[i],
-                int_policy,
-                layout.label(name),
-            )
+    for i in layout.int_index:
+        int_results[i] = _int_result(
+            [c[i] for c in clients],
+            None if base_tensors is None else base_tensors[i],
+            int_policy,
+            layout.label(layout.names[i]),
+        )
     if check_finite:
         report = _nonfinite_clients(floats, float_names, layout)
         if report:
             raise ValueError("fedkernels.aggregate: non-finite values (NaN/Inf) in "
                              + "; ".join(report))
 
-    _check_weight_range(w, scale, normalize,
-                        list(zip(float_names, floats[0])) + list(zip(float_names, float_base)),
+    _check_weight_range(w_values, scale, normalize,
+                        itertools.chain(zip(float_names, floats[0]), zip(float_names, float_base)),
                         layout)
     if out_tensors is not None:
         _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
@@ -320,6 +336,8 @@ def aggregate(
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None
 
+    if not int_results:
+        return out if out is not None else layout.build(results)
     merged, it = [], iter(results)
     for i, f in enumerate(is_float):
         if f:
