@@ -695,15 +695,18 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         return False
 
 
+_DIFFERENCE = torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+
 def _sq_distance(client: Mapping[str, Tensor], base: Mapping[str, Tensor],
-                 scratch: Mapping[str, Tensor]) -> float:
-    r""":math:`\|x_k - x_t\|^2` over the entries of one reply, through ``scratch`` (one
-    model-sized buffer reused for every reply: fresh temporaries would cost a page fault per
-    page each time)."""
+                 scratch: dict[str, Tensor]) -> float:
+    r""":math:`\|x_k - x_t\|^2` over the entries of one reply. :math:`x_k - x_t` is the fused
+    op with weights (1, -1), written into ``scratch``, one model-sized buffer reused for every
+    reply (fresh temporaries would cost a page fault per page each time; the op's threading
+    suits layer-sized tensors better than one elementwise op per tensor)."""
     if not base:
         return 0.0
-    for n, b in base.items():
-        torch.sub(client[n], b, out=scratch[n])
+    aggregate([dict(client), dict(base)], _DIFFERENCE, out=scratch)
     norms = torch._foreach_norm(list(scratch.values()))
     return float(sum(float(n.double()) ** 2 for n in norms))
 
