@@ -191,6 +191,7 @@ class WeightedAggregationHelper:
 
             # Plan everything first; state changes only after every check has passed.
             fused: dict[torch.device, tuple[list, list]] = {}
+            fresh: dict[torch.device, tuple[list, list]] = {}
             new_arrays: dict[str, torch.Tensor] = {}
             new_types: dict[str, tuple[str, Any]] = {}
             new_values: dict[str, Any] = {}
@@ -232,10 +233,17 @@ class WeightedAggregationHelper:
                         result_dtype = np.result_type(result_dtype, entry.result_dtype)
                     new_types[k] = (entry.kind, result_dtype)
                 else:
-                    acc_dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-                    acc = torch.zeros(t.shape, dtype=acc_dtype, device=t.device)
-                    new_arrays[k] = acc
                     new_types[k] = (entry.kind, entry.result_dtype)
+                    if t.dtype in (torch.float32, torch.float64):
+                        # A new key: its accumulator is the op's output w·x (no zero fill).
+                        if narrow is None and t.dtype == torch.float32:
+                            narrow = k
+                        fresh_keys, fresh_xs = fresh.setdefault(t.device, ([], []))
+                        fresh_keys.append(k)
+                        fresh_xs.append(t)
+                        continue
+                    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                    new_arrays[k] = acc
                 if t.dtype != acc.dtype and not (acc.dtype == torch.float32 and t.dtype in _HALF):
                     t = t.to(acc.dtype)
                 if acc.dtype == torch.float32 and narrow is None:
@@ -249,11 +257,14 @@ class WeightedAggregationHelper:
                     f"{who}: weight {step:.4g} is beyond the float32 range of the accumulator "
                     f"of key {narrow!r}")
 
-            # One fused pass per device: acc += step * x for every array of the contribution.
+            # One fused pass per device over the arrays of keys seen before (acc += step·x) and
+            # one over the new keys (acc = step·x).
             weights = torch.tensor([step], dtype=torch.float64)
             with torch.no_grad():
                 for accs, xs in fused.values():
                     summation.weighted_sum_(accs, xs, weights, 1.0, False)
+                for keys, xs in fresh.values():
+                    new_arrays.update(zip(keys, summation.weighted_sum(xs, weights)))
 
             for k in contributed:
                 self.key_contribution_counts[k] = self.key_contribution_counts.get(k, 0) + 1
