@@ -448,7 +448,7 @@ def test_op_out_errors():
         ([good[0], updates[3]], ValueError, ["out tensor 1", "overlaps client 1, tensor 1"]),
         ([good[0], torch.zeros(2).expand(2, 2)], ValueError, ["out tensor 1", "overlap"]),
     ]:
-        _raise(lambda: ops.weighted_sum_out(updates, weights, [], 1.0, False, out), error, words)
+        _raise(lambda out=out: ops.weighted_sum_out(updates, weights, [], 1.0, False, out), error, words)
         assert (good[0] == SENTINEL).all()
 
 

@@ -63,9 +63,9 @@ def test_simplex_qp_matches_slsqp(boxed):
             lo, hi = np.full(k, max(0, 1 / k - eps)), np.full(k, 1 / k + eps)
         p = simplex_qp(q, c, lo, hi)
         ref = minimize(
-            lambda x: 0.5 * x @ q @ x + c @ x,
+            lambda x, q=q, c=c: 0.5 * x @ q @ x + c @ x,
             np.full(k, 1 / k),
-            jac=lambda x: q @ x + c,
+            jac=lambda x, q=q, c=c: q @ x + c,
             bounds=list(zip(lo, np.minimum(hi, 2))),
             constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}],
             method="SLSQP",
@@ -109,7 +109,7 @@ def test_qfedavg_is_li_et_al_update():
     expected = x - np.sum(deltas, axis=0) / np.sum(hs)
 
     model = nn.Module()
-    for n, s in SHAPES.items():
+    for n in SHAPES:
         model.register_parameter(n, nn.Parameter(glob[n].clone()))
     server = sgd_server(model)
     strategy.info.parameter_names = list(SHAPES)

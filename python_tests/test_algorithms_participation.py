@@ -72,7 +72,7 @@ def test_interval_estimator_bernoulli_limit():
     rng = np.random.default_rng(1)
     p = np.repeat([0.1, 0.3], 200)
     cutoff = np.array([50, 3])
-    for k_index, k in enumerate(cutoff):
+    for k in cutoff:
         estimator = IntervalWeightEstimator(len(p), int(k))
         for _ in range(3000):
             estimator.observe(torch.from_numpy(rng.random(len(p)) < p))

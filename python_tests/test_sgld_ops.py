@@ -246,12 +246,15 @@ def test_compose_weight_formulas():
 def test_compose_deterministic_and_large_exact_energies():
     x, grads, energies, log_w, noise = _compose_inputs(100, 33, (3, 4, 4), torch.float32, "cpu")
     energies = energies * 1000  # softmax must stay finite (stable form)
-    a = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
-    b = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+    a = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
+    b = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
     assert bitwise_equal(a, b) and torch.isfinite(a).all()
     torch.set_num_threads(1)
     try:
-        c = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+        c = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
     finally:
         torch.set_num_threads(2)
     assert bitwise_equal(a, c)
