@@ -1,0 +1,163 @@
+"""FedLab's ``Aggregators.fedavg_aggregate`` against fedkernels' drop-in
+(``fedkernels.integrations.fedlab``) on K serialized ResNet-18-sized parameter vectors
+(11.69 M float32 values, 46.8 MB each), K = 10 and 100, sample-count weights.
+
+For K = 100 the list cycles through 20 distinct vectors (936 MB, far beyond any L3 cache), so
+the inputs fit in memory on a shared machine; FedLab stacks all K anyway (a K·P copy plus the
+weighted K·P product). Time: the median of interleaved repeats (FedLab, ours, FedLab, ours, ...)
+in this process. Peak memory: each (K, implementation) in a fresh child process, the peak
+resident set of one call beyond what was resident before it (inputs built, one warm-up call,
+glibc set to return freed memory, see bench/common.py), result included. Effective bandwidth:
+(K + 1) vector sizes over the time, and its ratio to a read-bandwidth probe (a large ``sum``).
+
+    python bench/bench_fedlab.py            # writes bench/results/fedlab-<cpu>.json
+    python bench/bench_fedlab.py --quick    # K = 10 only, 3 repeats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_aggregate import resnet18_shapes  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    bandwidth_probes,
+    device_name,
+    environment,
+    exact_cpu_memory_accounting,
+    peak_extra_memory,
+)
+
+IMPLS = ("fedlab", "fedkernels")
+DISTINCT = 20
+P = sum(int(torch.Size(s).numel()) for s in resnet18_shapes())
+
+
+def fedavg(impl: str):
+    if impl == "fedlab":
+        from fedlab.utils.aggregator import Aggregators
+    else:
+        from fedkernels.integrations.fedlab import Aggregators
+    return Aggregators.fedavg_aggregate
+
+
+def build_inputs(k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    distinct = [torch.randn(P, generator=g) for _ in range(min(k, DISTINCT))]
+    vectors = [distinct[i % len(distinct)] for i in range(k)]
+    weights = [float(100 + 7 * i) for i in range(k)]  # sample counts
+    return vectors, weights
+
+
+def child_memory(k: int, impl: str) -> int:
+    exact_cpu_memory_accounting()
+    vectors, weights = build_inputs(k)
+    fn = fedavg(impl)
+    fn(vectors, weights)
+    peak = peak_extra_memory(lambda: fn(vectors, weights), torch.device("cpu"))
+    return -1 if peak is None else int(peak)
+
+
+def measure_memory(k: int, impl: str) -> int:
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", str(k), impl,
+                          "--threads", str(torch.get_num_threads())],
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def measure_time(k: int, repeats: int) -> tuple[dict[str, float], float]:
+    vectors, weights = build_inputs(k)
+    fns = {impl: fedavg(impl) for impl in IMPLS}
+    results = {impl: fns[impl](vectors, weights) for impl in IMPLS}  # warm-up, and agreement
+    err = float((results["fedlab"].double() - results["fedkernels"].double()).abs().max())
+    del results
+    times = {impl: [] for impl in IMPLS}
+    for _ in range(repeats):
+        for impl in IMPLS:
+            t0 = time.perf_counter()
+            out = fns[impl](vectors, weights)
+            times[impl].append(time.perf_counter() - t0)
+            del out
+    return {impl: statistics.median(ts) for impl, ts in times.items()}, err
+
+
+def markdown_table(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"FedLab Aggregators.fedavg_aggregate, K serialized ResNet-18-sized float32 vectors; "
+        f"{env['device']}, {env['threads']} threads, torch {env['torch']}, fedlab "
+        f"{env['fedlab']}, {env['date'][:10]}; read probe {env['probes']['read_GBps']:.1f} GB/s",
+        "",
+        "| K | FedLab ms | fedkernels ms | speed-up | FedLab peak | fedkernels peak "
+        "| fedkernels GB/s (% of read probe) | max abs diff |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        mem = [f"{r[f'{i}_peak_MB']:.0f} MB" if f"{i}_peak_MB" in r else "-" for i in IMPLS]
+        lines.append(
+            f"| {r['K']} | {r['fedlab_ms']:.1f} | {r['fedkernels_ms']:.1f} | {r['speedup']:.2f}x | "
+            f"{mem[0]} | {mem[1]} | {r['fedkernels_GBps']:.1f} "
+            f"({100 * r['fedkernels_GBps'] / env['probes']['read_GBps']:.0f} %) | "
+            f"{r['max_abs_diff']:.1e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="K = 10 only, 3 repeats")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--out", metavar="FILE", help="results JSON (default "
+                        "bench/results/fedlab-<device>.json)")
+    parser.add_argument("--child-memory", nargs=2, metavar=("K", "IMPL"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.child_memory:
+        print(child_memory(int(args.child_memory[0]), args.child_memory[1]))
+        return
+    import fedlab
+
+    cpu = torch.device("cpu")
+    env = environment(cpu)
+    env["fedlab"] = fedlab.__version__
+    env["probes"] = bandwidth_probes(cpu)
+    env["load_average_at_start"] = os.getloadavg()
+    ks = (10,) if args.quick else (10, 100)
+    repeats = 3 if args.quick else args.repeats
+    rows = []
+    for k in ks:
+        t, err = measure_time(k, repeats)
+        row = {"K": k, "repeats": repeats, "fedlab_ms": 1e3 * t["fedlab"],
+               "fedkernels_ms": 1e3 * t["fedkernels"], "speedup": t["fedlab"] / t["fedkernels"],
+               "fedkernels_GBps": (k + 1) * 4 * P / t["fedkernels"] / 1e9, "max_abs_diff": err}
+        if not args.no_memory:
+            for impl in IMPLS:
+                row[f"{impl}_peak_MB"] = measure_memory(k, impl) / 1e6
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    payload = {"environment": env, "model": f"resnet18-sized flat vectors (P = {P} float32)",
+               "rows": rows}
+    path = args.out or os.path.join(RESULTS_DIR, f"fedlab-{device_name(cpu)}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print()
+    print(markdown_table(rows, env))
+    print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+    main()
