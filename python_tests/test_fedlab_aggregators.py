@@ -154,3 +154,32 @@ def test_fedasync_formula_and_fallbacks():
 def test_drop_in_class_has_fedlabs_static_methods():
     assert Aggregators.fedavg_aggregate is fedavg_aggregate
     assert Aggregators().fedasync_aggregate is fedasync_aggregate
+
+
+def test_frameworks_are_optional():
+    """`import fedkernels` and the FedLab drop-ins work with neither NVFlare nor FedLab
+    importable; the NVFlare module says how to install what it needs."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] in ("nvflare", "fedlab"):
+                    raise ImportError(f"blocked {name}")
+        sys.meta_path.insert(0, Block())
+        import torch, fedkernels
+        from fedkernels.integrations.fedlab import Aggregators
+        print(Aggregators.fedavg_aggregate([torch.ones(3), torch.zeros(3)]).tolist())
+        try:
+            import fedkernels.integrations.nvflare
+        except ImportError as err:
+            print(err)
+        assert not any(m.split(".")[0] in ("nvflare", "fedlab") for m in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[0.5, 0.5, 0.5]" in out.stdout
+    assert "pip install 'fedkernels[nvflare]'" in out.stdout
