@@ -352,7 +352,7 @@ def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str
     arrays = [next(iter(r.array_records.values())) for r in records]
     means, _ = fused_weighted_mean(arrays, factors, int_policy=int_policy,
                                    check_finite=check_finite)
-    return _to_arrayrecord(means)
+    return _to_arrayrecord(means, consume=True)
 
 
 def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
@@ -361,8 +361,12 @@ def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
     return ndarrays_to_tensors([a])[0]
 
 
-def _to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    return ArrayRecord({k: ndarray_to_array(v) for k, v in arrays.items()})
+def _to_arrayrecord(arrays: dict[str, np.ndarray], *, consume: bool = False) -> ArrayRecord:
+    """An ArrayRecord of ``arrays``. ``consume`` drops each array from the dict once it is
+    serialized, so the peak holds one model plus one array, not two models."""
+    if not consume:
+        return ArrayRecord({k: ndarray_to_array(v) for k, v in arrays.items()})
+    return ArrayRecord({k: ndarray_to_array(arrays.pop(k)) for k in list(arrays)})
 
 
 class _FusedAggregation:
@@ -433,7 +437,7 @@ class _FusedFedAvgTrain(_FusedAggregation):
         contents, means, _ = self._fused_mean(replies)
         if contents is None:
             return None, None
-        arrays = _to_arrayrecord(means)
+        arrays = _to_arrayrecord(means, consume=True)
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         return arrays, metrics
 
@@ -480,32 +484,34 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
             return None, None
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         if not self.server_opt:
-            return _to_arrayrecord(means), metrics
+            return _to_arrayrecord(means, consume=True), metrics
         if current is None:
             raise AggregationError(
                 "FedAvgM has no current arrays (the global model): call configure_train "
                 "before aggregate_train, or set strategy.current_arrays")
+        # Flower pairs the global arrays with the averaged ones (and the momentum) by
+        # position, zip(strict=True): a count that differs is its ValueError.
         names = list(means)
-        # Flower pairs the global arrays with the averaged ones by position.
-        pseudo_gradient = [
-            np.zeros(new.shape) if name in resolved else old - new
-            for name, new, old in zip(names, means.values(), current, strict=True)
-        ]
-        momentum = self.momentum_vector
-        if self.server_momentum > 0.0:
-            if momentum is None:
-                momentum = pseudo_gradient
-            else:
-                momentum = [self.server_momentum * m + g
-                            for m, g in zip(momentum, pseudo_gradient, strict=True)]
-            pseudo_gradient = momentum
-        updated = {
-            name: means[name] if name in resolved else old - self.server_learning_rate * g
-            for name, old, g in zip(names, current, pseudo_gradient, strict=True)
-        }
-        record = _to_arrayrecord(updated)
+        previous = self.momentum_vector
+        use_momentum = self.server_momentum > 0.0
+        if len(current) != len(names) or (use_momentum and previous is not None
+                                          and len(previous) != len(names)):
+            raise ValueError(f"FedAvgM: {len(names)} averaged arrays, {len(current)} current "
+                             "arrays" + ("" if previous is None else
+                                         f", {len(previous)} momentum arrays"))
+        momentum, arrays = [], {}
+        for i, (name, old) in enumerate(zip(names, current)):
+            new = means.pop(name)  # array by array: one model of temporaries at most
+            g = np.zeros(new.shape) if name in resolved else old - new
+            if use_momentum:
+                g = g if previous is None else self.server_momentum * previous[i] + g
+                momentum.append(g)
+            arrays[name] = ndarray_to_array(
+                new if name in resolved else old - self.server_learning_rate * g)
+        record = ArrayRecord(arrays)
         # State changes only now, with every check passed and every value computed.
-        self.momentum_vector = momentum
+        if use_momentum:
+            self.momentum_vector = momentum
         self.current_arrays = record
         return record, metrics
 
@@ -543,20 +549,28 @@ class _FusedFedOpt(_FusedAggregation):
                 raise AggregationError(reason=f"array '{name}': the aggregated shape "
                                        f"{x.shape} differs from the current arrays' "
                                        f"{current[name].shape}; delta_t cannot be computed")
-        delta = {k: x - current[k] for k, x in means.items() if k not in resolved}
         m_prev = self.m_t or {k: np.zeros_like(x) for k, x in means.items()}
         v_prev = self.v_t or {k: np.zeros_like(x) for k, x in means.items()}
-        m_t = {k: m if k in resolved else self.beta_1 * m + (1 - self.beta_1) * delta[k]
-               for k, m in m_prev.items()}
-        v_t = {k: v if k in resolved else self._second_moment(v, delta[k])
-               for k, v in v_prev.items()}
+        for moments in (m_prev, v_prev):  # Flower indexes one dict by the other's keys
+            odd = set(moments) ^ set(means)
+            if odd:
+                raise KeyError(sorted(odd)[0])
         step = self._step_size(server_round)
-        updated = {
-            k: means[k] if k in resolved else x + step * m_t[k] / (np.sqrt(v_t[k]) + self.tau)
-            for k, x in current.items()
-        }
-        record = _to_arrayrecord(updated)
-        self.m_t, self.v_t = m_t, v_t  # only now, with everything computed
+        m_new, v_new, arrays = {}, {}, {}
+        for k, x in current.items():  # array by array: one model of temporaries at most
+            mean = means.pop(k)
+            if k in resolved:
+                m_new[k], v_new[k], out = m_prev[k], v_prev[k], mean
+            else:
+                delta = mean - x
+                m_new[k] = self.beta_1 * m_prev[k] + (1 - self.beta_1) * delta
+                v_new[k] = self._second_moment(v_prev[k], delta)
+                out = x + step * m_new[k] / (np.sqrt(v_new[k]) + self.tau)
+            arrays[k] = ndarray_to_array(out)
+        record = ArrayRecord(arrays)
+        # Only now, with everything computed, the state changes (in Flower's key order).
+        self.m_t = {k: m_new[k] for k in m_prev}
+        self.v_t = {k: v_new[k] for k in v_prev}
         return record, metrics
 
 
@@ -647,6 +661,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         eps = 1e-10
         scratch = {n: torch.empty_like(b) for n, b in base.items()}  # one model, reused
         sq_norms = [_sq_distance(c, base, scratch) for c in clients]
+        del scratch
         loss_pow_q = [np.float_power(f + eps, q) for f in losses]
         sum_h = 0.0
         for f, lpq, sq in zip(losses, loss_pow_q, sq_norms):
@@ -655,17 +670,19 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         coefficients = [lipschitz * lpq / sum_h for lpq in loss_pow_q]
         if not all(np.isfinite(c) for c in coefficients):
             return super().aggregate_train(server_round, valid)
-        updated: dict[str, np.ndarray] = {}
+        result: dict[str, Tensor] = {}
         if floats:
             weights = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
             result = aggregate(clients, weights, base=base, check_finite=bool(self.check_finite))
-            for t in floats:
+        arrays = {}
+        for t, name in enumerate(names):  # array by array: the float64 copies one at a time
+            if t in ints:
+                out = _int_policy_entry(name, [x[t] for x in local], global_arrays[t], policy)
+            else:
                 dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
-                updated[names[t]] = result[names[t]].numpy().astype(dtype, copy=False)
-        for t in ints:
-            updated[names[t]] = _int_policy_entry(names[t], [x[t] for x in local],
-                                                  global_arrays[t], policy)
-        record = _to_arrayrecord({n: updated[n] for n in names})
+                out = result.pop(name).numpy().astype(dtype, copy=False)
+            arrays[name] = ndarray_to_array(out)
+        record = ArrayRecord(arrays)
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
         # Flower's side effects: it reads the global and the local arrays with keep_input=False.
         for r in [self.current_arrays, *records]:
