@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fedkernels.aggregate import aggregate as aggregate_models
 from fedkernels.ops.sgld import energy_from_logits, sgld_compose_step, sgld_step
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate
@@ -45,6 +46,7 @@ from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
 
+from .generators import ConditionalVAE
 from .registry import register
 
 # Random streams of their own (beside those of fedkernels.sim.seeding).
@@ -86,6 +88,9 @@ class FedEvgConfig:
     server_epochs: int = field(default=1, metadata={"help": "epochs of the synthetic-set classifier"})
     server_lr: float = field(default=1e-3, metadata={"help": "Adam lr of the synthetic-set classifier"})
     server_batch_size: int = field(default=64, metadata={"help": "its minibatch size"})
+    classify_every: int = field(
+        default=1, metadata={"help": "train the synthetic-set classifier (the global model) every "
+                                     "this many rounds and after the last (set it to eval_every)"})
     image_path: str = field(default="", metadata={"help": "write the synthetic set as a PNG grid here"})
     image_shape: list[int] = field(default_factory=list,
                                    metadata={"help": "H W of one image (default: square)"})
@@ -97,6 +102,8 @@ class FedEvgConfig:
             raise ConfigError("fedevg: server_epochs >= 0 and learning rates > 0")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError("fedevg: grad_clip must be > 0 (or None)")
+        if self.classify_every < 1:
+            raise ConfigError("fedevg: classify_every must be >= 1")
         c = CONSTANTS[self.constants]
         if self.server_beta_last is None:
             self.server_beta_last = c["server_beta_last"]
@@ -168,6 +175,85 @@ def write_png_grid(path: str | Path, images: Tensor, rows: int) -> None:
     png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(png)
+
+
+def classify_now(round_index: int, rounds: int, every: int) -> bool:
+    """Whether round ``round_index`` (0-based) trains the synthetic-set classifier: every
+    ``every`` rounds and the last."""
+    return (round_index + 1) % every == 0 or round_index + 1 >= rounds
+
+
+def train_on_synthetic(
+    classifier: nn.Module, template: nn.Module, x: Tensor, y: Tensor, *, epochs: int, lr: float,
+    batch_size: int, seed: int, round_index: int,
+) -> float:
+    """A fresh initialisation of ``template`` trained with Adam(``lr``) and cross-entropy for
+    ``epochs`` shuffled passes over ``(x, y)``, from the ``(seed, EVAL, round)`` stream; its
+    weights are loaded into ``classifier``. Returns the last minibatch loss."""
+    with seeding.torch_stream(seed, EVAL, round_index):
+        model = copy.deepcopy(template)
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        M = len(y)
+        loss = float("nan")
+        model.train()
+        for _ in range(epochs):
+            order = torch.randperm(M)
+            for start in range(0, M, batch_size):
+                i = order[start: start + batch_size]
+                out = F.cross_entropy(model(x[i]), y[i])
+                opt.zero_grad(set_to_none=True)
+                out.backward()
+                opt.step()
+                loss = float(out.detach())
+    classifier.load_state_dict(model.state_dict())
+    return loss
+
+
+def save_synthetic_images(path: str, x: Tensor, image_shape: list[int], rows: int) -> None:
+    """The synthetic rows as a PNG grid, one row of images per class (nothing when the rows are
+    not square or ``image_shape`` [H, W] images)."""
+    d = x.shape[1]
+    if image_shape:
+        h, w = image_shape
+    else:
+        h = w = int(round(math.sqrt(d)))
+    if h * w != d:
+        return  # not images
+    write_png_grid(path, x.reshape(-1, h, w), rows=rows)
+
+
+@torch.no_grad()
+def synthetic_set_diagnostics(
+    before: Tensor, after: Tensor, labels: Tensor, step: Tensor, noise_std: float, clamp: bool
+) -> dict[str, float]:
+    r"""What one server step did to the synthetic set (docs/fedevg.md, "Why the accuracy stops
+    rising"): ``step_abs`` the mean :math:`|\beta_t a_j|` per value before the clamp,
+    ``noise_std`` δ, ``moved_abs`` the mean :math:`|\hat x' - \hat x|` after it,
+    ``changed_fraction`` the share of values that moved by more than 1e-3, ``saturated_fraction``
+    the share at a bound of [0, 1] (with the clamp), and ``within_class_distance`` the mean
+    Euclidean distance between two samples of the same class (0 when each class has collapsed
+    onto one point)."""
+    x = after.flatten(1).double()
+    moved = (after - before).abs().flatten(1).double()
+    spreads = []
+    for c in labels.unique():
+        rows = x[labels == c]
+        if len(rows) > 1:
+            d = torch.cdist(rows, rows)
+            spreads.append(d.sum() / (len(rows) * (len(rows) - 1)))
+    out = {
+        "step_abs": float(step.abs().double().mean()),
+        "noise_std": float(noise_std),
+        "moved_abs": float(moved.mean()),
+        "changed_fraction": float((moved > 1e-3).double().mean()),
+        "within_class_distance": float(torch.stack(spreads).mean()) if spreads else 0.0,
+    }
+    if clamp:
+        out["saturated_fraction"] = float(((x <= 0) | (x >= 1)).double().mean())
+    return out
 
 
 @register
@@ -245,8 +331,14 @@ class FedEvg(Strategy):
         g, e = energy_grad(model, x_init, y_hat)
         if cfg.grad_clip is not None:
             g = g.clamp(-cfg.grad_clip, cfg.grad_clip)
+        with torch.no_grad():  # diagnostics: the trained model's energy of its real data
+            e_real = energy_from_logits(model(data.train_x), data.train_y).mean()
         mean_loss = sum(losses) / max(len(losses), 1)
-        return ClientUpdate(state={"energy_grad": g, "energy": e}, train_loss=mean_loss)
+        return ClientUpdate(
+            state={"energy_grad": g, "energy": e, "energy_real_mean": e_real,
+                   "energy_synthetic_mean": e.mean()},
+            train_loss=mean_loss,
+        )
 
     # -- server: the composed SGLD step (eq. 4.14), then the synthetic-set classifier
 
@@ -256,54 +348,43 @@ class FedEvg(Strategy):
         energies = torch.stack([s["energy"] for s in info.client_states])
         log_w = torch.log(info.num_samples / info.num_samples.sum()).float()
         beta = float(self.betas[min(info.round, len(self.betas) - 1)])
+        before = self.synth_x.clone()
         _, pi = sgld_compose_step(
             self.synth_x, grads, energies, log_w, mode=cfg.mode, step_size=beta,
             noise_std=cfg.server_sigma, grad_clip=cfg.grad_clip,
             clamp=(0.0, 1.0) if cfg.clamp else None, generator=self.server_gen,
             inplace=True, return_weights=True,
         )
-        loss = self.train_synthetic_classifier(info.round)
-        with torch.no_grad():
-            for name, value in self.classifier.state_dict().items():
-                server.state[name].copy_(value)
+        extra: dict[str, float] = {}
+        if classify_now(info.round, self.info.rounds, cfg.classify_every):
+            extra["synthetic_ce"] = self.train_synthetic_classifier(info.round)
+            with torch.no_grad():
+                for name, value in self.classifier.state_dict().items():
+                    server.state[name].copy_(value)
         if cfg.image_path and (info.round + 1 == self.info.rounds or (info.round + 1) % 10 == 0):
             self.save_images(cfg.image_path)
-        return {"beta": beta, "synthetic_ce": loss, "pi_max_mean": float(pi.max(0).values.mean())}
+        g_used = grads if cfg.grad_clip is None else grads.clamp(-cfg.grad_clip, cfg.grad_clip)
+        drift = (pi[:, :, None].to(g_used.dtype) * g_used.flatten(2)).sum(0)  # a_j of eq. 4.14
+        return {
+            **extra, "beta": beta, "pi_max_mean": float(pi.max(0).values.mean()),
+            "client_lr": self.client_lr(info.round),
+            **synthetic_set_diagnostics(before, self.synth_x, self.synth_y, beta * drift,
+                                        cfg.server_sigma, cfg.clamp),
+            "energy_gap": float(torch.stack([
+                s["energy_synthetic_mean"] - s["energy_real_mean"] for s in info.client_states
+            ]).mean()),
+        }
 
     def train_synthetic_classifier(self, round_index: int) -> float:
         """A fresh copy of the run's model trained on the synthetic set only."""
         cfg = self.config
-        with seeding.torch_stream(self.info.seed, EVAL, round_index):
-            model = copy.deepcopy(self.info.model)
-            for m in model.modules():
-                if hasattr(m, "reset_parameters"):
-                    m.reset_parameters()
-            opt = torch.optim.Adam(model.parameters(), lr=cfg.server_lr)
-            M = len(self.synth_y)
-            loss = float("nan")
-            model.train()
-            for _ in range(cfg.server_epochs):
-                order = torch.randperm(M)
-                for start in range(0, M, cfg.server_batch_size):
-                    i = order[start: start + cfg.server_batch_size]
-                    out = F.cross_entropy(model(self.synth_x[i]), self.synth_y[i])
-                    opt.zero_grad(set_to_none=True)
-                    out.backward()
-                    opt.step()
-                    loss = float(out.detach())
-        self.classifier.load_state_dict(model.state_dict())
-        return loss
+        return train_on_synthetic(
+            self.classifier, self.info.model, self.synth_x, self.synth_y, epochs=cfg.server_epochs,
+            lr=cfg.server_lr, batch_size=cfg.server_batch_size, seed=self.info.seed,
+            round_index=round_index)
 
     def save_images(self, path: str) -> None:
-        x = self.synth_x
-        d = x.shape[1]
-        if self.config.image_shape:
-            h, w = self.config.image_shape
-        else:
-            h = w = int(round(math.sqrt(d)))
-        if h * w != d:
-            return  # not images
-        write_png_grid(path, x.reshape(-1, h, w), rows=self.info.num_classes)
+        save_synthetic_images(path, self.synth_x, self.config.image_shape, self.info.num_classes)
 
     def state_dict(self) -> dict[str, Any]:
         return {"synth_x": None if self.synth_x is None else self.synth_x.clone(),
@@ -312,3 +393,166 @@ class FedEvg(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.synth_x = None if state["synth_x"] is None else state["synth_x"].clone()
         self.server_gen.set_state(state["server_gen"])
+
+
+# ---------------------------------------------------------------- the FedCVAE baseline
+
+CVAE_INIT = 125  # (seed, CVAE_INIT): the global CVAE's initialisation
+CVAE_CLIENT = 126  # (seed, CVAE_CLIENT, round, client): minibatches and reparameterisation noise
+CVAE_SAMPLE = 127  # (seed, CVAE_SAMPLE, round): the latent draws of the synthetic set
+
+
+@dataclass
+class FedCVAEConfig:
+    spc: int = field(default=10, metadata={"help": "synthetic samples per class (M = L * spc)"})
+    latent_dim: int = field(default=8, metadata={"help": "CVAE latent dimension"})
+    hidden: list[int] = field(default_factory=lambda: [128, 128],
+                              metadata={"help": "encoder widths (the decoder mirrors them)"})
+    output: Literal["sigmoid", "linear"] = field(
+        default="sigmoid", metadata={"help": "decoder output: sigmoid for pixels in [0, 1]"})
+    share: Literal["all", "decoder"] = field(
+        default="all", metadata={"help": "average the whole CVAE, or only the decoders "
+                                         "(encoders stay with their clients)"})
+    lr: float = field(default=1e-3, metadata={"help": "client Adam learning rate"})
+    lr_decay: float = field(default=0.9, metadata={"help": "lr factor every lr_decay_step rounds"})
+    lr_decay_step: int = field(default=5, metadata={"help": "rounds between lr decays"})
+    weight_decay: float = field(default=1e-4, metadata={"help": "client Adam weight decay"})
+    local_epochs: int = field(default=1, metadata={"help": "local epochs"})
+    batch_size: int = field(default=64, metadata={"help": "local minibatch size"})
+    server_epochs: int = field(default=1, metadata={"help": "epochs of the synthetic-set classifier"})
+    server_lr: float = field(default=1e-3, metadata={"help": "Adam lr of the synthetic-set classifier"})
+    server_batch_size: int = field(default=64, metadata={"help": "its minibatch size"})
+    classify_every: int = field(
+        default=1, metadata={"help": "train the synthetic-set classifier (the global model) every "
+                                     "this many rounds and after the last (set it to eval_every)"})
+    image_path: str = field(default="", metadata={"help": "write the synthetic set as a PNG grid here"})
+    image_shape: list[int] = field(default_factory=list,
+                                   metadata={"help": "H W of one image (default: square)"})
+
+    def __post_init__(self) -> None:
+        if min(self.spc, self.latent_dim, self.local_epochs, self.batch_size,
+               self.lr_decay_step, self.server_batch_size) < 1:
+            raise ConfigError("fedcvae: spc, latent_dim, local_epochs, batch sizes and "
+                              "lr_decay_step must be >= 1")
+        if not self.hidden or min(self.hidden) < 1:
+            raise ConfigError("fedcvae: hidden needs at least one width >= 1")
+        if self.server_epochs < 0 or self.lr <= 0 or self.server_lr <= 0:
+            raise ConfigError("fedcvae: server_epochs >= 0 and learning rates > 0")
+        if not 0 < self.lr_decay <= 1 or self.weight_decay < 0:
+            raise ConfigError("fedcvae: lr_decay in (0, 1] and weight_decay >= 0")
+        if self.classify_every < 1:
+            raise ConfigError("fedcvae: classify_every must be >= 1")
+
+
+@register
+class FedCVAE(Strategy):
+    """Federated conditional VAE, the generative baseline of FedEvg's evaluation: every
+    participant trains the global CVAE on its data for ``local_epochs`` (Adam, summed squared
+    error plus KL), the server averages the CVAEs (``share=all``) or only their decoders
+    (``share=decoder``; each client keeps its encoder) with weights n_k / sum n, decodes a
+    balanced synthetic set of ``spc`` samples per class from z ~ N(0, I), and trains a fresh
+    copy of the run's model on it, exactly as FedEvg's server does; that classifier is the
+    global model."""
+
+    name = "fedcvae"
+    config_class = FedCVAEConfig
+
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        if info.model is None:
+            raise ConfigError("fedcvae needs the model in SetupInfo")
+        self.classifier = copy.deepcopy(info.model)
+        self.synth_y = torch.arange(info.num_classes).repeat_interleave(self.config.spc)
+        self.synth_x: Tensor | None = None
+        self.global_cvae: dict[str, Tensor] | None = None  # built when D is known
+        self.encoders: dict[int, dict[str, Tensor]] = {}
+
+    def new_cvae(self, num_features: int) -> ConditionalVAE:
+        cfg = self.config
+        return ConditionalVAE(num_features, self.info.num_classes, cfg.hidden, cfg.latent_dim,
+                              cfg.output)
+
+    def _ensure_cvae(self, num_features: int) -> None:
+        if self.global_cvae is None:
+            with seeding.torch_stream(self.info.seed, CVAE_INIT):
+                cvae = self.new_cvae(num_features)
+            self.global_cvae = {k: v.detach().clone() for k, v in cvae.state_dict().items()}
+            self.num_features = num_features
+
+    def client_lr(self, round_index: int) -> float:
+        cfg = self.config
+        return cfg.lr * cfg.lr_decay ** ((round_index + 1) // cfg.lr_decay_step)
+
+    def train_client(self, global_state, data, round_index, client_id):
+        cfg = self.config
+        self._ensure_cvae(data.train_x.shape[1])
+        cvae = self.new_cvae(self.num_features)
+        cvae.load_state_dict(self.global_cvae)
+        if cfg.share == "decoder" and client_id in self.encoders:
+            cvae.encoder.load_state_dict(self.encoders[client_id])
+        gen = torch.Generator().manual_seed(
+            seeding.torch_seed(self.info.seed, CVAE_CLIENT, round_index, client_id))
+        opt = torch.optim.Adam(cvae.parameters(), lr=self.client_lr(round_index),
+                               weight_decay=cfg.weight_decay)
+        n = data.train_x.shape[0]
+        losses = []
+        cvae.train()
+        for _ in range(cfg.local_epochs):
+            order = torch.randperm(n, generator=gen)
+            for start in range(0, n, cfg.batch_size):
+                rows = order[start: start + cfg.batch_size]
+                loss = cvae.loss(data.train_x[rows], data.train_y[rows], gen)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+        state = {k: v.detach().clone() for k, v in cvae.state_dict().items()}
+        return ClientUpdate(state=state, train_loss=sum(losses) / max(len(losses), 1))
+
+    def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
+        cfg = self.config
+        shared = [k for k in self.global_cvae
+                  if cfg.share == "all" or k.startswith("decoder.")]
+        averaged = aggregate_models([{k: s[k] for k in shared} for s in info.client_states],
+                             info.num_samples, normalize=True)
+        self.global_cvae.update({k: v.clone() for k, v in averaged.items()})
+        if cfg.share == "decoder":
+            for k, s in zip(info.participants.tolist(), info.client_states):
+                self.encoders[k] = {name[len("encoder."):]: v for name, v in s.items()
+                                    if name.startswith("encoder.")}
+        cvae = self.new_cvae(self.num_features)
+        cvae.load_state_dict(self.global_cvae)
+        cvae.eval()
+        g = torch.Generator().manual_seed(seeding.torch_seed(self.info.seed, CVAE_SAMPLE, info.round))
+        before = self.synth_x if self.synth_x is not None else torch.zeros(
+            len(self.synth_y), self.num_features)
+        self.synth_x = cvae.sample(self.synth_y, g)
+        extra: dict[str, float] = {}
+        if classify_now(info.round, self.info.rounds, cfg.classify_every):
+            extra["synthetic_ce"] = train_on_synthetic(
+                self.classifier, self.info.model, self.synth_x, self.synth_y,
+                epochs=cfg.server_epochs, lr=cfg.server_lr, batch_size=cfg.server_batch_size,
+                seed=self.info.seed, round_index=info.round)
+            with torch.no_grad():
+                for name, value in self.classifier.state_dict().items():
+                    server.state[name].copy_(value)
+        if cfg.image_path and (info.round + 1 == self.info.rounds or (info.round + 1) % 10 == 0):
+            save_synthetic_images(cfg.image_path, self.synth_x, cfg.image_shape,
+                                  self.info.num_classes)
+        diag = synthetic_set_diagnostics(before, self.synth_x, self.synth_y,
+                                         torch.zeros(()), 0.0, False)
+        return {**extra, "client_lr": self.client_lr(info.round),
+                "within_class_distance": diag["within_class_distance"]}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_cvae": self.global_cvae,
+                "encoders": {str(k): v for k, v in self.encoders.items()},
+                "synth_x": None if self.synth_x is None else self.synth_x.clone(),
+                "num_features": getattr(self, "num_features", 0)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.global_cvae = state["global_cvae"]
+        self.encoders = {int(k): v for k, v in state["encoders"].items()}
+        self.synth_x = None if state["synth_x"] is None else state["synth_x"].clone()
+        if state["num_features"]:
+            self.num_features = int(state["num_features"])
