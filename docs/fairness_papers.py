@@ -319,6 +319,20 @@ def tune(name: str, spec: dict[str, Any], seed: int = 0) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
+def late_accuracy(entries: list[dict[str, Any]], rounds: int) -> str:
+    """Mean pooled test accuracy over the evaluations of the last third of the rounds (mean ±
+    std over seeds): less sensitive than the last round to where an oscillating run stops."""
+    lines = [f"Pooled test accuracy averaged over rounds {rounds - rounds // 3 + 1}-{rounds} (%):",
+             ""]
+    for e in entries:
+        late = [np.mean([a for r, a in run["curve"] if r + 1 > rounds - rounds // 3])
+                for run in e["runs"]]
+        lines.append(f"- {e['label']}: {100 * np.mean(late):.1f} ± {100 * np.std(late):.1f}")
+    return "\n".join(lines) + "\n"
+
+
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", nargs="+", choices=[*EXPERIMENTS, "all"])
@@ -366,8 +380,10 @@ def main(argv: list[str] | None = None) -> int:
                           reference=spec.get("reference"))
         if args.save:
             shutil.copyfile(out / "compare.png", ROOT / "docs" / f"{name}.png")
+        late = late_accuracy(entries, tree["rounds"])
+        (out / "late_accuracy.md").write_text(late)
         print(f"## {name}\n\n{spec['title']}; lr {tree['client']['lr']}\n\n"
-              f"{markdown_table(entries)}", flush=True)
+              f"{markdown_table(entries)}\n{late}", flush=True)
     return 0
 
 
