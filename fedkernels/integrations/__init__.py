@@ -1,5 +1,12 @@
-"""Entry points into other FL frameworks. Each submodule imports its framework only when it is
-imported itself, so ``import fedkernels`` never needs them:
+"""Entry points into other FL frameworks and scale-out paths. Each submodule imports its
+framework only when it is imported itself, so ``import fedkernels`` never needs them:
 
-- :mod:`fedkernels.integrations.flower`: Flower strategies (``pip install 'fedkernels[flower]'``).
+- :mod:`.flower`: drop-in strategies for Flower's Message API (``flwr.serverapp.strategy``);
+- :mod:`.flower_legacy`: drop-ins for Flower's legacy API (``flwr.server.strategy``) and
+  ``aggregate_ndarrays``/``aggregate_inplace`` (``pip install 'fedkernels[flower]'``);
+- :mod:`.nvflare`: NVFlare's ``InTimeAccumulateWeightedAggregator`` and the FedAvg controller's
+  aggregation (``pip install 'fedkernels[nvflare]'``);
+- :mod:`.fedlab`: FedLab's ``Aggregators`` on serialized parameter vectors;
+- :mod:`.distributed`: weighted aggregation across ``torch.distributed`` ranks;
+- :mod:`.adapters`: conversions between modules, state_dicts, NumPy arrays and flat vectors.
 """
