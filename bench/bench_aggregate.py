@@ -5,9 +5,13 @@
     python bench/bench_aggregate.py --quick         # K=10 only, fewer repeats
     python bench/bench_aggregate.py --tiny          # seconds: a smoke test of the script
     python bench/bench_aggregate.py --save          # also update bench/results/<device>.json
+    python bench/bench_aggregate.py --check         # exit 1 if a ratio regressed > 20 %
 
 Results go to a new file under bench/results/runs/ (see common.py); only --save touches the
-committed table.
+committed table. Each (model, dtype, K) block is timed in rounds, every method once per round,
+so that the load of a shared machine falls on all methods alike. --check compares this run's
+ratios (each baseline's time over the fused op's, and the fused op's bandwidth over the read
+probe) with the committed run for this device, never absolute times.
 
 Each row is one way of computing sum_k w_k x_k over K client models:
 
@@ -40,14 +44,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
+    add_check_arguments,
+    add_clock_argument,
     add_output_arguments,
     bandwidth_probes,
+    check_against_committed,
     check_output_arguments,
     environment,
     exact_cpu_memory_accounting,
-    median_time,
+    fail,
+    interleaved_medians,
     peak_extra_memory,
+    print_probes,
     resolve_device,
+    use_cpu_clock,
     write_results,
 )
 
@@ -196,14 +206,30 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The alternatives whose time over the fused op's --check compares (our own out= variant is
+# not a baseline).
+BASELINES = ("loop", "foreach", "stack", "flat mv", "reference")
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's ratios, each higher-is-better: how many times slower each baseline is than
+    the allocating fused call, and the fused calls' bandwidth as a fraction of the read probe."""
+    found = {}
+    for r in payload.get("rows", []):
+        case = f"{r['model']}/{r['dtype']}/K={r['K']}"
+        if r["method"] in BASELINES and r.get("time_vs_fused"):
+            found[f"{case}: {r['method']} time / fused time"] = r["time_vs_fused"]
+        elif r["method"] in ("fused", "fused out=") and r.get("pct_read_probe"):
+            found[f"{case}: {r['method']} GB/s / read probe"] = r["pct_read_probe"] / 100
+    return found
+
+
 def run(args, argv: list[str]) -> dict:
     device = torch.device(args.device)
-    memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
     probes = bandwidth_probes(device, args.probe_bytes)
+    print_probes(device, probes)
     env = environment(device)
-    print(f"# {env['device']}  torch {env['torch']}  threads {env['threads']}  "
-          f"cpu build {env['fedkernels_cpu_build']}")
-    print(f"# probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
     header = (f"{'model':<12}{'dtype':<10}{'K':>4}  {'method':<12}{'ms':>9}{'GB/s':>8}"
               f"{'% read':>8}{'% copy':>8}{'extra MB':>10}{'x out':>7}{'vs fused':>9}")
     print(header)
@@ -212,10 +238,9 @@ def run(args, argv: list[str]) -> dict:
     for model, dtype_name, num_clients, shapes, numel, esize, fns in configs(args):
         traffic = (num_clients + 1) * numel * esize
         out_bytes = numel * esize
-        times = {}
-        for name, fn in fns.items():
-            t = median_time(fn, device, repeats=args.repeats)
-            times[name] = t
+        times = interleaved_medians(fns, device, repeats=args.repeats, warmup=2)
+        for name in fns:
+            t = times[name]
             mem = memory.get(f"{model}/{dtype_name}/{num_clients}/{name}")
             gbps = traffic / t / 1e9
             row = {
@@ -258,12 +283,20 @@ def main(argv=None) -> None:
                         help="a tiny model, K=2, fp32, 1 repeat, small probe: checks the script runs")
     parser.add_argument("--probe-bytes", type=int, default=1 << 30,
                         help="size of the bandwidth probes' buffers")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    add_clock_argument(parser)
     add_output_arguments(parser)
+    add_check_arguments(parser)
     parser.add_argument("--memory-out", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     resolve_device(args.device)
     check_output_arguments(args)
+    use_cpu_clock(args.clock)
+    if args.threads is not None:
+        if args.threads < 1:
+            fail(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.clients, args.repeats = [10], 3
     if args.tiny:
@@ -274,7 +307,10 @@ def main(argv=None) -> None:
         with open(args.memory_out, "w") as f:
             json.dump(measure_memory(args), f)
         return
-    run(args, argv)
+    payload = run(args, argv)
+    if args.check:
+        sys.exit(check_against_committed("aggregate", torch.device(args.device), payload, ratios,
+                                         args.tolerance))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ Where results go: every run writes a new file ``bench/results/runs/<time>-<devic
 merges the run into the committed ``bench/results/<device>.json``, and ``--out FILE`` writes the
 run to FILE instead of ``runs/``. A ``--device`` that this machine cannot run is a one-line error
 (exit status 2) before any work.
+
+Noise: the machines these run on are shared, so every case is timed in rounds, each round
+timing the case and all its baselines once (:func:`interleaved_medians`): a burst of load hits
+them all alike, and their ratios stay meaningful even when absolute times move. ``--check``
+runs the benchmark afresh and compares those ratios (never absolute times) with the committed
+results for this device (:func:`check_against_committed`): exit status 1 when one regressed by
+more than ``--tolerance`` (20 % by default), 2 when there is nothing to compare with.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import re
@@ -73,6 +81,9 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 def check_output_arguments(args: argparse.Namespace) -> None:
     if args.out and os.path.isdir(args.out):
         fail(f"--out {args.out!r} is a directory; give a file name")
+    if getattr(args, "check", False) and args.save:
+        fail("--check compares a fresh run with the committed results, which --save would "
+             "replace first; run them separately")
 
 
 def synchronize(device: torch.device) -> None:
@@ -80,8 +91,34 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# The clock of CPU timings: wall time by default. ``use_cpu_clock("process")`` switches to the
+# CPU time of this process, which leaves out the time other processes held the cores: on a
+# machine shared with other work, a sample then measures this process's work rather than its
+# turn in the queue. It sums over threads, so use it with one torch thread.
+_CPU_CLOCK: Callable[[], float] = time.perf_counter
+CPU_CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def use_cpu_clock(name: str) -> None:
+    global _CPU_CLOCK
+    _CPU_CLOCK = CPU_CLOCKS[name]
+
+
+def cpu_clock() -> float:
+    """The current reading of the CPU timings' clock (see use_cpu_clock)."""
+    return _CPU_CLOCK()
+
+
+def add_clock_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clock", choices=sorted(CPU_CLOCKS), default="wall",
+                        help="clock of CPU timings: wall (default) or process (this process's "
+                             "CPU time: leaves out other work on a shared machine; use with one "
+                             "torch thread)")
+
+
 def timed(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall time of one ``fn()`` call in seconds (CUDA: measured with events, synchronized)."""
+    """Time of one ``fn()`` call in seconds (CUDA: measured with events, synchronized; CPU:
+    the clock chosen with use_cpu_clock, wall time by default)."""
     synchronize(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -90,9 +127,9 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
+    t0 = _CPU_CLOCK()
     fn()
-    return time.perf_counter() - t0
+    return _CPU_CLOCK() - t0
 
 
 def median_time(fn: Callable[[], object], device: torch.device, repeats: int = 7,
@@ -101,6 +138,42 @@ def median_time(fn: Callable[[], object], device: torch.device, repeats: int = 7
     for _ in range(warmup):
         fn()
     return statistics.median(timed(fn, device) for _ in range(repeats))
+
+
+def timed_calls(fn: Callable[[], object], device: torch.device, number: int) -> float:
+    """Seconds per call of ``number`` back-to-back ``fn()`` calls (CUDA: events, synchronized)."""
+    if number == 1:
+        return timed(fn, device)
+
+    def calls():
+        for _ in range(number):
+            fn()
+
+    return timed(calls, device) / number
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device,
+                        repeats: int = 7, warmup: int = 1,
+                        sample_s: float = 2e-3) -> dict[str, float]:
+    """Median seconds per call of every function, timed in ``repeats`` rounds. Each round
+    times each function once, starting from a different one each round, so that noise on a
+    shared machine falls on a case and its baselines alike. Fast functions are called several
+    times per sample (enough for about ``sample_s``), so a sample is not just timer jitter."""
+    number = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        once = timed(fn, device)
+        if once < sample_s:  # the fastest of a few calls: one slow call must not decide
+            once = min(once, *(timed(fn, device) for _ in range(2)))
+        number[name] = max(1, min(10_000, int(sample_s / max(once, 1e-7))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(repeats):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            samples[name].append(timed_calls(fns[name], device, number[name]))
+    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def exact_cpu_memory_accounting() -> None:
@@ -163,6 +236,16 @@ def bandwidth_probes(device: torch.device, nbytes: int = 1 << 30) -> dict[str, f
             "probe_bytes": nbytes}
 
 
+def print_probes(device: torch.device, probes: dict[str, float]) -> None:
+    """The machine and its bandwidth probes, first thing in every run's output."""
+    env = environment(device)
+    print(f"# {env['device']}  torch {env['torch']}  threads {env['threads']}  "
+          f"cpu build {env['fedkernels_cpu_build']}")
+    print(f"# probes: read {probes['read_GBps']:.1f} GB/s (sum of "
+          f"{probes['probe_bytes'] / 2**20:.0f} MiB), copy {probes['copy_GBps']:.1f} GB/s",
+          flush=True)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -190,6 +273,8 @@ def environment(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "fedkernels_cpu_build": fedkernels.ops.native.cpu_capability,
     }
+    if device.type == "cpu" and _CPU_CLOCK is not time.perf_counter:
+        env["cpu_clock"] = next(n for n, c in CPU_CLOCKS.items() if c is _CPU_CLOCK)
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
     return env
@@ -240,3 +325,79 @@ def write_results(name: str, device: torch.device, payload: dict, save: bool = F
         _merge_into(committed, name, payload)
         written.append(committed)
     return " and ".join(written)
+
+
+# ---------------------------------------------------------------- --check
+
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--check", action="store_true",
+                        help="run afresh and compare the ratios (speed-ups over the baselines, "
+                             "fractions of the bandwidth probe) with the committed "
+                             "bench/results/<device>.json; exit status 1 when one regressed")
+    parser.add_argument("--tolerance", type=float, default=0.2,
+                        help="--check flags a ratio that got worse by more than this fraction "
+                             "(default 0.2: 20%%)")
+
+
+def committed_path(device: torch.device) -> str:
+    return os.path.join(RESULTS_DIR, device_name(device) + ".json")
+
+
+def ratio_regressions(committed: dict[str, float], fresh: dict[str, float],
+                      tolerance: float = 0.2) -> tuple[list[tuple[str, float, float, float]],
+                                                       list[str]]:
+    """Compares two sets of named ratios, each oriented so that higher is better (how many
+    times faster than a baseline, or what fraction of the bandwidth probe). A ratio regressed
+    when the committed value is more than ``1 + tolerance`` times the fresh one: with the
+    default 0.2, a case that took 1.0x a baseline's time now takes more than 1.2x.
+
+    Returns ``(regressions, compared)``: ``(name, committed, fresh, committed / fresh)`` for
+    each regressed ratio (worst first), and the names found in both sets. Names in only one
+    set (a case the run did not include) are not compared; non-positive or non-finite values
+    are skipped."""
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance}")
+    compared, regressions = [], []
+    for name in sorted(set(committed) & set(fresh)):
+        old, new = committed[name], fresh[name]
+        if not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in (old, new)):
+            continue
+        compared.append(name)
+        if old / new > 1 + tolerance:
+            regressions.append((name, old, new, old / new))
+    regressions.sort(key=lambda item: -item[3])
+    return regressions, compared
+
+
+def check_against_committed(name: str, device: torch.device, fresh_payload: dict,
+                            ratios: Callable[[dict], dict[str, float]],
+                            tolerance: float = 0.2, path: str | None = None) -> int:
+    """Prints the comparison of ``fresh_payload``'s ratios with the committed run ``name`` of
+    this device and returns the exit status: 0 (no regression), 1 (some ratio regressed by
+    more than ``tolerance``), 2 (no committed run, or no ratio in common)."""
+    path = path or committed_path(device)
+    try:
+        with open(path) as f:
+            committed = json.load(f).get(name)
+    except (OSError, ValueError):
+        committed = None
+    if not isinstance(committed, dict):
+        print(f"check: no committed {name!r} results for {device_name(device)} in {path}; "
+              "run once with --save to record them", file=sys.stderr)
+        return 2
+    regressions, compared = ratio_regressions(ratios(committed), ratios(fresh_payload), tolerance)
+    when = committed.get("environment", {}).get("date", "?")
+    if not compared:
+        print(f"check: the committed {name!r} run ({when}) has no case in common with this run",
+              file=sys.stderr)
+        return 2
+    print(f"# check: {len(compared)} ratios compared with the committed run of {when} "
+          f"(higher is better; flagged when more than {tolerance:.0%} worse)")
+    for key, old, new, factor in regressions:
+        print(f"REGRESSED  {key}: {old:.3g} -> {new:.3g} ({factor:.2f}x worse)")
+    if regressions:
+        print(f"# check: {len(regressions)} of {len(compared)} ratios regressed")
+        return 1
+    print("# check: no ratio regressed")
+    return 0

@@ -1,0 +1,202 @@
+"""The benchmarks' --check mode: it compares ratios (speed-ups over baselines, fractions of the
+bandwidth probe), never absolute times, of a fresh run with the committed results of the same
+device, and flags a ratio that got more than 20 % worse (exit status 1). The comparison is
+tested on synthetic results; one end-to-end run checks the exit status of the script."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _bench_module(name: str):
+    """A module of bench/ (which imports its siblings by their plain names)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+@pytest.fixture(scope="module")
+def common():
+    return _bench_module("common")
+
+
+# ------------------------------------------------------------------ the comparison
+
+
+def test_equal_ratios_pass(common):
+    ratios = {"a: loop time / fused time": 2.0, "b: fused GB/s / read probe": 0.9}
+    regressions, compared = common.ratio_regressions(ratios, dict(ratios))
+    assert regressions == [] and compared == sorted(ratios)
+
+
+def test_more_than_20_percent_worse_is_flagged(common):
+    committed = {"x": 2.0, "y": 2.0, "z": 2.0, "w": 1.0}
+    fresh = {"x": 1.6, "y": 1.74, "z": 3.0, "w": 0.5}  # 1.25x and 2x worse; 1.15x; better
+    regressions, compared = common.ratio_regressions(committed, fresh)
+    assert [r[0] for r in regressions] == ["w", "x"]  # worst first
+    name, old, new, factor = regressions[1]
+    assert (old, new) == (2.0, 1.6) and factor == pytest.approx(1.25)
+    assert compared == ["w", "x", "y", "z"]
+
+
+def test_the_tolerance_is_a_parameter(common):
+    committed, fresh = {"x": 2.0}, {"x": 1.74}
+    assert common.ratio_regressions(committed, fresh, 0.2)[0] == []
+    assert [r[0] for r in common.ratio_regressions(committed, fresh, 0.1)[0]] == ["x"]
+    with pytest.raises(ValueError, match="tolerance"):
+        common.ratio_regressions(committed, fresh, -0.1)
+
+
+def test_absolute_times_do_not_matter(common):
+    """The whole machine twice as slow: every time doubles, no ratio moves."""
+    bench_aggregate = _bench_module("bench_aggregate")
+
+    def payload(scale):
+        rows = []
+        for method, ms in [("fused", 10.0), ("fused out=", 8.0), ("loop", 30.0),
+                           ("foreach", 20.0)]:
+            rows.append({"model": "m", "dtype": "float32", "K": 10, "method": method,
+                         "median_ms": ms * scale, "time_vs_fused": ms / 10.0,
+                         "pct_read_probe": 80.0})
+        return {"rows": rows}
+
+    regressions, compared = common.ratio_regressions(bench_aggregate.ratios(payload(1.0)),
+                                                     bench_aggregate.ratios(payload(2.0)))
+    assert regressions == [] and len(compared) == 4
+
+
+def test_cases_in_one_run_only_are_not_compared(common):
+    regressions, compared = common.ratio_regressions({"a": 1.0, "gone": 5.0},
+                                                     {"a": 1.0, "new": 0.1})
+    assert regressions == [] and compared == ["a"]
+
+
+def test_unusable_values_are_skipped(common):
+    regressions, compared = common.ratio_regressions(
+        {"zero": 0.0, "nan": float("nan"), "none": None, "ok": 1.0},
+        {"zero": 1.0, "nan": 1.0, "none": 1.0, "ok": 0.1})
+    assert compared == ["ok"] and [r[0] for r in regressions] == ["ok"]
+
+
+# ------------------------------------------------------------------ against a committed file
+
+
+def _aggregate_payload(fused_ms: float, loop_ms: float, pct: float) -> dict:
+    return {"environment": {"date": "2026-01-01T00:00:00+00:00"}, "rows": [
+        {"model": "resnet18", "dtype": "float32", "K": 10, "method": "fused",
+         "median_ms": fused_ms, "time_vs_fused": 1.0, "pct_read_probe": pct},
+        {"model": "resnet18", "dtype": "float32", "K": 10, "method": "loop",
+         "median_ms": loop_ms, "time_vs_fused": loop_ms / fused_ms, "pct_read_probe": 10.0},
+    ]}
+
+
+def test_check_against_a_committed_file(common, tmp_path, capsys):
+    import torch
+
+    bench_aggregate = _bench_module("bench_aggregate")
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"aggregate": _aggregate_payload(10.0, 30.0, 90.0),
+                                "other": {"rows": []}}))
+    cpu = torch.device("cpu")
+
+    def check(fresh, name="aggregate", where=path):
+        return common.check_against_committed(name, cpu, fresh, bench_aggregate.ratios,
+                                              0.2, path=str(where))
+
+    assert check(_aggregate_payload(20.0, 60.0, 90.0)) == 0  # twice slower, same ratios
+    assert "no ratio regressed" in capsys.readouterr().out
+
+    assert check(_aggregate_payload(10.0, 20.0, 90.0)) == 1  # loop only 2x: was 3x
+    out = capsys.readouterr().out
+    assert "REGRESSED" in out and "resnet18/float32/K=10: loop time / fused time" in out
+    assert "1.50x worse" in out
+
+    assert check(_aggregate_payload(10.0, 30.0, 60.0)) == 1  # bandwidth 60 % of the probe: was 90
+    assert "fused GB/s / read probe" in capsys.readouterr().out
+
+    assert check(_aggregate_payload(10.0, 30.0, 90.0), name="cost_curve") == 2
+    assert "no committed 'cost_curve' results" in capsys.readouterr().err
+    assert check(_aggregate_payload(10.0, 30.0, 90.0), where=tmp_path / "missing.json") == 2
+    assert check({"rows": []}) == 2
+    assert "no case in common" in capsys.readouterr().err
+
+
+def test_cost_curve_ratios():
+    cost_curve = _bench_module("bench_cost_curve")
+    rows = []
+    for numel in (10 ** 4, 10 ** 7):
+        for method, ms in [("fused", 1.0), ("fused out=", 0.9), ("op only", 0.5),
+                           ("loop", 3.0), ("foreach", 2.0)]:
+            rows.append({"section": "sweep", "dtype": "bfloat16", "K": 10, "P": numel,
+                         "method": method, "median_ms": ms, "time_vs_fused": ms,
+                         "pct_read_probe": 70.0})
+    payload = {
+        "probes": {"read_GBps": 20.0},
+        "rows": rows,
+        "stream": [{"dtype": "float32", "K": 100, "P": 10 ** 7, "add_GBps": 15.0},
+                   {"dtype": "float32", "K": 100, "P": 10 ** 4, "add_GBps": 1.0}],
+        "distributed": [{"world": 2, "P": 10 ** 7, "one process_ms": 30.0,
+                         "all_reduce_aggregate_ms": 60.0}],
+    }
+    found = cost_curve.ratios(payload)
+    assert found["sweep/bfloat16/K=10/P=10000: loop time / fused time"] == 3.0
+    assert found["sweep/bfloat16/K=10/P=10000000: foreach time / fused time"] == 2.0
+    # bandwidth ratios only where a call is bandwidth, not per-call overhead
+    assert found["sweep/bfloat16/K=10/P=10000000: fused out= GB/s / read probe"] == 0.7
+    assert not any("P=10000: fused" in k and "probe" in k for k in found)
+    assert found["stream/float32/K=100/P=10000000: add GB/s / read probe"] == 0.75
+    assert len([k for k in found if k.startswith("stream/")]) == 1
+    assert found["distributed/world=2/P=10000000: one process time / all_reduce_aggregate "
+                 "time"] == 0.5
+    assert not any("op only" in k for k in found)  # our own op is not a baseline
+
+
+# ------------------------------------------------------------------ the script
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def test_check_exit_status_of_the_script(tmp_path, common):
+    """bench_aggregate.py --tiny --check against committed ratios no run can reach: exit 1,
+    naming the ratios; --check with --save is refused (exit 2) before any work."""
+    import torch
+
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    for script in BENCH.glob("*.py"):
+        shutil.copy(script, folder)
+    (folder / "results").mkdir()
+    committed = {"rows": [
+        {"model": "tiny", "dtype": "float32", "K": 2, "method": m, "median_ms": 1.0,
+         "time_vs_fused": 1e9 if m != "fused" else 1.0, "pct_read_probe": 1e9}
+        for m in ("fused", "fused out=", "loop", "foreach")]}
+    path = folder / "results" / f"{common.device_name(torch.device('cpu'))}.json"
+    path.write_text(json.dumps({"aggregate": committed}))
+    run = subprocess.run([sys.executable, str(folder / "bench_aggregate.py"), "--tiny",
+                          "--check", "--out", str(tmp_path / "fresh.json")],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=folder)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "REGRESSED  tiny/float32/K=2: loop time / fused time" in run.stdout
+    assert "REGRESSED  tiny/float32/K=2: fused GB/s / read probe" in run.stdout
+    assert json.loads(path.read_text()) == {"aggregate": committed}  # never rewritten
+
+    refused = subprocess.run([sys.executable, str(folder / "bench_aggregate.py"), "--tiny",
+                              "--check", "--save"], capture_output=True, text=True, timeout=120,
+                             env=_env(), cwd=folder)
+    assert refused.returncode == 2 and "--check" in refused.stderr
+    assert "Traceback" not in refused.stderr
