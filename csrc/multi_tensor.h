@@ -7,7 +7,9 @@
 // * launch metadata (CUDA): the per-launch tables (pointers, numels, the chunk prefix, ...) are
 //   sections of one byte buffer, each 8-byte aligned, uploaded to the device once per launch
 //   (the multi_tensor_apply idea with a device-side table, so the number of tensors and of
-//   clients is not capped by the 4 KiB of kernel parameters; see csrc/cuda/multi_tensor.cuh).
+//   clients is not capped by the 4 KiB of kernel parameters). Under CUDA graph capture the
+//   buffer is written by kernels that carry it in their parameters, kMetadataBlockWords words
+//   at a time, so the graph owns its copy (see csrc/cuda/multi_tensor.cuh).
 #pragma once
 
 #include <cstddef>
@@ -62,5 +64,17 @@ class MetadataLayout {
  private:
   size_t bytes_ = 0;
 };
+
+// 64-bit words of metadata one capture-safe upload kernel carries in its parameters (4000
+// bytes: with the destination and the count, under the 4 KiB parameter limit of every GPU).
+constexpr int64_t kMetadataBlockWords = 500;
+
+// Calls fn(first word, number of words) for each block of an upload of `words` words.
+template <typename Fn>
+void for_each_metadata_block(int64_t words, Fn fn) {
+  for (int64_t first = 0; first < words; first += kMetadataBlockWords) {
+    fn(first, words - first < kMetadataBlockWords ? words - first : kMetadataBlockWords);
+  }
+}
 
 }  // namespace fedkernels

@@ -1,6 +1,7 @@
 """The host-side layout of the multi-tensor launches (csrc/multi_tensor.h), checked on the CPU:
-the chunk prefix and the chunk-to-tensor search that the CPU and CUDA kernels share, and the
-sections of a launch's metadata buffer.
+the chunk prefix and the chunk-to-tensor search that the CPU and CUDA kernels share, the
+sections of a launch's metadata buffer, and its split into the blocks that the CUDA graph-capture
+upload carries in kernel parameters (so the metadata a captured graph replays is complete).
 
 The header is plain C++, so the test compiles a small driver against it with the system
 compiler (a second or two); it is skipped where the sources or a compiler are missing.
@@ -81,6 +82,27 @@ int main() {
     EXPECT(layout.bytes() == 88 && layout.words() == 11);
     for (size_t off : {a, b, c, d, e}) EXPECT(off % 8 == 0);
   }
+
+  // The capture-time upload: blocks of at most kMetadataBlockWords words that together write
+  // every word once, in order (a copy through them reproduces the buffer).
+  for (int64_t words : {int64_t(0), int64_t(1), kMetadataBlockWords - 1, kMetadataBlockWords,
+                        kMetadataBlockWords + 1, 5 * kMetadataBlockWords + 17}) {
+    std::vector<unsigned long long> src(words), dst(words, 0);
+    for (int64_t i = 0; i < words; ++i) src[i] = 0x9E3779B97F4A7C15ull * (i + 1);
+    int64_t next = 0, blocks = 0;
+    for_each_metadata_block(words, [&](int64_t first, int64_t count) {
+      EXPECT(first == next);
+      EXPECT(count > 0 && count <= kMetadataBlockWords);
+      for (int64_t i = 0; i < count; ++i) dst[first + i] = src[first + i];
+      next = first + count;
+      ++blocks;
+    });
+    EXPECT(next == words);
+    EXPECT(blocks == (words + kMetadataBlockWords - 1) / kMetadataBlockWords);
+    EXPECT(src == dst);
+  }
+  // A block and its destination pointer and count fit the 4 KiB of kernel parameters.
+  EXPECT(kMetadataBlockWords * 8 + 16 <= 4096);
 
   if (failures == 0) std::printf("ok\n");
   return failures == 0 ? 0 : 1;

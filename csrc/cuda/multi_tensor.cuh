@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "../common.h"
 #include "../multi_tensor.h"
@@ -69,29 +70,63 @@ __device__ __forceinline__ A block_reduce(A v, Op op, A* s_red) {
   return r;
 }
 
-// The metadata of one launch: filled on the host through host<V>(offset) (pinned memory), then
-// upload() copies it asynchronously on the stream into a device buffer of the caching allocator
-// (the caching host allocator keeps the pinned buffer from reuse until the copy is done; the
-// device buffer is freed in stream order after the call's kernels), whose sections kernels read
-// through device<V>(offset). The pinned buffer is reused after the call, so a launch that uses
-// it cannot be captured in a CUDA graph.
+// One block of metadata words carried by value in a kernel's parameters.
+struct MetadataBlock {
+  uint64_t words[kMetadataBlockWords];
+};
+
+// (A template only so that every .cu including this header may define it.)
+template <typename Block>
+__global__ void write_metadata_block_kernel(uint64_t* dst, int64_t count, const Block block) {
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) dst[i] = block.words[i];
+}
+
+// The metadata of one launch: filled on the host through host<V>(offset), then upload() puts it
+// in a device buffer of the caching allocator (freed in stream order after the call's kernels),
+// whose sections kernels read through device<V>(offset).
+//
+// Outside CUDA graph capture the host side is pinned memory copied asynchronously on the stream
+// (the caching host allocator keeps it from reuse until the copy is done). Under capture a copy
+// from host memory would be re-read at every replay, long after this call's buffer is gone, so
+// the host side is ordinary memory and the upload is a few kernels that carry the words in their
+// parameters: the graph keeps its own copy of those, and a replay writes the same tables again.
 class LaunchMetadata {
  public:
   LaunchMetadata(const MetadataLayout& layout, at::Device device)
       : device_(device),
-        pinned_(at::empty(
-            {std::max<int64_t>(static_cast<int64_t>(layout.words()), 1)},
-            at::TensorOptions().dtype(at::kLong).pinned_memory(true))) {}
+        words_(static_cast<int64_t>(layout.words())),
+        capturing_(
+            c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    if (capturing_) {
+      pageable_.assign(static_cast<size_t>(words_), 0);
+    } else {
+      pinned_ = at::empty(
+          {std::max<int64_t>(words_, 1)},
+          at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+    }
+  }
 
   template <typename V>
   V* host(size_t offset) {
-    return reinterpret_cast<V*>(
-        reinterpret_cast<unsigned char*>(pinned_.mutable_data_ptr<int64_t>()) + offset);
+    uint64_t* base = capturing_ ? pageable_.data()
+                                : reinterpret_cast<uint64_t*>(pinned_.mutable_data_ptr<int64_t>());
+    return reinterpret_cast<V*>(reinterpret_cast<unsigned char*>(base) + offset);
   }
 
-  void upload(cudaStream_t /*stream: the current one, which the copy uses*/) {
-    device_buffer_ =
-        pinned_.to(at::TensorOptions().device(device_).dtype(at::kLong), /*non_blocking=*/true);
+  void upload(cudaStream_t stream) {
+    const auto on_device = at::TensorOptions().device(device_).dtype(at::kLong);
+    if (!capturing_) {
+      device_buffer_ = pinned_.to(on_device, /*non_blocking=*/true);
+      return;
+    }
+    device_buffer_ = at::empty({std::max<int64_t>(words_, 1)}, on_device);
+    auto* dst = reinterpret_cast<uint64_t*>(device_buffer_.mutable_data_ptr<int64_t>());
+    for_each_metadata_block(words_, [&](int64_t first, int64_t count) {
+      MetadataBlock block;
+      std::copy_n(pageable_.data() + first, count, block.words);
+      write_metadata_block_kernel<MetadataBlock><<<1, 128, 0, stream>>>(dst + first, count, block);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   }
 
   template <typename V>
@@ -102,7 +137,10 @@ class LaunchMetadata {
 
  private:
   at::Device device_;
+  int64_t words_;
+  bool capturing_;
   at::Tensor pinned_;
+  std::vector<uint64_t> pageable_;
   at::Tensor device_buffer_;
 };
 

@@ -113,8 +113,8 @@ struct SuperfedCuda {
     const CudaLaunch launch(p.device);
     TORCH_CHECK(
         c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-        "fedkernels: the SuPerFed ops cannot run under CUDA graph capture (their launch metadata "
-        "is copied from a host buffer)");
+        "fedkernels: the SuPerFed ops are not supported under CUDA graph capture (not yet "
+        "validated there)");
 
     MetadataLayout layout;
     const size_t in_at = layout.add<uint64_t>(4 * n);

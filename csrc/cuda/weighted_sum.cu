@@ -5,7 +5,9 @@
 // tensors n: the launch metadata (client-major input pointers [K][n], base and out pointers,
 // numels, a prefix sum of chunks per tensor, per-tensor vectorizable flags, the weights) lives in
 // one device buffer (LaunchMetadata, csrc/cuda/multi_tensor.cuh) rather than in kernel arguments
-// (4 KB, which caps apex/ATen multi_tensor_apply at a handful of lists).
+// (4 KB, which caps apex/ATen multi_tensor_apply at a handful of lists). The upload is legal
+// under CUDA graph capture, so the op works in captured graphs (torch.compile's
+// mode="reduce-overhead"); weights given on the CPU are then fixed at their captured values.
 //
 // Work: each block owns one chunk of one tensor (found by binary search on the chunk prefix).
 // Its threads keep the chunk's accumulators in registers (fp32, fp64 for fp64 inputs) and read
@@ -300,10 +302,6 @@ struct WeightedSumCuda {
     const bool has_base = !p.bases.empty();
     const bool weights_on_host = p.weights.device().is_cpu();
     const CudaLaunch launch(p.device);
-    TORCH_CHECK(
-        c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-        "fedkernels.weighted_sum: cannot run under CUDA graph capture (its launch metadata is "
-        "copied from a host buffer that is reused after the call)");
 
     MetadataLayout layout;
     const size_t inputs_at = layout.add<uint64_t>(K * n);
