@@ -4,7 +4,7 @@
 
 * `fedkernels._C`: the op schemas (always);
 * `fedkernels._cpu_{default,avx2,avx512}`: the CPU kernels, once per instruction set; the
-  package loads the best one the running CPU supports (see fedkernels/_native.py);
+  package loads the best one the running CPU supports (see fedkernels/ops/native.py);
 * `fedkernels._cuda`: the CUDA kernels, when FEDKERNELS_CUDA=1, or when FEDKERNELS_CUDA=auto
   (the default) and torch is a CUDA build and nvcc is found. TORCH_CUDA_ARCH_LIST is honoured.
 

@@ -107,7 +107,7 @@ import sys
 import torch
 
 import fedkernels
-from fedkernels import _native
+from fedkernels.ops import native as _native
 
 build = os.path.realpath(sys.argv[1])
 assert os.path.realpath(fedkernels.__file__).startswith(build + os.sep), fedkernels.__file__

@@ -3,6 +3,11 @@
     python bench/bench_aggregate.py                 # CPU, the full table
     python bench/bench_aggregate.py --device cuda   # on a GPU machine
     python bench/bench_aggregate.py --quick         # K=10 only, fewer repeats
+    python bench/bench_aggregate.py --tiny          # seconds: a smoke test of the script
+    python bench/bench_aggregate.py --save          # also update bench/results/<device>.json
+
+Results go to a new file under bench/results/runs/ (see common.py); only --save touches the
+committed table.
 
 Each row is one way of computing sum_k w_k x_k over K client models:
 
@@ -12,7 +17,7 @@ Each row is one way of computing sum_k w_k x_k over K client models:
   foreach      out = _foreach_mul(x_0, w_0); K-1 x _foreach_add_(out, x_k, alpha=w_k)
   stack        per tensor: (torch.stack(x_k) * w).sum(0), as FedLab and FL-bench do
   flat mv      torch.mv on the clients already flattened into one [K, P] tensor (GEMV)
-  reference    fedkernels.reference.aggregate_reference (fp32 accumulation, per tensor)
+  reference    fedkernels.ops.reference.aggregate_reference (fp32 accumulation, per tensor)
 
 The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
 GB/s is that traffic over the median time, and "% read" / "% copy" compare it with the
@@ -34,15 +39,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import fedkernels  # noqa: E402
 from common import (  # noqa: E402
+    add_output_arguments,
     bandwidth_probes,
+    check_output_arguments,
     environment,
     exact_cpu_memory_accounting,
     median_time,
     peak_extra_memory,
+    resolve_device,
     write_results,
 )
+
+import fedkernels  # noqa: E402
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -71,6 +80,8 @@ def transformer_shapes(layers: int = 16, d: int = 256, ff: int = 1024,
 
 
 MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes}
+# --tiny: a few small, odd-sized tensors (a smoke test of the script, not a measurement)
+TINY_SHAPES = [(64, 33), (33,), (7, 3, 3), ()]
 
 
 def make_clients(shapes, num_clients, dtype, device, seed=0):
@@ -117,7 +128,7 @@ def methods(clients, weights, device):
         "foreach": foreach,
         "stack": stack,
         "flat mv": lambda: torch.mv(flat.t(), w_flat),
-        "reference": lambda: fedkernels.reference.aggregate_reference(clients, weights),
+        "reference": lambda: fedkernels.ops.reference.aggregate_reference(clients, weights),
     }, flat
 
 
@@ -125,7 +136,7 @@ def configs(args):
     """Yields (model, dtype name, K, shapes, numel, element size, the methods) per table block."""
     device = torch.device(args.device)
     for model in args.models:
-        shapes = MODELS[model]()
+        shapes = TINY_SHAPES if model == "tiny" else MODELS[model]()
         numel = sum(torch.Size(s).numel() for s in shapes)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
@@ -188,7 +199,7 @@ def markdown_table(rows: list[dict]) -> str:
 def run(args, argv: list[str]) -> dict:
     device = torch.device(args.device)
     memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
-    probes = bandwidth_probes(device)
+    probes = bandwidth_probes(device, args.probe_bytes)
     env = environment(device)
     print(f"# {env['device']}  torch {env['torch']}  threads {env['threads']}  "
           f"cpu build {env['fedkernels_cpu_build']}")
@@ -227,7 +238,7 @@ def run(args, argv: list[str]) -> dict:
                   flush=True)
     payload = {"environment": env, "probes": probes, "rows": rows,
                "command": "python bench/bench_aggregate.py " + " ".join(argv)}
-    path = write_results("aggregate", device, payload)
+    path = write_results("aggregate", device, payload, save=args.save, out=args.out)
     print(f"# wrote {path}\n")
     print(markdown_table(rows))
     return payload
@@ -243,11 +254,21 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
     parser.add_argument("--quick", action="store_true", help="K=10 only, 3 repeats")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny model, K=2, fp32, 1 repeat, small probe: checks the script runs")
+    parser.add_argument("--probe-bytes", type=int, default=1 << 30,
+                        help="size of the bandwidth probes' buffers")
+    add_output_arguments(parser)
     parser.add_argument("--memory-out", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    resolve_device(args.device)
+    check_output_arguments(args)
     if args.quick:
         args.clients, args.repeats = [10], 3
+    if args.tiny:
+        args.models, args.dtypes, args.clients, args.repeats = ["tiny"], ["float32"], [2], 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
     if args.memory_out:
         exact_cpu_memory_accounting()
         with open(args.memory_out, "w") as f:

@@ -1,4 +1,4 @@
-"""The fused pseudo-label op against its PyTorch composition (specs/fedgo.md §4 K1-K3).
+"""The fused pseudo-label op against its PyTorch composition (docs/algorithms/distillation.md).
 
     OMP_NUM_THREADS=2 python bench/bench_distill.py [--device cuda] [--repeats 7]
 
@@ -6,7 +6,7 @@ For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} cl
 
 - ``fused``: ``fedkernels.ensemble_pseudo_labels`` (one pass per sample: weights, combination,
   softmax);
-- ``torch``: the composition a user writes (``fedkernels.reference.ensemble_pseudo_labels_reference``:
+- ``torch``: the composition a user writes (``fedkernels.ops.reference.ensemble_pseudo_labels_reference``:
   sigmoid/softmax over clients for the weights, broadcast multiply, sum over K, softmax), eager.
 
 Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once) and
@@ -28,10 +28,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    bandwidth_probes,
+    check_output_arguments,
+    environment,
+    resolve_device,
+    timed,
+    write_results,
+)
 
 import fedkernels  # noqa: E402
-from fedkernels import reference as R  # noqa: E402
+from fedkernels.ops import reference as R  # noqa: E402
 
 KS = (10, 40)
 NS = (256, 4096)
@@ -55,15 +63,23 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--tiny", action="store_true",
+                        help="K=2, N=8, C=5, 1 repeat, small probe: checks the script runs")
+    add_output_arguments(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    ks, ns, cs = (KS, NS, CS)
+    if args.tiny:
+        ks, ns, cs, args.repeats = (2,), (8,), (5,), 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
     probes = bandwidth_probes(device, args.probe_bytes)
     print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
     rows = []
     g = torch.Generator().manual_seed(0)
-    for K in KS:
-        for N in NS:
-            for C in CS:
+    for K in ks:
+        for N in ns:
+            for C in cs:
                 L = (3 * torch.randn(K, N, C, generator=g)).to(device)
                 z = torch.randn(K, N, generator=g).to(device)
                 n = torch.arange(1, K + 1, dtype=torch.float64) * 10
@@ -93,11 +109,13 @@ def main() -> None:
                     rows.append(row)
                     print(f"K={K:3d} N={N:5d} C={C:5d} {weighting:8s} fused {1e3*fused:9.3f} ms "
                           f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
-                          f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
-                del L, z
+                          f"{row['fused_GBps']:6.1f} GB/s "
+                          f"({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
+                L = z = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
-    print("wrote", write_results("ensemble_pseudo_labels", device, payload))
+    print("wrote", write_results("ensemble_pseudo_labels", device, payload, save=args.save,
+                                 out=args.out))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The fused FedEvg server step against its PyTorch composition (specs/fedevg.md §3 K1).
+"""The fused FedEvg server step against its PyTorch composition (docs/algorithms/fedevg.md,
+section 5).
 
     OMP_NUM_THREADS=2 python bench/bench_sgld.py [--device cuda] [--repeats 7] [--max-elements N]
 
@@ -26,7 +27,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, timed, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    bandwidth_probes,
+    check_output_arguments,
+    environment,
+    resolve_device,
+    timed,
+    write_results,
+)
 
 import fedkernels  # noqa: E402
 
@@ -49,13 +58,21 @@ def main() -> None:
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
     parser.add_argument("--max-elements", type=int, default=10**9,
                         help="skip sizes whose grads have more elements (memory)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="K=2, M=3, 1 repeat, small probe: checks the script runs")
+    add_output_arguments(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    ks, ms = (KS, MS)
+    if args.tiny:
+        ks, ms, args.repeats = (2,), (3,), 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
     probes = bandwidth_probes(device, args.probe_bytes)
     print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
     rows = []
-    for K in KS:
-        for M in MS:
+    for K in ks:
+        for M in ms:
             if K * M * D > args.max_elements:
                 print(f"K={K} M={M}: skipped (--max-elements)")
                 continue
@@ -92,10 +109,11 @@ def main() -> None:
             rows.append(row)
             print(f"K={K:3d} M={M:5d} fused {1e3*fused:9.3f} ms torch {1e3*ref:9.3f} ms x{ratio:5.2f} "
                   f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
-            del grads
+            grads = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
-    print("wrote", write_results("sgld_compose_step", device, payload))
+    print("wrote", write_results("sgld_compose_step", device, payload, save=args.save,
+                                 out=args.out))
 
 
 if __name__ == "__main__":

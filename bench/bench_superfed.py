@@ -14,9 +14,9 @@ default implementation for the device, and the same network code via functional_
   passes each way, and autograd adds the two gradients of each endpoint);
 - ``superfed_loops_mm`` / ``_lm``: the official code's way: per-parameter
   ``(1-lam)*w + lam*w_local``, the cosine from per-parameter dots and norms summed in Python,
-  the prox as a per-parameter loop (specs/superfed.md §1.4, §3);
+  the prox as a per-parameter loop;
 - ``superfed_foreach_lm``: mixing with ``torch._foreach_lerp`` (ScalarList, one lambda per
-  tensor: the baseline of specs/prior_art.md §2.2), the regularizers with ``_foreach_*``.
+  tensor: the best plain-PyTorch multi-tensor baseline), the regularizers with ``_foreach_*``.
 
 Also the ops alone (mix forward+backward and regularizer forward+backward, no network), with
 their effective bandwidth over their minimum traffic and its fraction of a copy probe.
@@ -39,7 +39,15 @@ from torch import nn
 from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bandwidth_probes, environment, synchronize, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    bandwidth_probes,
+    check_output_arguments,
+    environment,
+    resolve_device,
+    synchronize,
+    write_results,
+)
 
 import fedkernels  # noqa: E402
 
@@ -50,7 +58,7 @@ NU, MU = 1.0, 0.01
 
 
 class TwoCNN(nn.Module):
-    """The paper's TwoCNN (specs/superfed.md §4): conv5(32)-pool-conv5(64)-pool-FC
+    """The paper's TwoCNN: conv5(32)-pool-conv5(64)-pool-FC
     3136-200-200-10 on 28x28x1; here with biases (as the simulation's models have them):
     0.72M parameters in 10 tensors."""
 
@@ -292,8 +300,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--batch", type=int, default=10, help="the paper's B = 10")
     parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"])
+    parser.add_argument("--probe-bytes", type=int, default=1 << 30)
+    parser.add_argument("--tiny", action="store_true",
+                        help="the CNN only, batch 2, 1 repeat, small probe: checks the script runs")
+    add_output_arguments(parser)
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    if args.tiny:
+        args.models, args.batch, args.repeats = ["cnn"], 2, 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
     torch.manual_seed(0)
     payload = {"environment": environment(device), "nu": NU, "mu": MU, "models": {}}
     b = args.batch
@@ -315,11 +331,11 @@ def main() -> None:
             device,
             args.repeats,
         )
-    payload["probes"] = probes = bandwidth_probes(device)
+    payload["probes"] = probes = bandwidth_probes(device, args.probe_bytes)
     for m in payload["models"].values():
         m["ops_fused_fraction_of_copy_probe"] = m["ops_fused_effective_GBps"] / probes["copy_GBps"]
     print(f"\nprobes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
-    path = write_results("superfed", device, payload)
+    path = write_results("superfed", device, payload, save=args.save, out=args.out)
     print(f"\nwritten to {path}")
 
 

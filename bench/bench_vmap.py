@@ -2,7 +2,8 @@
 
     python bench/bench_vmap.py                  # 100 clients, MLP 64-64-10 on digits
     python bench/bench_vmap.py --clients 50 --threads 1
-    python bench/bench_vmap.py --out /tmp/vmap.json   # write there instead of bench/results/
+    python bench/bench_vmap.py --out /tmp/vmap.json   # write there instead of bench/results/runs/
+    python bench/bench_vmap.py --save                 # also update bench/results/<device>.json
 
 Every client of the round (IID digits, about 14 training rows each) trains the same MLP from
 the same global model with the same minibatch plans on both paths:
@@ -13,13 +14,13 @@ the same global model with the same minibatch plans on both paths:
 
 Reported: the median wall time of one round's client training over repeats, the speedup
 (sequential / vmap), and the largest difference between the two paths' trained parameters.
-Results go under the key "vmap" of bench/results/<device>.json (see common.py).
+Results go under the key "vmap" of a new file in bench/results/runs/ (see common.py); --save
+also merges them into the committed bench/results/<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +28,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import environment, median_time, write_results  # noqa: E402
+from common import (  # noqa: E402
+    add_output_arguments,
+    check_output_arguments,
+    environment,
+    median_time,
+    write_results,
+)
 
 from fedkernels.algorithms import FedAvg  # noqa: E402
 from fedkernels.sim.client import LocalTrainer  # noqa: E402
@@ -95,8 +102,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, nargs="+", default=[64])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, help="torch.set_num_threads")
-    parser.add_argument("--out", help="write the JSON here instead of bench/results/")
+    parser.add_argument("--tiny", action="store_true",
+                        help="4 clients, 1 repeat, 10 local steps only: checks the script runs")
+    add_output_arguments(parser)
     args = parser.parse_args()
+    check_output_arguments(args)
+    settings = dict(SETTINGS)
+    if args.tiny:
+        args.clients, args.repeats = 4, 1
+        settings = {k: v for k, v in SETTINGS.items() if v.steps is not None}
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = {}
@@ -106,7 +120,7 @@ def main() -> None:
     )
     header = ("local training", "steps", "sequential", "vmap", "speedup", "max diff")
     print("{:36s} {:>6s} {:>11s} {:>9s} {:>8s} {:>9s}".format(*header))
-    for name, client in SETTINGS.items():
+    for name, client in settings.items():
         row = measure(args.clients, args.hidden, client, args.repeats)
         rows[name] = row
         print(
@@ -114,13 +128,8 @@ def main() -> None:
             f"{row['vmap_s'] * 1e3:7.1f}ms {row['speedup']:7.1f}x {row['max_abs_diff']:9.1e}"
         )
     payload = {"environment": environment(torch.device("cpu")), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-            f.write("\n")
-        print(f"wrote {args.out}")
-    else:
-        print(f"wrote {write_results('vmap', torch.device('cpu'), payload)}")
+    path = write_results("vmap", torch.device("cpu"), payload, save=args.save, out=args.out)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -3,22 +3,76 @@
 Every benchmark reports a median over repeats, the effective bandwidth over the op's minimum
 traffic, that bandwidth as a fraction of probes measured in the same run (a large ``sum`` for
 read bandwidth, a large ``copy_``), and the peak memory the call allocates beyond its inputs.
+
+Where results go: every run writes a new file ``bench/results/runs/<time>-<device>-<name>.json``
+(git-ignored), so a quick or partial run never replaces the committed table; ``--save`` also
+merges the run into the committed ``bench/results/<device>.json``, and ``--out FILE`` writes the
+run to FILE instead of ``runs/``. A ``--device`` that this machine cannot run is a one-line error
+(exit status 2) before any work.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import platform
 import re
 import statistics
+import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RUNS_DIR = os.path.join(RESULTS_DIR, "runs")
+
+
+def fail(message: str) -> None:
+    """One line on stderr naming the script, exit status 2 (no traceback)."""
+    print(f"{os.path.basename(sys.argv[0]) or 'bench'}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def resolve_device(text: str) -> torch.device:
+    """``--device`` as a torch device this machine can run the fused ops on, or a one-line
+    error: an unknown device, CUDA without a visible GPU, or without fedkernels' CUDA kernels."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        fail(f"--device {text!r} is not a device name (use cpu or cuda)")
+    if device.type not in ("cpu", "cuda"):
+        fail(f"--device {text!r}: the benchmarks run on cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            fail(f"--device {text} but no CUDA GPU is visible to torch (torch {torch.__version__}, "
+                 f"{build}); run on a GPU machine or use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            fail(f"--device {text}: only {torch.cuda.device_count()} GPU(s) visible")
+        from fedkernels.ops import native
+
+        if not native.cuda_available:
+            fail(f"--device {text} but fedkernels' CUDA kernels are not built; rebuild with "
+                 "FEDKERNELS_CUDA=1 pip install --no-build-isolation -e .")
+    return device
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--save`` and ``--out``: see the module docstring."""
+    parser.add_argument("--save", action="store_true",
+                        help="also merge the results into the committed "
+                             "bench/results/<device>.json")
+    parser.add_argument("--out", metavar="FILE",
+                        help="write the results JSON to FILE instead of a new file under "
+                             "bench/results/runs/")
+
+
+def check_output_arguments(args: argparse.Namespace) -> None:
+    if args.out and os.path.isdir(args.out):
+        fail(f"--out {args.out!r} is a directory; give a file name")
 
 
 def synchronize(device: torch.device) -> None:
@@ -134,17 +188,14 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
-        "fedkernels_cpu_build": fedkernels._native.cpu_capability,
+        "fedkernels_cpu_build": fedkernels.ops.native.cpu_capability,
     }
     if device.type == "cuda":
         env["cuda"] = torch.version.cuda
     return env
 
 
-def write_results(name: str, device: torch.device, payload: dict) -> str:
-    """Merges ``payload`` under key ``name`` into bench/results/<device>.json."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, device_name(device) + ".json")
+def _merge_into(path: str, name: str, payload: dict) -> None:
     data = {}
     if os.path.exists(path):
         with open(path) as f:
@@ -153,4 +204,39 @@ def write_results(name: str, device: torch.device, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+
+
+def new_run_path(label: str, suffix: str = ".json") -> str:
+    """A path under bench/results/runs/ that no earlier run used: ``<UTC time>-<label>``."""
+    os.makedirs(RUNS_DIR, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    path = os.path.join(RUNS_DIR, f"{stamp}-{label}{suffix}")
+    count = 2
+    while os.path.exists(path):
+        path = os.path.join(RUNS_DIR, f"{stamp}-{label}-{count}{suffix}")
+        count += 1
     return path
+
+
+def write_results(name: str, device: torch.device, payload: dict, save: bool = False,
+                  out: str | None = None) -> str:
+    """Writes ``{name: payload}`` to ``out``, or to a new file under bench/results/runs/; with
+    ``save`` also merges it under key ``name`` into the committed bench/results/<device>.json.
+    Returns the paths written, joined by " and "."""
+    written = []
+    if out:
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+        path = out
+    else:
+        path = new_run_path(f"{device_name(device)}-{name}")
+    with open(path, "w") as f:
+        json.dump({name: payload}, f, indent=1)
+        f.write("\n")
+    written.append(path)
+    if save:
+        os.makedirs(RESULTS_DIR, exist_ok=True)
+        committed = os.path.join(RESULTS_DIR, device_name(device) + ".json")
+        _merge_into(committed, name, payload)
+        written.append(committed)
+    return " and ".join(written)

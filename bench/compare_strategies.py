@@ -5,9 +5,11 @@
 2. ``participation``: FedAU against averaging the participants (and the other
    participation-aware rules) under heterogeneous, label-correlated Bernoulli participation.
 
-Each writes compare.{json,md,png} under bench/results/compare_<name>/ (see fedkernels.compare).
+Each writes compare.{json,md,png} into a folder compare_<name>/ (see fedkernels.cli.compare):
+under a new folder in bench/results/runs/ by default, into the committed bench/results/ with
+--save, or under --out DIR.
 
-    python bench/compare_strategies.py [fairness|participation|all] [--seeds 0,1,2,3,4]
+    python bench/compare_strategies.py [fairness|participation|all] [--seeds 0,1,2,3,4] [--save]
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-from fedkernels.compare import compare, markdown_table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, new_run_path  # noqa: E402
+
+from fedkernels.cli.compare import compare, markdown_table  # noqa: E402
 
 COMMON = {
     "data": {"name": "digits"},
@@ -80,17 +85,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", nargs="?", default="all", choices=[*EXPERIMENTS, "all"])
     parser.add_argument("--seeds", default="0,1,2,3,4")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", metavar="DIR",
+                        help="folder for compare_<name>/ (default: a new folder under "
+                             "bench/results/runs/)")
+    parser.add_argument("--save", action="store_true",
+                        help="write into bench/results/compare_<name>/, the committed results")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--tiny", action="store_true",
+                        help="2 rounds, seed 0, the first two algorithms: checks the script runs")
     args = parser.parse_args(argv)
+    if args.out and args.save:
+        parser.error("--out and --save name two different folders; give one")
     torch.set_num_threads(args.threads)
     seeds = [int(s) for s in args.seeds.split(",")]
     names = list(EXPERIMENTS) if args.which == "all" else [args.which]
+    root = Path(args.out or (RESULTS_DIR if args.save else new_run_path("compare", suffix="")))
     for name in names:
         spec = EXPERIMENTS[name]
-        out = Path(args.out) / f"compare_{name}"
-        entries = compare(spec["algorithms"], seeds, spec["tree"], out, spec["title"])
+        tree, algorithms = spec["tree"], spec["algorithms"]
+        if args.tiny:
+            tree, algorithms, seeds = {**tree, "rounds": 2, "eval_every": 1}, algorithms[:2], [0]
+        out = root / f"compare_{name}"
+        entries = compare(algorithms, seeds, tree, out, spec["title"])
         print(f"## {name}\n\n{spec['title']}\n\n{markdown_table(entries)}")
+    print(f"wrote {root}")
     return 0
 
 

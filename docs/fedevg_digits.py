@@ -1,4 +1,4 @@
-"""Evidence for FedEvg on real data (issue 6, docs/fedevg.md): scikit-learn's digits (8x8,
+"""Evidence for FedEvg on real data (docs/fedevg.md): scikit-learn's digits (8x8,
 pixels in [0, 1]) over K = 10 clients with a Dirichlet label split; a classifier trained only
 on the server's M = 100 synthetic samples is tested on every client's held-out real digits
 (the simulation's test accuracy, the paper's metric). Baseline: the same classifier trained on

@@ -1,4 +1,4 @@
-"""Evidence for FedEvg's composition (issue 6, docs/fedevg.md): a 2-D Gaussian mixture of 6
+"""Evidence for FedEvg's composition (docs/fedevg.md): a 2-D Gaussian mixture of 6
 classes split so that each of 3 clients sees only 2 classes; after T rounds, do the server's
 composed samples cover every client's modes? Compared for the signed and exact weightings.
 
@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fedkernels.algorithms import build_strategy

@@ -1,8 +1,9 @@
-"""FedGO and its baselines on scikit-learn's digits with a Dirichlet(0.1) split (specs/fedgo.md §6,
-"offline image-like analogue"): half of every class is the server's unlabeled set U, the other
-half goes to K = 20 clients by Dirichlet(0.1) label skew; 40% participation (8 clients per
-round); MLP classifier; the distillation methods use E_s server epochs of Adam on U and MLP
-discriminators trained against U as the fake set (p_g = p_s, as in the paper's toy example).
+"""FedGO and its baselines on scikit-learn's digits with a Dirichlet(0.1) split (an offline,
+image-like stand-in for the paper's CIFAR setting): half of every class is the server's
+unlabeled set U, the other half goes to K = 20 clients by Dirichlet(0.1) label skew; 40%
+participation (8 clients per round); MLP classifier; the distillation methods use E_s server
+epochs of Adam on U and MLP discriminators trained against U as the fake set (p_g = p_s, as in
+the paper's toy example).
 
     python docs/fedgo_digits.py [--seeds 3] [--rounds 20] [--out docs/fedgo_digits.json]
 

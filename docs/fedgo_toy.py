@@ -1,4 +1,4 @@
-"""FedGO's toy problem (specs/fedgo.md §6; paper Appendix E.1, Fig. 1), with accuracy against the
+"""FedGO's toy problem (paper Appendix E.1, Fig. 1), with accuracy against the
 true labels for the six aggregates: parameter averaging, uniform (FedDF), variance (Fed-ET),
 entropy, domain-aware (DaFKD weighting) and FedGO.
 

@@ -2,19 +2,31 @@
 
 >>> import fedkernels
 >>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
+
+The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference),
+:mod:`fedkernels.aggregate` (the structure-aware aggregation API), :mod:`fedkernels.sim` (the
+simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
+:mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
+public names of the two lowest layers, plus :func:`check` (the installation self-check).
 """
 
-from . import _native
-
-_native.load()
-
-from . import ops, reference  # noqa: E402  (the ops must be registered first)
-from .aggregate import Accumulator, aggregate  # noqa: E402
-from .mixing import (  # noqa: E402,F401
-    cosine_orthogonality, mix_endpoints, proximal_term, superfed_mix, superfed_regularizer,
+from .aggregate import Accumulator, aggregate
+from .ops import native, reference
+from .ops.distill import distill_kl, ensemble_pseudo_labels
+from .ops.mixing import (
+    cosine_orthogonality,
+    mix_endpoints,
+    proximal_term,
+    superfed_mix,
+    superfed_regularizer,
 )
-from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402,F401
-from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402,F401
+from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
+from .selfcheck import check
 
 __version__ = "0.1.0"
-__all__ = ["aggregate", "Accumulator", "ops", "reference"]
+__all__ = [
+    "aggregate", "Accumulator", "ops", "reference", "native",
+    "mix_endpoints", "cosine_orthogonality", "proximal_term", "superfed_mix",
+    "superfed_regularizer", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
+    "sgld_step", "sgld_step_", "sgld_compose_step", "check",
+]

@@ -8,162 +8,44 @@ which reads every client tensor once and writes the result once.
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from collections.abc import Hashable, Iterable, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from . import ops
-
-Model = Union[Mapping[str, Tensor], Sequence[Tensor], Tensor]
-
-INT_POLICIES = ("max", "first", "skip", "error")
-_FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-# ---------------------------------------------------------------- structure handling
-
-
-class _Layout:
-    """How one client's model maps to a flat tensor list: its kind, names, and which entries
-    are floating point (aggregated by the op) or integer/bool (handled by ``int_policy``)."""
-
-    def __init__(self, kind: str, names: list, float_mask: list[bool]):
-        self.kind = kind  # "dict", "list" or "tensor"
-        self.names = names
-        self.float_mask = float_mask
-
-    @staticmethod
-    def of(model: Model, what: str) -> "_Layout":
-        if isinstance(model, Tensor):
-            return _Layout("tensor", [None], [_is_float(model, what, None)])
-        if isinstance(model, Mapping):
-            names = list(model.keys())
-            return _Layout("dict", names, [_is_float(model[n], what, n) for n in names])
-        if isinstance(model, Sequence) and not isinstance(model, (str, bytes)):
-            names = list(range(len(model)))
-            return _Layout("list", names, [_is_float(model[i], what, i) for i in names])
-        raise TypeError(
-            f"fedkernels.aggregate: {what} must be a state_dict (mapping name -> tensor), "
-            f"a sequence of tensors or a tensor, got {type(model).__name__}"
-        )
-
-    def tensors(self, model: Model, what: str) -> list[Tensor]:
-        """The model's tensors in layout order, after checking it has this layout."""
-        if self.kind == "tensor":
-            if not isinstance(model, Tensor):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a tensor")
-            return [model]
-        if self.kind == "dict":
-            if not isinstance(model, Mapping):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a state_dict")
-            if len(model) != len(self.names) or any(n not in model for n in self.names):
-                missing = [n for n in self.names if n not in model]
-                extra = [n for n in model if n not in set(self.names)]
-                raise ValueError(
-                    f"fedkernels.aggregate: {what} has different keys than client 0"
-                    + (f"; missing {missing[:5]}" if missing else "")
-                    + (f"; unexpected {extra[:5]}" if extra else "")
-                )
-            out = [model[n] for n in self.names]
-        else:
-            if isinstance(model, (Mapping, Tensor)) or not isinstance(model, Sequence):
-                raise TypeError(f"fedkernels.aggregate: {what} is a {type(model).__name__}, "
-                                "client 0 is a sequence of tensors")
-            if len(model) != len(self.names):
-                raise ValueError(f"fedkernels.aggregate: {what} has {len(model)} tensors, "
-                                 f"client 0 has {len(self.names)}")
-            out = list(model)
-        for name, t in zip(self.names, out):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"fedkernels.aggregate: {what}, tensor {self.label(name)} is a "
-                                f"{type(t).__name__}, not a tensor")
-        return out
-
-    def label(self, name) -> str:
-        return repr(name) if self.kind == "dict" else str(name)
-
-    def build(self, tensors: list[Tensor]) -> Model:
-        if self.kind == "tensor":
-            return tensors[0]
-        if self.kind == "dict":
-            return dict(zip(self.names, tensors))
-        return list(tensors)
-
-
-def _is_float(t: Any, what: str, name) -> bool:
-    if not isinstance(t, Tensor):
-        where = what if name is None else f"{what}, tensor {name!r}"
-        raise TypeError(f"fedkernels.aggregate: {where} is a {type(t).__name__}, not a tensor")
-    if t.dtype in _FLOAT_DTYPES:
-        return True
-    if t.is_floating_point() or t.is_complex():
-        where = what if name is None else f"{what}, tensor {name!r}"
-        raise TypeError(f"fedkernels.aggregate: {where} has unsupported dtype {t.dtype}; "
-                        "supported: float32, float64, float16, bfloat16 (integer and bool "
-                        "tensors follow int_policy)")
-    return False
-
-
-def _clients(updates) -> tuple[list[Model], bool]:
-    """The K client models, and whether the input was one [K, P] tensor."""
-    if isinstance(updates, Tensor):
-        if updates.dim() != 2:
-            raise ValueError("fedkernels.aggregate: a tensor of updates must be 2-D [K, P] "
-                             f"(one flat vector per client), got shape {tuple(updates.shape)}")
-        return list(updates.unbind(0)), True
-    if isinstance(updates, Mapping) or not isinstance(updates, Sequence):
-        raise TypeError("fedkernels.aggregate: updates must be a sequence of client models "
-                        "(state_dicts or tensor lists) or a [K, P] tensor, got "
-                        f"{type(updates).__name__}")
-    return list(updates), False
-
-
-def _weights(weights, num_clients: int, normalize: bool) -> Tensor:
-    if isinstance(weights, Tensor):
-        w = weights
-    else:
-        try:
-            w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"fedkernels.aggregate: weights must be K numbers: {err}") from None
-    if w.dim() != 1 or w.numel() != num_clients:
-        raise ValueError(f"fedkernels.aggregate: got {num_clients} clients but weights of "
-                         f"shape {tuple(w.shape)}; expected {num_clients} numbers")
-    if w.is_complex() or w.dtype == torch.bool:
-        raise TypeError(f"fedkernels.aggregate: weights must be real numbers, got {w.dtype}")
-    w = w.to(torch.float64)
-    # Data-dependent checks read the weights on the host; under torch.compile they are left to
-    # the native op, which checks CPU weights too.
-    host_checks = w.device.type == "cpu" and not torch.compiler.is_compiling()
-    if host_checks:
-        bad = (~torch.isfinite(w)).nonzero().flatten().tolist()
-        if bad:
-            raise ValueError(f"fedkernels.aggregate: weight of client {bad[0]} is "
-                             f"{w[bad[0]].item()} (non-finite weights: clients {bad[:10]})")
-    if normalize:
-        total = w.sum()
-        if host_checks and total.item() == 0:
-            raise ValueError("fedkernels.aggregate: normalize=True but the weights sum to 0")
-        w = w / total
-    return w
+from .model_layout import (
+    INT_POLICIES,
+    Model,
+    ModelLayout,
+    split_clients,
+    weight_vector,
+    weights_and_values,
+)
+from .ops import summation
 
 
 def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str,
-                who: Sequence[str] | None = None) -> Tensor:
+                who: Sequence[str] | None = None, api: str = "fedkernels.aggregate") -> Tensor:
     first = values[0]
     who = who or [f"client {k}" for k in range(len(values))]
     for k, v in enumerate(values[1:], start=1):
         if v.shape != first.shape or v.dtype != first.dtype or v.device != first.device:
             raise ValueError(
-                f"fedkernels.aggregate: {who[k]}, tensor {label}: {v.dtype} {tuple(v.shape)} "
+                f"{api}: {who[k]}, tensor {label}: {v.dtype} {tuple(v.shape)} "
                 f"on {v.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
             )
+    # The base has the clients' structure: its integer entries are checked whatever the policy
+    # ("skip" returns them as the result, and an in-place out is the base).
+    if base is not None and (base.shape != first.shape or base.dtype != first.dtype
+                             or base.device != first.device):
+        raise ValueError(
+            f"{api}: base tensor {label} is {base.dtype} {tuple(base.shape)} on "
+            f"{base.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
+        )
     if policy == "error":
         raise TypeError(f"fedkernels.aggregate: tensor {label} has dtype {first.dtype} and "
                         "int_policy='error'; choose 'max', 'first' or 'skip'")
@@ -180,7 +62,7 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
 _WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor |tensor )(\d+)")
 
 
-def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
+def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception:
     """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
 
     def name(match: re.Match) -> str:
@@ -196,7 +78,7 @@ def _rename(err: Exception, layout: _Layout, float_names: list) -> Exception:
     return kind(message)
 
 
-def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: _Layout) -> list[str]:
+def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: ModelLayout) -> list[str]:
     report = []
     for k, tensors in enumerate(clients):
         bad = [layout.label(n) for n, t in zip(names, tensors) if not torch.isfinite(t).all()]
@@ -209,6 +91,141 @@ def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: _Layout
 def _same_memory(a: Tensor, b: Tensor) -> bool:
     return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
             and a.dtype == b.dtype)
+
+
+# ---------------------------------------------------------------- memory footprints
+# The native op checks the floating-point outputs against the floating-point inputs. Integer
+# entries never reach it: they are copied into ``out`` afterwards, so their outputs are checked
+# here, before anything is written.
+
+
+def _byte_span(t: Tensor) -> tuple[int, int] | None:
+    """``[first byte, past last byte)`` that ``t`` can touch (None when it has no memory).
+    Called for every integer input, so the common contiguous case costs three queries."""
+    start, size = t.data_ptr(), t.nbytes
+    if start == 0 or size == 0:  # meta and empty tensors touch no memory
+        return None
+    if not t.is_contiguous():
+        size = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    return start, start + size
+
+
+def _has_internal_overlap(t: Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (an expanded or overlapping view)."""
+    reach = 1  # elements spanned by the dimensions of smaller stride
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride < reach:
+            return True
+        reach += (size - 1) * stride
+    return False
+
+
+class _Footprints:
+    """Memory ranges of tensors, each with a key, for "does this range overlap any of them"
+    queries in O(log n) each (sorted starts and a running maximum of the ends)."""
+
+    def __init__(self, spans: list[tuple[tuple[int, int] | None, Tensor, Hashable]]):
+        spans = sorted(((s[0], s[1], t, key) for s, t, key in spans if s is not None),
+                       key=lambda item: item[0])
+        self._spans = spans
+        self._starts = [item[0] for item in spans]
+        self._reach, end = [], -1
+        for item in spans:
+            end = max(end, item[1])
+            self._reach.append(end)
+
+    def overlap(self, span: tuple[int, int] | None, t: Tensor, exclude: Hashable = None):
+        """The key of a tensor (other than ``exclude``) whose memory overlaps ``span`` (the
+        footprint of ``t``), or None."""
+        if span is None:
+            return None
+        start, stop = span
+        j = bisect.bisect_left(self._starts, stop) - 1
+        while j >= 0 and self._reach[j] > start:
+            _, end, other, key = self._spans[j]
+            if end > start and key != exclude and other.device == t.device:
+                return key
+            j -= 1
+        return None
+
+
+def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: dict[int, Tensor],
+                   clients: list[list[Tensor]], base_tensors: list[Tensor] | None) -> None:
+    """Every check of ``out`` that the native op does not make: the integer entries' shape,
+    dtype, device and memory (no expanded view, no overlap with an integer input or with another
+    output entry). Raises before anything is written."""
+    if not int_results:
+        return
+
+    def label(i: int) -> str:
+        return layout.label(layout.names[i])
+
+    for i, r in int_results.items():
+        o = out_tensors[i]
+        if o.shape != r.shape or o.dtype != r.dtype or o.device != r.device:
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} is {o.dtype} "
+                             f"{tuple(o.shape)} on {o.device}, expected {r.dtype} "
+                             f"{tuple(r.shape)} on {r.device}")
+        if _has_internal_overlap(o):
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} has internal overlap "
+                             "(an expanded view); the output needs one element of memory each")
+    inputs = [(_byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
+    if base_tensors is not None:  # the base may be the out entry itself (in place), not part
+        inputs += [(_byte_span(base_tensors[i]), base_tensors[i], ("base", i))
+                   for i in int_results if not _same_memory(base_tensors[i], out_tensors[i])]
+    outputs = [(_byte_span(o), o, j) for j, o in enumerate(out_tensors)]
+    inputs_map = _Footprints(inputs)
+    for span, o, i in outputs:
+        hit = inputs_map.overlap(span, o)
+        if hit is not None:
+            who = "base tensor " if hit[0] == "base" else f"client {hit[0]}, tensor "
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} overlaps "
+                             f"{who}{label(hit[1])}; the output must not alias a client update "
+                             "(or base, except in place)")
+    outputs_map = _Footprints(outputs)
+    for i in int_results:
+        hit = outputs_map.overlap(outputs[i][0], out_tensors[i], exclude=i)
+        if hit is not None:
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} overlaps out tensor "
+                             f"{label(hit)}; every output entry needs its own memory")
+
+
+# ---------------------------------------------------------------- weight range
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _check_weight_range(values: list[float] | None, scale, normalize: bool,
+                        named_floats: Iterable[tuple[object, Tensor]], layout: ModelLayout,
+                        api: str = "fedkernels.aggregate", who: str = "client") -> None:
+    """The op casts each weight and ``scale`` to the accumulate dtype: fp32 for fp32, fp16
+    and bf16 tensors. A weight that is finite in float64 but beyond fp32's range would become
+    inf there (and 0 * inf = NaN), so it is refused, naming the client. ``normalize=True``
+    divides in float64 first, so weights of any finite size are exact there. ``values`` are
+    the (normalized) weights read on the host, None where they cannot be (weights on a GPU,
+    or under torch.compile: the scale checks need no data, the weight check does)."""
+    if torch.compiler.is_compiling():
+        return
+    if isinstance(scale, (int, float)) and not math.isfinite(scale):
+        raise ValueError(f"{api}: scale must be finite, got {scale}")
+    narrow = next(((name, t.dtype) for name, t in named_floats if t.dtype != torch.float64), None)
+    if narrow is None:
+        return
+    where = f"tensor {layout.label(narrow[0])} ({narrow[1]}) accumulates in float32"
+    if isinstance(scale, (int, float)) and abs(scale) > FLOAT32_MAX:
+        raise ValueError(f"{api}: scale {scale:.4g} is beyond the float32 range "
+                         f"(|x| <= {FLOAT32_MAX:.4g}); {where}")
+    if values is None or (max(values) <= FLOAT32_MAX and min(values) >= -FLOAT32_MAX):
+        return
+    big = [k for k, x in enumerate(values) if abs(x) > FLOAT32_MAX]
+    if big:
+        k = big[0]
+        after = " after normalization (the weights nearly cancel)" if normalize else ""
+        hint = "" if normalize else "; scale them down or pass normalize=True, which divides " \
+                                    "in float64 first"
+        raise ValueError(f"{api}: weight of {who} {k} is {values[k]:.4g}{after}, beyond the "
+                         f"float32 range (|w| <= {FLOAT32_MAX:.4g}): {where} (weights out of "
+                         f"range: {who}s {big[:10]}){hint}")
 
 
 # ---------------------------------------------------------------- aggregate
@@ -257,68 +274,70 @@ def aggregate(
     if int_policy not in INT_POLICIES:
         raise ValueError(f"fedkernels.aggregate: int_policy must be one of {INT_POLICIES}, "
                          f"not {int_policy!r}")
-    models, flat = _clients(updates)
+    models, flat = split_clients(updates)
     if not models:
         raise ValueError("fedkernels.aggregate: no client updates (K = 0)")
-    layout = _Layout.of(models[0], "client 0")
-    clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
-    w = _weights(weights, len(models), normalize)
+    # The layout of client 0 is remembered across calls (see model_layout); every client is
+    # still checked against it on every call, and the native op checks shapes, dtypes,
+    # devices, weights and memory overlap in C++.
+    layout = ModelLayout.of(models[0], "client 0")
+    clients = layout.client_tensors(models)
+    w, w_values = weights_and_values(weights, len(models), normalize)
     base_tensors = None if base is None else layout.tensors(base, "base")
     out_tensors = None if out is None else layout.tensors(out, "out")
     if flat and base_tensors is not None and base_tensors[0].dim() != 1:
         raise ValueError("fedkernels.aggregate: with [K, P] updates, base must be a 1-D [P] tensor")
 
     is_float = layout.float_mask
-    float_names = [n for n, f in zip(layout.names, is_float) if f]
-    floats = [[t for t, f in zip(c, is_float) if f] for c in clients]
-    float_base = [] if base_tensors is None else [t for t, f in zip(base_tensors, is_float) if f]
+    float_names = layout.float_names
+    if layout.int_index:
+        index = layout.float_index
+        floats = [[c[i] for i in index] for c in clients]
+        float_base = [] if base_tensors is None else [base_tensors[i] for i in index]
+    else:
+        floats, float_base = clients, base_tensors or []
 
     # Integer/bool entries: checked and resolved before anything is written.
     int_results = {}
-    for i, (name, f) in enumerate(zip(layout.names, is_float)):
-        if not f:
-            int_results[i] = _int_result(
-                [c[i] for c in clients],
-                None if base_tensors is None else base_tensors[i],
-                int_policy,
-                layout.label(name),
-            )
+    for i in layout.int_index:
+        int_results[i] = _int_result(
+            [c[i] for c in clients],
+            None if base_tensors is None else base_tensors[i],
+            int_policy,
+            layout.label(layout.names[i]),
+        )
     if check_finite:
         report = _nonfinite_clients(floats, float_names, layout)
         if report:
             raise ValueError("fedkernels.aggregate: non-finite values (NaN/Inf) in "
                              + "; ".join(report))
 
+    _check_weight_range(w_values, scale, normalize,
+                        itertools.chain(zip(float_names, floats[0]), zip(float_names, float_base)),
+                        layout)
+    if out_tensors is not None:
+        _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
+
     flat_updates = [t for c in floats for t in c]
     delta = base is not None
     try:
         if out_tensors is None:
-            results = ops.weighted_sum(flat_updates, w, float_base, scale, delta)
+            results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
             float_out = [t for t, f in zip(out_tensors, is_float) if f]
-            for i, r in int_results.items():
-                o = out_tensors[i]
-                if o.shape != r.shape or o.dtype != r.dtype:
-                    raise ValueError(f"fedkernels.aggregate: out tensor "
-                                     f"{layout.label(layout.names[i])} is {o.dtype} "
-                                     f"{tuple(o.shape)}, expected {r.dtype} {tuple(r.shape)}")
-                for k, c in enumerate(clients):  # the int copy below must not hit a client
-                    if o.numel() and c[i].data_ptr() == o.data_ptr():
-                        raise ValueError(f"fedkernels.aggregate: out tensor "
-                                         f"{layout.label(layout.names[i])} is client {k}, tensor "
-                                         f"{layout.label(layout.names[i])}; the output must not "
-                                         "alias a client update")
             in_place = bool(float_base) and all(
                 _same_memory(o, b) for o, b in zip(float_out, float_base)
             )
             if in_place:
-                ops.weighted_sum_(float_base, flat_updates, w, scale, delta)
+                summation.weighted_sum_(float_base, flat_updates, w, scale, delta)
             else:
-                ops.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
+                summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
             results = float_out
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None
 
+    if not int_results:
+        return out if out is not None else layout.build(results)
     merged, it = [], iter(results)
     for i, f in enumerate(is_float):
         if f:
@@ -357,10 +376,12 @@ class Accumulator:
         if int_policy not in INT_POLICIES:
             raise ValueError(f"fedkernels.Accumulator: int_policy must be one of {INT_POLICIES}, "
                              f"not {int_policy!r}")
+        if not math.isfinite(float(scale)):
+            raise ValueError(f"fedkernels.Accumulator: scale must be finite, got {scale}")
         self.base = base
         self.scale = float(scale)
         self.int_policy = int_policy
-        self._layout: _Layout | None = None
+        self._layout: ModelLayout | None = None
         self._acc: list[Tensor] = []
         self._ints: dict[int, Tensor] = {}
         self._dtypes: list[torch.dtype] = []
@@ -371,19 +392,20 @@ class Accumulator:
         """Adds ``weight · update``. ``update`` has the structure of the first one added."""
         what = f"update {self.count}"
         try:
-            w = _weights([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
+            w = weight_vector([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
                          False)
         except (ValueError, TypeError) as err:
             raise type(err)(str(err).replace("client 0", what)) from None
         if self._layout is None:
-            layout = _Layout.of(update, "update")
+            layout = ModelLayout.of(update, "update")
             tensors = layout.tensors(update, "update")
             if self.base is not None:
                 base = layout.tensors(self.base, "base")
                 for name, t, b, f in zip(layout.names, tensors, base, layout.float_mask):
                     ok_dtype = b.dtype == t.dtype or (
-                        b.dtype == torch.float32 and t.dtype in (torch.float16, torch.bfloat16))
-                    if f and (b.shape != t.shape or b.device != t.device or not ok_dtype):
+                        f and b.dtype == torch.float32
+                        and t.dtype in (torch.float16, torch.bfloat16))
+                    if b.shape != t.shape or b.device != t.device or not ok_dtype:
                         raise ValueError(
                             f"fedkernels.Accumulator: base tensor {layout.label(name)} is "
                             f"{b.dtype} {tuple(b.shape)} on {b.device}, {what} has {t.dtype} "
@@ -398,6 +420,13 @@ class Accumulator:
                                     f"update had {dtype}")
         floats = [t for t, f in zip(tensors, layout.float_mask) if f]
         float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
+        narrow = next((n for n, t in zip(float_names, floats) if t.dtype != torch.float64), None)
+        if narrow is not None and w.device.type == "cpu" and abs(float(w[0])) > FLOAT32_MAX:
+            # The fp32 accumulators would hold inf (and 0 * inf = NaN): refused, not stored.
+            raise ValueError(f"fedkernels.Accumulator: weight of {what} is {float(w[0]):.4g}, "
+                             f"beyond the float32 range (|w| <= {FLOAT32_MAX:.4g}) of the "
+                             f"accumulator of tensor {layout.label(narrow)}; scale every weight "
+                             "down by one factor (result(normalize=True) cancels it)")
         for name, t, a in zip(float_names, floats, self._acc):
             if t.shape != a.shape or t.device != a.device:
                 raise ValueError(f"fedkernels.Accumulator: {what}, tensor {layout.label(name)} "
@@ -409,14 +438,15 @@ class Accumulator:
                 values = [tensors[i]] if prev is None else [prev, tensors[i]]
                 policy = "first" if self.int_policy in ("first", "skip") else self.int_policy
                 _int_result(values, None, policy, layout.label(layout.names[i]),
-                            who=[what] if prev is None else ["the first update", what])
+                            who=[what] if prev is None else ["the first update", what],
+                            api="fedkernels.Accumulator")
         acc = self._acc
         if self._layout is None:
             acc = [torch.zeros(t.shape, device=t.device,
                                dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
                    for t in floats]
         try:
-            ops.weighted_sum_(acc, floats, w, 1.0, False)
+            summation.weighted_sum_(acc, floats, w, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:
             err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
             raise type(err)(str(err).replace("client 0", what)) from None

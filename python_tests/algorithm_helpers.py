@@ -6,10 +6,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedkernels.sim.config import ClientConfig
+from fedkernels.sim.config import ClientConfig, ServerConfig
 from fedkernels.sim.participation import ParticipationHistory
 from fedkernels.sim.server import Server, build_server_optimizer
-from fedkernels.sim.config import ServerConfig
 from fedkernels.sim.strategy import RoundInfo, SetupInfo
 
 SHAPES = {"w": (3, 2), "b": (2,)}

@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import fedkernels
-from fedkernels import Accumulator
-from fedkernels.reference import aggregate_reference
-
 from conftest import (
     DEVICES,
     FLOAT_DTYPES,
@@ -24,6 +19,10 @@ from conftest import (
     to_device,
     trained_state_dicts,
 )
+
+import fedkernels
+from fedkernels import Accumulator
+from fedkernels.ops.reference import aggregate_reference
 
 # mode -> (base given, scale, normalize)
 MODES = {

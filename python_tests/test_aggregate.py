@@ -7,10 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-import fedkernels
-from fedkernels.reference import aggregate_reference, weighted_sum_reference
-
 from conftest import (
     DEVICES,
     FLOAT_DTYPES,
@@ -28,6 +24,9 @@ from conftest import (
     to_device,
     trained_state_dicts,
 )
+
+import fedkernels
+from fedkernels.ops.reference import aggregate_reference, weighted_sum_reference
 
 STRUCTURES = ["state_dict", "tensor_list", "single_tensor", "flat"]
 # mode -> (use a base, scale, normalize)

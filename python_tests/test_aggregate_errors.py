@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import bitwise_equal
 
 import fedkernels
 from fedkernels import ops
-
-from conftest import bitwise_equal
 
 SENTINEL = 123.0
 INT_SENTINEL = 77
@@ -449,7 +448,7 @@ def test_op_out_errors():
         ([good[0], updates[3]], ValueError, ["out tensor 1", "overlaps client 1, tensor 1"]),
         ([good[0], torch.zeros(2).expand(2, 2)], ValueError, ["out tensor 1", "overlap"]),
     ]:
-        _raise(lambda: ops.weighted_sum_out(updates, weights, [], 1.0, False, out), error, words)
+        _raise(lambda out=out: ops.weighted_sum_out(updates, weights, [], 1.0, False, out), error, words)
         assert (good[0] == SENTINEL).all()
 
 
@@ -498,3 +497,200 @@ def test_out_int_entry_aliasing_a_client():
            ["client 1", "'bn.num_batches_tracked'", "alias"])
     assert same(clients, before)
     assert untouched({k: v for k, v in out.items() if k != "bn.num_batches_tracked"})
+
+
+# ------------------------------------------------------------------ integer outputs, base, range
+
+
+def _two_counters(num_clients=2):
+    """Clients with a float entry and two integer entries (two BatchNorm counters)."""
+    return [{"w": torch.full((3,), float(k + 1)), "a.n": torch.tensor([k, k + 1, k + 2]),
+             "b.n": torch.tensor(k)} for k in range(num_clients)]
+
+
+def test_out_int_entry_expanded_writes_nothing():
+    clients = _two_counters()
+    out = sentinel_like(clients[0])
+    out["a.n"] = torch.full((1,), INT_SENTINEL).expand(3)  # stride 0: one element, three views
+    before = snapshot(clients)
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'a.n'", "internal overlap"])
+    assert untouched(out) and same(clients, before)
+
+
+def test_out_int_entry_overlapping_a_slice_of_a_client_int():
+    """A partial overlap (not an equal pointer) with a client's counter is caught too."""
+    clients = _two_counters()
+    storage = torch.arange(10)
+    clients[1]["a.n"] = storage[2:5]
+    before = snapshot(clients)
+    out = sentinel_like(clients[0])
+    out["a.n"] = storage[3:6]
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'a.n'", "overlaps client 1, tensor 'a.n'", "alias"])
+    assert same(clients, before)
+    assert untouched({k: v for k, v in out.items() if k != "a.n"})
+    assert torch.equal(storage, torch.arange(10))
+
+
+def test_out_int_entry_overlapping_a_client_int_of_another_key():
+    clients = _two_counters()
+    before = snapshot(clients)
+    out = sentinel_like(clients[0])
+    out["b.n"] = clients[0]["a.n"][1]  # client 0's other counter
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'b.n'", "client 0, tensor 'a.n'"])
+    assert same(clients, before)
+
+
+def test_out_int_entries_sharing_memory():
+    clients = _two_counters()
+    out = sentinel_like(clients[0])
+    out["b.n"] = out["a.n"][0]
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor", "'a.n'", "'b.n'", "overlaps"])
+    assert untouched(out)
+
+
+def test_out_float_entry_over_a_client_int_is_refused():
+    """A float output that reuses the memory of a client's counter would overwrite it."""
+    clients = [{"w": torch.full((2,), float(k + 1), dtype=torch.float64),
+                "n": torch.tensor([k, k + 1])} for k in range(2)]
+    before = snapshot(clients)
+    out = sentinel_like(clients[0])
+    out["w"] = clients[1]["n"].view(torch.float64)
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'w'", "client 1, tensor 'n'"])
+    assert same(clients, before)
+
+
+def test_out_int_entry_on_another_device():
+    clients = _two_counters()
+    out = sentinel_like(clients[0])
+    out["b.n"] = torch.empty((), dtype=torch.int64, device="meta")
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'b.n'", "meta"])
+    assert untouched(out)
+
+
+@pytest.mark.parametrize("policy", ["skip", "max", "first"])
+@pytest.mark.parametrize(
+    "bad, words",
+    [(torch.tensor([1, 2]), ["(2,)", "(3,)"]),
+     (torch.tensor([1.0, 2.0, 3.0]), ["torch.float32", "torch.int64"]),
+     (torch.tensor([1, 2, 3], dtype=torch.int32), ["torch.int32"]),
+     (torch.empty(3, dtype=torch.int64, device="meta"), ["meta"])],
+    ids=["shape", "float_dtype", "int_dtype", "device"],
+)
+def test_base_int_entry_is_checked(policy, bad, words):
+    """int_policy='skip' returns the base's integer entries: a wrong one is an error, not the
+    result; the other policies check them as well (the base has the clients' structure)."""
+    clients = _two_counters()
+    base = {k: v.clone() for k, v in clients[0].items()}
+    base["a.n"] = bad
+    out = sentinel_like(clients[0])
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], base=base, out=out,
+                                        int_policy=policy),
+           ValueError, ["base tensor 'a.n'", *words])
+    assert untouched(out)
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], base=base, int_policy=policy),
+           ValueError, ["base tensor 'a.n'"])
+
+
+def test_skip_keeps_a_valid_base_in_place():
+    clients = _two_counters()
+    base = {"w": torch.zeros(3), "a.n": torch.tensor([7, 8, 9]), "b.n": torch.tensor(5)}
+    counter = base["a.n"]
+    result = fedkernels.aggregate(clients, [0.5, 0.5], base=base, out=base, int_policy="skip")
+    assert result is base and base["a.n"] is counter
+    assert base["a.n"].tolist() == [7, 8, 9] and int(base["b.n"]) == 5
+    torch.testing.assert_close(base["w"], torch.full((3,), 1.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_weight_beyond_float32_is_refused(dtype):
+    """1e39 is finite in float64 but inf once cast to the fp32 accumulator (and 0 * inf is
+    NaN): an error naming the client, before anything is written."""
+    clients = [[torch.zeros(3, dtype=dtype)], [torch.ones(3, dtype=dtype)]]
+    out = [torch.full((3,), SENTINEL, dtype=dtype)]
+    _raise(lambda: fedkernels.aggregate(clients, [1.0, 1e39], out=out), ValueError,
+           ["weight of client 1", "1e+39", "float32 range", "tensor 0"])
+    assert (out[0] == SENTINEL).all()
+    _raise(lambda: fedkernels.aggregate(clients, [-2e39, 1.0]), ValueError,
+           ["weight of client 0", "-2e+39"])
+
+
+def test_huge_weights_with_normalize_are_exact():
+    """normalize=True divides in float64 first: 1e39 and 3e39 are exactly 0.25 and 0.75."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        clients = [[torch.randn(7, generator=g).to(dtype)] for _ in range(2)]
+        huge = fedkernels.aggregate(clients, [1e39, 3e39], normalize=True)[0]
+        plain = fedkernels.aggregate(clients, [0.25, 0.75])[0]
+        assert bitwise_equal(huge, plain)
+    clients = [[torch.randn(4, generator=g)] for _ in range(2)]
+    assert bitwise_equal(fedkernels.aggregate(clients, [1e308, 1e308], normalize=True)[0],
+                         fedkernels.aggregate(clients, [0.5, 0.5])[0])  # float64 sum is inf
+
+
+def test_normalized_weights_beyond_float32_are_refused():
+    clients = [[torch.ones(2)], [torch.ones(2)], [torch.ones(2)]]
+    _raise(lambda: fedkernels.aggregate(clients, [1e20, -1e20, 1e-20], normalize=True),
+           ValueError, ["weight of client 0", "after normalization", "float32"])
+    with pytest.raises(ValueError, match="client 0"):  # 1e300 / 1e-100 is inf in float64
+        fedkernels.aggregate(clients, [1e300, -1e300, 1e-100], normalize=True)
+
+
+def test_huge_weights_are_fine_for_float64_models():
+    clients = [[torch.full((2,), 2.0, dtype=torch.float64)], [torch.zeros(2, dtype=torch.float64)]]
+    result = fedkernels.aggregate(clients, [1e39, 1e39])[0]
+    assert result.tolist() == [2e39, 2e39]
+
+
+def test_scale_must_be_finite_and_fit_the_accumulator():
+    clients = [[torch.ones(2)], [torch.ones(2)]]
+    out = [torch.full((2,), SENTINEL)]
+    for scale in (float("nan"), float("inf")):
+        _raise(lambda s=scale: fedkernels.aggregate(clients, [0.5, 0.5], scale=s, out=out),
+               ValueError, ["scale must be finite"])
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], scale=1e39, out=out), ValueError,
+           ["scale", "float32 range"])
+    assert (out[0] == SENTINEL).all()
+    doubles = [[c[0].double()] for c in clients]
+    assert fedkernels.aggregate(doubles, [0.5, 0.5], scale=1e39)[0].tolist() == [1e39, 1e39]
+
+
+def test_accumulator_refuses_a_weight_beyond_float32_and_keeps_its_state():
+    acc = fedkernels.Accumulator()
+    acc.add([torch.ones(2)], 2.0)
+    _raise(lambda: acc.add([torch.ones(2)], 1e39), ValueError,
+           ["update 1", "1e+39", "float32"])
+    assert acc.count == 1 and acc.result()[0].tolist() == [2.0, 2.0]
+    wide = fedkernels.Accumulator()
+    wide.add([torch.ones(2, dtype=torch.float64)], 1e39)
+    assert wide.result(normalize=True)[0].tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="scale must be finite"):
+        fedkernels.Accumulator(scale=float("nan"))
+
+
+def test_accumulator_checks_the_base_int_entries():
+    clients = _two_counters()
+    base = {"w": torch.zeros(3), "a.n": torch.tensor([1.0, 2.0, 3.0]), "b.n": torch.tensor(0)}
+    acc = fedkernels.Accumulator(base=base, int_policy="skip")
+    _raise(lambda: acc.add(clients[0], 1.0), ValueError, ["base tensor 'a.n'", "float32"])
+    assert acc.count == 0
+
+
+@pytest.mark.cuda
+def test_cuda_out_int_entry_overlapping_a_client_int(cuda_device):
+    clients = [{k: v.to(cuda_device) for k, v in c.items()} for c in _two_counters()]
+    storage = torch.arange(10, device=cuda_device)
+    clients[1]["a.n"] = storage[2:5]
+    out = {k: v.to(cuda_device) for k, v in sentinel_like(clients[0]).items()}
+    out["a.n"] = storage[3:6]
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
+           ["out tensor 'a.n'", "client 1, tensor 'a.n'"])
+    assert torch.equal(storage.cpu(), torch.arange(10))
+    assert untouched({k: v.cpu() for k, v in out.items() if k != "a.n"})
+    cpu_out = sentinel_like(_two_counters()[0])  # same addresses on another device: no overlap
+    _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=cpu_out), ValueError, ["cpu"])

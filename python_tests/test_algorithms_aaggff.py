@@ -1,5 +1,6 @@
-"""AAggFF against the spec's golden numbers (specs/aaggff.md §1.2 Table 3.3, §2.2, §2.3, §3.3)
-and an independent SLSQP solution of the ONS problem (resume: test_algorithms_resume.py)."""
+"""AAggFF against reference numbers (the paper's Table 3.3 for the CDFs, hand-computed first
+steps of AAggFF-S and AAggFF-D, both variants) and an independent SLSQP solution of the ONS
+problem (resume: test_algorithms_resume.py)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def test_aaggff_s_matches_ftrl_objective_over_rounds():
 
 
 def test_aaggff_s_paper_vs_official_after_20_rounds():
-    """Spec §2.2 scratch numbers: 20 identical rounds, F = [.01, .1, .02], K = 3."""
+    """Reference numbers from an independent NumPy run: 20 identical rounds, F = [.01, .1, .02],
+    K = 3."""
     paper, official = aaggff_s("paper"), aaggff_s("official")
     for _ in range(20):
         p = paper.step(torch.from_numpy(F3))

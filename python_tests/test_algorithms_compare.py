@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from fedkernels.cli import main
-from fedkernels.compare import parse_algorithm, split_algorithms
+from fedkernels.cli.compare import parse_algorithm, split_algorithms
 
 
 def test_parse_algorithm_specs():

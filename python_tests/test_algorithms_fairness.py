@@ -1,5 +1,5 @@
-"""Fair-aggregation strategies against independent NumPy formulas (specs/aaggff.md §7,
-specs/fedau_semivred.md §2): q-FFL, q-FedAvg, AFL, TERM, PropFair, GiFair, Delta-FL, FedMGDA+,
+"""Fair-aggregation strategies against independent NumPy formulas (docs/algorithms/fairness.md):
+q-FFL, q-FedAvg, AFL, TERM, PropFair, GiFair, Delta-FL, FedMGDA+,
 VRed, Semi-VRed; the simplex helpers; the batched update statistics."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def projection_by_bisection(v):
     return np.maximum(v - 0.5 * (lo + hi), 0)
 
 
-def test_project_simplex_spec_example_and_bisection():
+def test_project_simplex_worked_example_and_bisection():
     np.testing.assert_allclose(project_simplex(np.array([0.5, 1.2, -0.3, 0.9])), [0, 0.65, 0, 0.35])
     rng = np.random.default_rng(0)
     for _ in range(20):
@@ -63,9 +63,9 @@ def test_simplex_qp_matches_slsqp(boxed):
             lo, hi = np.full(k, max(0, 1 / k - eps)), np.full(k, 1 / k + eps)
         p = simplex_qp(q, c, lo, hi)
         ref = minimize(
-            lambda x: 0.5 * x @ q @ x + c @ x,
+            lambda x, q=q, c=c: 0.5 * x @ q @ x + c @ x,
             np.full(k, 1 / k),
-            jac=lambda x: q @ x + c,
+            jac=lambda x, q=q, c=c: q @ x + c,
             bounds=list(zip(lo, np.minimum(hi, 2))),
             constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1}],
             method="SLSQP",
@@ -109,7 +109,7 @@ def test_qfedavg_is_li_et_al_update():
     expected = x - np.sum(deltas, axis=0) / np.sum(hs)
 
     model = nn.Module()
-    for n, s in SHAPES.items():
+    for n in SHAPES:
         model.register_parameter(n, nn.Parameter(glob[n].clone()))
     server = sgd_server(model)
     strategy.info.parameter_names = list(SHAPES)

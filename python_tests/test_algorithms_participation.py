@@ -1,4 +1,4 @@
-"""Participation-aware aggregation (specs/fedau_semivred.md §1): FedAU's interval estimator
+"""Participation-aware aggregation (docs/algorithms/participation.md): FedAU's interval estimator
 against the paper's Algorithm 2, its Bernoulli limit, FedAU on quadratic clients (converges to
 the unweighted minimiser; averaging the participants does not), and MIFA/FedVARP against the
 full-table rules of IBM/fedau."""
@@ -72,7 +72,7 @@ def test_interval_estimator_bernoulli_limit():
     rng = np.random.default_rng(1)
     p = np.repeat([0.1, 0.3], 200)
     cutoff = np.array([50, 3])
-    for k_index, k in enumerate(cutoff):
+    for k in cutoff:
         estimator = IntervalWeightEstimator(len(p), int(k))
         for _ in range(3000):
             estimator.observe(torch.from_numpy(rng.random(len(p)) < p))
@@ -133,7 +133,7 @@ def test_fedau_converges_to_unweighted_minimiser_on_quadratics():
     assert np.linalg.norm(known - uniform) < 0.2
     assert np.linalg.norm(participating - p_weighted) < 0.2
     assert np.linalg.norm(participating - uniform) > 1.0  # the bias FedAU removes
-    # with cutoff K the fixed point weights client n by 1 - (1-p_n)^K (spec §1.10)
+    # with cutoff K the fixed point weights client n by p_n E[omega_n] = 1 - (1-p_n)^K
     k = 5
     fedau_k = quadratic_run("fedau", {"cutoff": k}, centres, probabilities)
     weight = 1 - (1 - probabilities) ** k

@@ -207,4 +207,4 @@ def test_command_line_process_exit_codes(tmp_path):
         capture_output=True,
         text=True,
     )
-    assert unknown.returncode == 2 and "unrecognized arguments" in unknown.stderr
+    assert unknown.returncode == 2 and "unrecognized argument --no-such-flag" in unknown.stderr

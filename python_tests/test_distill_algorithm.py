@@ -1,5 +1,5 @@
-"""Ensemble distillation on the simulation loop (fedkernels/algorithms/distillation.py; spec:
-specs/fedgo.md §2-§3): the server split, every method running from Python and the CLI, the
+"""Ensemble distillation on the simulation loop (fedkernels/algorithms/distillation.py;
+docs/algorithms/distillation.md): the server split, every method running from Python and the CLI, the
 discriminators trained once per client and cached, FedGO's weights against an independent
 formula, distillation moving the server model toward the ensemble, resume."""
 

@@ -1,6 +1,6 @@
-"""Tests of the ensemble-distillation ops (fedkernels/distill.py; spec: specs/fedgo.md §2.2-2.4,
-§2.9, §4): ``ensemble_pseudo_labels`` and ``distill_kl`` against the pure-PyTorch references,
-the spec's properties, opcheck, float64 gradcheck, torch.compile and the errors."""
+"""Tests of the ensemble-distillation ops (fedkernels/ops/distill.py; docs/algorithms/distillation.md):
+``ensemble_pseudo_labels`` and ``distill_kl`` against the pure-PyTorch references, the
+weightings' properties, opcheck, float64 gradcheck, torch.compile and the errors."""
 
 from __future__ import annotations
 
@@ -8,12 +8,11 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES, FLOAT_DTYPES, bitwise_equal, dtype_id, randn
 
 import fedkernels
-from fedkernels import distill
-from fedkernels import reference as R
-
-from conftest import DEVICES, FLOAT_DTYPES, bitwise_equal, dtype_id, randn
+from fedkernels.ops import distill
+from fedkernels.ops import reference as R
 
 ops = torch.ops.fedkernels
 
@@ -87,7 +86,7 @@ def test_pseudo_labels_properties():
         logits, torch.full((6, 40), 0.7, dtype=torch.float64), weighting="fedgo",
         sample_sizes=[3.0] * 6, return_weights=True)
     torch.testing.assert_close(w, torch.full_like(w, 1 / 6))
-    # Double sigmoid: max/min weight <= e * n_max / n_min (§2.2).
+    # Double sigmoid: max/min weight <= e * n_max / n_min (the odds lie in (1, e)).
     big = 50 * torch.randn(6, 40, dtype=torch.float64)
     _, w = fedkernels.ensemble_pseudo_labels(
         logits, big, weighting="fedgo", sample_sizes=sizes, return_weights=True)
@@ -217,7 +216,7 @@ def test_distill_kl_matches_reference(device, dtype, reduction):
             y[0, 0] = 0  # xlogy: 0 log 0 = 0
         for temperature in (1.0, 3.0):
             scale = distill.kl_scale(reduction, n, c, temperature)
-            loss = fedkernels.distill.distill_kl(s, y, temperature, reduction=reduction)
+            loss = fedkernels.ops.distill.distill_kl(s, y, temperature, reduction=reduction)
             ref = R.distill_kl_reference(s, y, temperature, scale)
             close(loss, ref, torch.float64 if dtype == torch.float64 else torch.float32)
             # The fused gradient.

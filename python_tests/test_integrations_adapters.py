@@ -1,4 +1,4 @@
-"""fedkernels.adapters: nn.Module, state_dict, NumPy (Flower NDArrays) and flat vectors
+"""fedkernels.integrations.adapters: nn.Module, state_dict, NumPy (Flower NDArrays) and flat vectors
 (FedLab-style), with the zero-copy claims checked by data_ptr / np.shares_memory."""
 
 from __future__ import annotations
@@ -9,9 +9,16 @@ import torch
 from torch import nn
 
 import fedkernels
-from fedkernels.adapters import (
-    FlatLayout, aggregate_into_module, deserialize_model, module_state, ndarrays_to_state_dict,
-    ndarrays_to_tensors, serialize_model, state_dict_to_ndarrays, tensors_to_ndarrays,
+from fedkernels.integrations.adapters import (
+    FlatLayout,
+    aggregate_into_module,
+    deserialize_model,
+    module_state,
+    ndarrays_to_state_dict,
+    ndarrays_to_tensors,
+    serialize_model,
+    state_dict_to_ndarrays,
+    tensors_to_ndarrays,
 )
 
 

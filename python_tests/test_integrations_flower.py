@@ -19,7 +19,14 @@ import torch
 flwr = pytest.importorskip("flwr")
 
 from flwr.app import (  # noqa: E402
-    Array, ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord, RecordDict,
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    Metadata,
+    MetricRecord,
+    RecordDict,
 )
 from flwr.serverapp import strategy as flower_strategies  # noqa: E402
 
@@ -71,10 +78,13 @@ def model(generator, dtype=np.float32, scale=1.0, like=None):
 
 
 def round_replies(generator, global_state, nodes, dtype=np.float32):
+    """A function that builds the round's replies afresh on each call (Flower's QFedAvg, and
+    ours, empty the replies' ArrayRecords while aggregating)."""
     sizes = generator.integers(5, 50, size=len(nodes)).astype(float)
     losses = generator.uniform(0.2, 2.5, size=len(nodes))
-    return [reply(n, model(generator, dtype, 0.1, like=global_state), float(s), float(f))
-            for n, s, f in zip(nodes, sizes, losses)]
+    states = [model(generator, dtype, 0.1, like=global_state) for _ in nodes]
+    return lambda: [reply(n, s, float(z), float(f))
+                    for n, s, z, f in zip(nodes, states, sizes, losses)]
 
 
 def to_numpy(record: ArrayRecord) -> dict:
@@ -93,8 +103,8 @@ def run_rounds(ours, theirs, rounds=3, nodes=(11, 22, 33, 44), dtype=np.float32,
         ours.configure_train(r, arrays_ours, ConfigRecord(), grid)
         theirs.configure_train(r, arrays_theirs, ConfigRecord(), grid)
         replies = round_replies(generator, to_numpy(arrays_theirs), nodes, dtype)
-        arrays_ours, metrics_ours = ours.aggregate_train(r, replies)
-        arrays_theirs, metrics_theirs = theirs.aggregate_train(r, replies)
+        arrays_ours, metrics_ours = ours.aggregate_train(r, replies())
+        arrays_theirs, metrics_theirs = theirs.aggregate_train(r, replies())
         a, b = to_numpy(arrays_ours), to_numpy(arrays_theirs)
         assert a.keys() == b.keys()
         assert dict(metrics_ours) == pytest.approx(dict(metrics_theirs))
@@ -111,13 +121,13 @@ def test_fedavg_equals_flower(dtype):
     assert max(diffs) < (2e-6 if dtype == np.float32 else 1e-14)
 
 
-def test_fedavg_server_learning_rate():
+def test_fedavgm_server_learning_rate():
     generator = np.random.default_rng(3)
     start = model(generator)
-    strategy = fkf.FedAvg(server_learning_rate=0.5)
+    strategy = fkf.FedAvgM(server_learning_rate=0.5)
     strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in start.items()}),
                              ConfigRecord(), StandInGrid([1, 2]))
-    replies = round_replies(generator, start, [1, 2])
+    replies = round_replies(generator, start, [1, 2])()
     out, _ = strategy.aggregate_train(1, replies)
     n = np.array([float(m.content["metrics"]["num-examples"]) for m in replies])
     for k, x in start.items():
@@ -150,9 +160,11 @@ def test_server_optimizers_equal_flower(name, kwargs):
 def test_aggregate_ndarrays_equals_flower_legacy():
     from flwr.server.strategy.aggregate import aggregate as flower_aggregate
 
+    from fedkernels.integrations.flower_legacy import aggregate_ndarrays
+
     generator = np.random.default_rng(1)
     results = [(list(model(generator).values()), int(n)) for n in (3, 10, 7)]
-    ours = fkf.aggregate_ndarrays(results)
+    ours = aggregate_ndarrays(results)
     theirs = flower_aggregate([([a.copy() for a in arrays], n) for arrays, n in results])
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)
@@ -263,9 +275,14 @@ def test_integer_arrays_follow_int_policy():
     states = [{"w": np.ones(2, np.float32) * k, "num_batches_tracked": np.array(k * 10)}
               for k in (1, 2, 3)]
     replies = [reply(k, s, 1.0, 1.0) for k, s in enumerate(states)]
+    # Default: Flower's behaviour, the counter averaged into float64.
     out, _ = fkf.FedAvg().aggregate_train(1, replies)
+    assert out["num_batches_tracked"].numpy().dtype == np.float64
+    assert float(out["num_batches_tracked"].numpy()) == pytest.approx(20.0)
+    # One argument away: the counter stays an integer, the max over clients.
+    out, _ = fkf.FedAvg(int_policy="max").aggregate_train(1, replies)
     assert out["num_batches_tracked"].numpy().dtype == np.int64
-    assert int(out["num_batches_tracked"].numpy()) == 30  # the max over clients
+    assert int(out["num_batches_tracked"].numpy()) == 30
     np.testing.assert_allclose(out["w"].numpy(), [2.0, 2.0])
 
 
@@ -279,7 +296,7 @@ def test_state_dict_round_trip_bfloat16():
 def test_import_without_flwr_says_how_to_install():
     code = (
         "import sys; sys.modules['flwr'] = None\n"
-        "import fedkernels, fedkernels.integrations, fedkernels.adapters\n"
+        "import fedkernels, fedkernels.integrations, fedkernels.integrations.adapters\n"
         "try:\n"
         "    import fedkernels.integrations.flower\n"
         "except ImportError as e:\n"
@@ -289,3 +306,40 @@ def test_import_without_flwr_says_how_to_install():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "pip install 'fedkernels[flower]'" in out.stdout
+
+
+ODD_ARRAYS = [
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    np.asarray(2.5),  # 0-d float64
+    np.array([True, False, True]),
+    np.arange(5, dtype=np.int64),
+    np.zeros((0, 3), dtype=np.float32),
+    np.arange(6, dtype=">f4"),  # big-endian
+    np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    np.arange(20.0)[::2],  # not contiguous
+    np.arange(7, dtype=np.float16),
+    np.arange(9, dtype=np.uint8).reshape(3, 3),
+]
+
+
+@pytest.mark.parametrize("a", ODD_ARRAYS, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_ndarray_to_array_is_flowers_array(a):
+    """The same object as flwr.app.Array(a), built with one copy instead of two."""
+    ours, theirs = fkf.ndarray_to_array(a), Array(a)
+    assert (ours.dtype, ours.shape, ours.stype) == (theirs.dtype, theirs.shape, theirs.stype)
+    assert ours.data == theirs.data
+    assert ours.object_id == theirs.object_id
+
+
+@pytest.mark.parametrize("a", ODD_ARRAYS, ids=lambda a: f"{a.dtype}-{a.shape}")
+def test_array_views_of_odd_arrays(a):
+    np.testing.assert_array_equal(fkf.array_to_tensor(Array(a)).numpy(), a)
+
+
+def test_array_view_checks_the_header_against_the_metadata():
+    """An Array whose dtype/shape attributes disagree with its bytes is read by its header."""
+    good = Array(np.arange(6, dtype=np.float32).reshape(2, 3))
+    for dtype, shape in (("float64", (2, 3)), ("float32", (3, 2)), ("float32", (6,))):
+        odd = Array(dtype=dtype, shape=shape, stype=good.stype, data=good.data)
+        np.testing.assert_array_equal(fkf.array_to_tensor(odd).numpy(),
+                                      np.arange(6, dtype=np.float32).reshape(2, 3))

@@ -1,10 +1,21 @@
-"""A real Flower deployment on loopback: one SuperLink and two SuperNodes (separate processes,
-started and stopped by the test), a Flower App submitted with ``flwr run``, and a ServerApp
-that runs fedkernels' FedAvg strategy for three rounds. In every round the ServerApp also
-hands the same replies to Flower's own FedAvg and records the largest difference.
+"""A real Flower deployment on loopback: one SuperLink and two or three SuperNodes (separate
+processes, started and stopped by the test), a Flower App submitted with ``flwr run``, and a
+ServerApp that runs fedkernels' FedAvg strategy. In every round the ServerApp also hands the
+same replies to Flower's own FedAvg and records the largest difference.
 
-Bounded in time: every wait has a deadline, and the processes are killed (their process
-groups) whatever happens. About 30-40 s on two cores, most of it process start-up.
+- ``test_fedavg_on_superlink_and_supernodes``: three rounds, two SuperNodes.
+- ``test_supernode_killed_mid_round``: three SuperNodes; in round 2 one of them is killed
+  while its ClientApp trains. The round ends with the two surviving replies (the ServerApp
+  waits a bounded time for stragglers after the first reply), and the result is the
+  aggregate of the survivors.
+
+Works without an activated virtualenv: the SuperLink starts ``flower-superexec`` and the
+SuperNodes start ``flwr-clientapp`` from PATH, so the interpreter's ``bin/`` goes first on the
+children's PATH. Bounded in time: every wait has a deadline, polls the started processes and
+fails at once with the log of one that exited; the processes are killed (their process groups)
+whatever happens. Each test takes about a minute on two idle cores, most of it process start-up
+(each round starts one ClientApp process per node, which imports torch); the deadlines leave
+room for a loaded machine.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,10 +71,17 @@ clientapp = "fkdeploy.client_app:app"
 
 [tool.flwr.app.config]
 num-server-rounds = 3
+round-timeout = 60.0
+straggler-patience = 0.0
 result-path = ""
+victim-partition = -1
+victim-round = 0
+marker-path = ""
 """
 
 CLIENT_APP = '''
+import time
+
 import torch  # noqa: F401  (ArrayRecord.to_torch_state_dict needs it imported)
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -73,16 +92,24 @@ app = ClientApp()
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     # Deterministic "training": client p moves every array by 0.1 (p + 1) and reports
-    # 10 (p + 1) examples, so FedAvg moves the model by (10*0.1 + 20*0.2) / 30 per round.
+    # 10 (p + 1) examples, so FedAvg over clients P moves the model by
+    # sum_p (p + 1)^2 / (10 sum_p (p + 1)).
     p = int(context.node_config["partition-id"])
+    server_round = int(msg.content["config"]["server-round"])
+    if p == context.run_config["victim-partition"] and \\
+            server_round == context.run_config["victim-round"]:
+        with open(context.run_config["marker-path"], "w") as f:
+            f.write("training")  # the test kills this SuperNode now
+        time.sleep(300)
     state = msg.content["arrays"].to_torch_state_dict()
     new = {k: v + 0.1 * (p + 1) for k, v in state.items()}
-    metrics = MetricRecord({"num-examples": 10 * (p + 1), "train_loss": 1.0 + p})
+    metrics = MetricRecord({"num-examples": 10 * (p + 1), "partition": float(p)})
     return Message(RecordDict({"arrays": ArrayRecord(new), "metrics": metrics}), reply_to=msg)
 '''
 
 SERVER_APP = '''
 import json
+import time
 
 import numpy as np
 import torch
@@ -99,6 +126,7 @@ class CheckedFedAvg(FedAvg):
     """fedkernels' FedAvg, and Flower's on the same replies for comparison."""
 
     differences = []
+    partitions = []
 
     def aggregate_train(self, server_round, replies):
         replies = list(replies)
@@ -108,20 +136,53 @@ class CheckedFedAvg(FedAvg):
         theirs, _ = FlowerFedAvg().aggregate_train(server_round, replies)
         self.differences.append(max(
             float(np.abs(ours[k].numpy() - theirs[k].numpy()).max()) for k in ours))
+        self.partitions.append(sorted(int(m.content["metrics"]["partition"])
+                                      for m in replies if not m.has_error()))
         return ours, metrics
+
+
+class StragglerTimeout:
+    """The Grid, with rounds that end ``patience`` seconds after their first reply (or at the
+    timeout start() passes): a node that dies mid-round costs ``patience``, not the whole
+    timeout, and slow ClientApp start-ups do not cut a round short."""
+
+    def __init__(self, grid, patience):
+        self.grid, self.patience = grid, patience
+
+    def get_node_ids(self):
+        return self.grid.get_node_ids()
+
+    def send_and_receive(self, messages, *, timeout=None):
+        pending = set(self.grid.push_messages(messages))
+        end = time.time() + (timeout if timeout is not None else 3600.0)
+        replies, first = [], None
+        while pending and time.time() < end:
+            new = list(self.grid.pull_messages(pending))
+            replies.extend(new)
+            pending -= {m.metadata.reply_to_message_id for m in new}
+            if new and first is None:
+                first = time.time()
+            if first is not None and time.time() - first > self.patience:
+                break
+            time.sleep(0.5)
+        return replies
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    rounds = int(context.run_config["num-server-rounds"])
+    config = context.run_config
+    if float(config["straggler-patience"]) > 0:
+        grid = StragglerTimeout(grid, float(config["straggler-patience"]))
     strategy = CheckedFedAvg(fraction_evaluate=0.0, min_available_nodes=2, min_train_nodes=2)
     initial = {"fc.weight": torch.zeros(3, 4), "fc.bias": torch.zeros(3)}
-    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial), num_rounds=rounds,
-                            timeout=60)
+    result = strategy.start(grid=grid, initial_arrays=ArrayRecord(initial),
+                            num_rounds=int(config["num-server-rounds"]),
+                            timeout=float(config["round-timeout"]))
     arrays = {k: v.tolist() for k, v in result.arrays.to_torch_state_dict().items()}
-    with open(context.run_config["result-path"], "w") as f:
+    with open(config["result-path"], "w") as f:
         json.dump({"arrays": arrays, "rounds": sorted(result.train_metrics_clientapp),
-                   "differences": strategy.differences}, f)
+                   "differences": strategy.differences,
+                   "partitions": strategy.partitions}, f)
 '''
 
 
@@ -135,14 +196,12 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _wait_for_port(port: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(0.25)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -161,69 +220,170 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
-def test_fedavg_on_superlink_and_supernodes(tmp_path):
-    app = tmp_path / "app"
-    (app / "fkdeploy").mkdir(parents=True)
-    (app / "pyproject.toml").write_text(PYPROJECT)
-    (app / "fkdeploy" / "__init__.py").write_text("")
-    (app / "fkdeploy" / "client_app.py").write_text(textwrap.dedent(CLIENT_APP))
-    (app / "fkdeploy" / "server_app.py").write_text(textwrap.dedent(SERVER_APP))
-    home = tmp_path / "flwr-home"
-    home.mkdir()
-    link_port, *node_ports = _free_ports(3)
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
-    result_path = tmp_path / "result.json"
-    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_UPDATE_CHECK="1",
-               PYTHONUNBUFFERED="1")
+class Deployment:
+    """The processes of one test: started with their output in a log file each, watched by
+    every wait, stopped at the end."""
 
-    processes: list[subprocess.Popen] = []
-    logs = []
+    def __init__(self, tmp_path: Path, nodes: int, deadline_s: float):
+        self.tmp_path = tmp_path
+        self.app = tmp_path / "app"
+        (self.app / "fkdeploy").mkdir(parents=True)
+        (self.app / "pyproject.toml").write_text(PYPROJECT)
+        (self.app / "fkdeploy" / "__init__.py").write_text("")
+        (self.app / "fkdeploy" / "client_app.py").write_text(textwrap.dedent(CLIENT_APP))
+        (self.app / "fkdeploy" / "server_app.py").write_text(textwrap.dedent(SERVER_APP))
+        home = tmp_path / "flwr-home"
+        home.mkdir()
+        self.link_port, *self.node_ports = _free_ports(1 + nodes)
+        (home / "config.toml").write_text(
+            f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
+            f'address = "127.0.0.1:{self.link_port}"\ninsecure = true\n')
+        # The children start further Flower executables by name (flower-superexec,
+        # flwr-serverapp, flwr-clientapp): this interpreter's bin/ goes first on PATH.
+        path = os.pathsep.join([str(BIN), os.environ.get("PATH", "")])
+        self.env = dict(os.environ, PATH=path, FLWR_HOME=str(home),
+                        FLWR_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, object] = {}
+        self.expected_exits: set[str] = set()
+        self.deadline = time.monotonic() + deadline_s
 
-    def start(name: str, args: list[str]) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "w")
-        logs.append((name, log))
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=tmp_path, start_new_session=True)
-        processes.append(process)
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.tmp_path / f"{name}.log", "w")
+        self.logs[name] = log
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                   cwd=self.tmp_path, start_new_session=True)
+        self.processes[name] = process
         return process
 
-    deadline = time.monotonic() + 150
-    try:
-        start("superlink", [_tool("flower-superlink"), "--insecure", "--host", "127.0.0.1",
-                            "--port", str(link_port),
-                            "--disable-runtime-dependency-installation"])
-        _wait_for_port(link_port, deadline)
-        for p, port in enumerate(node_ports):
-            start(f"supernode{p}", [
-                _tool("flower-supernode"), "--insecure", "--superlink",
-                f"127.0.0.1:{link_port}", "--host", "127.0.0.1", "--port", str(port),
-                "--node-config", f"partition-id={p} num-partitions=2"])
-        run = subprocess.run(
-            [_tool("flwr"), "run", str(app), "loopback", "--stream",
-             "--run-config", f'result-path="{result_path}"'],
-            env=env, cwd=tmp_path, capture_output=True, text=True,
-            timeout=max(10.0, deadline - time.monotonic()))
-        for _ in range(40):  # the ServerApp writes the file just before the run ends
-            if result_path.exists():
-                break
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        self.logs[name].flush()
+        return (self.tmp_path / f"{name}.log").read_text()[-chars:]
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- {name}.log\n{self.log_tail(name, 2500)}" for name in self.logs)
+
+    def check_children(self) -> None:
+        """Fails at once, with its log, if a started process has exited unexpectedly."""
+        for name, process in self.processes.items():
+            if name not in self.expected_exits and process.poll() is not None:
+                pytest.fail(f"{name} exited with status {process.returncode} "
+                            f"({' '.join(process.args[:2])}):\n{self.log_tail(name)}\n"
+                            + self.all_logs())
+
+    def wait_for(self, condition: Callable[[], bool], what: str) -> None:
+        while time.monotonic() < self.deadline:
+            if condition():
+                return
+            self.check_children()
             time.sleep(0.25)
-        if not result_path.exists():
-            print(run.stdout, run.stderr)
-            for name, _ in logs:
-                print(f"--- {name}.log\n" + (tmp_path / f"{name}.log").read_text()[-3000:])
-        assert result_path.exists(), "the Flower run wrote no result (logs above)"
-    finally:
-        for process in reversed(processes):
+        pytest.fail(f"timed out waiting for {what}\n" + self.all_logs())
+
+    def start_superlink_and_nodes(self) -> None:
+        self.start("superlink", [_tool("flower-superlink"), "--insecure", "--host",
+                                 "127.0.0.1", "--port", str(self.link_port),
+                                 "--disable-runtime-dependency-installation"])
+        self.wait_for(lambda: _listening(self.link_port), "the SuperLink's port")
+        for p, port in enumerate(self.node_ports):
+            self.start(f"supernode{p}", [
+                _tool("flower-supernode"), "--insecure", "--superlink",
+                f"127.0.0.1:{self.link_port}", "--host", "127.0.0.1", "--port", str(port),
+                "--node-config", f"partition-id={p} num-partitions={len(self.node_ports)}"])
+
+    def run_app(self, run_config: str) -> None:
+        """``flwr run`` (it exits when the run has finished)."""
+        self.start("flwr-run", [_tool("flwr"), "run", str(self.app), "loopback", "--stream",
+                                "--run-config", run_config])
+        self.expected_exits.add("flwr-run")
+
+    def flwr_run_failed(self) -> bool:
+        code = self.processes["flwr-run"].poll()
+        if code not in (None, 0):
+            pytest.fail(f"flwr run exited with status {code}:\n" + self.all_logs())
+        return False
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
             _stop(process)
-        for _, log in logs:
+        for log in self.logs.values():
             log.close()
 
-    result = json.loads(result_path.read_text())
+
+def _wait_for_result(deployment: Deployment, result_path: Path) -> dict:
+    deployment.wait_for(lambda: result_path.exists() or deployment.flwr_run_failed(),
+                        "the ServerApp's result file")
+    deployment.wait_for(lambda: result_path.stat().st_size > 0, "the result file's content")
+    time.sleep(0.2)  # written in one json.dump; let it finish
+    return json.loads(result_path.read_text())
+
+
+def _flat(values) -> list[float]:
+    return [v for row in values for v in row] if isinstance(values[0], list) else values
+
+
+def _move(partitions) -> float:
+    """FedAvg's move of every array in one round, given the partitions that replied."""
+    return sum((p + 1) ** 2 for p in partitions) / (10 * sum(p + 1 for p in partitions))
+
+
+def test_fedavg_on_superlink_and_supernodes(tmp_path):
+    deployment = Deployment(tmp_path, nodes=2, deadline_s=240)
+    result_path = tmp_path / "result.json"
+    try:
+        deployment.start_superlink_and_nodes()
+        deployment.run_app(f'result-path="{result_path}" num-server-rounds=3')
+        result = _wait_for_result(deployment, result_path)
+    finally:
+        deployment.stop()
     assert result["rounds"] == [1, 2, 3]
+    assert result["partitions"] == [[0, 1]] * 3
     assert max(result["differences"]) < 1e-6  # fedkernels FedAvg == Flower FedAvg
-    per_round = (10 * 0.1 + 20 * 0.2) / 30
     for values in result["arrays"].values():
-        flat = [v for row in values for v in row] if isinstance(values[0], list) else values
-        assert flat == pytest.approx([3 * per_round] * len(flat), rel=1e-6)
+        assert _flat(values) == pytest.approx([3 * _move([0, 1])] * len(_flat(values)),
+                                              rel=1e-6)
+
+
+def test_supernode_killed_mid_round(tmp_path):
+    deployment = Deployment(tmp_path, nodes=3, deadline_s=240)
+    result_path = tmp_path / "result.json"
+    marker = tmp_path / "victim-is-training"
+    try:
+        deployment.start_superlink_and_nodes()
+        # Round 1 with all three nodes; in round 2 partition 2's ClientApp writes the marker
+        # and stalls, and its SuperNode (with the ClientApp in its process group) is killed.
+        # The round then ends `straggler-patience` seconds after its first reply, with the
+        # two other replies.
+        deployment.run_app(f'result-path="{result_path}" num-server-rounds=2 '
+                           f'round-timeout=180.0 straggler-patience=10.0 victim-partition=2 '
+                           f'victim-round=2 marker-path="{marker}"')
+        deployment.wait_for(lambda: marker.exists() or deployment.flwr_run_failed(),
+                            "the victim's ClientApp to start round 2")
+        deployment.expected_exits.add("supernode2")
+        os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
+        deployment.processes["supernode2"].wait(timeout=10)
+        result = _wait_for_result(deployment, result_path)
+    finally:
+        deployment.stop()
+    assert result["rounds"] == [1, 2]
+    assert result["partitions"] == [[0, 1, 2], [0, 1]]  # round 2: the survivors only
+    assert max(result["differences"]) < 1e-6  # fedkernels FedAvg == Flower FedAvg
+    expected = _move([0, 1, 2]) + _move([0, 1])
+    for values in result["arrays"].values():
+        assert _flat(values) == pytest.approx([expected] * len(_flat(values)), rel=1e-6)
+
+
+def test_a_child_that_exits_fails_the_wait_at_once(tmp_path):
+    """The harness itself: children find Flower's executables without an activated
+    virtualenv, and a child that dies fails the wait with its log instead of running into
+    the deadline."""
+    deployment = Deployment(tmp_path, nodes=0, deadline_s=120)
+    assert deployment.env["PATH"].split(os.pathsep)[0] == str(BIN)
+    try:
+        deployment.start("superlink", [_tool("flower-superlink"), "--no-such-option"])
+        with pytest.raises(pytest.fail.Exception) as failure:
+            deployment.wait_for(lambda: False, "something that never happens")
+    finally:
+        deployment.stop()
+    message = str(failure.value)
+    assert "superlink exited with status" in message and "--no-such-option" in message
+    assert "timed out" not in message

@@ -1,5 +1,5 @@
-"""FedEvg on the simulation loop (fedkernels/algorithms/fedevg.py; spec: specs/fedevg.md):
-the server step schedule against the spec's values, a run on digits from Python and the CLI
+"""FedEvg on the simulation loop (fedkernels/algorithms/fedevg.py; docs/algorithms/fedevg.md):
+the server step schedule against reference values, a run on digits from Python and the CLI
 (synthetic PNG grid), the server composition equal to the PyTorch formula, resume."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def config(rounds=2):
 FAST = {"hidden": [32], "batch_size": 64, "server_epochs": 5}
 
 
-def test_schedule_matches_spec():
-    # §1.5: T = 500, beta 10 -> 1.
+def test_schedule_matches_reference_values():
+    # T = 500, beta 10 -> 1 (docs/algorithms/fedevg.md, "6. Step-size schedule").
     b = cosine_beta_schedule(10.0, 1.0, 500)
     assert len(b) == 500
     for t, want, tol in [(0, 9.9992, 1e-3), (249, 9.944, 1e-3), (489, 8.44, 1e-2),
@@ -73,7 +73,7 @@ def test_run_digits_and_png(tmp_path):
 
 
 def test_compose_matches_pytorch_formula():
-    """One server step equals the spec's oracle (§3 K1) with the same noise."""
+    """One server step equals its plain PyTorch composition with the same noise."""
     strategy = build_strategy("fedevg", {**FAST, "server_sigma": 0.0})
     sim = Simulation(config(rounds=1), strategy)
     fed = sim.federation

@@ -1,4 +1,4 @@
-"""Tests of the SGLD / FedEvg ops (issue 6; specs/fedevg.md §1.2, §1.4-1.5, §3 K1-K3): against
+"""Tests of the SGLD / FedEvg ops (docs/algorithms/fedevg.md, sections 2, 4, 5, 8): against
 the pure-PyTorch references with explicit noise, the noise's moments and reproducibility,
 opcheck, float64 gradcheck of the energy, torch.compile and the errors."""
 
@@ -8,10 +8,10 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
 
 import fedkernels
-from fedkernels import reference as ref
-from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
+from fedkernels.ops import reference as ref
 
 ops = torch.ops.fedkernels
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -43,7 +43,7 @@ def test_energy_gradcheck(conditional):
     logits = torch.randn(6, 5, generator=g, dtype=torch.float64, requires_grad=True)
     labels = torch.randint(0, 5, (6,), generator=g) if conditional else None
     assert torch.autograd.gradcheck(lambda f: fedkernels.energy_from_logits(f, labels), (logits,))
-    # The spec's seeds: dE/df = -onehot(y) or -softmax(f).
+    # The gradients with respect to the logits: dE/df = -onehot(y) or -softmax(f).
     (gf,) = torch.autograd.grad(fedkernels.energy_from_logits(logits, labels).sum(), logits)
     want = (
         -torch.nn.functional.one_hot(labels, 5).double()
@@ -222,8 +222,8 @@ def test_compose_matches_reference(device, dtype, mode, K, M, feat):
     assert bitwise_equal(y, got) and bitwise_equal(pi_, pi)
 
 
-def test_compose_spec_formulas():
-    """specs/fedevg.md §1.4: signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
+def test_compose_weight_formulas():
+    """Signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
     ones w_i e^{-E_i} / sum_k w_k e^{-E_k}; K = 1 is the plain step."""
     x, grads, energies, log_w, noise = _compose_inputs(4, 6, (3,), torch.float64, "cpu")
     _, pi = fedkernels.sgld_compose_step(
@@ -246,12 +246,15 @@ def test_compose_spec_formulas():
 def test_compose_deterministic_and_large_exact_energies():
     x, grads, energies, log_w, noise = _compose_inputs(100, 33, (3, 4, 4), torch.float32, "cpu")
     energies = energies * 1000  # softmax must stay finite (stable form)
-    a = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
-    b = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+    a = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
+    b = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
     assert bitwise_equal(a, b) and torch.isfinite(a).all()
     torch.set_num_threads(1)
     try:
-        c = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0, noise_std=0.1, generator=_gen(1))
+        c = fedkernels.sgld_compose_step(x, grads, energies, log_w, step_size=1.0,
+                                    noise_std=0.1, generator=_gen(1))
     finally:
         torch.set_num_threads(2)
     assert bitwise_equal(a, c)

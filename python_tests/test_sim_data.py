@@ -76,7 +76,7 @@ def test_csv_with_client_column(tmp_path):
     "content, message",
     [
         ("a,label\n1,0\n", "no column 'client'"),
-        ("a,client,label\nx,1,0\n", "is not a number"),
+        ("a,client,label\n1,1,0\nx,2,1\n2,1,1\n", "row 3: column 'a' value 'x' is not a number"),
         ("a,client,label\n", "at least one data row"),
     ],
 )

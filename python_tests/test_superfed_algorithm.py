@@ -1,5 +1,5 @@
-"""SuPerFed-MM/LM on the simulation loop (fedkernels/algorithms/superfed.py; spec:
-specs/superfed.md §1-§2): warm-up = FedProx, both endpoints trained after it, only the global
+"""SuPerFed-MM/LM on the simulation loop (fedkernels/algorithms/superfed.py;
+docs/algorithms/superfed.md): warm-up = FedProx, both endpoints trained after it, only the global
 endpoint aggregated, per-module lambdas for LM, the lambda-grid evaluation, checkpoints, CLI."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests of the SuPerFed ops (fedkernels/mixing.py; spec: specs/superfed.md §1.4, §1.5, §3):
+"""Tests of the SuPerFed ops (fedkernels/ops/mixing.py; docs/algorithms/superfed.md):
 ``mix_endpoints``, ``superfed_stats`` and the regularizers built on it, against the
 pure-PyTorch references, with opcheck, float64 gradcheck, torch.compile and the errors."""
 
@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, randn
 
 import fedkernels
-from fedkernels import mixing
-from fedkernels import reference as R
-
-from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, randn
+from fedkernels.ops import mixing
+from fedkernels.ops import reference as R
 
 ops = torch.ops.fedkernels
 

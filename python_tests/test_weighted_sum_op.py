@@ -11,11 +11,6 @@ import textwrap
 
 import pytest
 import torch
-
-import fedkernels  # noqa: F401  (registers the ops)
-from fedkernels import ops
-from fedkernels.reference import weighted_sum_reference
-
 from conftest import (
     DEVICES,
     FLOAT_DTYPES,
@@ -28,6 +23,10 @@ from conftest import (
     make_weights,
     to_device,
 )
+
+import fedkernels  # noqa: F401  (registers the ops)
+from fedkernels import ops
+from fedkernels.ops.reference import weighted_sum_reference
 
 SHAPES = ODD_SHAPES + [(1000,)]
 
@@ -193,8 +192,9 @@ def test_nan_propagates(device):
 _BUILD_CHECK = textwrap.dedent(
     """
     import sys, torch, fedkernels
-    from fedkernels import ops, _native
-    from fedkernels.reference import weighted_sum_reference
+    from fedkernels import ops
+    from fedkernels.ops import native as _native
+    from fedkernels.ops.reference import weighted_sum_reference
     assert _native.cpu_capability == sys.argv[1], (_native.cpu_capability, sys.argv[1])
     g = torch.Generator().manual_seed(0)
     shapes = [(), (0,), (1,), (31,), (33,), (5, 7), (2053,)]
@@ -234,7 +234,7 @@ _BUILD_CHECK = textwrap.dedent(
 
 
 def _cpu_supports(capability: str) -> bool:
-    from fedkernels import _native
+    from fedkernels.ops import native as _native
 
     return capability in _native._supported_capabilities()
 
@@ -252,7 +252,7 @@ def test_cpu_build_matches_reference(capability):
 
 
 def test_default_build_is_the_best_supported():
-    from fedkernels import _native
+    from fedkernels.ops import native as _native
 
     if os.environ.get("FEDKERNELS_CPU_CAPABILITY"):
         pytest.skip("a build is forced by FEDKERNELS_CPU_CAPABILITY")

@@ -10,19 +10,23 @@ and :func:`build_strategy` choose from the registry:
 """
 
 # Importing an algorithm's module registers it.
+# Fair and participation-aware aggregation: q-FFL, q-FedAvg, AFL, TERM, PropFair,
+# GiFair, Delta-FL, FedMGDA+, VRed, Semi-VRed; FedAU, MIFA, FedVARP and the averaging
+# baselines; AAggFF-S/-D.
+# Ensemble distillation: feddf, fedet, entropy-kd, dafkd, fedgo.
+# FedEvg, federated energy-based synthetic data.
+from . import (  # noqa: E402,F401
+    aaggff,
+    distillation,  # noqa: E402,F401
+    fairness,
+    fedevg,  # noqa: E402,F401
+    participation,
+    personalized,  # local, fedavg-ft, fedper, fedrep, lg-fedavg, apfl, ditto, pfedme
+)
 from .fedavg import FedAvg
 from .fedprox import FedProx, FedProxConfig
 from .registry import available, build_strategy, register, strategy_class
 from .superfed import SuPerFedConfig, SuPerFedLM, SuPerFedMM  # noqa: E402
-
-# Fair and participation-aware aggregation (issue 4): q-FFL, q-FedAvg, AFL, TERM, PropFair,
-# GiFair, Delta-FL, FedMGDA+, VRed, Semi-VRed; FedAU, MIFA, FedVARP and the averaging
-# baselines; AAggFF-S/-D.
-from . import aaggff, fairness, participation  # noqa: E402,F401
-# Ensemble distillation (issue 7): feddf, fedet, entropy-kd, dafkd, fedgo.
-from . import distillation  # noqa: E402,F401
-# FedEvg, federated energy-based synthetic data (issue 6).
-from . import fedevg  # noqa: E402,F401
 
 __all__ = [
     "FedAvg",

@@ -1,5 +1,5 @@
 r"""AAggFF (Hahn, Kim, Lee, ICML 2024): fair aggregation as online convex optimisation
-(``specs/aaggff.md``).
+(equations, defaults and the paper-versus-code table: ``docs/algorithms/aaggff.md``).
 
 Each round the server observes the participants' losses :math:`F_i` of the current global
 model (before local training), turns them into responses
@@ -24,10 +24,10 @@ p_j`.
   :math:`p^{(t+1)} = \mathrm{softmax}(-\sqrt{\log N}\,G_t / ((C + 2)\sqrt{t+1}))`,
   :math:`C_2 = C`.
 
-``variant="official"`` reproduces the authors' code where it differs from the paper (spec
-§2.2, §3.1, §1.1): ONS with :math:`(\alpha + \alpha\beta) I + \beta A` and no cross term; the DR
-estimate without :math:`+\bar r` for sampled clients; :math:`p^{(1)} = C\cdot 1`.
-``official_normal_cdf`` reproduces the code's inverted Normal transform (spec §1.2).
+``variant="official"`` reproduces the authors' code where it differs from the paper: ONS with
+:math:`(\alpha + \alpha\beta) I + \beta A` and no cross term; the DR estimate without
+:math:`+\bar r` for sampled clients; :math:`p^{(1)} = C\cdot 1`.
+``official_normal_cdf`` reproduces the code's inverted Normal transform.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def cdf_transform(
     high: float = 1.0,
     official_normal: bool = False,
 ) -> np.ndarray:
-    r"""``low + (high - low) * CDF(F_i / mean(F))`` (spec §1.2), every scale 1:
+    r"""``low + (high - low) * CDF(F_i / mean(F))``, every scale 1:
 
     weibull :math:`1 - e^{-x^2}`; exponential :math:`1 - e^{-x}`; frechet :math:`e^{-1/x}`;
     normal :math:`\Phi(x - 1)`; gumbel :math:`e^{-e^{-(x-1)}}`; logistic

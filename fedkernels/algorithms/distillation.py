@@ -1,7 +1,8 @@
 r"""Server-side ensemble distillation: FedDF, Fed-ET, entropy weighting, DaFKD-style
-domain-aware weighting and FedGO (Jang, Park, Lee, ICML 2025). Spec: ``specs/fedgo.md``.
+domain-aware weighting and FedGO (Jang, Park, Lee, ICML 2025). Equations, defaults and
+citations: ``docs/algorithms/distillation.md``.
 
-Every method shares one round (Algorithm 1 of the paper, §2.1):
+Every method shares one round (Algorithm 1 of the FedGO paper):
 
 1. the participants train their classifiers locally (the shared trainer: cross-entropy, the
    run's client optimizer settings) from the server model;
@@ -15,46 +16,62 @@ Every method shares one round (Algorithm 1 of the paper, §2.1):
 4. the server model is distilled for ``server_epochs`` epochs of Adam on
    :func:`fedkernels.distill_kl` (forward KL, batchmean) over minibatches of U.
 
-They differ only in :math:`w_k(x)` (§2.9): ``feddf`` uniform, ``fedet`` variance of the logits,
+They differ only in :math:`w_k(x)`: ``feddf`` uniform, ``fedet`` variance of the logits,
 ``entropy-kd`` :math:`\mathrm{softmax}(-H/\tau)`, ``dafkd`` :math:`D_k/\sum D_j` and ``fedgo``
 :math:`\mathrm{softmax}(\mathrm{sig}(z_k) + \log n_k)` (the double-sigmoid odds of Theorem 3.6).
 ``dafkd`` is the *weighting* of DaFKD in FedGO's pipeline (the paper's Fig. 2 comparison), not
-the full DaFKD method, which retrains generator and discriminators jointly every round (§7).
+the full DaFKD method, which retrains generator and discriminators jointly every round.
 
-Discriminators (``dafkd``, ``fedgo``; Algorithm 3): client k trains an MLP discriminator once,
-on its own training rows (real) against fake rows from the server's generator, the first time
-it takes part (the result is the same as training all K before round 0: it depends only on the
-client's data, the generator and a per-client seed). Its logits on U are cached for the whole
-run (the discriminators never change). Generators (§2.6): ``server_data`` uses U itself as the
-fake set (p_g = p_s, the paper's toy example), ``random`` a randomly initialised MLP generator
-(Table 12's "0 steps"), ``gan`` a small MLP GAN trained on U by the server before round 0 (G1).
-The distillation set is U (scenario D1) or, with ``distill_set=generated``, ``num_generated``
-samples of the generator drawn once (D2).
+Discriminators (``dafkd``, ``fedgo``; Algorithm 3): client k trains a discriminator once, on
+its own training rows (real) against fake rows from the server's generator, the first time it
+takes part (the result is the same as training all K before round 0: it depends only on the
+client's data, the generator and a per-client seed). ``disc_arch`` picks an MLP or the paper's
+small convolutional (DCGAN-style) discriminator for images. Its logits on the distillation set
+are cached for the whole run (the discriminators never change). Generators: ``server_data`` uses
+U itself as the fake set (p_g = p_s, the paper's toy example), ``random`` a randomly initialised
+generator (Table 12's "0 steps"), ``gan`` a small non-saturating MLP GAN and ``wgan_gp`` a
+WGAN-GP (the paper's G1: n_critic 5, gradient penalty 10, Adam 2e-4 betas (0, 0.9)), both
+trained on U by the server before round 0. The distillation set is U (scenario D1) or, with
+``distill_set=generated``, ``num_generated`` samples of the generator drawn once (D2).
+
+Fed-ET's weighted consensus with diversity regularisation (``consensus=hard``,
+``diversity_lambda``): the student fits the argmax of the weighted ensemble with cross-entropy,
+plus λ times the KL divergence to the weighted ensemble of the teachers that disagree with that
+consensus (:func:`distillation_loss`).
 
 The server's unlabeled data comes from ``data.server_fraction`` (that fraction of every class is
-held out before the clients' partition, §2.11); without it the run stops with a clear error.
+held out before the clients' partition); without it the run stops with a clear error.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
-import fedkernels
+from fedkernels.ops.distill import distill_kl, ensemble_pseudo_labels
 from fedkernels.sim import seeding
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
 
+from .generators import (
+    ConvGenerator,
+    DCGANDiscriminator,
+    MLPGenerator,
+    mlp,
+    resolve_image_shape,
+    train_wgan_gp,
+)
 from .registry import register
 
 # Random streams of their own (beside those of fedkernels.sim.seeding).
@@ -86,22 +103,57 @@ class DistillationConfig:
     odds: Literal["double_sigmoid", "exact"] = field(
         default="double_sigmoid", metadata={"help": "fedgo: w = softmax(sig(z)+log n) or (z+log n)"}
     )
-    generator: Literal["server_data", "random", "gan"] = field(
+    generator: Literal["server_data", "random", "gan", "wgan_gp"] = field(
         default="server_data",
-        metadata={"help": "fake data of the discriminators: U itself, a random-init or a GAN-"
-                          "trained MLP generator"},
+        metadata={"help": "fake data of the discriminators: U itself, a random-init generator, "
+                          "a small MLP GAN or a WGAN-GP trained on U"},
     )
+    generator_arch: Literal["auto", "mlp", "conv"] = field(
+        default="auto",
+        metadata={"help": "generator network: auto = conv (DCGAN-style) for wgan_gp on image "
+                          "rows, MLP otherwise"},
+    )
+    generator_width: int = field(
+        default=64, metadata={"help": "channels of the conv generator and WGAN-GP critic"})
     distill_set: Literal["server", "generated"] = field(
         default="server", metadata={"help": "distil on U (D1) or on generated samples (D2)"}
     )
     num_generated: int = field(default=1000, metadata={"help": "size of the generated set (D2)"})
     noise_dim: int = field(default=16, metadata={"help": "generator input dimension"})
     gan_steps: int = field(default=500, metadata={"help": "generator steps of the server GAN"})
+    generator_path: str = field(
+        default="",
+        metadata={"help": "load the trained generator from this file when it was trained with "
+                          "the same settings, seed and U; else train it and write it there"},
+    )
+    n_critic: int = field(default=5, metadata={"help": "wgan_gp: critic steps per generator step"})
+    gp_weight: float = field(default=10.0, metadata={"help": "wgan_gp: gradient-penalty weight"})
+    disc_arch: Literal["mlp", "cnn", "cnn_mlp"] = field(
+        default="mlp",
+        metadata={"help": "discriminator: MLP, the paper's 4-layer DCGAN-style CNN, or its "
+                          "CNN+MLP variant (images)"},
+    )
+    disc_width: int = field(default=64, metadata={"help": "channels of the first conv layer"})
     disc_epochs: int = field(default=10, metadata={"help": "discriminator training epochs"})
     disc_lr: float = field(default=2e-4, metadata={"help": "discriminator Adam learning rate"})
     disc_batch_size: int = field(default=64, metadata={"help": "discriminator minibatch size"})
     disc_hidden: list[int] = field(
         default_factory=lambda: [64, 64], metadata={"help": "discriminator MLP hidden widths"}
+    )
+    image_shape: list[int] = field(
+        default_factory=list,
+        metadata={"help": "C H W (or H W) of one row for the conv networks (default: square, "
+                          "one channel)"},
+    )
+    consensus: Literal["soft", "hard"] = field(
+        default="soft",
+        metadata={"help": "fit the soft pseudo-labels (KL) or their argmax (cross-entropy, "
+                          "Fed-ET)"},
+    )
+    diversity_lambda: float = field(
+        default=0.0,
+        metadata={"help": "Fed-ET diversity weight: KL to the ensemble of the teachers that "
+                          "disagree with the consensus (Fed-ET: 0.05)"},
     )
 
     def __post_init__(self) -> None:
@@ -115,19 +167,13 @@ class DistillationConfig:
             raise ConfigError("temperature and tau must be > 0")
         if self.disc_epochs < 1 or self.noise_dim < 1 or self.gan_steps < 0:
             raise ConfigError("disc_epochs and noise_dim must be >= 1, gan_steps >= 0")
+        if min(self.n_critic, self.generator_width, self.disc_width) < 1:
+            raise ConfigError("n_critic, generator_width and disc_width must be >= 1")
+        if self.gp_weight < 0 or self.diversity_lambda < 0:
+            raise ConfigError("gp_weight and diversity_lambda must be >= 0")
 
 
 # ---------------------------------------------------------------- building blocks
-
-
-def mlp(num_in: int, hidden: list[int], num_out: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    width = num_in
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.LeakyReLU(0.2)]
-        width = h
-    layers.append(nn.Linear(width, num_out))
-    return nn.Sequential(*layers)
 
 
 def train_discriminator(
@@ -168,7 +214,7 @@ def train_discriminator(
 def train_gan(
     generator: nn.Module, data: Tensor, *, steps: int, noise_dim: int, seed: int, batch_size: int = 64
 ) -> nn.Module:
-    """A small non-saturating GAN on ``data`` (the server's G1 generator, §2.6, scaled down):
+    """A small non-saturating GAN on ``data`` (a scaled-down stand-in for the paper's WGAN-GP):
     an MLP critic, Adam 2e-4 betas (0.5, 0.999), one critic step per generator step."""
     if steps == 0:
         return generator
@@ -205,6 +251,66 @@ def teacher_logits(model: nn.Module, states: list[Mapping[str, Tensor]], x: Tens
         model.train(was_training)
 
 
+def diversity_targets(
+    logits: Tensor,
+    weights: Tensor,
+    consensus: Tensor,
+    *,
+    combine: str = "logits",
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    r"""Fed-ET's diversity targets: for each sample i, the teachers whose argmax differs from
+    the consensus label ``consensus[i]`` (:math:`\bar V_i`), combined with their weights
+    renormalised over :math:`\bar V_i` (uniform where those weights sum to 0):
+    :math:`d_i = \mathrm{softmax}(\sum_{k\in\bar V_i} w'_{k,i} L_{k,i}/T)` (``combine=logits``) or
+    :math:`\sum_k w'_{k,i}\,\mathrm{softmax}(L_{k,i}/T)` (``probs``). Returns ``(d [N, C],
+    has [N])``; rows where every teacher agrees have ``has`` false (and a uniform ``d``)."""
+    disagree = logits.argmax(-1) != consensus[None]  # [K, N]
+    mask = disagree.to(weights.dtype)
+    masked = weights * mask
+    total = masked.sum(0, keepdim=True)
+    count = mask.sum(0, keepdim=True).clamp_min(1)
+    w = torch.where(total > 0, masked / total.clamp_min(torch.finfo(weights.dtype).tiny),
+                    mask / count)
+    L = logits.to(weights.dtype)
+    if combine == "logits":
+        d = torch.softmax((w[:, :, None] * L).sum(0) / temperature, dim=-1)
+    else:
+        d = (w[:, :, None] * torch.softmax(L / temperature, dim=-1)).sum(0)
+    has = disagree.any(0)
+    d = torch.where(has[:, None], d, torch.full_like(d, 1.0 / d.shape[-1]))
+    return d.to(logits.dtype), has
+
+
+def distillation_loss(
+    student_logits: Tensor,
+    pseudo_labels: Tensor,
+    *,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    hard: bool = False,
+    diversity: Tensor | None = None,
+    has_diversity: Tensor | None = None,
+    diversity_lambda: float = 0.0,
+) -> Tensor:
+    r"""The server's loss on one minibatch of N samples:
+    :math:`\mathrm{KL}(\tilde y \,\|\, q)` scaled by ``reduction`` (:func:`distill_kl`), or with
+    ``hard`` the cross-entropy :math:`\frac1N\sum_i -\log q_{i, \arg\max \tilde y_i}` (Fed-ET's
+    consensus); plus, when ``diversity_lambda > 0``,
+    :math:`\lambda\,\frac{T^2}{N}\sum_{i:\,has_i} \mathrm{KL}(d_i \,\|\, q_i)` with
+    :math:`q = \mathrm{softmax}(S/T)` (Fed-ET's diversity regularisation)."""
+    if hard:
+        loss = F.cross_entropy(student_logits / temperature, pseudo_labels.argmax(-1))
+    else:
+        loss = distill_kl(student_logits, pseudo_labels, temperature, reduction=reduction)
+    if diversity_lambda > 0 and diversity is not None and has_diversity is not None:
+        rows = has_diversity.nonzero().flatten()
+        if rows.numel():
+            term = distill_kl(student_logits[rows], diversity[rows], temperature, reduction="sum")
+            loss = loss + diversity_lambda * term / student_logits.shape[0]
+    return loss
+
+
 def distill(
     student: nn.Module,
     x: Tensor,
@@ -217,10 +323,14 @@ def distill(
     temperature: float = 1.0,
     reduction: str = "batchmean",
     max_grad_norm: float | None = None,
+    hard: bool = False,
+    diversity: Tensor | None = None,
+    has_diversity: Tensor | None = None,
+    diversity_lambda: float = 0.0,
 ) -> float:
-    """Adam on ``distill_kl(student(x_b), y_b)`` over ``epochs`` shuffled passes of ``x``
-    (a fresh optimizer, as the spec's per-round server step); returns the mean loss of the last
-    epoch (``nan`` without steps)."""
+    """Adam on :func:`distillation_loss` of ``student(x_b)`` over ``epochs`` shuffled passes of
+    ``x`` (a fresh optimizer every round); returns the mean loss of the last epoch (``nan``
+    without steps)."""
     if epochs == 0 or x.shape[0] == 0:
         return math.nan
     g = torch.Generator().manual_seed(seed)
@@ -234,8 +344,12 @@ def distill(
             rows = order[start : start + batch_size]
             if rows.numel() == 1 and x.shape[0] > 1:
                 continue  # a trailing single row (BatchNorm cannot train on it)
-            loss = fedkernels.distill_kl(
-                student(x[rows]), pseudo_labels[rows], temperature, reduction=reduction
+            loss = distillation_loss(
+                student(x[rows]), pseudo_labels[rows], temperature=temperature,
+                reduction=reduction, hard=hard,
+                diversity=None if diversity is None else diversity[rows],
+                has_diversity=None if has_diversity is None else has_diversity[rows],
+                diversity_lambda=diversity_lambda,
             )
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -274,12 +388,40 @@ class EnsembleDistillation(Strategy):
         self.model = copy.deepcopy(info.model)
         self.server_x = info.server_data
         d = self.server_x.shape[1]
+        conv_generator = cfg.generator_arch == "conv" or (
+            cfg.generator_arch == "auto" and cfg.generator == "wgan_gp" and self._is_image(d))
+        # The conv networks need an image shape: checked here, before anything is trained.
+        self.image_shape = (
+            resolve_image_shape(d, cfg.image_shape)
+            if conv_generator or cfg.disc_arch != "mlp" else None
+        )
+        # Generated rows lie in [0, 1] when U does (pixels), else anywhere.
+        unit = bool(self.server_x.min() >= 0) and bool(self.server_x.max() <= 1)
+        output = "sigmoid" if unit else "linear"
+        self.generator_stats: dict[str, float] = {}
         with seeding.torch_stream(info.seed, GENERATOR):
-            self.generator = mlp(cfg.noise_dim, [64, 64], d)
-            if cfg.generator == "gan":
+            if conv_generator:
+                self.generator = ConvGenerator(cfg.noise_dim, self.image_shape,
+                                               cfg.generator_width, output)
+            else:
+                self.generator = MLPGenerator(cfg.noise_dim, d, [64, 64], output)
+            gen_seed = seeding.torch_seed(info.seed, GENERATOR)
+            if self._load_generator():
+                pass
+            elif cfg.generator == "gan":
                 train_gan(self.generator, self.server_x, steps=cfg.gan_steps,
-                          noise_dim=cfg.noise_dim, seed=seeding.torch_seed(info.seed, GENERATOR))
+                          noise_dim=cfg.noise_dim, seed=gen_seed)
+            elif cfg.generator == "wgan_gp":
+                critic = (DCGANDiscriminator(self.image_shape, cfg.generator_width)
+                          if conv_generator else mlp(d, [64, 64], 1))
+                self.generator_stats = train_wgan_gp(
+                    self.generator, critic, self.server_x, steps=cfg.gan_steps,
+                    noise_dim=cfg.noise_dim, seed=gen_seed, n_critic=cfg.n_critic,
+                    gp_weight=cfg.gp_weight)
+            self.generator.eval()
             self.generator.requires_grad_(False)
+            if cfg.generator_path and cfg.generator in ("gan", "wgan_gp"):
+                self._save_generator()
             if cfg.distill_set == "generated":
                 self.distill_x = self.generate(cfg.num_generated, torch.Generator().manual_seed(
                     seeding.torch_seed(info.seed, GENERATOR, 1)))
@@ -292,6 +434,47 @@ class EnsembleDistillation(Strategy):
         self.last_participants: list[int] = []
         self.last_sizes: list[float] = []
 
+    def _generator_key(self) -> dict[str, Any]:
+        """What a trained generator depends on: its settings, the seed and U."""
+        cfg = self.config
+        names = ("generator", "generator_arch", "generator_width", "noise_dim", "gan_steps",
+                 "n_critic", "gp_weight", "image_shape")
+        u = self.server_x.double()
+        return {**{n: getattr(cfg, n) for n in names}, "seed": self.info.seed,
+                "server_rows": list(u.shape), "server_sum": float(u.sum()),
+                "server_square_sum": float((u * u).sum())}
+
+    def _load_generator(self) -> bool:
+        """Loads ``generator_path`` (True) when it exists; refuses one trained differently."""
+        path = self.config.generator_path
+        if not path or self.config.generator not in ("gan", "wgan_gp") or not os.path.isfile(path):
+            return False
+        try:
+            saved = torch.load(path, weights_only=True)
+            key, state = saved["key"], saved["state"]
+        except Exception as err:  # damaged or foreign file
+            raise ConfigError(f"generator_path {path} is not a saved generator ({err})") from None
+        want = self._generator_key()
+        changed = sorted(k for k in set(key) | set(want) if key.get(k) != want.get(k))
+        if changed:
+            raise ConfigError(
+                f"generator_path {path} holds a generator trained with other "
+                f"{', '.join(changed)}; remove the file or choose another path"
+            )
+        self.generator.load_state_dict(state)
+        self.generator_stats = dict(saved.get("stats", {}))
+        return True
+
+    def _save_generator(self) -> None:
+        path = Path(self.config.generator_path)
+        if path.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        torch.save({"key": self._generator_key(), "state": self.generator.state_dict(),
+                    "stats": self.generator_stats}, partial)
+        os.replace(partial, path)
+
     def generate(self, n: int, g: torch.Generator) -> Tensor:
         with torch.no_grad():
             return self.generator(torch.randn(n, self.config.noise_dim, generator=g))
@@ -302,8 +485,18 @@ class EnsembleDistillation(Strategy):
             return lambda n, g: u[torch.randint(0, u.shape[0], (n,), generator=g)]
         return self.generate
 
+    def _is_image(self, num_features: int) -> bool:
+        if self.config.image_shape:
+            return True
+        side = math.isqrt(num_features)
+        return side * side == num_features and side >= 4
+
     def new_discriminator(self) -> nn.Module:
-        return mlp(self.server_x.shape[1], list(self.config.disc_hidden), 1)
+        cfg = self.config
+        if cfg.disc_arch == "mlp":
+            return mlp(self.server_x.shape[1], list(cfg.disc_hidden), 1)
+        head = "conv" if cfg.disc_arch == "cnn" else "linear"
+        return DCGANDiscriminator(self.image_shape, cfg.disc_width, head)
 
     # -- clients: the shared trainer for the classifier; the discriminator once per client.
 
@@ -326,7 +519,7 @@ class EnsembleDistillation(Strategy):
     def pseudo_labels(self, logits: Tensor, participants: list[int], sizes: Tensor,
                       scores: Tensor | None) -> tuple[Tensor, Tensor]:
         cfg = self.config
-        return fedkernels.ensemble_pseudo_labels(
+        return ensemble_pseudo_labels(
             logits,
             scores if self.uses_discriminators else None,
             weighting=self.weighting,
@@ -346,12 +539,16 @@ class EnsembleDistillation(Strategy):
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         cfg = self.config
-        # FedAvg initialisation of the server model (§2.1 step 3).
+        # FedAvg initialisation of the server model.
         server.step(info.client_states, info.num_samples / info.num_samples.sum(), info.round)
         ids = info.participants.tolist()
         logits = teacher_logits(self.model, info.client_states, self.distill_x)  # cached per round
         scores = self.disc_scores[ids] if self.uses_discriminators else None
         y, w = self.pseudo_labels(logits, ids, info.num_samples, scores)
+        diversity = has = None
+        if cfg.diversity_lambda > 0:
+            diversity, has = diversity_targets(logits, w, y.argmax(-1), combine=cfg.combine,
+                                               temperature=cfg.temperature)
         student = self.model
         student.load_state_dict(server.state)
         with seeding.torch_stream(self.info.seed, DISTILL, info.round):
@@ -360,7 +557,8 @@ class EnsembleDistillation(Strategy):
                 batch_size=cfg.server_batch_size, lr=self.server_lr(info.round),
                 seed=seeding.torch_seed(self.info.seed, DISTILL, info.round),
                 temperature=cfg.temperature, reduction=cfg.reduction,
-                max_grad_norm=cfg.max_grad_norm,
+                max_grad_norm=cfg.max_grad_norm, hard=cfg.consensus == "hard",
+                diversity=diversity, has_diversity=has, diversity_lambda=cfg.diversity_lambda,
             )
         with torch.no_grad():
             for name, value in student.state_dict().items():
@@ -368,10 +566,13 @@ class EnsembleDistillation(Strategy):
         self.last_teachers = [{k: v.clone() for k, v in s.items()} for s in info.client_states]
         self.last_participants = ids
         self.last_sizes = info.num_samples.tolist()
-        return {"distill_loss": loss, "weight_max_mean": float(w.max(0).values.mean())}
+        extra = {"distill_loss": loss, "weight_max_mean": float(w.max(0).values.mean())}
+        if has is not None:
+            extra["disagreeing_fraction"] = float(has.double().mean())
+        return extra
 
     def evaluate(self, global_state, clients) -> dict[str, float]:
-        """Ensemble test accuracy (§2.12): argmax of the pseudo-label of the last round's
+        """Ensemble test accuracy: argmax of the pseudo-label of the last round's
         teachers on every client's test rows, the discriminators evaluated at those rows."""
         if not self.last_teachers:
             return {}

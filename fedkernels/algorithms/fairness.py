@@ -1,12 +1,12 @@
 r"""Fair aggregation: strategies that weight clients by the loss of the current global model.
 
 All of them see :math:`f_k = f_k(x_t)`, the mean cross-entropy of the global model on client
-k's training split before local training (``loss_source="global"``, the FairFL convention of
-``specs/fedau_semivred.md`` §2.3), or the mean of the client's local minibatch losses
-(``loss_source="local"``, the cheaper approximation), and return weights :math:`w_k` of the
-server's combine :math:`\Delta_t = \sum_k w_k (x_k - x_t)`. With :math:`p_k = n_k / \sum_{j \in
-S_t} n_j` (the participants' data fractions) the rules are (``specs/aaggff.md`` §7,
-``specs/fedau_semivred.md`` §2.5):
+k's training split before local training (``loss_source="global"``, the FairFL convention),
+or the mean of the client's local minibatch losses (``loss_source="local"``, the cheaper
+approximation), and return weights :math:`w_k` of the server's combine
+:math:`\Delta_t = \sum_k w_k (x_k - x_t)`. With :math:`p_k = n_k / \sum_{j \in S_t} n_j` (the
+participants' data fractions) the rules are (derivations, defaults and citations:
+``docs/algorithms/fairness.md``):
 
 =============  ==========================================================================
 ``qffl``       :math:`w_k \propto n_k f_k^q` (q-FFL as mixing weights)
@@ -150,7 +150,7 @@ class QFFLConfig(LossConfig):
 
 @register
 class QFFL(LossWeighted):
-    r"""q-FFL as mixing coefficients (``specs/aaggff.md`` Table 3.2):
+    r"""q-FFL as mixing coefficients (the gradient of its objective, local updates for gradients):
     :math:`w_k = n_k f_k^q / \sum_j n_j f_j^q`."""
 
     name = "qffl"
@@ -385,7 +385,7 @@ class DeltaFL(LossWeighted):
     r"""Δ-FL / superquantile FL (Laguel et al.; Pillutla et al.): minimise
     :math:`\mathrm{CVaR}_{1-\alpha}` of the client losses, i.e. aggregate with the weights
     that put mass :math:`p_k/\alpha` on the worst clients (:func:`cvar_weights`). The
-    orientation of α (mass of the *worst* clients) is inferred (spec §2.5)."""
+    orientation of α (mass of the *worst* clients) is our reading: the papers do not state it."""
 
     name = "delta-fl"
     config_class = DeltaFLConfig

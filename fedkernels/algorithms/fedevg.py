@@ -1,21 +1,22 @@
-r"""FedEvg: federated energy-based averaging (issue 6; ``specs/fedevg.md``).
+r"""FedEvg: federated energy-based averaging (equations, defaults and the thesis-versus-code
+differences: ``docs/algorithms/fedevg.md``).
 
 The server keeps a balanced synthetic set :math:`\hat x` (``spc`` samples per class, fixed
 labels :math:`\hat y`, initialised from N(0, I)). Each round:
 
 1. every participant re-initialises an energy model / classifier f (a SiLU MLP with spectral
    norm on its last layer; :math:`E(x, y) = -f(x)[y]`), trains it on its real data plus persistent
-   SGLD chains started from the downloaded :math:`\hat x` (§1.7:
+   SGLD chains started from the downloaded :math:`\hat x` (loss
    :math:`L = \overline{E(x, y)} - \overline{E(\hat x', \hat y)} + CE(f(x), y) + \lambda CE(f(\hat x), \hat y)`,
    one SGLD step per minibatch with :func:`fedkernels.sgld_step`), and uploads, on the downloaded
-   :math:`\hat x`, the clipped energy gradients :math:`g_{kj}` and energies :math:`E_{kj}` (§1.6);
-2. the server composes them with :func:`fedkernels.sgld_compose_step` (§1.4, eq. 4.14):
+   :math:`\hat x`, the clipped energy gradients :math:`g_{kj}` and energies :math:`E_{kj}`;
+2. the server composes them with :func:`fedkernels.sgld_compose_step` (the thesis' eq. 4.14):
    :math:`\pi_{kj} = \mathrm{softmax}_k(\log w_k + \mathrm{sgn}(-E_{kj}))`, :math:`w_k \propto n_k`,
    :math:`\hat x_j \leftarrow \mathrm{clamp}(\hat x_j - \beta^{(t)} \sum_k \pi_{kj} g_{kj} + \delta\varepsilon)`,
    with the cosine schedule :math:`\beta^{(t)}` from ``server_beta`` to ``server_beta_last``;
 3. a fresh copy of the run's model is trained on :math:`(\hat x, \hat y)` only and becomes the
    global model, so the simulation's test accuracy is the paper's metric (that classifier on
-   every client's held-out split, §1.8).
+   every client's held-out split).
 
 Constants: ``constants="paper"`` (default) takes the thesis' values (β_last = 0.01, δ = 0.01);
 ``constants="code"`` the official scripts' (β_last = 1, δ = 1e-4). The gradient clip τ = 3 and the
@@ -37,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-import fedkernels
+from fedkernels.ops.sgld import energy_from_logits, sgld_compose_step, sgld_step
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate
 from fedkernels.sim.config import ConfigError
@@ -104,7 +105,8 @@ class FedEvgConfig:
 
 
 def cosine_beta_schedule(beta_first: float, beta_last: float, rounds: int, s: float = 0.008) -> Tensor:
-    r"""§1.5: :math:`\bar\alpha_t = \cos^2(((t/T)+s)/(1+s)\,\pi/2)/\cos^2(s/(1+s)\,\pi/2)`,
+    r"""The cosine schedule of improved DDPM, mapped onto [beta_last, beta_first]:
+    :math:`\bar\alpha_t = \cos^2(((t/T)+s)/(1+s)\,\pi/2)/\cos^2(s/(1+s)\,\pi/2)`,
     :math:`b_t = 1 - \bar\alpha_{t+1}/\bar\alpha_t`, :math:`\beta^{(t)} = b_t(\beta_{last} - \beta_0) + \beta_0`."""
     t = torch.arange(rounds + 1, dtype=torch.float64)
     f = torch.cos(((t / rounds) + s) / (1 + s) * math.pi / 2) ** 2
@@ -114,7 +116,8 @@ def cosine_beta_schedule(beta_first: float, beta_last: float, rounds: int, s: fl
 
 
 class EnergyMLP(nn.Module):
-    """SiLU MLP with spectral norm on the last layer (§1.9's stabilisers, at MLP scale)."""
+    """SiLU MLP with spectral norm on the last layer (the official ResNet-10's stabilisers, at
+    MLP scale)."""
 
     def __init__(self, num_features: int, hidden: list[int], num_classes: int) -> None:
         super().__init__()
@@ -140,7 +143,7 @@ def energy_grad(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]
     since samples do not interact)."""
     with torch.enable_grad():
         x = x.detach().requires_grad_(True)
-        e = fedkernels.energy_from_logits(model(x), y)
+        e = energy_from_logits(model(x), y)
         (g,) = torch.autograd.grad(e.sum(), x)
     return g, e.detach()
 
@@ -195,7 +198,7 @@ class FedEvg(Strategy):
         cfg = self.config
         return cfg.lr * cfg.lr_decay ** ((round_index + 1) // cfg.lr_decay_step)
 
-    # -- clients (§1.7, §1.6)
+    # -- clients: local training, then the upload
 
     def train_client(self, global_state, data, round_index, client_id):
         cfg = self.config
@@ -225,13 +228,13 @@ class FedEvg(Strategy):
                 for r in range(cfg.sgld_steps):
                     g, _ = energy_grad(model, z, zy)
                     last = r + 1 == cfg.sgld_steps
-                    z = fedkernels.sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
+                    z = sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
                                              grad_clip=cfg.grad_clip, clamp=clamp if last else None,
                                              generator=gen)
                 buf[idx] = z
                 model.train()
-                e_real = fedkernels.energy_from_logits(logits_real := model(x), y)
-                e_fake = fedkernels.energy_from_logits(model(z), zy)
+                e_real = energy_from_logits(logits_real := model(x), y)
+                e_fake = energy_from_logits(model(z), zy)
                 loss = (e_real.mean() - e_fake.mean() + F.cross_entropy(logits_real, y)
                         + cfg.ce_lambda * F.cross_entropy(model(x_init[idx]), zy))
                 opt.zero_grad(set_to_none=True)
@@ -245,7 +248,7 @@ class FedEvg(Strategy):
         mean_loss = sum(losses) / max(len(losses), 1)
         return ClientUpdate(state={"energy_grad": g, "energy": e}, train_loss=mean_loss)
 
-    # -- server (eq. 4.14, §1.8)
+    # -- server: the composed SGLD step (eq. 4.14), then the synthetic-set classifier
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         cfg = self.config
@@ -253,7 +256,7 @@ class FedEvg(Strategy):
         energies = torch.stack([s["energy"] for s in info.client_states])
         log_w = torch.log(info.num_samples / info.num_samples.sum()).float()
         beta = float(self.betas[min(info.round, len(self.betas) - 1)])
-        _, pi = fedkernels.sgld_compose_step(
+        _, pi = sgld_compose_step(
             self.synth_x, grads, energies, log_w, mode=cfg.mode, step_size=beta,
             noise_std=cfg.server_sigma, grad_clip=cfg.grad_clip,
             clamp=(0.0, 1.0) if cfg.clamp else None, generator=self.server_gen,
@@ -268,7 +271,7 @@ class FedEvg(Strategy):
         return {"beta": beta, "synthetic_ce": loss, "pi_max_mean": float(pi.max(0).values.mean())}
 
     def train_synthetic_classifier(self, round_index: int) -> float:
-        """A fresh copy of the run's model trained on the synthetic set only (§1.8 step 2)."""
+        """A fresh copy of the run's model trained on the synthetic set only."""
         cfg = self.config
         with seeding.torch_stream(self.info.seed, EVAL, round_index):
             model = copy.deepcopy(self.info.model)

@@ -1,4 +1,5 @@
-r"""Aggregation under unknown, heterogeneous client participation (``specs/fedau_semivred.md`` §1).
+r"""Aggregation under unknown, heterogeneous client participation (equations, defaults and
+citations: ``docs/algorithms/participation.md``).
 
 The objective is the unweighted average :math:`f = \frac1N \sum_n F_n` of all N clients, but
 client n takes part in a round only with (unknown) probability :math:`p_n`. With
@@ -20,7 +21,7 @@ client n takes part in a round only with (unknown) probability :math:`p_n`. With
 MIFA and FedVARP keep their N update vectors in one preallocated ``[N + 1, P]`` buffer (row N
 holds the running mean :math:`\bar Y`) and update it with the fused ``weighted_sum`` op and
 ``torch._foreach_*`` calls: :math:`O(|S_t| P)` work per round instead of recomputing the
-mean over N rows (spec §3 K3).
+mean over N rows.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedkernels import ops
+from fedkernels.ops import summation
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
@@ -209,8 +210,8 @@ class UpdateTable:
         old = [self.rows[j] for j in ids]
         inputs = [t for c in clients for t in c] + [t for r in old for t in r] + global_params
         weights = torch.tensor([1.0] * k + [-1.0] * k + [-float(k)], dtype=torch.float64)
-        variance_reduced = ops.weighted_sum(inputs, weights / k, self.mean, 1.0, False)
-        ops.weighted_sum_(self.mean, inputs, weights / n, 1.0, False)
+        variance_reduced = summation.weighted_sum(inputs, weights / k, self.mean, 1.0, False)
+        summation.weighted_sum_(self.mean, inputs, weights / n, 1.0, False)
         flat_old = [t for r in old for t in r]
         torch._foreach_copy_(flat_old, [t for c in clients for t in c])
         torch._foreach_sub_(flat_old, global_params * k)

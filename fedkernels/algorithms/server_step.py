@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import Tensor
 
-import fedkernels
+from fedkernels.aggregate import aggregate
 from fedkernels.sim.server import Server, ServerSGD
 
 
@@ -36,7 +36,7 @@ def apply_direction(
         optimizer.update(names, params, [d.clone() for d in direction], round_index + 1)
     if server.buffer_names and client_states:
         buffers = {n: server.state[n] for n in server.buffer_names}
-        fedkernels.aggregate(
+        aggregate(
             [{n: s[n] for n in server.buffer_names} for s in client_states],
             torch.ones(len(client_states), dtype=torch.float64),
             normalize=True,

@@ -2,7 +2,7 @@ r"""Small dense problems on the probability simplex that several strategies solv
 
 - :func:`project_simplex`: the Euclidean projection onto
   :math:`\Delta = \{p : p_i \ge 0, \sum_i p_i = 1\}` (AFL's dual step), by sorting
-  (``specs/aaggff.md`` §9.5).
+  (Wang & Carreira-Perpiñán 2013).
 - :func:`simplex_qp`: the exact minimiser of a strictly convex quadratic
   :math:`\tfrac12 p^\top Q p + c^\top p` over :math:`\Delta` intersected with a box
   :math:`lo \le p \le hi` (AAggFF-S's online Newton step, FedMGDA+'s min-norm problem), by a

@@ -1,7 +1,7 @@
 r"""SuPerFed (Hahn et al., KDD'22, "Connecting Low-Loss Subspace for Personalized Federated
 Learning"): every client keeps a personal model :math:`l_k` beside its copy :math:`g` of the
-global model and trains both at once through their weight-space mixture. Spec:
-``specs/superfed.md`` (§1 math, §2 pseudocode).
+global model and trains both at once through their weight-space mixture. Equations, defaults
+and the differences from the official code: ``docs/algorithms/superfed.md``.
 
 Client :math:`k` in round :math:`t` (1-based), with :math:`a` the round's global model:
 
@@ -21,12 +21,12 @@ Client :math:`k` in round :math:`t` (1-based), with :math:`a` the round's global
 
 Only :math:`g` goes to the server, which averages it by training-set size (FedAvg's fused
 aggregate); :math:`l_k` never leaves the client. Local models start from an initialisation of
-their own (a per-client stream), not a copy of the global model (the official code's choice,
-§1.6). Every parameter of the model is mixed (the official models have no biases, so there
+their own (a per-client stream), not a copy of the global model (the official code's
+choice). Every parameter of the model is mixed (the official models have no biases, so there
 too every parameter has a local twin). Evaluation: each client's test accuracy of
 :math:`\theta(\lambda)` for :math:`\lambda \in \{0, 0.1, \dots, 1\}`, one :math:`\lambda` for all
 layers (LM too); the paper's figure is the mean over all clients of each client's best
-accuracy on that grid (chosen on the test split itself, §1.9), reported here with a
+accuracy on that grid (chosen on the test split itself, an oracle), reported here with a
 selection on the client's training split beside it.
 """
 
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call
 
-import fedkernels
+from fedkernels.ops.mixing import mix_endpoints, superfed_mix, superfed_regularizer
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
 from fedkernels.sim.config import ConfigError
@@ -149,7 +149,7 @@ class _SuPerFed(FedAvg):
         model = self.model
         model.load_state_dict(global_state)
         model.train()
-        mixing = round_index + 1 > self.start_round  # rounds are 1-based in the spec
+        mixing = round_index + 1 > self.start_round  # the paper counts rounds from 1
         anchor = [global_state[n].detach() for n in self.names]
         g = [a.clone().requires_grad_() for a in anchor]
         local = self.local_model(client_id, global_state)
@@ -171,7 +171,7 @@ class _SuPerFed(FedAvg):
             for rows in plan:
                 index = torch.from_numpy(rows)
                 if mixing:  # theta and the regularizers from one fused pass (and one back)
-                    theta, reg = fedkernels.superfed_mix(
+                    theta, reg = superfed_mix(
                         g,
                         l_params,
                         self.sample_lambda(lam_rng),
@@ -183,7 +183,7 @@ class _SuPerFed(FedAvg):
                     )
                 else:  # Phase I: FedProx on the global endpoint
                     theta = g
-                    reg = fedkernels.superfed_regularizer(
+                    reg = superfed_regularizer(
                         g, None, anchor, nu=0.0, mu=cfg.mu, prox_form=cfg.prox_form
                     )
                 logits = functional_call(
@@ -219,7 +219,7 @@ class _SuPerFed(FedAvg):
                 continue
             local = self.local_model(k, global_state)
             for j, lam in enumerate(EVAL_GRID):
-                theta = fedkernels.mix_endpoints(g, local, lam)
+                theta = mix_endpoints(g, local, lam)
                 logits = functional_call(model, dict(zip(self.names, theta)), (x,))
                 out[k, j] = (logits.argmax(1) == y).double().mean()
         model.train()
@@ -228,7 +228,7 @@ class _SuPerFed(FedAvg):
     def evaluate(self, global_state: Mapping[str, Tensor], clients: list[Any]) -> dict[str, float]:
         test = self.grid_accuracy(global_state, clients, "test")
         train = self.grid_accuracy(global_state, clients, "train")
-        best = test.max(dim=1).values  # the paper's per-client oracle choice (§1.9)
+        best = test.max(dim=1).values  # the paper's per-client oracle choice
         chosen = train.argmax(dim=1)  # a choice that does not look at the test split
         by_train = test.gather(1, chosen[:, None]).squeeze(1)
         return {

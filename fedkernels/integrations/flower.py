@@ -1,40 +1,42 @@
-r"""Flower strategies that aggregate with :func:`fedkernels.aggregate`
-(``pip install 'fedkernels[flower]'``).
+r"""Flower strategies that aggregate with :func:`fedkernels.aggregate.aggregate`
+(``pip install 'fedkernels[flower]'``), for Flower's Message API (``flwr.serverapp.strategy``,
+the API Flower recommends since 1.21).
 
-They subclass Flower's Message-API ``FedAvg`` (``flwr.serverapp.strategy``, the API Flower
-recommends since 1.21; the legacy ``flwr.server.strategy`` is deprecated) and replace only
-``aggregate_train``: node sampling, configuration, evaluation, ``start()`` and every constructor
-argument of Flower's strategy of the same name work as in Flower. Use them in a ``ServerApp``
-as Flower's own::
+**Drop-ins.** :class:`FedAvg`, :class:`FedProx`, :class:`FedAvgM`, :class:`FedAdam`,
+:class:`FedYogi`, :class:`FedAdagrad` and :class:`QFedAvg` subclass Flower's class of the same
+name (``isinstance(FedAdam(), flwr.serverapp.strategy.FedAdam)`` holds) and override only the
+arithmetic of ``aggregate_train``: the weighted sum over the K replies is one fused
+``weighted_sum`` pass over zero-copy views of the replies' bytes, instead of Flower's per-reply
+``np.load`` copy, multiply and add. Constructor arguments, public attributes
+(``current_arrays``, ``m_t``, ``v_t``, ``momentum_vector``, ``server_opt``, ...), attributes
+changed after construction, output dtypes, exceptions (``AggregationError``,
+``InconsistentMessageReplies``, ``ZeroDivisionError``) and side effects are Flower's; the
+server-optimizer step after the mean is Flower's formula on NumPy arrays. Replace the import
+and nothing else::
 
-    from fedkernels.integrations.flower import FedAvg
+    from fedkernels.integrations.flower import FedAdam   # was: from flwr.serverapp.strategy
 
     @app.main()
     def main(grid, context):
-        strategy = FedAvg(fraction_train=0.5)
+        strategy = FedAdam(fraction_train=0.5, eta=0.05)
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
                                 num_rounds=10)
 
-What changes is how a round is combined. The replies' arrays are viewed as tensors in place
-(no ``np.load`` copy: :func:`arrayrecord_to_state_dict`), the K models are combined by one
-fused ``weighted_sum`` pass (fp32 accumulation for half types, fixed order), and integer arrays
-(``num_batches_tracked``) follow ``int_policy`` ("max" by default) instead of being averaged
-into floats. Every strategy but :class:`FedAvg` moves the global model :math:`x_t` by
+One opt-in difference: integer/bool arrays (BatchNorm's ``num_batches_tracked``) are averaged
+into float64 as Flower does (``int_policy="mean"``, the default); ``int_policy="max"`` keeps
+them integers (the clients' maximum). Flower's ``FedTrimmedAvg`` and ``FedMedian`` are not
+wrapped: a trimmed mean or a median is a selection over the K replies, not a weighted sum
+(it needs a selection kernel, planned as a new op).
+
+**fedkernels' own strategies** (:class:`FusedStrategy` and its subclasses) move the global
+model :math:`x_t` by
 
 .. math:: \Delta_t = \sum_k w_k (x_k - x_t)
 
-through a server optimizer (plain: :math:`x_{t+1} = x_t + \eta\Delta_t`; or FedAvgM, FedAdam,
-FedYogi, FedAdagrad of :mod:`fedkernels.sim.server`, whose formulas are Flower's), with
-:math:`w_k` from:
+through a server optimizer (plain: :math:`x_{t+1} = x_t + \eta\Delta_t`), with :math:`w_k`
+from:
 
 =====================  ======================================================================
-:class:`FedAvg`        :math:`n_k/\sum n_j` (``weighted_by_key``); equal to Flower's ``FedAvg``
-:class:`FedAvgM`,      FedAvg weights and the server optimizer of that name; equal to Flower's
-:class:`FedAdam`,      strategies of the same names (same constructor arguments)
-:class:`FedYogi`,
-:class:`FedAdagrad`
-:class:`QFedAvg`       q-FedAvg (:func:`~fedkernels.algorithms.fairness.qfedavg_weights`);
-                       equal to Flower's ``QFedAvg``
 :class:`QFFL`          :math:`n_k f_k^q / \sum_j n_j f_j^q`
 :class:`TERM`          :math:`\mathrm{softmax}(\tau f + \log p)`
 :class:`SemiVRed`,     (semi-)variance reduction weights
@@ -46,14 +48,16 @@ FedYogi, FedAdagrad of :mod:`fedkernels.sim.server`, whose formulas are Flower's
 :math:`f_k` is the float each client reports in its ``MetricRecord`` under ``loss_key``
 (default ``"train_loss"``, Flower's QFedAvg key). The fair-FL papers use the loss of the
 *received* global model on the client's training data, measured before local training.
-Clients are identified by their Flower node id (FedAU's and AAggFF's per-client state).
+FedAU and AAggFF identify clients by their Flower node id (an integer).
 """
 
 from __future__ import annotations
 
+import inspect
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from logging import INFO
 from typing import Any
 
 import numpy as np
@@ -61,8 +65,11 @@ import torch
 from torch import Tensor
 
 try:
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.common.logger import log as flwr_log
     from flwr.serverapp import Grid
+    from flwr.serverapp import strategy as _flwr
+    from flwr.serverapp.exception import AggregationError
     from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
 except ImportError as _err:  # pragma: no cover - exercised only without flwr
     raise ImportError(
@@ -70,15 +77,16 @@ except ImportError as _err:  # pragma: no cover - exercised only without flwr
         "pip install 'fedkernels[flower]'"
     ) from _err
 
-import fedkernels
-from fedkernels.aggregate import INT_POLICIES
-from fedkernels.adapters import ndarrays_to_tensors, tensors_to_ndarrays
+from fedkernels.aggregate import aggregate
 from fedkernels.algorithms.aaggff import AAggFFConfig, AAggFFD, AAggFFDConfig, AAggFFS
 from fedkernels.algorithms.fairness import (
-    qfedavg_weights, qffl_weights, term_weights, vred_weights,
+    qffl_weights,
+    term_weights,
+    vred_weights,
 )
 from fedkernels.algorithms.participation import IntervalWeightEstimator
-from fedkernels.algorithms.update_stats import update_sq_norms
+from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
+from fedkernels.model_layout import INT_POLICIES
 from fedkernels.sim import server as _server
 from fedkernels.sim.strategy import SetupInfo
 
@@ -89,6 +97,7 @@ __all__ = [
     "FedAdam",
     "FedAvg",
     "FedAvgM",
+    "FedProx",
     "FedYogi",
     "FusedStrategy",
     "QFFL",
@@ -96,9 +105,11 @@ __all__ = [
     "SemiVRed",
     "TERM",
     "VRed",
-    "aggregate_ndarrays",
+    "aggregate_arrayrecords",
     "array_to_tensor",
     "arrayrecord_to_state_dict",
+    "fused_weighted_mean",
+    "ndarray_to_array",
     "state_dict_to_arrayrecord",
 ]
 
@@ -116,7 +127,21 @@ def array_to_tensor(array: Array, *, copy: bool = False) -> Tensor:
     serializations. Do not write into a view: it aliases the message's bytes."""
     if array.stype != _NUMPY_STYPE:
         return ndarrays_to_tensors([array.numpy()], copy=copy)[0]
+    a = _array_view(array)
+    if copy:
+        a = a.copy()
+    return ndarrays_to_tensors([a])[0]
+
+
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _array_view(array: Array) -> np.ndarray:
+    """A read-only ndarray over a NumPy-serialized ``Array``'s bytes (no copy)."""
     data = array.data
+    fast = _array_view_from_metadata(array, data)
+    if fast is not None:
+        return fast
     stream = io.BytesIO(data)
     version = np.lib.format.read_magic(stream)
     if version == (1, 0):
@@ -127,10 +152,49 @@ def array_to_tensor(array: Array, *, copy: bool = False) -> Tensor:
         raise TypeError("array_to_tensor: object arrays are not supported")
     count = math.prod(shape)
     flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
-    a = flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
-    if copy:
-        a = a.copy()
-    return ndarrays_to_tensors([a])[0]
+    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
+
+
+def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
+    """The view from the dtype and shape the ``Array`` carries, once the ``.npy`` header has
+    been checked to say the same (C order, that descr, that shape): no header parsing
+    (``np.lib.format`` evaluates it as a Python literal, ~0.1 ms an array). None where
+    anything differs; the caller then parses the header."""
+    if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
+        return None
+    start = 10 if data[6] == 1 else 12
+    length = int.from_bytes(data[8:start], "little")
+    header = data[start:start + length]
+    try:
+        dtype = np.dtype(array.dtype)
+        shape = tuple(int(s) for s in array.shape)
+    except (TypeError, ValueError):
+        return None
+    if dtype.hasobject or b"'fortran_order': False" not in header \
+            or f"'descr': {dtype.str!r}".encode() not in header \
+            or f"'shape': {shape!r}".encode() not in header:
+        return None
+    count = math.prod(shape)
+    if start + length + count * dtype.itemsize > len(data):
+        return None
+    return np.frombuffer(data, dtype=dtype, count=count, offset=start + length).reshape(shape)
+
+
+def ndarray_to_array(a: np.ndarray) -> Array:
+    """``flwr.app.Array(a)``, the same object (``np.save``'s bytes, dtype, shape), built with
+    one copy of the data where ``Array`` makes two (``np.save`` into a buffer, then
+    ``getvalue``)."""
+    a = np.asarray(a)
+    if a.dtype.hasobject or not a.flags.c_contiguous:
+        return Array(a)
+    header = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
+    except ValueError:  # a header too long for format 1.0: let NumPy choose
+        return Array(a)
+    data = b"".join((header.getvalue(), memoryview(a.reshape(-1).view(np.uint8))))
+    return Array(dtype=str(a.dtype), shape=tuple(int(s) for s in a.shape),
+                 stype=_NUMPY_STYPE, data=data)
 
 
 def arrayrecord_to_state_dict(record: ArrayRecord, *, copy: bool = False) -> StateDict:
@@ -146,19 +210,508 @@ def state_dict_to_arrayrecord(state: Mapping[str, Tensor]) -> ArrayRecord:
     return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(state.keys(), arrays)})
 
 
-def aggregate_ndarrays(results: Sequence[tuple[Sequence[np.ndarray], float]]) -> list[np.ndarray]:
-    """For a legacy ``flwr.server.strategy`` ``aggregate_fit``: the same contract as Flower's
-    ``flwr.server.strategy.aggregate.aggregate`` (``[(ndarrays, num_examples), ...]`` to the
-    example-weighted mean), computed by one fused pass over zero-copy views of the arrays."""
-    if not results:
-        raise ValueError("aggregate_ndarrays: no results")
-    clients = [ndarrays_to_tensors(list(arrays)) for arrays, _ in results]
-    weights = [float(n) for _, n in results]
-    out = fedkernels.aggregate(clients, weights, normalize=True)
-    return [t.numpy() for t in out]
+# ---------------------------------------------------------------- Flower drop-ins
+#
+# Each class below subclasses Flower's Message-API strategy of the same name and replaces only
+# the O(K·P) part of aggregate_train, the weighted sum over the K replies, by the fused op.
+# Everything else is Flower's: constructor, attributes (current_arrays, m_t, v_t,
+# momentum_vector, server_opt, ...), configure_train/evaluate, start(), exceptions, and the
+# O(P) server-optimizer formulas, which run as Flower writes them (NumPy on the averaged
+# arrays) so that output dtypes and odd cases (0-d arrays, mixed dtypes, broadcasting) match.
+# Hyperparameters are read from the instance at every aggregation, as Flower does.
+
+_FUSED_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+INT_POLICIES_FLOWER = ("mean",) + tuple(INT_POLICIES)
 
 
-# ---------------------------------------------------------------- strategies
+def _check_int_policy(owner: str, int_policy: object) -> str:
+    if not isinstance(int_policy, str) or int_policy not in INT_POLICIES_FLOWER:
+        raise ValueError(f"{owner}: int_policy must be one of {INT_POLICIES_FLOWER}, "
+                         f"not {int_policy!r}")
+    return int_policy
+
+
+def _ndarray_view(value: Any) -> np.ndarray:
+    """A Flower ``Array`` (or an ndarray, as in FedOpt's ``current_arrays``) as an ndarray:
+    a read-only view of the Array's bytes where possible, never a copy of an ndarray."""
+    if isinstance(value, Array):
+        if value.stype != _NUMPY_STYPE:
+            return value.numpy()  # raises Flower's own TypeError for other serializations
+        return _array_view(value)
+    return np.asarray(value)
+
+
+def _flower_mean_entry(arrays: Sequence[np.ndarray], factors: Sequence[float]) -> np.ndarray:
+    """One entry of Flower's ``aggregate_arrayrecords``, with its NumPy semantics (dtype of
+    the first reply, 0-d promotion, broadcasting, its exceptions). Used for what the fused op
+    does not take: exotic dtypes, shapes that differ between replies, non-finite weights."""
+    acc = None
+    for a, w in zip(arrays, factors):
+        if acc is None:
+            acc = a * w
+        else:
+            acc += a * w
+    return np.asarray(acc)
+
+
+def _mean_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
+    """The dtype of Flower's weighted mean of one entry: a float array times a Python float
+    keeps its dtype and int/bool becomes float64; the in-place sum keeps the first reply's
+    dtype, but 0-d entries are NumPy scalars, whose sum promotes."""
+    def product(d: np.dtype) -> np.dtype:
+        return d if d.kind in "fc" else np.dtype(np.float64)
+
+    if arrays[0].ndim == 0:
+        return np.result_type(*(product(a.dtype) for a in arrays))
+    return product(arrays[0].dtype)
+
+
+def _int_policy_entry(name: str, arrays: Sequence[np.ndarray], base: np.ndarray | None,
+                      policy: str) -> np.ndarray:
+    """An all-integer entry under a fedkernels int_policy ("max", "first", "skip")."""
+    first = arrays[0]
+    for k, a in enumerate(arrays[1:], start=1):
+        if a.shape != first.shape or a.dtype != first.dtype:
+            raise ValueError(f"array '{name}': reply {k} is {a.dtype} {a.shape}, reply 0 is "
+                             f"{first.dtype} {first.shape} (int_policy={policy!r} needs equal "
+                             "shapes and dtypes)")
+    if policy == "skip" and base is not None:
+        return np.array(base)
+    if policy in ("first", "skip"):
+        return np.array(first)
+    return np.maximum.reduce([np.asarray(a) for a in arrays])
+
+
+def _weights_from_records(contents: Sequence[Any], key: str) -> list[float]:
+    """Flower's normalized weights: :math:`n_k / \\sum_j n_j`, in Python arithmetic (so all
+    zero weights raise ``ZeroDivisionError`` as in Flower)."""
+    weights = [next(iter(c.metric_records.values()))[key] for c in contents]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float], *,
+                        int_policy: str = "mean", check_finite: bool = False,
+                        base: Mapping[str, np.ndarray] | None = None,
+                        ) -> tuple[dict[str, np.ndarray], set[str]]:
+    r""":math:`\sum_k w_k x_k` over the replies' ArrayRecords, entry by entry, with the
+    dtypes of Flower's ``aggregate_arrayrecords`` (keys in the first record's order).
+
+    Float entries of equal shape go through one fused ``weighted_sum`` over zero-copy views
+    of the replies' bytes (a reply whose dtype differs from the result's is converted first).
+    Integer/bool entries follow ``int_policy``: ``"mean"`` (Flower: averaged into float64),
+    ``"max"``, ``"first"``, ``"skip"`` (``base``'s entry) or ``"error"``. Returns the means
+    and the names of the entries an integer policy other than ``"mean"`` resolved (a server
+    optimizer leaves those alone). Non-finite weights, shapes that differ between replies and
+    dtypes the op lacks take Flower's NumPy arithmetic, so they give Flower's result or error.
+    """
+    names = list(records[0].keys())
+    views = {n: [_ndarray_view(r[n]) for r in records] for n in names}
+    ints = [n for n in names if all(a.dtype.kind in "biu" for a in views[n])]
+    if int_policy == "error" and ints:
+        raise TypeError(f"integer arrays {ints[:5]} and int_policy='error'; choose 'mean' "
+                        "(Flower's), 'max', 'first' or 'skip'")
+    finite_weights = all(math.isfinite(w) for w in factors)
+    out: dict[str, np.ndarray] = {}
+    resolved: set[str] = set()
+    fused: dict[str, np.dtype] = {}
+    for n in names:
+        arrays = views[n]
+        if n in ints and int_policy != "mean":
+            out[n] = _int_policy_entry(n, arrays, None if base is None else base.get(n),
+                                       int_policy)
+            resolved.add(n)
+            continue
+        dtype = _mean_dtype(arrays)
+        same_shape = all(a.shape == arrays[0].shape for a in arrays)
+        kinds_ok = all(a.dtype.kind in "biuf" and (a.dtype.kind != "f" or a.dtype in
+                                                   _FUSED_FLOAT_DTYPES) for a in arrays)
+        if finite_weights and same_shape and kinds_ok and dtype in _FUSED_FLOAT_DTYPES:
+            fused[n] = dtype
+        else:
+            out[n] = _flower_mean_entry(arrays, factors)
+    if fused:
+        clients = [
+            {n: _to_tensor(views[n][k], dtype) for n, dtype in fused.items()}
+            for k in range(len(records))
+        ]
+        weights = torch.tensor([float(w) for w in factors], dtype=torch.float64)
+        result = aggregate(clients, weights, check_finite=check_finite)
+        for n in fused:
+            out[n] = result[n].numpy()
+    return {n: out[n] for n in names}, resolved
+
+
+def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str, *,
+                           int_policy: str = "mean", check_finite: bool = False) -> ArrayRecord:
+    """Flower's ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` (the
+    weighted mean of the replies' ArrayRecords, weighted by the ``weighting_metric_name``
+    metric) computed by :func:`fused_weighted_mean`, for custom strategies."""
+    _check_int_policy("aggregate_arrayrecords", int_policy)
+    factors = _weights_from_records(records, weighting_metric_name)
+    arrays = [next(iter(r.array_records.values())) for r in records]
+    means, _ = fused_weighted_mean(arrays, factors, int_policy=int_policy,
+                                   check_finite=check_finite)
+    return _to_arrayrecord(means)
+
+
+def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    return ndarrays_to_tensors([a])[0]
+
+
+def _to_arrayrecord(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: ndarray_to_array(v) for k, v in arrays.items()})
+
+
+class _FusedAggregation:
+    """What the drop-ins share: the fedkernels arguments and the fused mean of the replies."""
+
+    int_policy: str = "mean"
+    check_finite: bool = False
+
+    def summary(self) -> None:
+        flwr_log(INFO, "\t├──> fedkernels: fused weighted sum (int_policy=%r, "
+                 "check_finite=%s)", self.int_policy, self.check_finite)
+        super().summary()
+
+    def _fused_mean(self, replies: Iterable[Message], base: Mapping[str, np.ndarray] | None
+                    = None) -> tuple[list[Any] | None, dict[str, np.ndarray] | None, set[str]]:
+        """Flower's reply checks and weights, then :func:`fused_weighted_mean`. Returns the
+        valid replies' contents (None if there are none), the means and the resolved
+        integer entries."""
+        policy = _check_int_policy(type(self).__name__, self.int_policy)
+        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        if not valid:
+            return None, None, set()
+        contents = [m.content for m in valid]
+        factors = _weights_from_records(contents, self.weighted_by_key)
+        records = [next(iter(c.array_records.values())) for c in contents]
+        means, resolved = fused_weighted_mean(records, factors, int_policy=policy,
+                                              check_finite=bool(self.check_finite), base=base)
+        return contents, means, resolved
+
+
+def _drop_in(flower_cls: type) -> Callable[[type], type]:
+    """Gives a drop-in class Flower's constructor (same arguments, positional ones included)
+    plus the keyword-only ``int_policy`` and ``check_finite``, with a matching signature."""
+
+    def decorate(cls: type) -> type:
+        def __init__(self, *args: Any, int_policy: str = "mean", check_finite: bool = False,
+                     **kwargs: Any) -> None:
+            _check_int_policy(cls.__name__, int_policy)
+            if not isinstance(check_finite, bool):
+                raise TypeError(f"{cls.__name__}: check_finite must be a bool, not "
+                                f"{type(check_finite).__name__}")
+            flower_cls.__init__(self, *args, **kwargs)
+            self.int_policy = int_policy
+            self.check_finite = check_finite
+
+        signature = inspect.signature(flower_cls.__init__)
+        extra = [
+            inspect.Parameter("int_policy", inspect.Parameter.KEYWORD_ONLY, default="mean",
+                              annotation=str),
+            inspect.Parameter("check_finite", inspect.Parameter.KEYWORD_ONLY, default=False,
+                              annotation=bool),
+        ]
+        params = list(signature.parameters.values())
+        __init__.__signature__ = signature.replace(parameters=params + extra)
+        __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+        __init__.__doc__ = (f"Flower's ``{flower_cls.__name__}`` arguments, plus ``int_policy`` "
+                            "and ``check_finite`` (see the class docstring).")
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
+
+
+class _FusedFedAvgTrain(_FusedAggregation):
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Flower's ``FedAvg.aggregate_train`` with the fused weighted mean."""
+        contents, means, _ = self._fused_mean(replies)
+        if contents is None:
+            return None, None
+        arrays = _to_arrayrecord(means)
+        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        return arrays, metrics
+
+
+_DROP_IN_DOC = """
+
+    Differences from Flower's class, all opt-in: ``int_policy`` (keyword-only) decides what
+    integer/bool arrays become: ``"mean"`` (the default, Flower's: averaged into float64),
+    ``"max"`` over replies (right for BatchNorm's ``num_batches_tracked``), ``"first"``,
+    ``"skip"`` (keep the global model's, where the strategy holds one) or ``"error"``
+    (``TypeError`` before any state changes); ``check_finite=True`` rejects replies that
+    carry NaN/Inf with a ``ValueError`` naming them."""
+
+
+@_drop_in(_flwr.FedAvg)
+class FedAvg(_FusedFedAvgTrain, _flwr.FedAvg):
+    __doc__ = (r"""Flower's ``FedAvg`` (a subclass of it) whose ``aggregate_train`` computes
+    :math:`x_{t+1} = \sum_k n_k x_k / \sum_j n_j` in one fused pass over zero-copy views of the
+    replies' arrays (fp32 accumulation for float16).""" + _DROP_IN_DOC)
+
+
+@_drop_in(_flwr.FedProx)
+class FedProx(_FusedFedAvgTrain, _flwr.FedProx):
+    __doc__ = ("""Flower's ``FedProx`` (``proximal_mu`` goes to the clients in the train
+    config); the server side is :class:`FedAvg`'s fused mean.""" + _DROP_IN_DOC)
+
+
+@_drop_in(_flwr.FedAvgM)
+class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
+    __doc__ = (r"""Flower's ``FedAvgM``: the fused mean :math:`\bar x`, then, when
+    ``server_opt`` is on (set by the constructor from ``server_learning_rate`` and
+    ``server_momentum``, as in Flower), :math:`g = x_t - \bar x`,
+    :math:`m \leftarrow \mu m + g` (``momentum_vector``, when :math:`\mu > 0`),
+    :math:`x_{t+1} = x_t - \eta m`; ``current_arrays`` becomes the result.""" + _DROP_IN_DOC)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        current = None
+        if self.server_opt and self.current_arrays is not None:
+            current = [_ndarray_view(v) for v in self.current_arrays.values()]
+        base = None if current is None else dict(zip(self.current_arrays.keys(), current))
+        contents, means, resolved = self._fused_mean(replies, base=base)
+        if contents is None:
+            return None, None
+        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        if not self.server_opt:
+            return _to_arrayrecord(means), metrics
+        if current is None:
+            raise AggregationError(
+                "FedAvgM has no current arrays (the global model): call configure_train "
+                "before aggregate_train, or set strategy.current_arrays")
+        names = list(means)
+        # Flower pairs the global arrays with the averaged ones by position.
+        pseudo_gradient = [
+            np.zeros(new.shape) if name in resolved else old - new
+            for name, new, old in zip(names, means.values(), current, strict=True)
+        ]
+        momentum = self.momentum_vector
+        if self.server_momentum > 0.0:
+            if momentum is None:
+                momentum = pseudo_gradient
+            else:
+                momentum = [self.server_momentum * m + g
+                            for m, g in zip(momentum, pseudo_gradient, strict=True)]
+            pseudo_gradient = momentum
+        updated = {
+            name: means[name] if name in resolved else old - self.server_learning_rate * g
+            for name, old, g in zip(names, current, pseudo_gradient, strict=True)
+        }
+        record = _to_arrayrecord(updated)
+        # State changes only now, with every check passed and every value computed.
+        self.momentum_vector = momentum
+        self.current_arrays = record
+        return record, metrics
+
+
+class _FusedFedOpt(_FusedAggregation):
+    r"""FedOpt's ``aggregate_train`` (Reddi et al. 2021) on the fused mean :math:`\bar x`:
+    :math:`\Delta = \bar x - x_t`, :math:`m \leftarrow \beta_1 m + (1-\beta_1)\Delta`,
+    :math:`v` by the subclass's rule, :math:`x_{t+1} = x_t + \eta_t m / (\sqrt v + \tau)`."""
+
+    def _second_moment(self, v: np.ndarray, delta: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def _step_size(self, server_round: int) -> float:
+        return self.eta
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        current = self.current_arrays
+        if current is not None:
+            current = {k: _ndarray_view(v) for k, v in current.items()}
+        contents, means, resolved = self._fused_mean(replies, base=current)
+        if contents is None:
+            return None, None
+        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
+        if current is None:
+            raise AggregationError(reason="Current arrays not set. Ensure that "
+                                   "`configure_train` has been called before aggregation.")
+        if set(means) != set(current):
+            raise AggregationError(reason="the replies' arrays have keys "
+                                   f"{sorted(set(means) ^ set(current))[:5]} that the "
+                                   "strategy's current arrays do not share (or the reverse): "
+                                   "delta_t = aggregated - current cannot be computed")
+        for name, x in means.items():
+            if x.shape != current[name].shape:
+                raise AggregationError(reason=f"array '{name}': the aggregated shape "
+                                       f"{x.shape} differs from the current arrays' "
+                                       f"{current[name].shape}; delta_t cannot be computed")
+        delta = {k: x - current[k] for k, x in means.items() if k not in resolved}
+        m_prev = self.m_t or {k: np.zeros_like(x) for k, x in means.items()}
+        v_prev = self.v_t or {k: np.zeros_like(x) for k, x in means.items()}
+        m_t = {k: m if k in resolved else self.beta_1 * m + (1 - self.beta_1) * delta[k]
+               for k, m in m_prev.items()}
+        v_t = {k: v if k in resolved else self._second_moment(v, delta[k])
+               for k, v in v_prev.items()}
+        step = self._step_size(server_round)
+        updated = {
+            k: means[k] if k in resolved else x + step * m_t[k] / (np.sqrt(v_t[k]) + self.tau)
+            for k, x in current.items()
+        }
+        record = _to_arrayrecord(updated)
+        self.m_t, self.v_t = m_t, v_t  # only now, with everything computed
+        return record, metrics
+
+
+@_drop_in(_flwr.FedAdam)
+class FedAdam(_FusedFedOpt, _flwr.FedAdam):
+    __doc__ = (r"""Flower's ``FedAdam``: :math:`v \leftarrow \beta_2 v + (1-\beta_2)\Delta^2`
+    and the bias-corrected step
+    :math:`\eta_t = \eta\sqrt{1-\beta_2^{t+1}}/(1-\beta_1^{t+1})` (a NumPy float64, so
+    float32 models come back as float64, as from Flower).""" + _DROP_IN_DOC)
+
+    def _second_moment(self, v, delta):
+        return self.beta_2 * v + (1 - self.beta_2) * (delta ** 2)
+
+    def _step_size(self, server_round):
+        return (self.eta * np.sqrt(1 - np.power(self.beta_2, server_round + 1.0))
+                / (1 - np.power(self.beta_1, server_round + 1.0)))
+
+
+@_drop_in(_flwr.FedYogi)
+class FedYogi(_FusedFedOpt, _flwr.FedYogi):
+    __doc__ = (r"""Flower's ``FedYogi``:
+    :math:`v \leftarrow v - (1-\beta_2)\Delta^2\,\mathrm{sign}(v - \Delta^2)`.""" + _DROP_IN_DOC)
+
+    def _second_moment(self, v, delta):
+        sq = delta ** 2
+        return v - (1.0 - self.beta_2) * sq * np.sign(v - sq)
+
+
+@_drop_in(_flwr.FedAdagrad)
+class FedAdagrad(_FusedFedOpt, _flwr.FedAdagrad):
+    __doc__ = (r"""Flower's ``FedAdagrad``: :math:`v \leftarrow v + \Delta^2`
+    (:math:`\beta_1 = 0`, so :math:`m = \Delta`).""" + _DROP_IN_DOC)
+
+    def _second_moment(self, v, delta):
+        return v + delta ** 2
+
+
+def _train_loss(message: Message, key: str) -> float:
+    metrics = next(iter(message.content.metric_records.values()))
+    loss = metrics.get(key)
+    if loss is None or not isinstance(loss, (int, float)):
+        raise AggregationError(
+            f"Missing or invalid training loss: every reply's MetricRecord needs a float "
+            f"'{key}' (the client's training loss)")
+    return float(loss)
+
+
+@_drop_in(_flwr.QFedAvg)
+class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
+    __doc__ = (r"""Flower's ``QFedAvg`` (Li et al., ICLR 2020) with :math:`L = 1/`
+    ``client_learning_rate``, :math:`f_k` the reply's ``train_loss_key`` metric,
+    :math:`h_k = q (f_k+\epsilon)^{q-1} L^2\|x_t - x_k\|^2 + L (f_k+\epsilon)^q` and
+    :math:`x_{t+1} = x_t + \sum_k c_k (x_k - x_t)`, :math:`c_k = L (f_k+\epsilon)^q / \sum_j
+    h_j`: one fused delta-mode pass, with the squared norms taken one reply at a time. As in
+    Flower, the result is float64, ``current_arrays`` and the replies' ArrayRecords are
+    emptied by the aggregation (Flower reads them with ``keep_input=False``), and arrays pair
+    with the global ones by position. Replies Flower's arithmetic would treat differently
+    (integer arrays with ``int_policy="mean"``, shapes or counts that differ from the global
+    model's, non-finite coefficients) go through Flower's own code.""" + _DROP_IN_DOC)
+
+    def aggregate_train(self, server_round: int, replies: Iterable[Message]
+                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        policy = _check_int_policy(type(self).__name__, self.int_policy)
+        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        if not valid:
+            return None, None
+        lipschitz = 1.0 / self.client_learning_rate
+        if self.current_arrays is None:
+            raise AggregationError(
+                "Current global model weights are not available: call configure_train "
+                "before aggregate_train, or set strategy.current_arrays")
+        names = list(self.current_arrays.keys())
+        global_arrays = [_ndarray_view(v) for v in self.current_arrays.values()]
+        records = [next(iter(m.content.array_records.values())) for m in valid]
+        local = [[_ndarray_view(v) for v in r.values()] for r in records]
+        losses = [_train_loss(m, self.train_loss_key) for m in valid]
+        if self._needs_flower_path(global_arrays, local, policy):
+            return super().aggregate_train(server_round, valid)
+        ints = [t for t in range(len(names)) if all(x[t].dtype.kind in "biu" for x in local)]
+        if policy == "error" and ints:
+            raise TypeError(f"QFedAvg: integer arrays {[names[t] for t in ints][:5]} and "
+                            "int_policy='error'")
+        floats = [t for t in range(len(names)) if t not in ints]
+        dtypes = {t: np.result_type(*(x[t].dtype for x in local)) for t in floats}
+        base = {names[t]: _to_tensor(global_arrays[t], dtypes[t]) for t in floats}
+        clients = [{names[t]: _to_tensor(x[t], dtypes[t]) for t in floats} for x in local]
+        q = self.q
+        eps = 1e-10
+        scratch = {n: torch.empty_like(b) for n, b in base.items()}  # one model, reused
+        sq_norms = [_sq_distance(c, base, scratch) for c in clients]
+        loss_pow_q = [np.float_power(f + eps, q) for f in losses]
+        sum_h = 0.0
+        for f, lpq, sq in zip(losses, loss_pow_q, sq_norms):
+            sum_h += q * np.float_power(f + eps, q - 1) * (lipschitz ** 2 * sq) \
+                + lipschitz * lpq
+        coefficients = [lipschitz * lpq / sum_h for lpq in loss_pow_q]
+        if not all(np.isfinite(c) for c in coefficients):
+            return super().aggregate_train(server_round, valid)
+        updated: dict[str, np.ndarray] = {}
+        if floats:
+            weights = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
+            result = aggregate(clients, weights, base=base, check_finite=bool(self.check_finite))
+            for t in floats:
+                dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
+                updated[names[t]] = result[names[t]].numpy().astype(dtype, copy=False)
+        for t in ints:
+            updated[names[t]] = _int_policy_entry(names[t], [x[t] for x in local],
+                                                  global_arrays[t], policy)
+        record = _to_arrayrecord({n: updated[n] for n in names})
+        metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
+        # Flower's side effects: it reads the global and the local arrays with keep_input=False.
+        for r in [self.current_arrays, *records]:
+            for k in list(r.keys()):
+                r.pop(k)
+        return record, metrics
+
+    @staticmethod
+    def _needs_flower_path(global_arrays: list[np.ndarray], local: list[list[np.ndarray]],
+                           policy: str) -> bool:
+        for x in local:
+            if len(x) != len(global_arrays):
+                return True
+            for g, a in zip(global_arrays, x):
+                if a.shape != g.shape:
+                    return True
+        for t, g in enumerate(global_arrays):
+            column = [x[t] for x in local]
+            all_int = all(a.dtype.kind in "biu" for a in column)
+            if all_int and policy != "mean":
+                continue
+            if any(a.dtype not in _FUSED_FLOAT_DTYPES for a in column):
+                return True
+            if g.dtype.kind not in "biuf" or (g.dtype.kind == "f" and g.dtype not in
+                                              _FUSED_FLOAT_DTYPES):
+                return True
+        return False
+
+
+_DIFFERENCE = torch.tensor([1.0, -1.0], dtype=torch.float64)
+
+
+def _sq_distance(client: Mapping[str, Tensor], base: Mapping[str, Tensor],
+                 scratch: dict[str, Tensor]) -> float:
+    r""":math:`\|x_k - x_t\|^2` over the entries of one reply. :math:`x_k - x_t` is the fused
+    op with weights (1, -1), written into ``scratch``, one model-sized buffer reused for every
+    reply (fresh temporaries would cost a page fault per page each time; the op's threading
+    suits layer-sized tensors better than one elementwise op per tensor)."""
+    if not base:
+        return 0.0
+    aggregate([dict(client), dict(base)], _DIFFERENCE, out=scratch)
+    norms = torch._foreach_norm(list(scratch.values()))
+    return float(sum(float(n.double()) ** 2 for n in norms))
+
+
+# ---------------------------------------------------------------- fedkernels' own strategies
 
 
 def _int_entry(values: list[Tensor], base: Tensor | None, policy: str) -> Tensor:
@@ -166,12 +719,21 @@ def _int_entry(values: list[Tensor], base: Tensor | None, policy: str) -> Tensor
         return values[0].clone()
     if policy == "skip":
         return base.clone()
-    if policy == "error":
-        raise TypeError("integer array and int_policy='error'")
     return torch.stack(values).amax(dim=0)
 
 
-def _check_finite(states: list[StateDict], node_ids=None) -> None:
+def _int_node_ids(owner: str, node_ids: Sequence[Any]) -> list[int]:
+    """Flower node ids as ints, for the strategies that keep per-node state."""
+    out = []
+    for k, node in enumerate(node_ids):
+        if isinstance(node, bool) or not isinstance(node, (int, np.integer)):
+            raise TypeError(f"{owner}: reply {k} has metadata.src_node_id {node!r}; this "
+                            "strategy keeps per-node state and needs integer node ids")
+        out.append(int(node))
+    return out
+
+
+def _check_finite(states: list[StateDict]) -> None:
     for k, s in enumerate(states):
         bad = [n for n, t in s.items() if t.is_floating_point() and not torch.isfinite(t).all()]
         if bad:
@@ -231,7 +793,7 @@ class FusedStrategy(_FlowerFedAvg):
         states = [arrayrecord_to_state_dict(next(iter(c.array_records.values())))
                   for c in contents]
         metrics = [next(iter(c.metric_records.values())) for c in contents]
-        node_ids = [int(m.metadata.src_node_id) for m in valid]
+        node_ids = [m.metadata.src_node_id for m in valid]  # ints where a strategy needs them
         new_state = self.combine(server_round, states, metrics, node_ids)
         record = state_dict_to_arrayrecord(new_state)
         self._sent = record
@@ -277,17 +839,24 @@ class FusedStrategy(_FlowerFedAvg):
         optimizer (in place on :attr:`global_state`); integer entries follow ``int_policy``."""
         x = self.global_state
         if x is None:
-            raise RuntimeError(f"{type(self).__name__}: aggregate_train before configure_train "
-                               "(the global model x_t is unknown)")
+            raise AggregationError(f"{type(self).__name__}: aggregate_train before "
+                                   "configure_train (the global model x_t is unknown)")
         names = list(x)
         floats = [n for n in names if x[n].is_floating_point()]
         self._check(states, names)
-        clients = [{n: s[n] for n in floats} for s in states]
+        ints = [n for n in names if n not in floats]
+        if ints and self.int_policy == "error":  # before anything moves
+            raise TypeError(f"{type(self).__name__}: integer arrays {ints[:5]} and "
+                            "int_policy='error'")
+        # A reply in another float dtype than the global model (float32 replies to a float64
+        # model) is converted to the model's dtype, as Flower's NumPy arithmetic promotes.
+        clients = [{n: s[n] if s[n].dtype == x[n].dtype else s[n].to(x[n].dtype)
+                    for n in floats} for s in states]
         params = {n: x[n] for n in floats}
         if self.check_finite:
-            _check_finite(clients, node_ids=None)
+            _check_finite(clients)
         if isinstance(self.server_optimizer, _server.ServerSGD):
-            fedkernels.aggregate(clients, weights, base=params, scale=self.server_optimizer.lr,
+            aggregate(clients, weights, base=params, scale=self.server_optimizer.lr,
                                  out=params)
         else:
             self.server_optimizer.apply(params, clients, weights, server_round)
@@ -302,109 +871,6 @@ class FusedStrategy(_FlowerFedAvg):
                 raise ValueError(f"{type(self).__name__}: reply {k} has arrays "
                                  f"{sorted(set(s) ^ set(names))[:5]} that differ from the "
                                  "global model's")
-
-
-class FedAvg(FusedStrategy):
-    r"""FedAvg: :math:`x_{t+1} = \sum_k n_k x_k / \sum_j n_j`, one fused pass over the K
-    replies (equal to Flower's ``FedAvg`` up to float rounding; integer arrays follow
-    ``int_policy`` where Flower averages them into floats). With ``server_learning_rate``
-    :math:`\eta \ne 1`: :math:`x_{t+1} = x_t + \eta\sum_k p_k (x_k - x_t)`."""
-
-    def configure_train(self, server_round, arrays, config, grid):
-        if isinstance(self.server_optimizer, _server.ServerSGD) and \
-                self.server_optimizer.lr == 1.0:
-            return _FlowerFedAvg.configure_train(self, server_round, arrays, config, grid)
-        return super().configure_train(server_round, arrays, config, grid)
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        n = self.num_examples(metrics)
-        return n / n.sum()
-
-    def combine(self, server_round, states, metrics, node_ids) -> StateDict:
-        sgd = isinstance(self.server_optimizer, _server.ServerSGD)
-        if not (sgd and self.server_optimizer.lr == 1.0):
-            return super().combine(server_round, states, metrics, node_ids)
-        weights = self.client_weights(server_round, states, metrics, node_ids)
-        self.last_weights, self.last_node_ids = weights, node_ids
-        return fedkernels.aggregate(states, weights, int_policy=self.int_policy,
-                                    check_finite=self.check_finite)
-
-
-class FedAvgM(FusedStrategy):
-    r"""Server momentum (Hsu et al. 2019), Flower's ``FedAvgM`` formulas and arguments:
-    :math:`g_t = -\Delta_t`, :math:`m_t = \mu m_{t-1} + g_t`, :math:`x_{t+1} = x_t - \eta m_t`."""
-
-    def __init__(self, *, server_learning_rate: float = 1.0, server_momentum: float = 0.0,
-                 **kwargs: Any) -> None:
-        super().__init__(server_optimizer=_server.FedAvgM(server_learning_rate, server_momentum),
-                         **kwargs)
-        self.server_learning_rate = server_learning_rate
-        self.server_momentum = server_momentum
-
-    client_weights = FedAvg.client_weights
-
-
-class _FedOpt(FusedStrategy):
-    _optimizer: type = _server.FedAdam
-    _defaults = dict(eta=1e-1, eta_l=1e-1, beta_1=0.0, beta_2=0.0, tau=1e-3)
-
-    def __init__(self, *, eta: float | None = None, eta_l: float | None = None,
-                 beta_1: float | None = None, beta_2: float | None = None,
-                 tau: float | None = None, **kwargs: Any) -> None:
-        given = dict(eta=eta, eta_l=eta_l, beta_1=beta_1, beta_2=beta_2, tau=tau)
-        values = {k: (self._defaults[k] if v is None else v) for k, v in given.items()}
-        self.eta, self.eta_l = values["eta"], values["eta_l"]  # eta_l: the clients' (unused)
-        self.beta_1, self.beta_2, self.tau = values["beta_1"], values["beta_2"], values["tau"]
-        if self._optimizer is _server.FedAdagrad:
-            optimizer = _server.FedAdagrad(self.eta, self.tau)
-        else:
-            optimizer = self._optimizer(self.eta, self.beta_1, self.beta_2, self.tau)
-        super().__init__(server_optimizer=optimizer, **kwargs)
-
-    client_weights = FedAvg.client_weights
-
-
-class FedAdam(_FedOpt):
-    """FedAdam (Reddi et al. 2021) with Flower's ``FedAdam`` arguments, defaults and
-    bias-corrected step (:class:`fedkernels.sim.server.FedAdam`)."""
-
-    _optimizer = _server.FedAdam
-    _defaults = dict(eta=1e-1, eta_l=1e-1, beta_1=0.9, beta_2=0.99, tau=1e-3)
-
-
-class FedYogi(_FedOpt):
-    """FedYogi with Flower's ``FedYogi`` arguments and defaults."""
-
-    _optimizer = _server.FedYogi
-    _defaults = dict(eta=1e-2, eta_l=0.0316, beta_1=0.9, beta_2=0.99, tau=1e-3)
-
-
-class FedAdagrad(_FedOpt):
-    """FedAdagrad with Flower's ``FedAdagrad`` arguments and defaults."""
-
-    _optimizer = _server.FedAdagrad
-    _defaults = dict(eta=1e-1, eta_l=1e-1, beta_1=0.0, beta_2=0.0, tau=1e-3)
-
-
-class QFedAvg(FusedStrategy):
-    r"""q-FedAvg (Li et al., ICLR 2020) with Flower's ``QFedAvg`` arguments: :math:`L = 1/`
-    ``client_learning_rate``, :math:`f_k` the reply's ``train_loss_key`` metric, and
-    :math:`x_{t+1} = x_t - \sum_k (f_k+\epsilon)^q L (x_t - x_k) / \sum_k h_k`, as weights
-    :func:`~fedkernels.algorithms.fairness.qfedavg_weights` (norms over every float array)."""
-
-    def __init__(self, client_learning_rate: float, q: float = 0.1,
-                 train_loss_key: str = "train_loss", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.client_learning_rate = client_learning_rate
-        self.q = q
-        self.train_loss_key = train_loss_key
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        x = self.global_state
-        names = [n for n in x if x[n].is_floating_point()]
-        sq_norms = update_sq_norms(states, x, names)
-        return qfedavg_weights(self.losses(metrics, self.train_loss_key), sq_norms, self.q,
-                               1.0 / self.client_learning_rate)
 
 
 class QFFL(FusedStrategy):
@@ -501,6 +967,7 @@ class FedAU(FusedStrategy):
             e.omega = torch.cat([e.omega, torch.ones(grow, dtype=torch.float64)])
 
     def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
+        node_ids = _int_node_ids("FedAU", node_ids)
         self.nodes.add(node_ids)
         self._grow()
         ids = self.nodes(node_ids)
@@ -551,6 +1018,7 @@ class AAggFF(FusedStrategy):
             self._setup(grid.get_node_ids())
 
     def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
+        node_ids = _int_node_ids("AAggFF", node_ids)
         if not self._ready:
             self._setup(node_ids)
         self.nodes.add(node_ids)

@@ -12,6 +12,7 @@ unknown keys; every dataclass checks its ranges in ``__post_init__``. All proble
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -26,6 +27,20 @@ class ConfigError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _require_finite(config: Any, section: str) -> None:
+    """Rejects NaN and infinity in every float field (and list of floats) of ``config``: no
+    field of these configurations has a meaning for them, and letting one through only shows
+    up as NaN in ``results.json`` rounds later."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for v in values:
+            _require(
+                not isinstance(v, float) or math.isfinite(v),
+                f"{section}.{f.name} must be a finite number, got {value!r}",
+            )
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
@@ -59,7 +74,25 @@ class DataConfig:
     path: str | None = _field(None, "csv: path of the file (header row required)")
     label_column: str = _field("label", "csv: name of the label column")
     client_column: str | None = _field(
-        "client", "csv: name of the client column (natural partition)"
+        None,
+        "csv: name of the column that says which client a row belongs to; only "
+        "partition.kind=natural needs it, and there it defaults to 'client' (other partitions "
+        "ignore it, but a named column is kept out of the features)",
+    )
+    label_map: str | None = _field(
+        None, "csv: label value -> class, e.g. 'benign=0,malignant=1' (default: sorted values)"
+    )
+    positive_labels: list[Any] | None = _field(
+        None, "csv: these label values are class 1, every other value class 0, e.g. 1,2,3,4"
+    )
+    categorical_columns: list[str] | None = _field(
+        None, "csv: read these columns as categories even where their values are numbers"
+    )
+    ignore_columns: list[str] | None = _field(
+        None, "csv: columns left out of the features (identifiers, free text)"
+    )
+    standardize: bool = _field(
+        True, "csv: scale numeric features by the training rows' mean and standard deviation"
     )
     server_fraction: float = _field(
         0.0,
@@ -68,6 +101,7 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
+        _require_finite(self, "data")
         _require(0.0 < self.test_fraction < 1.0, "data.test_fraction must be in (0, 1)")
         _require(0.0 <= self.server_fraction < 1.0, "data.server_fraction must be in [0, 1)")
         _require(self.alpha >= 0 and self.beta >= 0, "data.alpha and data.beta must be >= 0")
@@ -94,6 +128,7 @@ class PartitionConfig:
     min_samples: int = _field(2, "minimum samples per client (train + test)")
 
     def __post_init__(self) -> None:
+        _require_finite(self, "partition")
         _require(self.num_clients >= 1, "partition.num_clients must be >= 1")
         _require(self.alpha > 0, "partition.alpha must be > 0")
         _require(self.classes_per_client >= 1, "partition.classes_per_client must be >= 1")
@@ -126,6 +161,7 @@ class ParticipationConfig:
     cycle_length: int = _field(100, "cyclic: rounds per on/off cycle")
 
     def __post_init__(self) -> None:
+        _require_finite(self, "participation")
         _require(0.0 < self.fraction <= 1.0, "participation.fraction must be in (0, 1]")
         _require(
             0.0 <= self.min_probability <= 1.0, "participation.min_probability must be in [0, 1]"
@@ -170,6 +206,7 @@ class ClientConfig:
     weight_decay: float = _field(0.0, "SGD weight decay (L2)")
 
     def __post_init__(self) -> None:
+        _require_finite(self, "client")
         _require(self.epochs >= 1, "client.epochs must be >= 1")
         _require(self.steps is None or self.steps >= 1, "client.steps must be >= 1")
         _require(self.batch_size >= 1, "client.batch_size must be >= 1")
@@ -201,6 +238,7 @@ class ServerConfig:
     tau: float = _field(1e-3, "fedadam/fedyogi/fedadagrad: adaptivity epsilon")
 
     def __post_init__(self) -> None:
+        _require_finite(self, "server")
         _require(self.lr is None or self.lr > 0, "server.lr must be > 0")
         _require(0 <= self.momentum < 1, "server.momentum must be in [0, 1)")
         _require(
@@ -237,6 +275,13 @@ class ExperimentConfig:
         _require(self.eval_every >= 1, "eval_every must be >= 1")
         _require(self.checkpoint_every >= 1, "checkpoint_every must be >= 1")
         _require(self.seed >= 0, "seed must be >= 0")
+        if (
+            self.data.name == "csv"
+            and self.partition.kind == "natural"
+            and self.data.client_column is None
+        ):
+            # the natural partition needs a client column; 'client' is the conventional name
+            self.data = dataclasses.replace(self.data, client_column="client")
         probs = self.participation.probabilities
         _require(
             probs is None
@@ -294,9 +339,12 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        # no configuration value means anything as NaN or infinity (algorithms' included)
+        _require(math.isfinite(number), f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         _require(isinstance(value, str), f"{where}: expected a string, got {value!r}")
         return value

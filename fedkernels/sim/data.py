@@ -4,14 +4,20 @@ Loaders: scikit-learn's bundled digits (real 8x8 images, no download), the FedPr
 synthetic(alpha, beta) generator, a Gaussian mixture, user tensors, and a CSV file with a client
 column. A data set that comes with its own clients (synthetic users, the CSV's client column)
 carries them in ``groups`` for the ``natural`` partition.
+
+A CSV file's features depend on statistics (medians, means, category levels) that must come
+from the training rows alone; which rows those are is only known once the data is split among
+clients, so such a data set keeps its encoder and :meth:`Dataset.fit_features` refits it.
 """
 
 from __future__ import annotations
 
-import csv
+import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,6 +25,7 @@ from torch import Tensor
 
 from . import seeding
 from .config import ConfigError, DataConfig
+from .tabular import TableEncoder, client_codes, feature_columns, map_labels, read_table, require_columns
 
 
 @dataclass
@@ -27,6 +34,9 @@ class Dataset:
 
     ``groups[i]`` is sample i's natural client (an integer; clients are the sorted distinct
     values), or ``None``. ``image_shape`` (e.g. ``(1, 8, 8)``) says how a CNN views a row.
+    ``info`` says what the loader did (label mapping, encoded, imputed and standardised
+    columns); a run records it in ``results.json``. ``encoder`` (tabular data) rebuilds ``x``
+    with statistics of the training rows only (:meth:`fit_features`).
     """
 
     x: Tensor
@@ -35,6 +45,8 @@ class Dataset:
     groups: np.ndarray | None = None
     image_shape: tuple[int, ...] | None = None
     name: str = "tensors"
+    info: dict[str, Any] = field(default_factory=dict)
+    encoder: TableEncoder | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.x.dim() != 2 or not self.x.is_floating_point():
@@ -59,6 +71,16 @@ class Dataset:
     @property
     def num_samples(self) -> int:
         return self.x.shape[0]
+
+    def fit_features(self, train_rows: np.ndarray) -> Dataset:
+        """This data set with its features re-encoded from statistics of ``train_rows`` only
+        (the union of the clients' training splits), so that no test row leaks into them.
+        Data sets without an encoder come back unchanged."""
+        if self.encoder is None:
+            return self
+        x, features = self.encoder.encode(train_rows)
+        return dataclasses.replace(self, x=torch.from_numpy(x),
+                                   info={**self.info, "features": features})
 
     @property
     def num_features(self) -> int:
@@ -175,58 +197,65 @@ def gaussian_mixture(
 
 
 def load_csv(
-    path: str | Path, label_column: str = "label", client_column: str | None = "client"
+    path: str | Path,
+    label_column: str = "label",
+    client_column: str | None = "client",
+    *,
+    label_map: str | None = None,
+    positive_labels: Sequence[Any] | None = None,
+    categorical_columns: Sequence[str] | None = None,
+    ignore_columns: Sequence[str] | None = None,
+    standardize: bool = True,
 ) -> Dataset:
     """A CSV file with a header row: one label column, optionally one client column (the
-    natural partition), and numeric feature columns (all the others).
+    natural partition), and feature columns (all the others but ``ignore_columns``).
 
-    Labels may be integers or strings; they are mapped to ``0..C-1`` in sorted order. Client ids
-    may be anything; they become ``0..N-1`` in sorted order.
+    Labels are read as text: ``label_map`` (``"no=0,yes=1"``) maps them to classes,
+    ``positive_labels`` makes those values class 1 and the rest class 0, and by default the
+    distinct values in sorted order become ``0..C-1``. Feature columns of numbers are imputed
+    (median, plus a 0/1 gap indicator) and standardised; text columns (and
+    ``categorical_columns``) are one-hot encoded with a ``missing`` level. Missing markers:
+    ``''``, ``?``, ``NA``, ``N/A``, ``nan``, ``null``. The encoding here is fitted on every
+    row; a simulation refits it on the clients' training rows (:meth:`Dataset.fit_features`).
+    Every problem raises :class:`ConfigError` naming the row and column. Rules in
+    ``docs/data.md``.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data.path: no such file: {path}")
-    with path.open(newline="") as handle:
-        rows = list(csv.reader(handle))
-    if len(rows) < 2:
-        raise ConfigError(f"{path}: needs a header row and at least one data row")
-    header, body = rows[0], rows[1:]
-    for column in (label_column, client_column):
-        if column is not None and column not in header:
-            raise ConfigError(f"{path}: no column {column!r} (columns: {', '.join(header)})")
-    features = [c for c in header if c not in (label_column, client_column)]
-    if not features:
-        raise ConfigError(f"{path}: no feature columns")
-    x = np.empty((len(body), len(features)), dtype=np.float32)
-    position = {c: header.index(c) for c in header}
-    for r, row in enumerate(body, start=2):
-        if len(row) != len(header):
-            raise ConfigError(f"{path}:{r}: {len(row)} fields, the header has {len(header)}")
-        for j, column in enumerate(features):
-            try:
-                x[r - 2, j] = float(row[position[column]])
-            except ValueError:
-                raise ConfigError(
-                    f"{path}:{r}: column {column!r} value {row[position[column]]!r} is not a number"
-                ) from None
-    labels = [row[position[label_column]] for row in body]
-    y = _codes(labels)
-    groups = (
-        None if client_column is None else _codes([row[position[client_column]] for row in body])
-    )
-    return Dataset(
-        torch.from_numpy(x), torch.from_numpy(y), int(y.max()) + 1, groups, name=path.name
-    )
-
-
-def _codes(values: list[str]) -> np.ndarray:
-    """Maps values to ``0..m-1`` in sorted order (numerically when all are integers)."""
-    try:
-        keys = [int(v) for v in values]
-    except ValueError:
-        keys = values
-    distinct = {v: i for i, v in enumerate(sorted(set(keys)))}
-    return np.array([distinct[v] for v in keys], dtype=np.int64)
+    table = read_table(path)
+    require_columns(table, {"data.label_column": label_column,
+                            "data.client_column": client_column})
+    if client_column is not None and client_column == label_column:
+        raise ConfigError(f"data.label_column and data.client_column are both {label_column!r}")
+    special = {label_column: "data.label_column", client_column: "data.client_column"}
+    for option, names in (("data.categorical_columns", categorical_columns),
+                          ("data.ignore_columns", ignore_columns)):
+        for name in names or ():
+            if name not in table.header:
+                raise ConfigError(f"{table.path}: {option} names {name!r}, which is not a column "
+                                  f"(columns: {', '.join(table.header)})")
+            if name in special:
+                raise ConfigError(f"{option} names {name!r}, which is the {special[name]}")
+    both = set(categorical_columns or ()) & set(ignore_columns or ())
+    if both:
+        raise ConfigError(f"column {sorted(both)[0]!r} is in both data.categorical_columns and "
+                          "data.ignore_columns")
+    ignored = set(ignore_columns or ())
+    names = [c for c in table.header
+             if c not in (label_column, client_column) and c not in ignored]
+    if not names:
+        raise ConfigError(f"{table.path}: no feature columns (columns: {', '.join(table.header)})")
+    y, num_classes, labels = map_labels(table, label_column, label_map, positive_labels)
+    groups, clients = (None, None) if client_column is None else client_codes(table, client_column)
+    columns, dropped = feature_columns(table, names, list(categorical_columns or ()))
+    encoder = TableEncoder(columns, standardize, dropped)
+    x, features = encoder.encode()
+    info: dict[str, Any] = {"file": str(table.path), "rows": len(table.rows), "labels": labels}
+    if ignored:
+        info["ignored_columns"] = [c for c in table.header if c in ignored]
+    if clients is not None:
+        info["clients"] = {"column": client_column, "mapping": clients}
+    info["features"] = features
+    return Dataset(torch.from_numpy(x), torch.from_numpy(y), num_classes, groups,
+                   name=table.path.name, info=info, encoder=encoder)
 
 
 def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
@@ -247,4 +276,13 @@ def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
         return gaussian_mixture(
             config.num_samples, config.num_features, config.num_classes, config.separation, rng
         )
-    return load_csv(config.path, config.label_column, config.client_column)
+    return load_csv(
+        config.path,
+        config.label_column,
+        config.client_column,
+        label_map=config.label_map,
+        positive_labels=config.positive_labels,
+        categorical_columns=config.categorical_columns,
+        ignore_columns=config.ignore_columns,
+        standardize=config.standardize,
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ class Federation:
     num_features: int
     image_shape: tuple[int, ...] | None = None
     server_x: Tensor | None = None  # the server's unlabeled data (data.server_fraction)
+    data_info: dict[str, Any] = field(default_factory=dict)  # what the loader did (Dataset.info)
 
     @property
     def num_clients(self) -> int:
@@ -74,7 +76,7 @@ def server_split(
     labels: np.ndarray, fraction: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(client_rows, server_rows)``: ``round(fraction * n_c)`` random samples of each class c
-    go to the server (its unlabeled data, specs/fedgo.md §2.11), the rest to the clients."""
+    go to the server (its unlabeled data for ensemble distillation), the rest to the clients."""
     server = []
     for c in np.unique(labels):
         members = rng.permutation(np.flatnonzero(labels == c))
@@ -96,12 +98,11 @@ def build_federation(
     fraction of every class is first held out, unlabeled, for the server (``server_x``)."""
     labels = dataset.y.numpy()
     rows = np.arange(len(labels))
-    server_x = None
+    server_rows = None
     if server_fraction > 0:
         rows, server_rows = server_split(
             labels, server_fraction, seeding.numpy_rng(seed, seeding.SERVER_SPLIT)
         )
-        server_x = dataset.x[torch.from_numpy(server_rows)]
     parts = partition(
         config,
         labels[rows],
@@ -109,9 +110,16 @@ def build_federation(
         seeding.numpy_rng(seed, seeding.PARTITION),
     )
     parts = [rows[p] for p in parts]
+    splits = [
+        split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
+        for k, rows in enumerate(parts)
+    ]
+    # Tabular features (imputation, scaling, category levels) are fitted on the union of the
+    # clients' training rows only: no test row leaks into them.
+    dataset = dataset.fit_features(np.concatenate([train for train, _ in splits]))
+    server_x = None if server_rows is None else dataset.x[torch.from_numpy(server_rows)]
     clients = []
-    for k, rows in enumerate(parts):
-        train, test = split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
+    for train, test in splits:
         train_t, test_t = torch.from_numpy(train), torch.from_numpy(test)
         clients.append(
             ClientData(
@@ -124,5 +132,10 @@ def build_federation(
             )
         )
     return Federation(
-        clients, dataset.num_classes, dataset.num_features, dataset.image_shape, server_x
+        clients,
+        dataset.num_classes,
+        dataset.num_features,
+        dataset.image_shape,
+        server_x,
+        dataset.info,
     )

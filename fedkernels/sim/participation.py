@@ -1,12 +1,13 @@
 """Which clients take part in each round, and the record of who took part.
 
-The patterns follow the FedAU experiments (``specs/fedau_semivred.md`` §1.7, IBM/fedau
-``WorkerSampler``): full participation, a uniform sample of a fraction C, and three patterns
-with a stationary probability ``p_n`` per client (independent Bernoulli, a Markov on/off
-chain, and deterministic on/off cycles with a random phase). ``p_n`` is either the same for all
-clients, given explicitly, or correlated with each client's labels as in FedAU:
-``p_n = clip(C * p_mean * <kappa_n, q>, p_min, 1)`` with ``q ~ Dirichlet(0.1)`` (the spec's
-clip at 1 is kept).
+The patterns follow the FedAU experiments (IBM/fedau ``WorkerSampler``; see
+``docs/algorithms/participation.md``, "5. Participation patterns"): full participation, a
+uniform sample of a fraction C, and three patterns with a stationary probability ``p_n`` per
+client (independent Bernoulli, a Markov on/off chain, and deterministic on/off cycles with a
+random phase). ``p_n`` is either the same for all clients, given explicitly, or correlated with
+each client's labels as in FedAU:
+``p_n = clip(C * p_mean * <kappa_n, q>, p_min, 1)`` with ``q ~ Dirichlet(0.1)`` (the clip at
+1, absent from the official code, keeps every p_n a probability).
 """
 
 from __future__ import annotations

@@ -15,13 +15,16 @@ import torch
 @dataclass
 class RunResult:
     """``config`` (the resolved experiment), ``rounds`` (one metrics dict per round, evaluation
-    keys only on evaluated rounds), ``clients`` (final per-client metrics) and ``summary``."""
+    keys only on evaluated rounds), ``clients`` (final per-client metrics), ``summary`` and
+    ``data_preparation`` (what the data loader did: label mapping, encoded, imputed and
+    standardised columns; empty for the built-in data sets)."""
 
     config: dict[str, Any]
     dataset: str
     rounds: list[dict[str, Any]]
     clients: list[dict[str, Any]]
     summary: dict[str, Any]
+    data_preparation: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(
         default_factory=lambda: {
             "torch": torch.__version__,
@@ -34,6 +37,7 @@ class RunResult:
         return {
             "config": self.config,
             "dataset": self.dataset,
+            "data_preparation": self.data_preparation,
             "summary": self.summary,
             "rounds": self.rounds,
             "clients": self.clients,

@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from .client import ClientUpdate, LocalTrainer
 from .config import ConfigError, ExperimentConfig
 from .data import Dataset, load_dataset
 from .federation import build_federation
-from .metrics import ClientEvaluation, distribution_summary, evaluate_clients
+from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
 from .models import build_model
 from .participation import ParticipationHistory, build_sampler
 from .results import RunResult
@@ -167,11 +168,7 @@ class Simulation:
         record["time_aggregate"] = time_aggregate
         if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
             start = time.perf_counter()
-            evaluation = self.evaluate()
-            record["test_accuracy"] = evaluation.pooled_accuracy()
-            record["test_loss"] = evaluation.pooled_loss()
-            for key, value in distribution_summary(evaluation.accuracy).items():
-                record[f"client_accuracy_{key}"] = value
+            record.update(evaluation_metrics(self.evaluate()))
             record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
             record["time_eval"] = time.perf_counter() - start
         return record
@@ -185,11 +182,12 @@ class Simulation:
         return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
 
     def evaluate(self) -> ClientEvaluation:
-        """The global model on every client's own test split."""
+        """The global model on every client's own test split (loss, accuracy and AUROC)."""
         self.eval_model.load_state_dict(self.server.state)
         clients = self.federation.clients
         return evaluate_clients(
-            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients]
+            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients],
+            auroc=True,
         )
 
     def result(self) -> RunResult:
@@ -205,25 +203,26 @@ class Simulation:
                 "num_test": c.num_test,
                 "test_accuracy": float(evaluation.accuracy[k]),
                 "test_loss": float(evaluation.loss[k]),
+                "test_auroc": _auroc_or_none(evaluation, k),
                 "rounds_participated": int(counts[k]),
             }
             if probabilities is not None:
                 entry["participation_probability"] = float(probabilities[k])
             clients.append(entry)
         summary = {
-            "test_accuracy": evaluation.pooled_accuracy(),
-            "test_loss": evaluation.pooled_loss(),
-            **{
-                f"client_accuracy_{k}": v
-                for k, v in distribution_summary(evaluation.accuracy).items()
-            },
+            **evaluation_metrics(evaluation),
             **self.strategy.evaluate(self.server.state, self.federation.clients),
             "rounds_completed": self.next_round,
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
         }
         return RunResult(
-            self.config.to_dict(), self.dataset_name, list(self.records), clients, summary
+            self.config.to_dict(),
+            self.dataset_name,
+            list(self.records),
+            clients,
+            summary,
+            data_preparation=self.federation.data_info,
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -247,16 +246,33 @@ class Simulation:
 
     def load_checkpoint(self) -> None:
         """Restores the state saved by :meth:`save_checkpoint`. The saved config must equal
-        this run's, except ``rounds``, which may grow to continue a finished run."""
+        this run's, except ``rounds``, which may grow to continue a finished run. A missing,
+        truncated or foreign file raises :class:`ConfigError` naming it."""
         if self.checkpoint is None or not self.checkpoint.is_file():
             raise ConfigError(f"cannot resume: no checkpoint at {self.checkpoint}")
-        state = torch.load(self.checkpoint, weights_only=True)
+        damaged = f"cannot resume: {self.checkpoint} is not a usable checkpoint"
+        try:
+            with warnings.catch_warnings():  # torch's warnings about a foreign pickle
+                warnings.simplefilter("ignore")
+                state = torch.load(self.checkpoint, weights_only=True)
+        except Exception as err:  # torch reports truncation and garbage with many types
+            raise ConfigError(
+                f"{damaged} (truncated, corrupt or not written by fedkernels: "
+                f"{_first_sentence(err)})"
+            ) from None
+        if not isinstance(state, dict):
+            raise ConfigError(f"{damaged} (it holds a {type(state).__name__}, not a mapping)")
         if state.get("format") != CHECKPOINT_FORMAT:
             raise ConfigError(
-                f"{self.checkpoint}: unknown checkpoint format {state.get('format')!r}"
+                f"{damaged} (unknown checkpoint format {state.get('format')!r})"
             )
+        missing = [key for key in _CHECKPOINT_KEYS if key not in state]
+        if missing or not isinstance(state["config"], dict) or not isinstance(
+            state["next_round"], int
+        ):
+            raise ConfigError(f"{damaged} (missing or malformed: {', '.join(missing) or 'config'})")
         saved, current = dict(state["config"]), self.config.to_dict()
-        saved.pop("rounds"), current.pop("rounds")
+        saved.pop("rounds", None), current.pop("rounds")
         changed = sorted(_differences(saved, current))
         if changed:
             keys = ", ".join(changed)
@@ -268,12 +284,24 @@ class Simulation:
                 f"cannot resume: the checkpoint is at round {state['next_round']}, "
                 f"past rounds={self.config.rounds}"
             )
-        self.server.load_state_dict(state["server"])
-        self.strategy.load_state_dict(state["strategy"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.history.load_state_dict(state["history"])
+        try:
+            self.server.load_state_dict(state["server"])
+            self.strategy.load_state_dict(state["strategy"])
+            self.sampler.load_state_dict(state["sampler"])
+            self.history.load_state_dict(state["history"])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+            raise ConfigError(f"{damaged} ({type(err).__name__}: {_first_sentence(err)})") from None
         self.records = list(state["records"])
         self.next_round = state["next_round"]
+
+
+_CHECKPOINT_KEYS = ("config", "next_round", "server", "strategy", "sampler", "history", "records")
+
+
+def _first_sentence(err: BaseException) -> str:
+    """The start of an exception's message (torch's run to several sentences of advice)."""
+    text = " ".join(str(err).split())
+    return text.split(". ")[0].rstrip(".") if text else type(err).__name__
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
@@ -286,3 +314,11 @@ def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list
         elif x != y:
             out.append(f"{prefix}{k}")
     return out
+
+
+def _auroc_or_none(evaluation: ClientEvaluation, k: int) -> float | None:
+    """Client k's AUROC, or None (``null`` in results.json) when its test split holds a single
+    class and the AUROC is undefined."""
+    if evaluation.auroc is None or bool(evaluation.auroc[k].isnan()):
+        return None
+    return float(evaluation.auroc[k])

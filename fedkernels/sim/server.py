@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-import fedkernels
+from fedkernels.aggregate import aggregate
 
 from .config import ServerConfig
 
@@ -53,7 +53,7 @@ class ServerOptimizer:
         self, params: StateDict, client_params: list[StateDict], weights: Tensor, server_round: int
     ) -> None:
         """Moves ``params`` (in place) given the clients' parameters and weights."""
-        averaged = fedkernels.aggregate(client_params, weights, base=params)
+        averaged = aggregate(client_params, weights, base=params)
         names = list(params)
         x = [params[n] for n in names]
         delta = torch._foreach_sub([averaged[n] for n in names], x)
@@ -77,7 +77,7 @@ class ServerSGD(ServerOptimizer):
     def apply(
         self, params: StateDict, client_params: list[StateDict], weights: Tensor, server_round: int
     ) -> None:
-        fedkernels.aggregate(client_params, weights, base=params, scale=self.lr, out=params)
+        aggregate(client_params, weights, base=params, scale=self.lr, out=params)
 
 
 class _Moments(ServerOptimizer):
@@ -228,7 +228,7 @@ class Server:
         )
         if self.buffer_names:
             buffers = {n: self.state[n] for n in self.buffer_names}
-            fedkernels.aggregate(
+            aggregate(
                 [{n: s[n] for n in self.buffer_names} for s in client_states],
                 weights,
                 normalize=True,

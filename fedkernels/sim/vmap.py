@@ -2,7 +2,7 @@ r"""Training all of a round's clients at once with ``torch.func``.
 
 The K participants' parameters are stacked into ``[K, ...]`` tensors and every local step runs
 ``vmap(grad(loss))`` over them: one batched forward and backward instead of K small ones, which
-is where the time of CPU simulations with small models goes (``specs/prior_art.md`` §K6).
+is where the time of CPU simulations with small models goes.
 
 Clients whose minibatch plans differ (different data sizes) are padded: step s of client k
 uses the rows of its own plan (the same :func:`~fedkernels.sim.client.batch_plan` the

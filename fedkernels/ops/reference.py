@@ -107,8 +107,8 @@ def aggregate_reference(
     return [out[n] for n in names]
 
 
-# ---------------------------------------------------------------- SuPerFed (issue 5)
-# specs/superfed.md §1.4, §1.5 and §3 K1-K3; the ops are in fedkernels/mixing.py.
+# ---------------------------------------------------------------- SuPerFed
+# Math: docs/algorithms/superfed.md, sections 2-4 and 8; the ops are in fedkernels/ops/mixing.py.
 
 
 def mix_endpoints_reference(
@@ -184,8 +184,9 @@ def proximal_term_reference(
     return mu * sum(torch.linalg.vector_norm(d) for d in diffs)
 
 
-# ---------------------------------------------------------------- Ensemble distillation (issue 7)
-# specs/fedgo.md §2.2-2.4, §2.9, §4 K1-K4. The composition a user would write with torch ops.
+# ---------------------------------------------------------------- Ensemble distillation
+# Math: docs/algorithms/distillation.md, sections 2-4. The composition a user would write with
+# torch ops.
 
 
 def ensemble_weights_reference(
@@ -270,11 +271,12 @@ def distill_kl_reference(
     return scale * (torch.xlogy(y, y) - y * log_q).sum()
 
 
-# ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
+# ---------------------------------------------------------------- FedEvg / SGLD
+# Math: docs/algorithms/fedevg.md, sections 2, 4 and 5.
 
 
 def energy_from_logits_reference(logits: Tensor, labels: Tensor | None = None) -> Tensor:
-    """``-logits[i, labels_i]`` or ``-logsumexp_c logits[i, c]`` (specs/fedevg.md §1.2)."""
+    """``-logits[i, labels_i]`` or ``-logsumexp_c logits[i, c]``."""
     acc = _acc_dtype(logits.dtype)
     f = logits.to(acc)
     e = -f.gather(1, labels[:, None])[:, 0] if labels is not None else -torch.logsumexp(f, dim=1)
@@ -294,7 +296,7 @@ def sgld_step_reference(
     grad_clip: float | None = None,
     clamp: tuple[float, float] | None = None,
 ) -> Tensor:
-    """``clamp(x - step * clip(grad, -tau, tau) + std * noise, lo, hi)`` (§1.5), in fp32 for
+    """``clamp(x - step * clip(grad, -tau, tau) + std * noise, lo, hi)``, in fp32 for
     fp16/bf16 (fp64 for fp64); ``noise=None`` means no noise."""
     acc = _acc_dtype(x.dtype)
     g = grad.to(acc)
@@ -312,8 +314,9 @@ def sgld_step_reference(
 def sgld_compose_weights_reference(
     energies: Tensor, log_weights: Tensor, mode: str = "exact", dtype: torch.dtype | None = None
 ) -> Tensor:
-    """``pi[K, M] = softmax_k(log w_k + phi(-E_kj))``, phi = identity (exact, eq. 4.13) or sign
-    (signed, §1.4), computed in ``dtype`` (default: fp64 for fp64 energies, else fp32)."""
+    """``pi[K, M] = softmax_k(log w_k + phi(-E_kj))``, phi = identity (exact: the weights of the
+    mixture's energy gradient) or sign (signed, FedEvg's choice), computed in ``dtype``
+    (default: fp64 for fp64 energies, else fp32)."""
     acc = dtype or (torch.float64 if energies.dtype == torch.float64 else torch.float32)
     e = energies.to(acc)
     phi = -e if mode == "exact" else torch.sign(-e)
@@ -332,7 +335,7 @@ def sgld_compose_step_reference(
     grad_clip: float | None = None,
     clamp: tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The composition of specs/fedevg.md §3 K1 in PyTorch: ``(x', pi)`` with
+    """FedEvg's composed server step in PyTorch: ``(x', pi)`` with
     ``a_j = sum_k pi_kj clip(G_kj)`` and ``x' = clamp(x - step a + std noise)``."""
     acc = _acc_dtype(x.dtype)
     pi = sgld_compose_weights_reference(energies, log_weights, mode, acc)

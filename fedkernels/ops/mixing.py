@@ -1,4 +1,4 @@
-r"""SuPerFed's fused ops (issue 5; math in ``specs/superfed.md`` §1.4, §1.5 and §3 K1-K3).
+r"""SuPerFed's fused ops (math: ``docs/algorithms/superfed.md``, sections 2-4 and 8).
 
 Native ops do the work, each with a fake (``torch.compile``) and an autograd formula:
 

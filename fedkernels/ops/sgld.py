@@ -1,5 +1,5 @@
-r"""SGLD and energy-composition ops of FedEvg (issue 6; math in ``specs/fedevg.md`` §1.2,
-§1.4-1.5 and §3 K1-K3).
+r"""SGLD and energy-composition ops of FedEvg (math: ``docs/algorithms/fedevg.md``, sections 2,
+4, 5 and 8).
 
 - :func:`energy_from_logits`: :math:`E(x, y) = -f(x)[y]` (class-conditional) or
   :math:`E(x) = -\log\sum_y e^{f(x)[y]}` (marginal, JEM's p(x)), differentiable in the logits
@@ -10,7 +10,7 @@ r"""SGLD and energy-composition ops of FedEvg (issue 6; math in ``specs/fedevg.m
   ``step_size=α/2, noise_std=sqrt(α)``).
 - :func:`sgld_compose_step`: the server step of FedEvg: per sample j,
   :math:`\pi_{kj} = \mathrm{softmax}_k(\log w_k + \phi(-E_{kj}))` with :math:`\phi` the identity
-  (``mode="exact"``, the mixture gradient of eq. 4.13) or ``sign`` (``mode="signed"``, what
+  (``mode="exact"``, the gradient of the mixture's energy) or ``sign`` (``mode="signed"``, what
   FedEvg uses), :math:`a_j = \sum_k \pi_{kj}\,\mathrm{clip}(G_{kj})`, then the step above, in one
   pass over ``grads``.
 

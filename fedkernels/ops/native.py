@@ -12,7 +12,8 @@ import os
 
 import torch
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# the libraries are built into the package folder, one level up
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ORDER = ("avx512", "avx2", "default")
 _BUILD_HINT = (
     "fedkernels' native ops are not built. From the source folder run:\n"

@@ -1,4 +1,4 @@
-r"""Ensemble-distillation ops (issue 7; math in ``specs/fedgo.md`` §2.2-2.4, §2.9, §4 K1-K4).
+r"""Ensemble-distillation ops (math: ``docs/algorithms/distillation.md``, sections 2-4 and 8).
 
 Two native ops, each with a fake (``torch.compile``) and an autograd formula:
 
@@ -9,7 +9,7 @@ Two native ops, each with a fake (``torch.compile``) and an autograd formula:
   * ``combine="logits"`` (the paper's default): :math:`y_i = \mathrm{softmax}(\sum_k w_{k,i} L_{k,i}/T)`;
   * ``combine="probs"``: :math:`y_i = \sum_k w_{k,i}\,\mathrm{softmax}(L_{k,i}/T)`.
 
-  The weightings (§2.9), with :math:`n_k` the optional ``sample_sizes`` and :math:`z` the
+  The weightings, with :math:`n_k` the optional ``sample_sizes`` and :math:`z` the
   discriminators' logits ``scores[K, N]``:
 
   * ``uniform`` (FedDF): :math:`w \propto n_k` (1/K without sample sizes);
@@ -22,14 +22,14 @@ Two native ops, each with a fake (``torch.compile``) and an autograd formula:
     the C logits (uniform where every variance is 0);
   * ``domain`` (DaFKD): :math:`n_k\,\mathrm{sig}(z_{k,i}) / \sum_j n_j\,\mathrm{sig}(z_{j,i})`.
 
-  The spec's methods pass ``sample_sizes`` only to ``fedgo`` (§8.4). Its backward (only needed
-  when a generator is trained through the ensemble) is the composition of §4 K1-K3, evaluated
-  with torch ops from the saved outputs.
+  The strategies pass ``sample_sizes`` only to ``fedgo``, as the papers do. Its backward (only
+  needed when a generator is trained through the ensemble) is written with torch ops from the
+  saved outputs.
 - ``fedkernels::distill_kl``: :math:`\ell = s\sum_i\sum_c y_{ic}(\log y_{ic} - \log q_{ic})`,
   :math:`q = \mathrm{softmax}(S/T)`, and in the same pass its gradient
   :math:`\partial\ell/\partial S = (s/T)(q\sum_c y_c - y)` (:math:`(s/T)(q - y)` for a
   normalised target), which the backward only scales by the incoming
-  gradient. ``reduction`` picks :math:`s`: ``"batchmean"`` :math:`T^2/N` (default, §2.4),
+  gradient. ``reduction`` picks :math:`s`: ``"batchmean"`` :math:`T^2/N` (default),
   ``"feddf"`` :math:`1/N`, ``"dafkd"`` :math:`T^2/(NC)`, ``"sum"`` :math:`T^2`.
 """
 
@@ -173,8 +173,8 @@ def _pseudo_setup(ctx, inputs, output):
 
 
 def _pseudo_backward(ctx, grad_y, grad_w):
-    """§4 K3 (combine), then K1 (normalisation over clients) and K2 (entropy/variance scores),
-    in the accumulate dtype."""
+    """Three stages (docs/algorithms/distillation.md, "8. Ops"): the combine, the normalisation
+    of the weights over clients, the scores (entropy, odds, variance); in the accumulate dtype."""
     logits, scores, log_prior, y, w = ctx.saved_tensors
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
     L, y, w = logits.to(acc), y.to(acc), w.to(acc)
@@ -182,7 +182,7 @@ def _pseudo_backward(ctx, grad_y, grad_w):
     T = ctx.temperature
     gy = torch.zeros_like(y) if grad_y is None else grad_y.to(acc)
     gw = torch.zeros_like(w) if grad_w is None else grad_w.to(acc)
-    # Combine (K3).
+    # Combine.
     if ctx.combine == "logits":
         gm = y * (gy - (y * gy).sum(-1, keepdim=True)) / T  # [N, C]
         grad_L = w[:, :, None] * gm[None]
@@ -192,7 +192,7 @@ def _pseudo_backward(ctx, grad_y, grad_w):
         wg = w[:, :, None] * gy[None]
         grad_L = p * (wg - (p * wg).sum(-1, keepdim=True)) / T
         gw = gw + (p * gy[None]).sum(-1)
-    # Normalisation over clients (K1): d/d(score) of softmax or linear weights.
+    # Normalisation over clients: d/d(score) of softmax or linear weights.
     centred = gw - (w * gw).sum(0, keepdim=True)  # [K, N]
     grad_scores = grad_prior = None
     weighting = ctx.weighting

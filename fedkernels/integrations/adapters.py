@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-import fedkernels
+from fedkernels.aggregate import aggregate
 
 __all__ = [
     "FlatLayout",
@@ -79,7 +79,7 @@ def aggregate_into_module(
     out = module_state(target, buffers=buffers)
     states = [module_state(c, buffers=buffers) if isinstance(c, nn.Module)
               else {n: c[n] for n in out} for c in clients]
-    fedkernels.aggregate(states, weights, base=out if delta else None, scale=scale,
+    aggregate(states, weights, base=out if delta else None, scale=scale,
                          normalize=normalize, out=out, int_policy=int_policy)
     return target
 
@@ -164,7 +164,7 @@ class FlatLayout:
 
     >>> layout = FlatLayout.of(model.state_dict())              # doctest: +SKIP
     >>> vec = layout.flatten(model.state_dict())                # [P]
-    >>> avg = fedkernels.aggregate(torch.stack(vecs), w, normalize=True)  # [K, P] -> [P]
+    >>> avg = aggregate(torch.stack(vecs), w, normalize=True)  # [K, P] -> [P]
     >>> model.load_state_dict(layout.unflatten(avg))
     """
 
@@ -175,7 +175,7 @@ class FlatLayout:
 
     @staticmethod
     def of(model: nn.Module | Mapping[str, Tensor] | Sequence[Tensor], *,
-           buffers: bool = False) -> "FlatLayout":
+           buffers: bool = False) -> FlatLayout:
         """The layout of a state_dict, a tensor list, or a module (its parameters, plus its
         buffers with ``buffers=True``)."""
         if isinstance(model, nn.Module):

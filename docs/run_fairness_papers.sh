@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every table of docs/participation.md and docs/fairness.md that compares with the papers, in
+# one command (about 45 minutes on 2 CPU cores with seeds 0,1,2; each table alone takes a few
+# minutes: python docs/fairness_papers.py NAME). Extra arguments go to docs/fairness_papers.py:
+#
+#   docs/run_fairness_papers.sh                      # 3 seeds, the tuned values in docs/experiments/
+#   docs/run_fairness_papers.sh --seeds 0,1,2,3,4    # the 5-seed version
+#   docs/run_fairness_papers.sh --tune               # redo the validation sweeps first (long)
+#   docs/run_fairness_papers.sh --long               # add FedAU without cutoff and average-all
+#   docs/run_fairness_papers.sh --save               # write bench/results/compare_* and docs/*.png
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+exec "$PYTHON" docs/fairness_papers.py all "$@"

@@ -1,0 +1,42 @@
+"""The ``fedkernels`` command line: ``fedkernels run`` (one experiment, :mod:`.run`) and
+``fedkernels compare`` (several algorithms over several seeds, :mod:`.compare`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from . import check, compare, run
+
+# command -> (one line of help, its main taking the arguments after the command's name)
+COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
+    "run": ("run one federated experiment", run.main),
+    "compare": ("run several algorithms over several seeds: one table, one plot", compare.main),
+    "check": ("check this installation: builds, every op against its reference, bandwidth", check.main),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, (text, _) in COMMANDS.items()]
+    return (
+        "usage: fedkernels COMMAND [OPTIONS]\n\ncommands:\n" + "\n".join(lines)
+        + "\n\nfedkernels COMMAND --help shows the options of one command."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fedkernels`` script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command in COMMANDS:
+        return COMMANDS[command][1](rest)
+    if command in ("-h", "--help"):
+        print(_usage())
+        return 0
+    problem = f"unknown command {command!r}" if command else "no command given"
+    print(
+        f"fedkernels: error: {problem} (commands: {', '.join(COMMANDS)}; see fedkernels --help)",
+        file=sys.stderr,
+    )
+    return 2

@@ -1,0 +1,72 @@
+"""What the commands share about their command lines: argparse errors as one line with a hint,
+one-line error reports, and the check that the optional ``sim`` extra is installed."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+from collections.abc import Sequence
+
+from fedkernels.sim.config import ConfigError
+
+SIM_EXTRA_INSTALL = 'pip install "fedkernels[sim]"'
+# import names of the packages of the ``sim`` extra (pyproject.toml)
+SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "matplotlib", "yaml"})
+
+
+class UsageError(ConfigError):
+    """A malformed command line (unknown flag, missing value), reported like a bad value."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` without abbreviated flags whose errors are exceptions, so that the
+    command prints them as its own one-line message."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(message)
+
+    def parse_strict(self, argv: Sequence[str]) -> argparse.Namespace:
+        """``parse_args`` whose leftover arguments name the closest known flag."""
+        args, extras = self.parse_known_args(list(argv))
+        if extras:
+            raise UsageError(self.unrecognized(extras[0]))
+        return args
+
+    def unrecognized(self, token: str) -> str:
+        if not token.startswith("-"):
+            return f"unexpected argument {token!r} (a flag takes one value; lists are A,B,...)"
+        flag = token.split("=", 1)[0]
+        known = [s for action in self._actions for s in action.option_strings]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"unrecognized argument {flag}{hint}"
+
+
+def one_line(message: object) -> str:
+    """``message`` on one line (some parsers' messages span several)."""
+    return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
+
+
+def missing_extra(err: ModuleNotFoundError) -> str | None:
+    """The message for ``err`` when it is a package of the ``sim`` extra, else ``None``."""
+    name = (err.name or "").split(".")[0]
+    if name not in SIM_EXTRA_MODULES:
+        return None
+    return f"no module named {name!r}, which the sim extra provides: {SIM_EXTRA_INSTALL}"
+
+
+def require_extra(module: str, purpose: str, instead: str | None = None) -> None:
+    """Raises :class:`ConfigError` with the install command when ``module`` (of the ``sim``
+    extra) cannot be imported; ``instead`` names a flag that avoids needing it."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        alternative = f" (or run with {instead})" if instead else ""
+        raise ConfigError(
+            f"{purpose} needs {module}, from the sim extra: {SIM_EXTRA_INSTALL}{alternative}"
+        ) from None

@@ -1,0 +1,410 @@
+"""``fedkernels run``: one federated experiment.
+
+Its flags map one to one onto :class:`fedkernels.sim.config.ExperimentConfig`: top-level fields
+are ``--rounds``, ``--seed``, ...; section fields are ``--section.field``
+(``--partition.alpha 0.3``); the chosen algorithm's parameters are ``--<algorithm>.<field>``
+(``--fedprox.mu 0.01``). ``--config FILE`` reads the same tree from YAML or JSON first; flags
+override it. The output folder receives ``config.json``, ``checkpoint.pt`` (after every
+``checkpoint_every`` rounds), ``results.json`` and two PNG plots; ``--resume`` continues from the
+checkpoint there, and a folder that already holds a run is replaced only with ``--overwrite``.
+
+``--algorithm`` also takes ``package.module:Class`` and the names of installed plugins (entry
+point group ``fedkernels.algorithms``, see :mod:`fedkernels.algorithms.registry`). Because the
+chosen algorithm's flags must exist before the command line is parsed, :func:`main` first looks
+for the algorithm alone (flag, then ``--config`` file, then the saved run on ``--resume``).
+
+Every error (flag, value, file) is one line, ``fedkernels run: error: ...``, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from fedkernels.algorithms.registry import (
+    ENTRY_POINT_GROUP,
+    available,
+    build_strategy,
+    is_import_path,
+    registered,
+    strategy_class,
+)
+from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
+
+from .config_file import load_config_file
+from .parsing import Parser, UsageError, missing_extra, one_line, require_extra
+
+CONFIG_NAME = "config.json"
+CHECKPOINT_NAME = "checkpoint.pt"
+RESULTS_NAME = "results.json"
+CURVES_NAME = "curves.png"
+CLIENTS_NAME = "client_accuracy.png"
+# what a run writes into its folder (``--overwrite`` removes these and nothing else)
+OUTPUT_NAMES = (
+    CONFIG_NAME,
+    CHECKPOINT_NAME,
+    CHECKPOINT_NAME + ".partial",
+    RESULTS_NAME,
+    CURVES_NAME,
+    CLIENTS_NAME,
+)
+# files that mean a folder holds a run worth keeping
+RUN_MARKERS = (RESULTS_NAME, CHECKPOINT_NAME)
+DEFAULT_ALGORITHM = "fedavg"
+
+
+def _add_field(
+    group: argparse._ActionsContainer,
+    flag: str,
+    f: dataclasses.Field,
+    tp: Any,
+    metavar: str | None = None,
+    hidden: bool = False,
+) -> None:
+    """One ``--flag VALUE`` for a config field; values stay strings until :func:`from_dict`."""
+    help_text = f.metadata.get("help", "")
+    if "(default:" not in help_text:  # some fields describe their default in words
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{help_text} (default: {default})"
+    options: dict[str, Any] = {"dest": flag, "default": argparse.SUPPRESS}
+    inner = [a for a in get_args(tp) if a is not type(None)] or [tp]
+    if metavar is not None:
+        options["metavar"] = metavar
+    elif get_origin(tp) is Literal:
+        options["metavar"] = "{" + ",".join(map(str, get_args(tp))) + "}"
+    elif tp is bool:
+        options.update(nargs="?", const="true", metavar="BOOL")
+    elif get_origin(tp) is list or get_origin(inner[0]) is list:
+        options["metavar"] = "A,B,..."
+    else:
+        options["metavar"] = getattr(inner[0], "__name__", "VALUE").upper()
+    group.add_argument(f"--{flag}", help=argparse.SUPPRESS if hidden else help_text, **options)
+
+
+def _epilog(chosen: str) -> str:
+    names = textwrap.fill(", ".join(available()), width=76, initial_indent="  ",
+                          subsequent_indent="  ")
+    return (
+        f"Only the options of the chosen algorithm ({chosen}) are listed; each algorithm has\n"
+        "its own --<algorithm>.<field> options, shown by\n"
+        "  fedkernels run --algorithm NAME --help\n"
+        f"Algorithms:\n{names}\n"
+        "or your own Strategy subclass: --algorithm package.module:Class, or the name of an\n"
+        f"installed plugin (entry point group {ENTRY_POINT_GROUP!r})."
+    )
+
+
+def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
+    """The parser of ``fedkernels run`` whose help shows ``algorithm``'s options (a name or
+    import path; the other algorithms' options are accepted but not listed)."""
+    chosen = strategy_class(algorithm)
+    parser = Parser(
+        prog="fedkernels run",
+        usage="%(prog)s [--config FILE] [--out DIR] [--resume | --overwrite] [--FIELD VALUE ...] "
+        "[--SECTION.FIELD VALUE ...] [--ALGORITHM.FIELD VALUE ...]",
+        description="Run a federated experiment; writes results.json, plots and a resumable "
+        "checkpoint into --out.",
+        epilog=_epilog(chosen.name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--config", metavar="FILE", help="YAML or JSON file with the configuration tree"
+    )
+    parser.add_argument(
+        "--out", metavar="DIR", help="output folder (default: runs/<algorithm>-<data>-seed<seed>)"
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue the run whose checkpoint is in --out"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in --out (without it such a folder is refused)",
+    )
+    parser.add_argument(
+        "--threads", type=int, metavar="N", help="torch CPU threads (torch.set_num_threads)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+    top = parser.add_argument_group("experiment")
+    types = field_types(ExperimentConfig)
+    for f in dataclasses.fields(ExperimentConfig):
+        if f.name in SECTIONS or f.name == "algorithm_params":
+            continue
+        if f.name == "algorithm":
+            top.add_argument(
+                "--algorithm",
+                dest="algorithm",
+                default=argparse.SUPPRESS,
+                metavar="NAME",
+                help="the algorithm: a name listed below, package.module:Class, or an installed "
+                f"plugin (default: {DEFAULT_ALGORITHM})",
+            )
+            continue
+        _add_field(top, f.name, f, types[f.name])
+    for section in SECTIONS:
+        cls = types[section]
+        group = parser.add_argument_group(section)
+        section_types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f"{section}.{f.name}", f, section_types[f.name])
+    for name in registered():
+        cls = strategy_class(name).config_class
+        shown = name == chosen.name
+        if cls is None:
+            if shown:
+                parser.add_argument_group(
+                    f"algorithm {name}", f"{name} has no options of its own"
+                )
+            continue
+        group = parser.add_argument_group(f"algorithm {name}") if shown else parser
+        algorithm_types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            _add_field(group, f"{name}.{f.name}", f, algorithm_types[f.name], hidden=not shown)
+    return parser
+
+
+# argparse destinations that are options of the command, not configuration fields
+_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots"}
+
+
+def resolve_config(
+    args: argparse.Namespace, base: dict[str, Any] | None = None
+) -> ExperimentConfig:
+    """``base`` (a saved config), then ``--config``, then the flags, as one checked config."""
+    tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    if args.config:
+        for key, value in load_config_file(args.config).items():
+            tree[key] = value
+    given = {k: v for k, v in vars(args).items() if k not in _RUN_OPTIONS}
+    for flag, value in given.items():
+        head = flag.split(".", 1)[0]
+        if "." in flag and head not in SECTIONS:
+            continue  # algorithm parameters, below
+        set_dotted(tree, flag, value)
+    algorithm = tree.get("algorithm", DEFAULT_ALGORITHM)
+    if not isinstance(algorithm, str):
+        raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
+    name = strategy_class(algorithm).name
+    for flag, value in given.items():
+        head, _, param = flag.partition(".")
+        if param and head not in SECTIONS:
+            if head != name:
+                raise ConfigError(
+                    f"--{flag} is a parameter of {head}, but the algorithm is {algorithm}"
+                )
+            tree.setdefault("algorithm_params", {})[param] = value
+    return from_dict(ExperimentConfig, tree)
+
+
+def run_experiment(
+    config: ExperimentConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    progress: bool = True,
+    plots: bool = True,
+) -> dict[str, Any]:
+    """Runs ``config`` with its algorithm, writing the outputs into ``out``; returns the
+    ``results.json`` content. ``overwrite`` removes a previous run's files from ``out`` once
+    the experiment has been set up (and so checked)."""
+    from fedkernels.sim.plots import plot_client_accuracy, plot_curves
+    from fedkernels.sim.run import Simulation
+
+    strategy = build_strategy(config.algorithm, config.algorithm_params)
+    simulation = Simulation(config, strategy, checkpoint=out / CHECKPOINT_NAME)
+    if resume:
+        simulation.load_checkpoint()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
+    if overwrite:
+        for name in OUTPUT_NAMES:
+            (out / name).unlink(missing_ok=True)
+    saved = simulation.config.to_dict()
+    if is_import_path(config.algorithm):
+        saved["algorithm"] = config.algorithm  # so that --resume can import it again
+    (out / CONFIG_NAME).write_text(json.dumps(saved, indent=2) + "\n")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=config.rounds, initial=simulation.next_round, unit="round", file=sys.stderr
+        )
+
+    def report(record: dict[str, Any]) -> None:
+        if bar is not None:
+            if "test_accuracy" in record:
+                bar.set_postfix(acc=f"{record['test_accuracy']:.3f}")
+            bar.update(1)
+
+    try:
+        result = simulation.run(on_round=report)
+    finally:
+        if bar is not None:
+            bar.close()
+    result.write_json(out / RESULTS_NAME)
+    if plots:
+        plot_curves(result, out / CURVES_NAME)
+        plot_client_accuracy(result, out / CLIENTS_NAME)
+    return result.to_dict()
+
+
+def _default_out(config: ExperimentConfig) -> Path:
+    name = strategy_class(config.algorithm).name
+    return Path("runs") / f"{name}-{config.data.name}-seed{config.seed}"
+
+
+def _chosen_algorithm(argv: list[str]) -> str:
+    """The algorithm the command line asks for, found before the full parse (whose flags
+    depend on it): ``--algorithm``, else the ``--config`` file's, else, with ``--resume``, the
+    saved run's. Problems are left for the full parse to report."""
+    pre = Parser(add_help=False)
+    for flag in ("--algorithm", "--config", "--out"):
+        pre.add_argument(flag)
+    pre.add_argument("--resume", action="store_true")
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except UsageError:
+        return DEFAULT_ALGORITHM
+    if known.algorithm:
+        return known.algorithm
+    trees = []
+    if known.config:
+        trees.append(lambda: load_config_file(known.config))
+    if known.resume and known.out:
+        trees.append(lambda: json.loads((Path(known.out) / CONFIG_NAME).read_text()))
+    for read in trees:
+        try:
+            tree = read()
+        except (ConfigError, OSError, ValueError):
+            continue
+        if isinstance(tree, dict) and isinstance(tree.get("algorithm"), str):
+            return tree["algorithm"]
+    return DEFAULT_ALGORITHM
+
+
+def _saved_config(out: Path) -> dict[str, Any]:
+    """The configuration tree of the run in ``out`` (for ``--resume``), checked."""
+    path = out / CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"cannot resume: no {CONFIG_NAME} in {out}")
+    try:
+        tree = json.loads(path.read_text())
+    except (OSError, ValueError) as err:  # ValueError: bad JSON or bad UTF-8
+        raise ConfigError(f"cannot resume: {path} is empty or damaged ({one_line(err)})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"cannot resume: {path} does not hold a configuration mapping")
+    try:
+        from_dict(ExperimentConfig, tree)
+    except ConfigError as err:
+        raise ConfigError(f"cannot resume: {path}: {err}") from None
+    return tree
+
+
+def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuses an output folder that cannot be one, or that holds a run to keep."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --out and --overwrite replaces it: "
+                          "give one of them")
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            what = "" if path == out else f": {path}"
+            raise ConfigError(f"--out {out}{what} exists and is not a folder")
+    if resume or overwrite or not out.is_dir():
+        return
+    found = [name for name in RUN_MARKERS if (out / name).exists()]
+    if found:
+        raise ConfigError(
+            f"--out {out} already holds a run ({', '.join(found)}): add --resume to continue "
+            "it or --overwrite to replace it"
+        )
+
+
+def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool) -> None:
+    """The optional packages this run will import, checked before anything is written."""
+    if progress:
+        require_extra("tqdm", "the progress bar", "--no-progress")
+    if plots:
+        require_extra("matplotlib", "plotting", "--no-plots")
+    if config.data.name == "digits":
+        require_extra("sklearn", "the digits data set")
+
+
+def _continue_command(out: Path, args: argparse.Namespace) -> str:
+    command = ["fedkernels", "run", "--resume", "--out", str(out)]
+    if args.threads is not None:
+        command += ["--threads", str(args.threads)]
+    command += ["--no-progress"] * args.no_progress + ["--no-plots"] * args.no_plots
+    return shlex.join(command)
+
+
+def _error(message: object) -> int:
+    print(f"fedkernels run: error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fedkernels run ...`` (``argv`` holds what follows the word ``run``)."""
+    argv = sys.argv[2:] if argv is None else list(argv)
+    args: argparse.Namespace | None = None
+    out: Path | None = None
+    try:
+        parser = build_parser(_chosen_algorithm(argv))
+        try:
+            args = parser.parse_strict(argv)
+        except SystemExit as done:  # --help
+            return done.code if isinstance(done.code, int) else 0
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ConfigError("--threads must be >= 1")
+            import torch
+
+            torch.set_num_threads(args.threads)
+        saved = None
+        if args.resume:
+            if not args.out:
+                raise ConfigError("--resume needs --out, the folder of the run to continue")
+            saved = _saved_config(Path(args.out))
+        config = resolve_config(args, saved)
+        out = Path(args.out) if args.out else _default_out(config)
+        _check_out(out, resume=args.resume, overwrite=args.overwrite)
+        _check_extras(config, progress=not args.no_progress, plots=not args.no_plots)
+        results = run_experiment(
+            config,
+            out,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+            plots=not args.no_plots,
+        )
+    except ConfigError as err:
+        return _error(err)
+    except ModuleNotFoundError as err:
+        message = missing_extra(err)
+        if message is None:
+            raise
+        return _error(message)
+    except KeyboardInterrupt:
+        if args is not None and out is not None and (out / CHECKPOINT_NAME).is_file():
+            print(f"\ninterrupted; continue with: {_continue_command(out, args)}", file=sys.stderr)
+        else:
+            print("\ninterrupted before the first checkpoint; nothing to resume", file=sys.stderr)
+        return 130
+    summary = results["summary"]
+    print(
+        f"test accuracy {summary['test_accuracy']:.4f}, client accuracy mean "
+        f"{summary['client_accuracy_mean']:.4f} worst-10% {summary['client_accuracy_worst10']:.4f} "
+        f"-> {out / RESULTS_NAME}"
+    )
+    return 0

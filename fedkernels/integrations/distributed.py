@@ -1,0 +1,639 @@
+r"""Weighted aggregation when the clients' updates live on different ranks (``torch.distributed``).
+
+Each rank holds some of the K clients. It sums its share with the fused ``weighted_sum`` op
+into one flat accumulator (fp32 for fp32/fp16/bf16 models, fp64 for fp64) whose last element
+is its share of :math:`\sum_k w_k`; then **one** ``all_reduce`` of that one model-sized buffer
+gives every rank
+
+.. math:: S = \sum_{k} w_k x_k \quad\text{or, with a base } b,\quad
+          S = \sum_k w_k (x_k - b), \qquad W = \sum_k w_k,
+
+and the result is :math:`\mathrm{scale}\cdot S / [W]` (plain) or
+:math:`b + \mathrm{scale}\cdot S / [W]` (delta mode, the server-learning-rate form), with the
+division by :math:`W` only when ``normalize``: exactly what :func:`fedkernels.aggregate` gives on
+the union of all ranks' clients, up to float rounding. Integer tensors
+(``num_batches_tracked``) follow ``int_policy`` with a second, tiny all-reduce (``max``).
+
+The ranks first agree on what they are about to sum. The buffer is laid out in a canonical
+order (a state_dict's tensors sorted by name, a list's by position), so ranks whose dicts hold
+the same keys in another order still add tensor to tensor by name. Before the model-sized
+all-reduce, one small ``all_gather`` of a fixed-size record per rank (a status, the client
+count and a SHA-256 of the layout: kind, names, shapes, dtypes, device type, ``int_policy``
+and the call's flags) checks that every rank is ready and that the layouts agree. When they
+do not, or a rank failed its local checks (a NaN weight, a bad tensor), a second small gather
+exchanges the descriptions, and every rank raises the same ``ValueError`` or ``TypeError``
+naming the rank and the tensor at fault: no rank crashes in the backend, none waits for the
+others until the process-group timeout, and nothing is summed.
+
+- :func:`all_reduce_aggregate`: the one-call form.
+- :class:`WeightedPartial`: the pieces, for hierarchical aggregation (reduce inside a node or a
+  region with ``group=``, then across the leaders, then broadcast), or for adding partial sums
+  that arrive by other means.
+
+Any backend works: gloo for CPU tensors, NCCL for CUDA tensors (the buffer lives on the
+updates' device; with NCCL the small agreement record lives on the current CUDA device). A
+rank with no clients passes an empty list and ``like=`` (or ``base``) for the model's
+structure; it still takes part in the collectives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fedkernels.model_layout import INT_POLICIES, Model, ModelLayout, split_clients, weight_vector
+from fedkernels.ops import summation
+
+__all__ = ["WeightedPartial", "all_reduce_aggregate"]
+
+API = "fedkernels.integrations.distributed"
+
+
+def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _name_key(name) -> tuple[str, str]:
+    """A total order on state_dict keys that every process computes the same way."""
+    return type(name).__name__, repr(name)
+
+
+def _canonical_layout(template: Model, what: str) -> tuple[ModelLayout, list]:
+    """The layout with a state_dict's names sorted (the order every rank shares), and the
+    template's own order (the order of the result)."""
+    layout = ModelLayout.of(template, what)
+    if layout.kind != "dict":
+        return layout, list(layout.names)
+    float_of = dict(zip(layout.names, layout.float_mask))
+    names = sorted(layout.names, key=_name_key)
+    return ModelLayout("dict", names, [float_of[n] for n in names]), list(layout.names)
+
+
+def _describe_tensor(t: Tensor) -> str:
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def _check_same_structure(layout: ModelLayout, clients: list[list[Tensor]],
+                          base: list[Tensor] | None, like: list[Tensor]) -> None:
+    """Local checks, before anything is summed: every client like client 0 (or like ``like``
+    on a rank without clients), and ``base`` like them (float entries may be float32 for half
+    precision clients, as in :func:`fedkernels.aggregate`)."""
+    reference = clients[0] if clients else like
+    who = "client 0" if clients else "like"
+    for k, tensors in enumerate(clients[1:], start=1):
+        for name, t, r in zip(layout.names, tensors, reference):
+            if t.shape != r.shape or t.device != r.device:
+                raise ValueError(f"{API}: client {k}, tensor {layout.label(name)} is "
+                                 f"{_describe_tensor(t)}, {who} has {_describe_tensor(r)}")
+            if t.dtype != r.dtype:
+                raise TypeError(f"{API}: client {k}, tensor {layout.label(name)} has dtype "
+                                f"{t.dtype}, {who} has {r.dtype}")
+    if base is None:
+        return
+    for name, b, r, f in zip(layout.names, base, reference, layout.float_mask):
+        ok_dtype = b.dtype == r.dtype or (f and b.dtype == torch.float32
+                                          and r.dtype in (torch.float16, torch.bfloat16))
+        if b.shape != r.shape or b.device != r.device or not ok_dtype:
+            raise ValueError(f"{API}: base tensor {layout.label(name)} is {_describe_tensor(b)}, "
+                             f"{who} has {_describe_tensor(r)}")
+
+
+def _as_timeout(timeout) -> timedelta | None:
+    if timeout is None or isinstance(timeout, timedelta):
+        seconds = None if timeout is None else timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{API}: timeout must be seconds (a number) or a datetime.timedelta, "
+                        f"not {type(timeout).__name__}")
+    if seconds is None:
+        return None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"{API}: timeout must be a positive number of seconds, got {seconds}")
+    return timedelta(seconds=seconds)
+
+
+# ---------------------------------------------------------------- collectives with a bound
+
+
+def _group_ranks(group) -> list[int]:
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"{API}: this process (global rank {dist.get_rank()}) is not a member "
+                         "of the group it was given; only the group's ranks may call")
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def _control_device(group, fallback: torch.device) -> torch.device:
+    """Where the small agreement tensors live: the CPU for gloo (or a gloo/NCCL mix), the
+    current CUDA device for NCCL, the buffer's device otherwise."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or backend == "mpi":
+        return torch.device("cpu")
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
+
+
+def _wait(work, timeout: timedelta | None, what: str, group) -> None:
+    """Waits for an asynchronous collective, at most ``timeout`` (else the process group's
+    own timeout). A dead, crashed or absent rank becomes a ``RuntimeError`` here."""
+    if work is None:  # not a member: refused earlier by _group_ranks
+        return
+    cause: RuntimeError | None = None
+    try:
+        done = work.wait() if timeout is None else work.wait(timeout=timeout)
+        failure = None if done is not False else "the wait returned False"
+    except RuntimeError as err:
+        cause = err
+        failure = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if failure is None:
+        return
+    bound = "the process group's timeout" if timeout is None else f"{timeout.total_seconds():g} s"
+    raise RuntimeError(
+        f"{API}: the {what} over {dist.get_world_size(group)} ranks failed: a rank died, "
+        f"crashed or did not join it within {bound} ({failure}). This process group can no "
+        "longer be used: destroy it (dist.destroy_process_group()) and start the ranks "
+        "again") from cause
+
+
+def _all_gather(t: Tensor, group, timeout: timedelta | None, what: str) -> list[Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    _wait(dist.all_gather(parts, t, group=group, async_op=True), timeout, what, group)
+    return parts
+
+
+def _all_reduce(t: Tensor, op, group, timeout: timedelta | None, what: str) -> None:
+    _wait(dist.all_reduce(t, op=op, group=group, async_op=True), timeout, what, group)
+
+
+# ---------------------------------------------------------------- agreement
+
+_OK, _FAILED = 0, 1
+
+
+def _entry_label(kind: str, label: str) -> str:
+    return "the tensor" if kind == "tensor" else f"tensor {label}"
+
+
+def _difference(a: dict, b: dict, ra: int, rb: int) -> str:
+    """The first way in which rank ``rb``'s model description differs from rank ``ra``'s."""
+    kinds = {"dict": "a state_dict", "list": "a sequence of tensors", "tensor": "one tensor"}
+    if a["kind"] != b["kind"]:
+        return (f"rank {rb} passes {kinds[b['kind']]} per client, rank {ra} "
+                f"{kinds[a['kind']]}")
+    for flag in sorted(set(a["flags"]) | set(b["flags"])):
+        va, vb = a["flags"].get(flag), b["flags"].get(flag)
+        if va != vb:
+            if flag == "delta":
+                given = lambda v: "passes base= (delta mode)" if v else "passes no base"  # noqa: E731
+                return f"rank {rb} {given(vb)}, rank {ra} {given(va)}"
+            return f"{flag} is {vb!r} on rank {rb}, {va!r} on rank {ra}"
+    ea = {e[0]: e for e in a["entries"]}
+    eb = {e[0]: e for e in b["entries"]}
+    if a["kind"] == "list" and len(ea) != len(eb):
+        return f"rank {rb} has {len(eb)} tensors per model, rank {ra} has {len(ea)}"
+    missing = [n for n in ea if n not in eb]
+    if missing:
+        return (f"tensor {missing[0]} is missing on rank {rb} (rank {ra} has it; missing: "
+                f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''})")
+    extra = [n for n in eb if n not in ea]
+    if extra:
+        return (f"rank {rb} has tensor {extra[0]}, which rank {ra} does not have (unexpected: "
+                f"{', '.join(extra[:5])}{', ...' if len(extra) > 5 else ''})")
+    for label, (_, shape_a, dtype_a, device_a) in ea.items():
+        _, shape_b, dtype_b, device_b = eb[label]
+        what = _entry_label(a["kind"], label)
+        if shape_a != shape_b:
+            return (f"{what} has shape {tuple(shape_b)} on rank {rb}, {tuple(shape_a)} on "
+                    f"rank {ra}")
+        if dtype_a != dtype_b:
+            return f"{what} has dtype {dtype_b} on rank {rb}, {dtype_a} on rank {ra}"
+        if device_a != device_b:
+            return f"{what} is on a {device_b} device on rank {rb}, {device_a} on rank {ra}"
+    return f"rank {rb}'s model description differs from rank {ra}'s"
+
+
+def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
+    """The one exception every rank raises, built from every rank's payload."""
+    failed = [i for i, p in enumerate(payloads) if "error" in p]
+    if failed:
+        kind, message = payloads[failed[0]]["error"]
+        others = (f" (ranks that failed: {[ranks[i] for i in failed]})" if len(failed) > 1
+                  else "")
+        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+        return cls(f"{API}: rank {ranks[failed[0]]} failed before the all-reduce, so no rank "
+                   f"aggregated: {message}{others}")
+    models = [p["model"] for p in payloads]
+    differ = [i for i in range(1, len(models)) if models[i] != models[0]]
+    if not differ:  # equal descriptions, unequal digests: cannot happen, but say so plainly
+        return RuntimeError(f"{API}: the ranks' layout digests differ although their "
+                            "descriptions agree")
+    first = differ[0]
+    others = (f" (ranks that differ from rank {ranks[0]}: {[ranks[i] for i in differ]})"
+              if len(differ) > 1 else "")
+    return ValueError(f"{API}: the ranks disagree on what to aggregate: "
+                      f"{_difference(models[0], models[first], ranks[0], ranks[first])}{others}")
+
+
+def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dict | None,
+           error: BaseException | None, count: int, require_clients: bool) -> list[int]:
+    """One small all_gather of ``[status, count, payload length, digest]`` per rank. Returns
+    every rank's client count when all are ready and describe the same model; otherwise
+    exchanges the payloads (a second small gather) and raises the same exception on every
+    rank, naming the rank and the tensor at fault."""
+    ranks = _group_ranks(group)
+    if error is not None:
+        payload = {"error": [type(error).__name__, str(error)]}
+        status, digest = _FAILED, bytes(32)
+    else:
+        payload = {"model": model}
+        status = _OK
+        digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).digest()
+    blob = json.dumps(payload, sort_keys=True).encode()
+    head = torch.tensor([status, count, len(blob), *struct.unpack("<4q", digest)],
+                        dtype=torch.int64, device=device)
+    heads = [h.tolist() for h in _all_gather(head, group, timeout, "layout agreement")]
+    if all(h[0] == _OK for h in heads) and all(h[3:] == heads[0][3:] for h in heads):
+        counts = [h[1] for h in heads]
+        if require_clients and sum(counts) == 0:
+            raise ValueError(f"{API}: no client updates on any of the {len(ranks)} ranks "
+                             "(K = 0)")
+        return counts
+    longest = max(h[2] for h in heads)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    blobs = _all_gather(mine.to(device), group, timeout, "layout disagreement report")
+    payloads = [json.loads(bytes(b[:h[2]].cpu().tolist()).decode()) for b, h in zip(blobs, heads)]
+    raise _disagreement(ranks, payloads)
+
+
+class WeightedPartial:
+    r"""A partial weighted sum :math:`S` over some clients and their :math:`W = \sum w_k`,
+    held in one flat buffer per accumulate dtype (usually one), plus the integer tensors.
+
+    Build it with :meth:`from_clients`, combine across ranks with :meth:`all_reduce` (or
+    :meth:`reduce` + :meth:`broadcast` for hierarchies), and read the model with
+    :meth:`result`. Each collective method first checks, with one small all_gather, that
+    every rank of the group holds a partial of the same layout (else every rank raises the
+    same ``ValueError``); ``timeout=`` (seconds or a ``timedelta``) bounds every wait."""
+
+    def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
+                 int_policy: str, order: list | None = None) -> None:
+        self.layout = layout
+        self.order = list(layout.names) if order is None else order
+        self.base = base
+        self.int_policy = int_policy
+        self.dtypes = [t.dtype for t in like]
+        self.shapes = [t.shape for t in like]
+        device = like[0].device if like else torch.device("cpu")
+        self.device = device
+        floats = [i for i, f in enumerate(layout.float_mask) if f]
+        # One buffer per accumulate dtype; the first also carries W in its last element.
+        groups: dict[torch.dtype, list[int]] = {}
+        for i in floats:
+            groups.setdefault(_accumulate_dtype(like[i].dtype), []).append(i)
+        if not groups:
+            groups[torch.float64] = []
+        self.buffers: list[Tensor] = []
+        self.views: dict[int, Tensor] = {}
+        for n, (dtype, members) in enumerate(groups.items()):
+            size = sum(like[i].numel() for i in members) + (1 if n == 0 else 0)
+            buffer = torch.zeros(size, dtype=dtype, device=device)
+            offset = 0
+            for i in members:
+                numel = like[i].numel()
+                self.views[i] = buffer[offset:offset + numel].view(like[i].shape)
+                offset += numel
+            self.buffers.append(buffer)
+        self.ints: dict[int, Tensor] = {}
+        self.count = 0
+        self._counts: dict[int, int] = {}  # every rank's client count, from the agreement
+
+    @property
+    def total_weight(self) -> Tensor:
+        """:math:`W`, a 0-d tensor on the buffer's device (a view: reduced with the buffer)."""
+        return self.buffers[0][-1]
+
+    # ---------------------------------------------------------------- building
+
+    @classmethod
+    def from_clients(cls, updates: Sequence[Model], weights, *, base: Model | None = None,
+                     like: Model | None = None, int_policy: str = "max") -> WeightedPartial:
+        r"""The partial sum over this rank's clients: one fused pass
+        :math:`S \mathrel{+}= \sum_k w_k x_k` (with ``base``: the inputs ``x_1..x_K, b`` with
+        weights ``w_1..w_K, -\sum w``, i.e. :math:`\sum_k w_k (x_k - b)`).
+
+        ``updates`` may be empty (a rank without clients); then ``like`` or ``base`` gives
+        the structure. Every input is checked before anything is summed."""
+        if int_policy not in INT_POLICIES:
+            raise ValueError(f"{API}: int_policy must be one of {INT_POLICIES}, "
+                             f"not {int_policy!r}")
+        models, _ = split_clients(updates)
+        template = models[0] if models else (like if like is not None else base)
+        if template is None:
+            raise ValueError(f"{API}: a rank without clients needs like= or base= (the "
+                             "model's structure)")
+        what = "client 0" if models else ("like" if like is not None else "base")
+        layout, order = _canonical_layout(template, what)
+        clients = [layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
+        base_tensors = None if base is None else layout.tensors(base, "base")
+        like_tensors = clients[0] if clients else layout.tensors(template, what)
+        _check_same_structure(layout, clients, base_tensors, like_tensors)
+        if clients:
+            w = weight_vector(weights, len(clients), False)
+        elif weights is not None and len(weights) != 0:
+            raise ValueError(f"{API}: weights given but no updates")
+        if int_policy == "error":
+            ints = [n for n, f in zip(layout.names, layout.float_mask) if not f]
+            if ints:
+                raise TypeError(f"{API}: tensor {layout.label(ints[0])} has dtype "
+                                f"{like_tensors[layout.names.index(ints[0])].dtype} and "
+                                "int_policy='error'; choose 'max', 'first' or 'skip'")
+        if base_tensors is not None:
+            like_tensors = [b if f else t for b, t, f in
+                            zip(base_tensors, like_tensors, layout.float_mask)]
+        partial = cls(layout, like_tensors, base_tensors, int_policy, order)
+        if clients:
+            partial._add(clients, w)
+        return partial
+
+    def add_clients(self, updates: Sequence[Model], weights) -> None:
+        """Adds more clients, models of the partial's structure (state_dicts are matched by
+        name), in one fused pass. Every input is checked before anything is added."""
+        models, _ = split_clients(updates)
+        clients = [self.layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
+        half = (torch.float16, torch.bfloat16)
+        for k, tensors in enumerate(clients):
+            for i, (name, t) in enumerate(zip(self.layout.names, tensors)):
+                dtype = self.dtypes[i]
+                ok_dtype = t.dtype == dtype or (self.base is not None and self.layout.float_mask[i]
+                                                and dtype == torch.float32 and t.dtype in half)
+                if t.shape != self.shapes[i] or t.device != self.device or not ok_dtype:
+                    raise ValueError(f"{API}: client {k}, tensor {self.layout.label(name)} is "
+                                     f"{_describe_tensor(t)}, the partial holds {dtype} "
+                                     f"{tuple(self.shapes[i])} on {self.device}")
+        self._add(clients, weight_vector(weights, len(clients), False))
+
+    def _add(self, clients: list[list[Tensor]], weights) -> None:
+        """Adds checked clients (tensor lists in the layout's order) in one fused pass."""
+        w = weight_vector(weights, len(clients), False)
+        if not clients:
+            return
+        floats = [i for i, f in enumerate(self.layout.float_mask) if f]
+        inputs = [c[i] for c in clients for i in floats]
+        views = [self.views[i] for i in floats]
+        total = w.sum()
+        if self.base is not None and floats:
+            base = [self.base[i] for i in floats]
+            if all(b.dtype == clients[0][i].dtype for b, i in zip(base, floats)):
+                # the base is one more input with weight -sum w: one pass
+                inputs += base
+                w = torch.cat([w, -total.reshape(1)])
+            else:
+                # a float32 base under half-precision clients: the op takes one dtype per
+                # tensor across its inputs, so the base term is a second pass
+                summation.weighted_sum_(views, base, -total.reshape(1), 1.0, False)
+        if floats:
+            summation.weighted_sum_(views, inputs, w, 1.0, False)
+        self.total_weight.add_(total.to(self.buffers[0].dtype))
+        for i, f in enumerate(self.layout.float_mask):
+            if f:
+                continue
+            values = [c[i] for c in clients]
+            if self.int_policy == "error":
+                label = self.layout.label(self.layout.names[i])
+                raise TypeError(f"{API}: tensor {label} has dtype {values[0].dtype} and "
+                                "int_policy='error'")
+            if self.int_policy == "max":
+                local = torch.stack(values).amax(dim=0)
+                self.ints[i] = local if i not in self.ints else torch.maximum(self.ints[i], local)
+            else:  # "first" / "skip": the first client seen
+                self.ints.setdefault(i, values[0].clone())
+        self.count += len(clients)
+
+    # ---------------------------------------------------------------- agreement
+
+    def describe(self, **flags) -> dict:
+        """What every rank must agree on, as plain JSON data: the layout kind, each tensor's
+        name, shape, dtype and device type in the canonical order, ``int_policy``, delta mode,
+        and the caller's ``flags`` (e.g. ``normalize``, ``scale``)."""
+        kind = self.layout.kind
+        entries = [["" if kind == "tensor" else self.layout.label(name), list(shape), str(dtype),
+                    self.device.type]
+                   for name, shape, dtype in zip(self.layout.names, self.shapes, self.dtypes)]
+        return {"kind": kind, "entries": entries,
+                "flags": {"int_policy": self.int_policy, "delta": self.base is not None, **flags}}
+
+    def agree(self, group=None, *, timeout=None) -> list[int]:
+        """Checks, with one small all_gather, that every rank of ``group`` holds a partial of
+        the same layout; returns each rank's client count. Every rank raises the same
+        ``ValueError`` (naming the rank and the tensor) when they differ."""
+        ranks = _group_ranks(group)
+        counts = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
+                        model=self.describe(), error=None, count=self.count,
+                        require_clients=False)
+        self._counts = dict(zip(ranks, counts))
+        return counts
+
+    # ---------------------------------------------------------------- collectives
+
+    def all_reduce(self, group=None, *, timeout=None) -> WeightedPartial:
+        """Sums the partials of every rank of ``group`` (one all-reduce per accumulate
+        dtype, usually one; plus a max over the integer tensors), after :meth:`agree`."""
+        self.agree(group, timeout=timeout)
+        return self._all_reduce_agreed(group, _as_timeout(timeout))
+
+    def _all_reduce_agreed(self, group, timeout: timedelta | None) -> WeightedPartial:
+        for buffer in self.buffers:
+            _all_reduce(buffer, dist.ReduceOp.SUM, group, timeout, "all-reduce of the model")
+        self._reduce_ints(group, dst=None, timeout=timeout)
+        self.count = sum(self._counts.values())
+        return self
+
+    def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
+        """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
+        self.agree(group, timeout=timeout)
+        bound = _as_timeout(timeout)
+        for buffer in self.buffers:
+            _wait(dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True),
+                  bound, "reduce of the model", group)
+        self._reduce_ints(group, dst=dst, timeout=bound)
+        if dist.get_rank() == dst:
+            self.count = sum(self._counts.values())
+        return self
+
+    def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
+        """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
+        self.agree(group, timeout=timeout)
+        bound = _as_timeout(timeout)
+        for buffer in self.buffers:
+            _wait(dist.broadcast(buffer, src=src, group=group, async_op=True), bound,
+                  "broadcast of the model", group)
+        for i in self._int_indices():
+            _wait(dist.broadcast(self._int_tensor(i), src=src, group=group, async_op=True),
+                  bound, "broadcast of an integer tensor", group)
+        self.count = self._counts.get(src, self.count)
+        return self
+
+    def _int_indices(self) -> list[int]:
+        return [i for i, f in enumerate(self.layout.float_mask) if not f]
+
+    def _int_tensor(self, i: int) -> Tensor:
+        if i not in self.ints:
+            # A rank without clients: the identity of max, or a placeholder for first/skip.
+            dtype, shape = self.dtypes[i], self.shapes[i]
+            if self.int_policy == "max":
+                fill = False if dtype == torch.bool else torch.iinfo(dtype).min
+                self.ints[i] = torch.full(shape, fill, dtype=dtype, device=self.device)
+            else:
+                self.ints[i] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return self.ints[i]
+
+    def _reduce_ints(self, group, dst: int | None, timeout: timedelta | None) -> None:
+        indices = self._int_indices()
+        if not indices or self.int_policy == "skip" and self.base is not None:
+            return
+        if self.int_policy == "max":
+            for i in indices:
+                t = self._int_tensor(i)
+                # max of bools: any, as uint8 (the backends have no bool max)
+                wire = t.to(torch.uint8) if t.dtype == torch.bool else t
+                work = (dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                        if dst is None else
+                        dist.reduce(wire, dst=dst, op=dist.ReduceOp.MAX, group=group,
+                                    async_op=True))
+                _wait(work, timeout, "max-reduce of an integer tensor", group)
+                if wire is not t:
+                    t.copy_(wire.bool())
+            return
+        # "first" (and "skip" without base): the first client of the lowest rank with clients.
+        owners = [r for r, n in sorted(self._counts.items()) if n > 0]
+        if not owners:
+            raise ValueError(f"{API}: no rank has a client")
+        for i in indices:
+            _wait(dist.broadcast(self._int_tensor(i), src=owners[0], group=group, async_op=True),
+                  timeout, "broadcast of an integer tensor", group)
+
+    # ---------------------------------------------------------------- reading
+
+    def check_out(self, out: Model) -> list[Tensor]:
+        """``out``'s tensors in the canonical order, after checking each has the result's
+        shape, dtype and device (so a bad ``out`` fails before any collective)."""
+        tensors = self.layout.tensors(out, "out")
+        for name, t, shape, dtype in zip(self.layout.names, tensors, self.shapes, self.dtypes):
+            if t.shape != shape or t.dtype != dtype or t.device != self.device:
+                raise ValueError(f"{API}: out tensor {self.layout.label(name)} is "
+                                 f"{_describe_tensor(t)}, the result is {dtype} "
+                                 f"{tuple(shape)} on {self.device}")
+        return tensors
+
+    def result(self, *, scale: float = 1.0, normalize: bool = False,
+               out: Model | None = None) -> Model:
+        r"""The aggregate: :math:`\mathrm{scale}\,S/[W]`, or :math:`b + \mathrm{scale}\,S/[W]`
+        with a base; in the models' dtypes (base's in delta mode); written into ``out`` when
+        given (which may be the base, for an in-place server step). A state_dict result has
+        the key order of this rank's first client (or ``like``/``base``)."""
+        total = float(self.total_weight)
+        if normalize and total == 0:
+            raise ValueError(f"{API}: normalize=True but the weights sum to 0")
+        factor = scale / total if normalize else scale
+        out_tensors = None if out is None else self.check_out(out)
+        results = []
+        for i, f in enumerate(self.layout.float_mask):
+            target = None if out_tensors is None else out_tensors[i]
+            if not f:
+                if self.int_policy == "skip" and self.base is not None:
+                    value = self.base[i]
+                else:
+                    value = self._int_tensor(i)
+                results.append(value.clone() if target is None else target.copy_(value))
+                continue
+            s = self.views[i]
+            if self.base is None:
+                value = (s * factor).to(self.dtypes[i])
+            else:
+                b = self.base[i]
+                value = torch.add(b.to(s.dtype), s, alpha=factor).to(b.dtype)
+            results.append(value if target is None else target.copy_(value))
+        if out is not None:
+            return out
+        model = self.layout.build(results)
+        if self.layout.kind == "dict":
+            model = {n: model[n] for n in self.order}
+        return model
+
+
+def all_reduce_aggregate(
+    updates: Sequence[Model],
+    weights,
+    *,
+    base: Model | None = None,
+    scale: float = 1.0,
+    normalize: bool = False,
+    out: Model | None = None,
+    int_policy: str = "max",
+    like: Model | None = None,
+    group=None,
+    timeout: float | timedelta | None = None,
+) -> Model:
+    r""":func:`fedkernels.aggregate` over the union of every rank's clients, each rank
+    passing only its own ``updates`` and ``weights`` (see the module docstring): plain
+    :math:`\mathrm{scale}\sum_k w_k x_k`, or with ``base``
+    :math:`b + \mathrm{scale}\sum_k w_k (x_k - b)`; ``normalize`` divides by the global
+    :math:`\sum_k w_k`. Every rank of ``group`` must call it (with the same ``base``, flags
+    and ``int_policy``, and ``like`` where it has no clients), and every rank gets the result.
+    State_dict tensors are matched by name, whatever each rank's key order.
+
+    Errors: each rank checks its own inputs first, then all ranks agree (one small
+    all_gather) on the layout, the flags and that some rank has a client. If any rank failed
+    or the ranks differ, every rank raises the same ``ValueError``/``TypeError`` naming the
+    rank and the tensor, and nothing is summed or written. ``timeout`` (seconds or a
+    ``timedelta``; default: the process group's timeout) bounds every wait: a rank that died
+    or never calls makes the others raise ``RuntimeError`` after at most that long, and the
+    process group is then unusable.
+
+    Cost per rank: one fused pass over its clients, one small all_gather (7 integers per
+    rank), one all-reduce of one model (in the accumulate dtype) with :math:`\sum w`
+    appended, and one small max-reduce per integer tensor."""
+    local_error: Exception | None = None
+    partial: WeightedPartial | None = None
+    model = None
+    bound = None
+    try:
+        bound = _as_timeout(timeout)
+        try:
+            scale = float(scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"{API}: scale must be a number, got {type(scale).__name__}") from None
+        if not math.isfinite(scale):
+            raise ValueError(f"{API}: scale must be finite, got {scale}")
+        partial = WeightedPartial.from_clients(updates, weights, base=base, like=like,
+                                               int_policy=int_policy)
+        if out is not None:
+            partial.check_out(out)
+        model = partial.describe(normalize=bool(normalize), scale=scale)
+    except Exception as err:  # reported to every rank by the agreement below
+        local_error = err
+    device = _control_device(group, partial.device if partial is not None
+                             else torch.device("cpu"))
+    ranks = _group_ranks(group)
+    try:
+        counts = _agree(group, bound, device, model=model, error=local_error,
+                        count=0 if partial is None else partial.count, require_clients=True)
+    except (ValueError, TypeError, RuntimeError) as err:
+        if local_error is not None:
+            raise err from local_error
+        raise
+    partial._counts = dict(zip(ranks, counts))
+    partial._all_reduce_agreed(group, bound)
+    return partial.result(scale=scale, normalize=bool(normalize), out=out)

@@ -1,0 +1,538 @@
+r"""NVIDIA FLARE aggregators whose arithmetic is the fused ``weighted_sum`` op
+(``pip install 'fedkernels[nvflare]'``, NVFlare >= 2.9).
+
+NVFlare's in-time aggregation keeps, for every model key :math:`j`, a running weighted sum and
+a running weight, and divides at the end of the round:
+
+.. math:: r_j = \frac{\sum_{k \ni j} w_k\, x_{k,j}}{\sum_{k \ni j} w_k},
+   \qquad w_k = a_k \cdot n_k
+
+(:math:`a_k` the contributor's ``aggregation_weights`` entry, default 1, :math:`n_k` the
+``NUM_STEPS_CURRENT_ROUND`` of its result, default 1; the sums run over the contributions that
+carry key :math:`j`). With ``weigh_by_local_iter=False`` the numerator is :math:`\sum x_{k,j}`,
+the denominator unchanged. NVFlare computes this with one multiply and one add per array and
+contribution (``v * w`` then ``total + ...`` in NumPy); here each contribution is folded in as it
+arrives by one fused ``weighted_sum_`` pass over all of its arrays into fp32 accumulators
+(fp64 for fp64 arrays): O(model) memory whatever the number of clients.
+
+Drop-ins (same names as NVFlare's, so a job config changes the module path only):
+
+- :class:`WeightedAggregationHelper`: NVFlare's helper
+  (``nvflare.app_common.aggregators.weighted_aggregation_helper``), same methods, attributes,
+  history and aggregation stats.
+- :class:`InTimeAccumulateWeightedAggregator`: subclasses NVFlare's class of the same name and
+  swaps only its helpers for ours, so constructor arguments and their checks, contribution-round
+  and duplicate checks, accept/reject values, log messages, DXO collections, the
+  ``PROCESSED_ALGORITHM`` meta and the stats published to the ``FLContext`` are NVFlare's code.
+- :class:`WeightedModelAggregator`: a ``ModelAggregator`` for NVFlare's ``FedAvg`` controller
+  and ``FedAvgRecipe`` (``aggregator=WeightedModelAggregator()``) that gives the result of the
+  controller's built-in aggregation; :func:`aggregate_fn` replaces ``BaseFedAvg.aggregate_fn``.
+
+Values that are not arrays of at least one dimension (Python or NumPy scalars, 0-d tensors,
+complex arrays, encrypted tensors, metrics) go through NVFlare's own formula, so they give
+NVFlare's result exactly. Where this module differs on purpose: a contribution whose array for
+a key has another shape (or device, or kind) than the earlier ones is refused with a
+``ValueError`` naming the contributor and key, before anything is accumulated (NVFlare
+broadcasts shapes that broadcast and raises half-way otherwise); a non-finite weight is refused
+the same way; half-precision arrays accumulate in fp32; integer tensors average into floating
+point also with ``weigh_by_local_iter=False`` (NVFlare's in-place division raises there).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+try:
+    from nvflare.apis.fl_constant import FLMetaKey
+    from nvflare.apis.fl_context import FLContext
+    from nvflare.apis.shareable import Shareable
+    from nvflare.app_common.abstract.fl_model import FLModel
+    from nvflare.app_common.aggregators.intime_accumulate_model_aggregator import (
+        InTimeAccumulateWeightedAggregator as _FlareInTimeAggregator,
+    )
+    from nvflare.app_common.aggregators.model_aggregator import ModelAggregator
+    from nvflare.app_common.aggregators.weighted_aggregation_helper import (
+        AggregationStatsKey,
+        filter_aggregatable_metrics,
+    )
+    from nvflare.app_common.app_constant import AppConstants
+    from nvflare.app_common.workflows.base_fedavg import make_fedavg_metrics_aggregation_info
+except ImportError as _err:  # pragma: no cover - exercised only without nvflare
+    raise ImportError(
+        "fedkernels.integrations.nvflare needs NVIDIA FLARE (nvflare >= 2.9), which is not "
+        "installed: pip install 'fedkernels[nvflare]'"
+    ) from _err
+
+from fedkernels.aggregate import FLOAT32_MAX
+from fedkernels.ops import summation
+
+__all__ = [
+    "ContributionError",
+    "InTimeAccumulateWeightedAggregator",
+    "WeightedAggregationHelper",
+    "WeightedModelAggregator",
+    "aggregate_fn",
+]
+
+_HALF = (torch.float16, torch.bfloat16)
+_NUMPY_REAL = "biuf"  # bool, signed and unsigned integers, floats
+
+
+class ContributionError(ValueError):
+    """A contribution that cannot be folded into the running sums (shape, device or kind of an
+    array differs from the earlier contributions', or a non-finite weight). Raised before
+    anything is accumulated."""
+
+
+def _tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A tensor sharing ``a``'s memory where torch can (it only reads it)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # read-only arrays: the tensor is never written
+            return torch.from_numpy(a)
+    except (ValueError, TypeError):  # negative strides, non-native byte order
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("=")))
+
+
+class _ArrayEntry:
+    """One key's array as the fused pass takes it, and the type NVFlare's result would have."""
+
+    __slots__ = ("tensor", "kind", "result_dtype")
+
+    def __init__(self, tensor: torch.Tensor, kind: str, result_dtype):
+        self.tensor, self.kind, self.result_dtype = tensor, kind, result_dtype
+
+
+def _array_entry(v: Any) -> _ArrayEntry | None:
+    """The fused path takes real arrays of at least one dimension; None sends ``v`` to NVFlare's
+    formula. The result dtype follows NVFlare's arithmetic: NumPy promotes ``v * w`` (a Python
+    float) to float64 for integer arrays; torch gives the default float dtype."""
+    if isinstance(v, np.ndarray):
+        if v.ndim == 0 or v.dtype.kind not in _NUMPY_REAL:
+            return None
+        result = np.result_type(v.dtype, 1.0)
+        t = _tensor_from_numpy(v)
+        if v.dtype.kind != "f":
+            t = t.to(torch.float64)
+        return _ArrayEntry(t, "numpy", result)
+    if isinstance(v, torch.Tensor):
+        if v.dim() == 0 or v.is_complex() or v.dtype not in (
+            torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
+            torch.int8, torch.int16, torch.int32, torch.int64
+        ):
+            return None
+        t = v.detach()
+        if not t.is_floating_point():
+            t = t.to(torch.get_default_dtype())
+        return _ArrayEntry(t, "torch", t.dtype)
+    return None
+
+
+def _describe(entry: _ArrayEntry) -> str:
+    name = "NumPy array" if entry.kind == "numpy" else "torch tensor"
+    return f"{name} of shape {tuple(entry.tensor.shape)} on {entry.tensor.device}"
+
+
+class WeightedAggregationHelper:
+    r"""Streaming weighted mean per key, NVFlare's ``WeightedAggregationHelper`` on the fused op.
+
+    :meth:`add` folds one contribution in: for every key :math:`j` of ``data`` (but those
+    matching ``exclude_vars``) :math:`S_j \mathrel{+}= w\,x_j` (or :math:`x_j` with
+    ``weigh_by_local_iter=False``) and :math:`W_j \mathrel{+}= w`; :meth:`get_result` returns
+    :math:`S_j / W_j` and resets. All arrays of a contribution go through one fused pass into
+    fp32 accumulators (fp64 for fp64 or integer NumPy arrays); the results have NVFlare's types
+    and dtypes (NumPy in, NumPy out; torch in, torch out on the same device). Thread-safe like
+    NVFlare's (one lock).
+
+    Same public attributes as NVFlare's: ``lock``, ``exclude_vars`` (compiled regex or None),
+    ``weigh_by_local_iter``, ``total`` (key -> running sum), ``counts`` (key -> :math:`W_j`),
+    ``history``, ``key_contribution_counts``, ``skipped_keys``, ``last_aggregation_stats``.
+    """
+
+    def __init__(self, exclude_vars: str | None = None, weigh_by_local_iter: bool = True):
+        self.lock = threading.Lock()
+        self.exclude_vars = re.compile(exclude_vars) if exclude_vars else None
+        self.weigh_by_local_iter = weigh_by_local_iter
+        self.last_aggregation_stats = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.total = {}
+        self.counts = {}
+        self.history = []
+        self.key_contribution_counts = {}
+        self.skipped_keys = set()
+        # key -> ("numpy" | "torch", result dtype) for keys summed by the fused op
+        self._array_keys: dict[str, tuple[str, Any]] = {}
+
+    def add(self, data: dict, weight: float, contributor_name: str, contribution_round) -> None:
+        """Folds ``weight`` × ``data`` into the running sums (see the class docstring).
+
+        Raises :class:`ContributionError` (a ``ValueError``), with nothing accumulated, when the
+        weight is not a finite number or an array's shape, device or kind (NumPy/torch) differs
+        from the earlier contributions' for the same key.
+        """
+        with self.lock:
+            who = f"contribution from {contributor_name!r}"
+            try:
+                w = float(weight)
+            except (TypeError, ValueError):
+                raise ContributionError(
+                    f"{who}: weight must be a number, got {type(weight).__name__}") from None
+            if not math.isfinite(w):
+                raise ContributionError(f"{who}: weight is {w}; it must be finite")
+
+            # Plan everything first; state changes only after every check has passed.
+            fused: dict[torch.device, tuple[list, list]] = {}
+            fresh: dict[torch.device, tuple[list, list]] = {}
+            new_arrays: dict[str, torch.Tensor] = {}
+            new_types: dict[str, tuple[str, Any]] = {}
+            new_values: dict[str, Any] = {}
+            contributed, skipped = [], []
+            narrow = None
+            for k, v in data.items():
+                if self.exclude_vars is not None and self.exclude_vars.search(k):
+                    skipped.append(k)
+                    continue
+                contributed.append(k)
+                materialize = getattr(v, "materialize", None)
+                if callable(materialize):  # NVFlare's lazy references to tensors on disk
+                    v = materialize()
+                entry = _array_entry(v)
+                known = self._array_keys.get(k)
+                if entry is None:
+                    if known is not None:
+                        raise ContributionError(
+                            f"{who}, key {k!r}: got a {type(v).__name__}"
+                            + (f" of shape {tuple(np.shape(v))}" if hasattr(v, "shape") else "")
+                            + f"; earlier contributions sent a {known[0]} array of shape "
+                            f"{tuple(self.total[k].shape)}")
+                    new_values[k] = self._fallback_sum(k, v, weight)
+                    continue
+                t = entry.tensor
+                if k in self.total:
+                    acc = self.total[k]
+                    if known is None:
+                        raise ContributionError(
+                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
+                            f"sent a {type(acc).__name__}")
+                    if entry.kind != known[0] or t.shape != acc.shape or t.device != acc.device:
+                        raise ContributionError(
+                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
+                            f"sent a {'NumPy array' if known[0] == 'numpy' else 'torch tensor'} "
+                            f"of shape {tuple(acc.shape)} on {acc.device}")
+                    result_dtype = known[1]
+                    if entry.kind == "numpy":
+                        result_dtype = np.result_type(result_dtype, entry.result_dtype)
+                    new_types[k] = (entry.kind, result_dtype)
+                else:
+                    new_types[k] = (entry.kind, entry.result_dtype)
+                    if t.dtype in (torch.float32, torch.float64):
+                        # A new key: its accumulator is the op's output w·x (no zero fill).
+                        if narrow is None and t.dtype == torch.float32:
+                            narrow = k
+                        fresh_keys, fresh_xs = fresh.setdefault(t.device, ([], []))
+                        fresh_keys.append(k)
+                        fresh_xs.append(t)
+                        continue
+                    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                    new_arrays[k] = acc
+                if t.dtype != acc.dtype and not (acc.dtype == torch.float32 and t.dtype in _HALF):
+                    t = t.to(acc.dtype)
+                if acc.dtype == torch.float32 and narrow is None:
+                    narrow = k
+                accs, xs = fused.setdefault(t.device, ([], []))
+                accs.append(acc)
+                xs.append(t)
+            step = w if self.weigh_by_local_iter else 1.0
+            if narrow is not None and abs(step) > FLOAT32_MAX:
+                raise ContributionError(
+                    f"{who}: weight {step:.4g} is beyond the float32 range of the accumulator "
+                    f"of key {narrow!r}")
+
+            # One fused pass per device over the arrays of keys seen before (acc += step·x) and
+            # one over the new keys (acc = step·x).
+            weights = torch.tensor([step], dtype=torch.float64)
+            with torch.no_grad():
+                for accs, xs in fused.values():
+                    summation.weighted_sum_(accs, xs, weights, 1.0, False)
+                for keys, xs in fresh.values():
+                    new_arrays.update(zip(keys, summation.weighted_sum(xs, weights)))
+
+            for k in contributed:
+                self.key_contribution_counts[k] = self.key_contribution_counts.get(k, 0) + 1
+                if k in new_arrays:
+                    self.total[k] = new_arrays[k]
+                elif k in new_values:
+                    self.total[k] = new_values[k]
+                if k in new_types:
+                    self._array_keys[k] = new_types[k]
+                self.counts[k] = self.counts[k] + weight if k in self.counts else weight
+            self.skipped_keys.update(skipped)
+            self.history.append(
+                {"contributor_name": contributor_name, "round": contribution_round, "weight": weight}
+            )
+
+    def _fallback_sum(self, k: str, v: Any, w) -> Any:
+        """NVFlare's arithmetic for a value the fused op does not take, computed without
+        changing the stored total (torch values are cloned before the in-place add)."""
+        is_torch = WeightedAggregationHelper._is_pytorch_tensor
+        if k not in self.total:
+            if is_torch(v):
+                return v.mul(w) if self.weigh_by_local_iter else v.clone()
+            if self.weigh_by_local_iter:
+                return v * w
+            try:
+                return v.copy() if hasattr(v, "copy") else v
+            except (ValueError, RuntimeError):  # encrypted values cannot be copied
+                return v
+        current = self.total[k]
+        if is_torch(v) and is_torch(current):
+            out = current.clone()
+            return out.add_(v, alpha=w) if self.weigh_by_local_iter else out.add_(v)
+        return current + v * w if self.weigh_by_local_iter else current + v
+
+    @staticmethod
+    def _is_pytorch_tensor(tensor) -> bool:
+        return hasattr(tensor, "add_") and hasattr(tensor, "mul_") and hasattr(tensor, "clone")
+
+    def get_result(self) -> dict:
+        """:math:`S_j / W_j` for every key, in the order keys were first seen; then resets."""
+        with self.lock:
+            result = {}
+            for k, v in self.total.items():
+                known = self._array_keys.get(k)
+                if known is None:
+                    if self._is_pytorch_tensor(v):
+                        # In place as NVFlare does; an integer 0-d tensor (summed unweighted)
+                        # cannot hold its mean, so it gets a new floating-point one.
+                        integral = isinstance(v, torch.Tensor) and not (
+                            v.is_floating_point() or v.is_complex())
+                        result[k] = v / self.counts[k] if integral else v.div_(self.counts[k])
+                    else:
+                        result[k] = v * (1.0 / self.counts[k])
+                    continue
+                kind, dtype = known
+                mean = v.div_(self.counts[k])  # the accumulator is dropped below
+                if kind == "numpy":
+                    result[k] = mean.to(_torch_dtype(dtype)).numpy()
+                else:
+                    result[k] = mean.to(dtype)
+            self.last_aggregation_stats = self._compute_aggregation_stats()
+            self.reset_stats()
+            return result
+
+    def _compute_aggregation_stats(self) -> dict:
+        n = len(self.history)
+        aggregated = len(self.total)
+        full = sum(1 for c in self.key_contribution_counts.values() if c == n) if n else 0
+        return {
+            AggregationStatsKey.ACCEPTED_CONTRIBUTIONS: n,
+            AggregationStatsKey.CONTRIBUTORS: sorted({h["contributor_name"] for h in self.history}),
+            AggregationStatsKey.KEYS_AGGREGATED: aggregated,
+            AggregationStatsKey.KEYS_SEEN: aggregated + len(self.skipped_keys),
+            AggregationStatsKey.FULLY_MATCHED_KEYS: full,
+            AggregationStatsKey.PARTIALLY_MATCHED_KEYS: aggregated - full,
+            AggregationStatsKey.SKIPPED_KEYS: len(self.skipped_keys),
+        }
+
+    def get_aggregation_stats(self) -> dict:
+        """Key-match stats of the contributions added so far this round (NVFlare's fields)."""
+        with self.lock:
+            return self._compute_aggregation_stats()
+
+    def get_history(self) -> list:
+        return self.history
+
+    def get_len(self) -> int:
+        return len(self.get_history())
+
+
+def _torch_dtype(np_dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
+
+
+class InTimeAccumulateWeightedAggregator(_FlareInTimeAggregator):
+    """NVFlare's ``InTimeAccumulateWeightedAggregator`` with the fused helper.
+
+    Same constructor arguments (``exclude_vars``, ``aggregation_weights``,
+    ``expected_data_kind``: WEIGHTS, WEIGHT_DIFF, METRICS or a dict per DXO of a collection,
+    ``weigh_by_local_iter``) and the same behaviour, which is NVFlare's own code: this class only
+    replaces the :class:`WeightedAggregationHelper` of each per-DXO aggregator when NVFlare
+    builds them (at ``START_RUN``, or when ``_initialize`` is called as NVFlare's tests do).
+    One addition: a contribution refused by the helper (:class:`ContributionError`: another
+    shape, device or kind than earlier contributions for a key, or a non-finite weight) is
+    logged as an error naming the contributor and key, and :meth:`accept` returns False.
+
+    In a job config, change the component's path only::
+
+        "path": "fedkernels.integrations.nvflare.InTimeAccumulateWeightedAggregator"
+    """
+
+    def _initialize(self, aggregation_weights, exclude_vars, expected_data_kind):
+        super()._initialize(aggregation_weights, exclude_vars, expected_data_kind)
+        for key, dxo_aggregator in self.dxo_aggregators.items():
+            dxo_aggregator.aggregation_helper = WeightedAggregationHelper(
+                exclude_vars=self.exclude_vars[key], weigh_by_local_iter=self._weigh_by_local_iter
+            )
+
+    def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
+        try:
+            return super().accept(shareable, fl_ctx)
+        except ContributionError as err:
+            self.log_error(fl_ctx, f"rejected: {err}")
+            return False
+
+
+def _client_name(model: FLModel) -> str:
+    value = (model.meta or {}).get("client_name", AppConstants.CLIENT_UNKNOWN)
+    return value if isinstance(value, str) and value else AppConstants.CLIENT_UNKNOWN
+
+
+def _num_steps_weight(model: FLModel) -> float:
+    """``NUM_STEPS_CURRENT_ROUND`` of a result; 1.0 when missing, not a number, or not > 0."""
+    value = (model.meta or {}).get(FLMetaKey.NUM_STEPS_CURRENT_ROUND)
+    if value is None or isinstance(value, bool):
+        return 1.0
+    try:
+        weight = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return 1.0
+    return weight if math.isfinite(weight) and weight > 0 else 1.0
+
+
+class WeightedModelAggregator(ModelAggregator):
+    r"""The built-in in-time aggregation of NVFlare's ``FedAvg`` controller, as a
+    ``ModelAggregator`` on the fused helper.
+
+    Pass it to the controller or the recipe; NVFlare ignores the controller's own
+    ``exclude_vars``/``aggregation_weights`` once an aggregator is given, so they move here::
+
+        FedAvgRecipe(..., aggregator=WeightedModelAggregator(exclude_vars="bn",
+                                                             aggregation_weights={"site-1": 2.0}))
+
+    Each result's weight is ``aggregation_weights.get(client, 1.0)`` times its
+    ``NUM_STEPS_CURRENT_ROUND`` (1.0 when missing or not positive); params are averaged per key,
+    and the numeric metrics with the same weights while every result carries metrics (as the
+    controller does). The aggregated ``FLModel`` has the controller's params, params type,
+    metrics, round and meta (``nr_aggregated``, ``current_round``, metrics aggregation info);
+    the round's key-match stats go to ``AppConstants.AGGREGATION_STATS`` of the aggregator's
+    ``FLContext``.
+    """
+
+    def __init__(self, exclude_vars: str | None = None,
+                 aggregation_weights: dict[str, float] | None = None):
+        super().__init__()
+        if exclude_vars is not None and not isinstance(exclude_vars, str):
+            raise TypeError(f"WeightedModelAggregator: exclude_vars must be a regex string or "
+                            f"None, got {type(exclude_vars).__name__}")
+        if aggregation_weights is not None and not isinstance(aggregation_weights, dict):
+            raise TypeError("WeightedModelAggregator: aggregation_weights must be a dict "
+                            f"{{client name: weight}} or None, got "
+                            f"{type(aggregation_weights).__name__}")
+        self.exclude_vars = exclude_vars
+        self.aggregation_weights = aggregation_weights or {}
+        self._warned_metric_keys: set[str] = set()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self._params_helper = WeightedAggregationHelper(exclude_vars=self.exclude_vars)
+        self._metrics_helper = WeightedAggregationHelper()
+        self._all_metrics = True
+        self._params_type = None
+        self._site_metric_weights: dict[str, dict] = {}
+        self._received = 0
+        self._round = None
+
+    def accept_model(self, model: FLModel) -> bool:
+        client = _client_name(model)
+        if not model.params:
+            self.warning(f"Empty result from client {client}, skipping.")
+            return False
+        if self._params_type is None:
+            self._params_type = model.params_type
+        weight = self.aggregation_weights.get(client, 1.0) * _num_steps_weight(model)
+        self._params_helper.add(model.params, weight, client, model.current_round)
+        self._site_metric_weights[client] = {
+            "name": client, "weight": weight, "weight_key": "effective_fedavg_metric_weight"}
+        if model.metrics is None:
+            self._all_metrics = False
+        if self._all_metrics and model.metrics:
+            numeric = filter_aggregatable_metrics(
+                model.metrics,
+                warn_skipped=lambda k, tn: self.warning(f"Metric '{k}' ({tn}) skipped for aggregation."),
+                warned_metric_keys=self._warned_metric_keys,
+            )
+            if numeric:
+                self._metrics_helper.add(numeric, weight, client, model.current_round)
+        self._received += 1
+        self._round = model.current_round
+        return True
+
+    def aggregate_model(self) -> FLModel:
+        current_round = self._round
+        if self.fl_ctx is not None:
+            ctx_round = self.fl_ctx.get_prop(AppConstants.CURRENT_ROUND)
+            current_round = ctx_round if ctx_round is not None else current_round
+        stats = self._params_helper.get_aggregation_stats()
+        stats[AggregationStatsKey.ROUND] = current_round
+        if self.fl_ctx is not None:
+            self.fl_ctx.set_prop(AppConstants.AGGREGATION_STATS, stats, private=True, sticky=False)
+        params = self._params_helper.get_result()
+        metrics = (self._metrics_helper.get_result() if self._all_metrics else None) or None
+        site_weights = list(self._site_metric_weights.values()) or None
+        info = make_fedavg_metrics_aggregation_info(
+            weight_key="effective_fedavg_metric_weight" if site_weights
+            else FLMetaKey.NUM_STEPS_CURRENT_ROUND,
+            weight_formula="aggregation_weight * NUM_STEPS_CURRENT_ROUND" if site_weights else None,
+            site_weights=site_weights,
+        )
+        result = FLModel(
+            params=params,
+            params_type=self._params_type,
+            metrics=metrics,
+            current_round=current_round,
+            meta={"nr_aggregated": self._received, "current_round": current_round,
+                  AppConstants.METRICS_AGGREGATION_INFO: info},
+        )
+        self.reset_stats()
+        return result
+
+
+def aggregate_fn(results: list[FLModel]) -> FLModel:
+    """``BaseFedAvg.aggregate_fn`` on the fused helper: for ``self.aggregate(results,
+    aggregate_fn=aggregate_fn)`` in a ``ModelController`` workflow. Params and numeric metrics
+    are averaged with each result's ``NUM_STEPS_CURRENT_ROUND`` as weight (1.0 when missing);
+    metrics are None when any result has none."""
+    if not results:
+        raise ValueError("received empty results for aggregation.")
+    params = WeightedAggregationHelper()
+    for r in results:
+        params.add(r.params, _num_steps_weight(r), _client_name(r), r.current_round)
+    metrics = WeightedAggregationHelper()
+    all_metrics = True
+    for r in results:
+        if r.metrics is None:
+            all_metrics = False
+            break
+        numeric = filter_aggregatable_metrics(r.metrics)
+        if numeric:
+            metrics.add(numeric, _num_steps_weight(r), _client_name(r), r.current_round)
+    return FLModel(
+        params=params.get_result(),
+        params_type=results[0].params_type,
+        metrics=(metrics.get_result() or None) if all_metrics else None,
+        meta={
+            "nr_aggregated": len(results),
+            "current_round": results[0].current_round,
+            AppConstants.METRICS_AGGREGATION_INFO: make_fedavg_metrics_aggregation_info(),
+        },
+    )
+

@@ -1,0 +1,36 @@
+"""The native ops, one module per op family, each with its fake (``torch.compile``) and autograd
+registrations, and the pure-PyTorch reference of every op (:mod:`.reference`).
+
+Loading this package loads the native libraries (:mod:`.native`): the op schemas, the CPU
+kernels built for this CPU's instruction set and, when built, the CUDA kernels. The ops never
+fall back to the reference: without a build, the import fails with a message that says how to
+build.
+"""
+
+from . import native
+
+native.load()
+
+# The modules below register fake and autograd implementations, so the schemas must exist first.
+from . import distill, mixing, reference, sgld, summation  # noqa: E402
+from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
+from .mixing import (  # noqa: E402
+    cosine_orthogonality,
+    mix_endpoints,
+    mix_endpoints_with_stats,
+    proximal_term,
+    superfed_mix,
+    superfed_regularizer,
+    superfed_stats,
+)
+from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402
+from .summation import weighted_sum, weighted_sum_, weighted_sum_out  # noqa: E402
+
+__all__ = [
+    "native", "reference", "summation", "mixing", "distill", "sgld",
+    "weighted_sum", "weighted_sum_out", "weighted_sum_",
+    "mix_endpoints", "superfed_stats", "mix_endpoints_with_stats", "cosine_orthogonality",
+    "proximal_term", "superfed_regularizer", "superfed_mix",
+    "ensemble_pseudo_labels", "distill_kl",
+    "energy_from_logits", "sgld_step", "sgld_step_", "sgld_compose_step",
+]

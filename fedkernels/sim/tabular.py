@@ -1,0 +1,415 @@
+"""Tabular data as people have it: a CSV file with text columns, gaps and a label to map.
+
+:func:`read_table` reads and checks the file (header, duplicate names, ragged rows);
+:func:`map_labels` turns the label column into classes ``0..C-1``; :func:`client_codes` numbers
+the client column; :func:`feature_columns` decides, on the whole file, which feature columns are
+numeric and which categorical; :class:`TableEncoder` turns those columns into a float matrix with
+every statistic (median, mean, standard deviation, category levels) fitted on the rows it is
+told are training rows, so that no test row leaks into the features.
+
+Rules (documented in ``docs/data.md``):
+
+- a field is missing when, stripped of spaces, it is one of ``MISSING_MARKERS`` (any case);
+- a field is a number when ``float()`` reads it and it is finite; ``1``, ``1.0`` and ``01``
+  are the same value;
+- a feature column is numeric when every present value is a number, categorical when every
+  present value is text or when it is listed in ``categorical_columns``; a column with both
+  is an error naming a row and the column;
+- numeric gaps get the training median and a 0/1 indicator column; categorical gaps are a level
+  of their own, ``missing``; levels seen only outside the training rows encode as all zeros.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import ConfigError
+
+MISSING_MARKERS = ("", "?", "na", "n/a", "nan", "null")
+MISSING_LEVEL = "missing"
+# An automatically detected text column with more distinct values than this (and than half
+# its present values) looks like an identifier or free text, not a category.
+MAX_AUTO_LEVELS = 50
+
+
+def is_missing(text: str) -> bool:
+    return text.strip().lower() in MISSING_MARKERS
+
+
+def as_number(text: str) -> float | None:
+    """The finite number ``text`` spells, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def canonical(text: str) -> str:
+    """One spelling per value: numbers as ``1`` or ``0.5`` (so ``1``, ``1.0``, ``01`` and
+    ``+1`` are one value), text stripped of surrounding spaces."""
+    text = text.strip()
+    value = as_number(text)
+    if value is None:
+        return text
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def _sort_key(value: str) -> tuple:
+    number = as_number(value)
+    return (0, number, "") if number is not None else (1, 0.0, value)
+
+
+@dataclass
+class Table:
+    """A CSV file's header and rows (fields stripped), with each row's line in the file."""
+
+    path: Path
+    header: list[str]
+    rows: list[list[str]]
+    lines: list[int]
+
+    def column(self, name: str) -> list[str]:
+        j = self.header.index(name)
+        return [row[j] for row in self.rows]
+
+    def where(self, r: int) -> str:
+        """``path, row N``: row numbers count the header as row 1, as a spreadsheet does."""
+        return f"{self.path}, row {self.lines[r]}"
+
+
+def read_table(path: str | Path) -> Table:
+    """Reads a comma-separated file with a header row; every problem is a :class:`ConfigError`
+    naming the row (and column) at fault."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"data.path: no such file: {path}")
+    rows, lines = [], []
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
+            reader = csv.reader(handle)
+            start = 1
+            for record in reader:
+                if record and not (len(record) == 1 and not record[0].strip()):
+                    rows.append([field.strip() for field in record])
+                    lines.append(start)
+                start = reader.line_num + 1
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except csv.Error as err:
+        raise ConfigError(f"{path}, row {start}: cannot be read as CSV ({err})") from None
+    if not rows:
+        raise ConfigError(f"{path}: the file is empty; it needs a header row and at least one "
+                          "data row")
+    header, body, body_lines = rows[0], rows[1:], lines[1:]
+    for j, name in enumerate(header, start=1):
+        if not name:
+            raise ConfigError(f"{path}: column {j} of the header has no name")
+    seen: dict[str, int] = {}
+    for j, name in enumerate(header, start=1):
+        if name in seen:
+            raise ConfigError(f"{path}: column {name!r} appears twice in the header (columns "
+                              f"{seen[name]} and {j}); every column needs its own name")
+        seen[name] = j
+    if not body:
+        raise ConfigError(f"{path}: needs a header row and at least one data row")
+    for row, line in zip(body, body_lines):
+        if len(row) != len(header):
+            raise ConfigError(f"{path}, row {line}: {len(row)} fields, the header has "
+                              f"{len(header)}")
+    return Table(path, header, body, body_lines)
+
+
+def require_columns(table: Table, names: dict[str, str | None]) -> None:
+    """Each ``names[option] = column`` must be in the header."""
+    for option, column in names.items():
+        if column is not None and column not in table.header:
+            hint = ""
+            if len(table.header) == 1 and any(s in table.header[0] for s in ";\t|"):
+                hint = " (the header reads as one column: only commas separate fields)"
+            raise ConfigError(f"{table.path}: no column {column!r} for {option} (columns: "
+                              f"{', '.join(table.header)}){hint}")
+
+
+# ---------------------------------------------------------------- labels and clients
+
+
+def parse_label_map(text: str) -> dict[str, int]:
+    """``"a=0,b=1"`` -> ``{"a": 0, "b": 1}`` (keys in :func:`canonical` form)."""
+    mapping: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"data.label_map: {item.strip()!r} is not VALUE=CLASS "
+                              "(expected e.g. 'benign=0,malignant=1')")
+        try:
+            cls = int(value.strip())
+        except ValueError:
+            cls = -1
+        if cls < 0:
+            raise ConfigError(f"data.label_map: class of {key.strip()!r} must be an integer "
+                              f">= 0, got {value.strip()!r}")
+        if canonical(key) in mapping:
+            raise ConfigError(f"data.label_map: {key.strip()!r} is given twice")
+        mapping[canonical(key)] = cls
+    return mapping
+
+
+def map_labels(
+    table: Table,
+    column: str,
+    label_map: str | None = None,
+    positive_labels: Sequence[Any] | None = None,
+) -> tuple[np.ndarray, int, dict[str, Any]]:
+    """The label column as classes: ``(y, num_classes, info)``.
+
+    Labels are read as text and put in :func:`canonical` form. Then ``label_map`` maps each
+    value to its class; or ``positive_labels`` makes those values class 1 and every other
+    value class 0; or, by default, the distinct values in sorted order (numerically when they
+    are numbers) become ``0..C-1``. Without a ``label_map``, a column that mixes numbers and
+    text is an error naming a row: which class ``yes`` is next to ``1`` is not ours to guess.
+    """
+    if label_map is not None and positive_labels is not None:
+        raise ConfigError("data.label_map and data.positive_labels both given; choose one")
+    raw = table.column(column)
+    values = []
+    for r, text in enumerate(raw):
+        if is_missing(text):
+            raise ConfigError(f"{table.where(r)}: the label (column {column!r}) is missing "
+                              f"({text!r}); every row needs a label")
+        values.append(canonical(text))
+    info: dict[str, Any] = {"column": column}
+    if label_map is not None:
+        mapping = parse_label_map(label_map)
+        for r, v in enumerate(values):
+            if v not in mapping:
+                raise ConfigError(f"{table.where(r)}: label {raw[r]!r} (column {column!r}) is "
+                                  f"not in data.label_map (values: {', '.join(mapping)})")
+        y = np.array([mapping[v] for v in values], dtype=np.int64)
+        info.update(rule="label_map", mapping=mapping)
+        num_classes = max(mapping.values()) + 1
+    else:
+        numeric = [as_number(v) is not None for v in values]
+        if any(numeric) and not all(numeric):
+            few_numbers = sum(numeric) * 2 < len(numeric)
+            r = numeric.index(True) if few_numbers else numeric.index(False)
+            other = numeric.index(not numeric[r])
+            kind, rest = ("a number", "text") if numeric[r] else ("text", "numbers")
+            raise ConfigError(
+                f"{table.where(r)}: label {raw[r]!r} (column {column!r}) is {kind}, but other "
+                f"labels are {rest} (e.g. row {table.lines[other]}: "
+                f"{raw[other]!r}); give data.label_map to say which class each value is "
+                "(e.g. 'no=0,0=0,yes=1,1=1')")
+        if positive_labels is not None:
+            positive = []
+            for item in positive_labels:
+                if isinstance(item, bool):
+                    raise ConfigError(f"data.positive_labels: {item!r} is a boolean (quote it "
+                                      "in YAML: 'yes')")
+                positive.append(canonical(str(item)))
+            if not positive:
+                raise ConfigError("data.positive_labels is empty")
+            y = np.array([v in positive for v in values], dtype=np.int64)
+            if y.all() or not y.any():
+                which = "every" if y.all() else "no"
+                raise ConfigError(f"data.positive_labels {','.join(positive)} matches {which} "
+                                  f"row of column {column!r} (values: "
+                                  f"{', '.join(sorted(set(values), key=_sort_key)[:20])}); "
+                                  "two classes are needed")
+            distinct = sorted(set(values), key=_sort_key)
+            mapping = {v: int(v in positive) for v in distinct}
+            info.update(rule="positive_labels", mapping=mapping,
+                        positive_values_absent=[p for p in positive if p not in mapping])
+            num_classes = 2
+        else:
+            distinct = sorted(set(values), key=_sort_key)
+            if len(distinct) < 2:
+                raise ConfigError(f"{table.path}: the label column {column!r} has one value "
+                                  f"({distinct[0]!r}); two classes are needed")
+            mapping = {v: i for i, v in enumerate(distinct)}
+            y = np.array([mapping[v] for v in values], dtype=np.int64)
+            info.update(rule="sorted values", mapping=mapping)
+            num_classes = len(distinct)
+    info["class_counts"] = np.bincount(y, minlength=num_classes).tolist()
+    return y, num_classes, info
+
+
+def client_codes(table: Table, column: str) -> tuple[np.ndarray, dict[str, int]]:
+    """The client column as ``0..N-1`` (sorted values, numerically where they are numbers)."""
+    values = []
+    for r, text in enumerate(table.column(column)):
+        if is_missing(text):
+            raise ConfigError(f"{table.where(r)}: the client (column {column!r}) is missing "
+                              f"({text!r}); every row needs one for the natural partition")
+        values.append(canonical(text))
+    mapping = {v: i for i, v in enumerate(sorted(set(values), key=_sort_key))}
+    return np.array([mapping[v] for v in values], dtype=np.int64), mapping
+
+
+# ---------------------------------------------------------------- features
+
+
+@dataclass
+class Column:
+    """One feature column: ``numbers`` (float64, NaN where missing) for a numeric column,
+    ``levels`` (canonical text, None where missing) for a categorical one."""
+
+    name: str
+    kind: str  # "numeric" or "categorical"
+    numbers: np.ndarray | None = None
+    levels: list[str | None] | None = None
+    forced: bool = False  # categorical because the user listed it
+
+    @property
+    def missing(self) -> np.ndarray:
+        if self.numbers is not None:
+            return np.isnan(self.numbers)
+        return np.array([v is None for v in self.levels], dtype=bool)
+
+
+def feature_columns(
+    table: Table,
+    names: list[str],
+    categorical: Sequence[str] = (),
+) -> tuple[list[Column], dict[str, str]]:
+    """Reads and types the feature columns; returns them and the dropped ones (with why)."""
+    columns, dropped = [], {}
+    for name in names:
+        raw = table.column(name)
+        present = [r for r, text in enumerate(raw) if not is_missing(text)]
+        if not present:
+            dropped[name] = "no value in any row"
+            continue
+        numbers = [as_number(raw[r]) for r in present]
+        if name in categorical:
+            levels = [None if is_missing(text) else canonical(text) for text in raw]
+            columns.append(Column(name, "categorical", levels=levels, forced=True))
+            continue
+        is_number = [v is not None for v in numbers]
+        if all(is_number):
+            values = np.full(len(raw), np.nan)
+            values[present] = numbers
+            columns.append(Column(name, "numeric", numbers=values))
+            continue
+        if any(is_number):
+            text_rows = [r for r, ok in zip(present, is_number) if not ok]
+            number_rows = [r for r, ok in zip(present, is_number) if ok]
+            for r in text_rows:
+                word = raw[r].strip().lower()
+                if word in ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"):
+                    raise ConfigError(f"{table.where(r)}: column {name!r} value {raw[r]!r} is "
+                                      "not a finite number")
+            if len(text_rows) <= len(number_rows):
+                r, e = text_rows[0], number_rows[0]
+                raise ConfigError(
+                    f"{table.where(r)}: column {name!r} value {raw[r]!r} is not a number, but "
+                    f"the column's other values are numbers (e.g. row {table.lines[e]}: "
+                    f"{raw[e]!r}); correct the value, leave it empty or write '?' for a "
+                    "missing one, or list the column in data.categorical_columns")
+            r, e = number_rows[0], text_rows[0]
+            raise ConfigError(
+                f"{table.where(r)}: column {name!r} value {raw[r]!r} is a number, but the "
+                f"column's other values are text (e.g. row {table.lines[e]}: {raw[e]!r}); "
+                "list the column in data.categorical_columns to read every value as a category")
+        levels = [None if is_missing(text) else canonical(text) for text in raw]
+        distinct = len(set(levels) - {None})
+        if distinct > MAX_AUTO_LEVELS and distinct * 2 > len(present):
+            raise ConfigError(
+                f"{table.path}: column {name!r} is text with {distinct} different values in "
+                f"{len(present)} rows, an identifier or free text rather than a category; list "
+                "it in data.ignore_columns (or in data.categorical_columns to one-hot encode it "
+                "anyway)")
+        columns.append(Column(name, "categorical", levels=levels))
+    return columns, dropped
+
+
+class TableEncoder:
+    """Turns feature columns into a float matrix, with every statistic fitted on given rows.
+
+    Numeric column: gaps take the median of the fitting rows' values, plus a 0/1 column
+    ``name (missing)`` when the fitting rows have gaps; then, with ``standardize``,
+    ``(v - mean) / std`` with the fitting rows' mean and standard deviation of the present
+    values (std 0 or undefined: only centred). Categorical column: one 0/1 column per level
+    the fitting rows hold (``missing`` being a level of its own), in sorted order; a value the
+    fitting rows never hold encodes as all zeros.
+    """
+
+    def __init__(self, columns: list[Column], standardize: bool = True,
+                 dropped: dict[str, str] | None = None):
+        self.columns = columns
+        self.standardize = standardize
+        self.dropped = dict(dropped or {})
+        self.num_rows = len(columns[0].missing) if columns else 0
+
+    def encode(self, fit_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+        """``(x, info)``: the ``[rows, features]`` float32 matrix and what was done, fitted on
+        ``fit_rows`` (all rows when None)."""
+        n = self.num_rows
+        fit = np.zeros(n, dtype=bool)
+        fit[np.arange(n) if fit_rows is None else np.asarray(fit_rows, dtype=np.int64)] = True
+        blocks, names = [], []
+        info: dict[str, Any] = {
+            "fitted_on_rows": int(fit.sum()),
+            "numeric": {},
+            "one_hot": {},
+        }
+        if self.dropped:
+            info["dropped"] = dict(self.dropped)
+        for col in self.columns:
+            gaps = col.missing
+            if col.kind == "numeric":
+                values = col.numbers
+                present = values[fit & ~gaps]
+                median = float(np.median(present)) if present.size else 0.0
+                filled = np.where(gaps, median, values)
+                entry: dict[str, Any] = {"missing": int(gaps.sum()),
+                                         "missing_in_fit_rows": int((gaps & fit).sum())}
+                if gaps.any():
+                    entry["imputed_with_median"] = median
+                if self.standardize:
+                    mean = float(present.mean()) if present.size else 0.0
+                    std = float(present.std()) if present.size else 0.0
+                    scale = std if std > 0 else 1.0
+                    filled = (filled - mean) / scale
+                    entry.update(mean=mean, std=std)
+                blocks.append(filled)
+                names.append(col.name)
+                if (gaps & fit).any():
+                    blocks.append(gaps.astype(np.float64))
+                    names.append(f"{col.name} (missing)")
+                    entry["indicator"] = f"{col.name} (missing)"
+                info["numeric"][col.name] = entry
+            else:
+                tokens = [MISSING_LEVEL if v is None else v for v in col.levels]
+                seen = sorted({t for t, f in zip(tokens, fit) if f}, key=_sort_key)
+                index = {t: i for i, t in enumerate(seen)}
+                onehot = np.zeros((n, len(seen)))
+                unseen = 0
+                for r, t in enumerate(tokens):
+                    i = index.get(t)
+                    if i is None:
+                        unseen += 1
+                    else:
+                        onehot[r, i] = 1.0
+                blocks.extend(onehot.T)
+                names.extend(f"{col.name}={level}" for level in seen)
+                info["one_hot"][col.name] = {
+                    "levels": seen,
+                    "missing": int(gaps.sum()),
+                    "values_unseen_in_fit_rows": unseen,
+                    "why": "listed in data.categorical_columns" if col.forced else "text values",
+                }
+        if not blocks:
+            raise ConfigError("no feature columns left (every feature column is empty or "
+                              "ignored)")
+        x = np.stack(blocks, axis=1).astype(np.float32)
+        info["standardized"] = sorted(info["numeric"]) if self.standardize else []
+        info["feature_names"] = names
+        return x, info

@@ -1,0 +1,191 @@
+"""The benchmark scripts' command lines: a device this machine cannot run is a one-line error
+(exit 2, no traceback), and a run writes a new file under bench/results/runs/ instead of the
+committed bench/results/<device>.json unless --save is given.
+
+The scripts are copied into a temporary folder, so their results land there and the
+repository's bench/results/ is never touched."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+DEVICE_SCRIPTS = ["bench_aggregate.py", "bench_distill.py", "bench_sgld.py", "bench_superfed.py"]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _run(script: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=script.parent)
+
+
+def _cpu_name() -> str:
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.device_name(torch.device("cpu"))
+
+
+@pytest.fixture
+def bench_copy(tmp_path) -> Path:
+    """bench/*.py in a fresh folder, with a committed results file holding a sentinel."""
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    for script in BENCH.glob("*.py"):
+        shutil.copy(script, folder)
+    (folder / "results").mkdir()
+    committed = folder / "results" / f"{_cpu_name()}.json"
+    committed.write_text(json.dumps({"aggregate": "committed table", "other": [1, 2]}) + "\n")
+    return folder
+
+
+def _runs(folder: Path) -> list[Path]:
+    runs = folder / "results" / "runs"
+    return sorted(runs.glob("*.json")) if runs.exists() else []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("script", DEVICE_SCRIPTS)
+def test_cuda_without_a_gpu_is_one_line_exit_2(script):
+    proc = _run(BENCH / script, "--device", "cuda", timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "AssertionError" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"{script}: error: --device cuda but no CUDA GPU is visible")
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("script", DEVICE_SCRIPTS)
+def test_unknown_device_is_one_line_exit_2(script):
+    proc = _run(BENCH / script, "--device", "tpu0", timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "tpu0" in proc.stderr
+
+
+def test_aggregate_runs_go_to_new_files_and_save_merges(bench_copy):
+    committed = bench_copy / "results" / f"{_cpu_name()}.json"
+    before = committed.read_text()
+    for _ in range(2):
+        proc = _run(bench_copy / "bench_aggregate.py", "--tiny")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = _runs(bench_copy)
+    assert len(runs) == 2 and runs[0] != runs[1]
+    assert committed.read_text() == before  # the committed table is untouched
+    for path in runs:
+        data = json.loads(path.read_text())
+        assert {r["model"] for r in data["aggregate"]["rows"]} == {"tiny"}
+        assert path.name.endswith(f"-{_cpu_name()}-aggregate.json")
+
+    proc = _run(bench_copy / "bench_aggregate.py", "--tiny", "--save")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    merged = json.loads(committed.read_text())
+    assert merged["other"] == [1, 2]  # other benchmarks' entries are kept
+    assert merged["aggregate"]["rows"][0]["model"] == "tiny"
+    assert len(_runs(bench_copy)) == 3
+
+
+def test_out_writes_exactly_there(bench_copy, tmp_path):
+    out = tmp_path / "elsewhere" / "agg.json"
+    proc = _run(bench_copy / "bench_aggregate.py", "--tiny", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "aggregate" in json.loads(out.read_text())
+    assert _runs(bench_copy) == []
+    proc = _run(bench_copy / "bench_aggregate.py", "--tiny", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "is a directory" in proc.stderr
+
+
+@pytest.mark.parametrize("script,key", [("bench_distill.py", "ensemble_pseudo_labels"),
+                                        ("bench_sgld.py", "sgld_compose_step")])
+def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, key):
+    committed = bench_copy / "results" / f"{_cpu_name()}.json"
+    before = committed.read_text()
+    proc = _run(bench_copy / script, "--tiny")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = _runs(bench_copy)
+    assert json.loads(run.read_text())[key]["rows"]
+    assert committed.read_text() == before
+
+
+# ---------------------------------------------------------------- bench/gpu_validate.sh
+
+GPU_VALIDATE = BENCH / "gpu_validate.sh"
+
+
+def _validate(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = _env()
+    env["PYTHON"] = python
+    return subprocess.run(["bash", str(GPU_VALIDATE), *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=BENCH.parent)
+
+
+needs_no_gpu = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.version.cuda is not None,
+    reason="the refusal path needs a machine without a GPU")
+
+
+@needs_no_gpu
+def test_gpu_validate_refuses_in_one_line_and_writes_nothing(tmp_path):
+    out = tmp_path / "validation"
+    proc = _validate(str(out))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_validate: refused: "), proc.stderr
+    assert ("CPU-only build" in lines[0]) == (torch.version.cuda is None)
+    assert not out.exists()
+
+
+def test_gpu_validate_refuses_without_a_python_that_imports_torch(tmp_path):
+    proc = _validate(str(tmp_path / "v"), python="/bin/false")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gpu_validate: refused: /bin/false cannot import torch"
+    proc = _validate("--bogus")
+    assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
+
+
+@needs_no_gpu
+def test_gpu_validate_dry_run_shows_every_step(tmp_path):
+    out = tmp_path / "validation"
+    proc = _validate(str(out), "--dry-run")
+    plan = proc.stdout
+    assert f"FEDKERNELS_CUDA=1 MAX_JOBS=16 {sys.executable} setup.py build_ext --inplace" in plan
+    assert f"-m fedkernels.cli check --json {out}/check.json" in plan
+    assert "-m pytest python_tests -m cuda" in plan
+    # every benchmark with a --device flag runs on the GPU, into the output folder
+    for script in sorted(BENCH.glob("bench_*.py")):
+        if '"--device"' in script.read_text():
+            assert f"bench/{script.name} --device cuda --out {out}/" in plan, script.name
+    assert proc.returncode == 2 and "refused" in proc.stderr  # then this machine is refused
+    assert not out.exists()
+
+
+def test_tests_needing_flwr_or_expecttest_skip_without_them():
+    """The GPU machines lack flwr and expecttest: a test file that imports either at module
+    level must importorskip it first, or the whole CUDA test run fails to collect."""
+    import ast
+
+    for path in sorted((BENCH.parent / "python_tests").glob("test_*.py")):
+        text = path.read_text()
+        for node in ast.parse(text).body:
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for top in {n.split(".")[0] for n in names} & {"flwr", "expecttest"}:
+                assert f'importorskip("{top}")' in text, f"{path.name} imports {top} directly"

@@ -1,0 +1,186 @@
+"""``fedkernels run`` and the files of a run folder: damaged files on ``--resume``, output
+folders that are files or hold a run, and the command printed after Ctrl-C. Every case runs the
+console script in a child process, as a user would."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from cli_process import (
+    FAST,
+    SCRIPT,
+    TIMEOUT_S,
+    assert_one_line_error,
+    assert_success,
+    child_env,
+    fedkernels,
+)
+
+from fedkernels.cli import main
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """A finished two-round run (config.json, checkpoint.pt, results.json)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert_success(fedkernels("run", "--rounds", "2", "--out", str(out), *FAST))
+    return out
+
+
+def damage_truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def damage_empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def damage_garbage(path: Path) -> None:
+    path.write_bytes(bytes(range(256)) * 4)
+
+
+def damage_foreign_pickle(path: Path) -> None:
+    path.write_bytes(pickle.dumps({"format": 1, "hello": object}))
+
+
+def damage_tensor(path: Path) -> None:
+    torch.save(torch.zeros(3), path)
+
+
+def damage_list(path: Path) -> None:
+    path.write_text("[1, 2, 3]\n")
+
+
+def damage_bad_value(path: Path) -> None:
+    tree = json.loads(path.read_text())
+    tree["client"]["lr"] = "fast"
+    path.write_text(json.dumps(tree))
+
+
+DAMAGES = [
+    ("checkpoint.pt", damage_truncate, "truncated, corrupt"),
+    ("checkpoint.pt", damage_empty, "truncated, corrupt"),
+    ("checkpoint.pt", damage_garbage, "truncated, corrupt"),
+    ("checkpoint.pt", damage_foreign_pickle, "truncated, corrupt"),
+    ("checkpoint.pt", damage_tensor, "not a mapping"),
+    ("config.json", damage_truncate, "empty or damaged"),
+    ("config.json", damage_empty, "empty or damaged"),
+    ("config.json", damage_garbage, "empty or damaged"),
+    ("config.json", damage_list, "does not hold a configuration mapping"),
+    ("config.json", damage_bad_value, "client.lr: expected a number"),
+]
+
+
+def damaged_copy(tmp_path, finished_run, name, damage) -> tuple[Path, dict[str, bytes]]:
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    damage(out / name)
+    return out, {p.name: p.read_bytes() for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("name, damage, fragment", [DAMAGES[0], DAMAGES[6]])
+def test_damaged_file_on_resume_is_a_one_line_error(tmp_path, finished_run, name, damage, fragment):
+    out, before = damaged_copy(tmp_path, finished_run, name, damage)
+    done = fedkernels("run", "--resume", "--rounds", "3", "--out", str(out), *FAST)
+    assert_one_line_error(done, "cannot resume", str(out / name), fragment)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written
+
+
+@pytest.mark.parametrize("name, damage, fragment", DAMAGES)
+def test_every_damage_on_resume_is_a_one_line_error(
+    tmp_path, finished_run, capsys, name, damage, fragment
+):
+    """The same, in this process, for every kind of damage (a child process each is slow)."""
+    out, before = damaged_copy(tmp_path, finished_run, name, damage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # a warning would be a second line
+        code = main(["run", "--resume", "--rounds", "3", "--out", str(out), *FAST])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert not caught, [str(w.message) for w in caught]
+    assert err.startswith(f"fedkernels run: error: cannot resume: {out / name}") and fragment in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
+    path = tmp_path / "results.txt"
+    path.write_text("keep me\n")
+    assert_one_line_error(
+        fedkernels("run", "--out", str(path), *FAST), f"--out {path} exists and is not a folder"
+    )
+    assert main(["run", "--out", str(path / "sub"), *FAST]) == 2
+    assert f"--out {path / 'sub'}: {path} exists and is not a folder" in capsys.readouterr().err
+    assert path.read_text() == "keep me\n"
+
+
+def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "curves.png").write_bytes(b"old plot")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    done = fedkernels("run", "--rounds", "1", "--out", str(out), *FAST)
+    assert_one_line_error(done, f"--out {out} already holds a run", "--resume", "--overwrite")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+    assert main(["run", "--resume", "--overwrite", "--out", str(out), *FAST]) == 2
+
+    assert_success(fedkernels("run", "--rounds", "1", "--out", str(out), "--overwrite", *FAST))
+    results = json.loads((out / "results.json").read_text())
+    assert [r["round"] for r in results["rounds"]] == [0]
+    assert not (out / "curves.png").exists()  # the old run's plot went with it (--no-plots)
+    # a folder with only a config.json (a run stopped before its first checkpoint) is reused
+    (out / "results.json").unlink()
+    (out / "checkpoint.pt").unlink()
+    assert main(["run", "--rounds", "1", "--out", str(out), *FAST]) == 0
+
+
+def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
+    out = tmp_path / "my run"  # a space: the printed command must quote it
+    args = ["run", "--rounds", "100000", "--out", str(out), "--threads", "1", "--no-plots",
+            "--model.name", "logreg", "--partition.num_clients", "2"]
+    child = subprocess.Popen(
+        [str(SCRIPT), *args],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # a child of a background job would inherit SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (out / "checkpoint.pt").is_file():
+            if child.poll() is not None:
+                pytest.fail(f"fedkernels exited early ({child.returncode}):\n{child.communicate()}")
+            if time.monotonic() > deadline:
+                pytest.fail("no checkpoint written in time")
+            time.sleep(0.1)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    prefix = "interrupted; continue with: "
+    assert last.startswith(prefix), err
+    command = shlex.split(last[len(prefix):])
+    assert command == ["fedkernels", "run", "--resume", "--out", str(out), "--threads", "1",
+                       "--no-plots"]
+    # the printed command works (with --rounds to end soon)
+    reached = torch.load(out / "checkpoint.pt", weights_only=True)["next_round"]
+    done = fedkernels(*command[1:], "--rounds", str(reached + 1), "--no-progress")
+    assert_success(done)
+    results = json.loads((out / "results.json").read_text())
+    assert results["summary"]["rounds_completed"] == reached + 1

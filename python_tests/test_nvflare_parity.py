@@ -1,0 +1,665 @@
+"""fedkernels' NVFlare aggregators side by side with NVFlare's own on identical contributions:
+constructor checks and messages, accept/reject values and log messages, aggregation stats,
+DXO collections, weights and weight diffs, exclusions, per-key weights, weigh_by_local_iter,
+integer buffers, torch and NumPy inputs, partial keys, wrong shapes, late and duplicate
+contributions; the FedAvg controller's built-in aggregation against WeightedModelAggregator
+inside NVFlare's own controller code; BaseFedAvg.aggregate_fn against ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nvflare", reason="nvflare is not installed (pip install 'fedkernels[nvflare]')")
+
+import torch  # noqa: E402
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable  # noqa: E402
+from nvflare.apis.fl_constant import ReservedKey, ReturnCode  # noqa: E402
+from nvflare.apis.fl_context import FLContext  # noqa: E402
+from nvflare.apis.shareable import Shareable  # noqa: E402
+from nvflare.app_common.abstract.aggregator import Aggregator  # noqa: E402
+from nvflare.app_common.abstract.fl_model import FLModel, ParamsType  # noqa: E402
+from nvflare.app_common.aggregators import intime_accumulate_model_aggregator as flare_intime  # noqa: E402
+from nvflare.app_common.aggregators import weighted_aggregation_helper as flare_helper  # noqa: E402
+from nvflare.app_common.app_constant import AppConstants  # noqa: E402
+from nvflare.app_common.workflows.base_fedavg import BaseFedAvg  # noqa: E402
+from nvflare.app_common.workflows.fedavg import FedAvg  # noqa: E402
+
+from fedkernels.integrations import nvflare as fk  # noqa: E402
+
+Theirs = flare_intime.InTimeAccumulateWeightedAggregator
+Ours = fk.InTimeAccumulateWeightedAggregator
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(level=logging.INFO)
+        self.messages: list[tuple[str, str]] = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if "no engine in fl_ctx" not in msg:  # NVFlare's complaint about a bare FLContext
+            self.messages.append((record.levelname, msg))
+
+
+@pytest.fixture
+def records():
+    handler = _Records()
+    root = logging.getLogger()
+    old = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    yield handler
+    root.removeHandler(handler)
+    root.setLevel(old)
+
+
+def make(cls, **kwargs):
+    agg = cls(**kwargs)
+    agg._initialize(agg.aggregation_weights, agg.exclude_vars, agg.expected_data_kind)
+    return agg
+
+
+def shareable(dxo: DXO, name: str, contribution_round: int, rc=None) -> Shareable:
+    s = Shareable()
+    s.set_peer_props({ReservedKey.IDENTITY_NAME: name})
+    s.add_cookie(AppConstants.CONTRIBUTION_ROUND, contribution_round)
+    s = dxo.update_shareable(s)
+    if rc is not None:
+        s.set_return_code(rc)
+    return s
+
+
+def ctx(current_round: int) -> FLContext:
+    c = FLContext()
+    c.set_prop(AppConstants.CURRENT_ROUND, current_round)
+    return c
+
+
+def run(cls, contributions, records=None, current_round=0, **kwargs):
+    """contributions: (name, round, dxo[, rc]) tuples. Returns accept values, the result DXO,
+    the stats put on the FLContext, and the log messages."""
+    agg = make(cls, **kwargs)
+    fl_ctx = ctx(current_round)
+    if records is not None:
+        records.messages.clear()
+    accepted = [agg.accept(shareable(dxo, name, r, *rest), fl_ctx)
+                for name, r, dxo, *rest in contributions]
+    result = from_shareable(agg.aggregate(fl_ctx))
+    logs = list(records.messages) if records is not None else None
+    return accepted, result, fl_ctx.get_prop(AppConstants.AGGREGATION_STATS), logs
+
+
+def same_values(ours, theirs, rtol=1e-6, atol=1e-7):
+    assert type(ours) is type(theirs)
+    assert sorted(ours) == sorted(theirs)
+    for k in theirs:
+        a, b = ours[k], theirs[k]
+        assert type(a) is type(b), k
+        if isinstance(b, (np.ndarray, torch.Tensor)):
+            assert a.dtype == b.dtype, k
+            assert tuple(a.shape) == tuple(b.shape), k
+            a = a.double().cpu().numpy() if isinstance(a, torch.Tensor) else a
+            b = b.double().cpu().numpy() if isinstance(b, torch.Tensor) else b
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol, err_msg=str(k))
+
+
+def same_dxo(ours: DXO, theirs: DXO, **tol):
+    assert ours.data_kind == theirs.data_kind
+    assert ours.meta == theirs.meta
+    if theirs.data_kind == DataKind.COLLECTION:
+        assert list(ours.data) == list(theirs.data)
+        for k in theirs.data:
+            same_dxo(ours.data[k], theirs.data[k], **tol)
+    else:
+        same_values(ours.data, theirs.data, **tol)
+
+
+# ---------------------------------------------------------------- construction
+
+
+def test_is_an_nvflare_aggregator():
+    agg = Ours()
+    assert isinstance(agg, Aggregator) and isinstance(agg, Theirs)
+
+
+@pytest.mark.parametrize(
+    "exclude_vars,aggregation_weights,expected_data_kind,message",
+    [
+        (2.0, None, DataKind.WEIGHT_DIFF, f"exclude_vars = 2.0 should be a regex string but got {float}."),
+        ({"dxo1": 3.0, "dxo2": ""}, None, {"dxo1": DataKind.WEIGHT_DIFF, "dxo2": DataKind.WEIGHT_DIFF},
+         f"exclude_vars[dxo1] = 3.0 should be a regex string but got {float}."),
+        (None, None, DataKind.ANALYTIC,
+         f"expected_data_kind = {DataKind.ANALYTIC} is not {DataKind.WEIGHT_DIFF} or {DataKind.WEIGHTS}"),
+        (None, None, {"dxo1": DataKind.WEIGHT_DIFF, "dxo2": DataKind.ANALYTIC},
+         f"expected_data_kind[dxo2] = {DataKind.ANALYTIC} is not {DataKind.WEIGHT_DIFF} or "
+         f"{DataKind.WEIGHTS}"),
+        (None, {"dxo1": {"client_0": 1.0, "client_1": 2.0}},
+         {"dxo1": DataKind.WEIGHT_DIFF, "dxo2": DataKind.WEIGHT_DIFF},
+         "A dict of dict aggregation_weights should specify aggregation_weights "
+         "for every key in expected_data_kind. But missed these keys: ['dxo2']"),
+        ({"dxo2": ""}, None, {"dxo1": DataKind.WEIGHT_DIFF, "dxo2": DataKind.WEIGHT_DIFF},
+         "A dict exclude_vars should specify exclude_vars for every key in expected_data_kind. "
+         "But missed these keys: ['dxo1']"),
+    ],
+)
+def test_invalid_create_same_errors(exclude_vars, aggregation_weights, expected_data_kind, message):
+    errors = []
+    for cls in (Theirs, Ours):
+        with pytest.raises(ValueError, match=re.escape(message)) as info:
+            make(cls, exclude_vars=exclude_vars, aggregation_weights=aggregation_weights,
+                 expected_data_kind=expected_data_kind)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(exclude_vars=None, aggregation_weights=None, expected_data_kind=DataKind.WEIGHTS),
+        dict(exclude_vars="hello", aggregation_weights=None,
+             expected_data_kind={"dxo1": DataKind.WEIGHTS, "dxo2": DataKind.WEIGHT_DIFF}),
+        dict(exclude_vars=None, aggregation_weights={"client_0": 1.0, "client_1": 2.0},
+             expected_data_kind={"dxo1": DataKind.WEIGHTS, "dxo2": DataKind.WEIGHT_DIFF}),
+        dict(exclude_vars={"dxo1": "a", "dxo2": "b"},
+             aggregation_weights={"dxo1": {"c": 1.0}, "dxo2": {"c": 3.0}},
+             expected_data_kind={"dxo1": DataKind.WEIGHTS, "dxo2": DataKind.METRICS},
+             weigh_by_local_iter=False),
+    ],
+)
+def test_create_same_attributes(kwargs):
+    theirs, ours = make(Theirs, **kwargs), make(Ours, **kwargs)
+    for attr in ("exclude_vars", "aggregation_weights", "expected_data_kind", "_weigh_by_local_iter"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    for key, dxo_agg in ours.dxo_aggregators.items():
+        assert isinstance(dxo_agg.aggregation_helper, fk.WeightedAggregationHelper)
+        assert dxo_agg.expected_data_kind == theirs.dxo_aggregators[key].expected_data_kind
+
+
+def test_start_run_event_installs_the_fused_helper():
+    from nvflare.apis.event_type import EventType
+
+    agg = Ours(expected_data_kind=DataKind.WEIGHTS)
+    agg.handle_event(EventType.START_RUN, FLContext())
+    helper = agg.dxo_aggregators[""].aggregation_helper
+    assert isinstance(helper, fk.WeightedAggregationHelper)
+
+
+# ---------------------------------------------------------------- accept / reject
+
+
+def weights_dxo(data, n_iter=1, kind=DataKind.WEIGHT_DIFF, meta=None):
+    m = {} if n_iter is None else {MetaKey.NUM_STEPS_CURRENT_ROUND: n_iter}
+    m.update(meta or {})
+    return DXO(kind, data=data, meta=m)
+
+
+@pytest.mark.parametrize("current_round,contribution_round,expected", [(1, 1, True), (2, 1, False)])
+def test_contribution_round_check(records, current_round, contribution_round, expected):
+    outcomes = []
+    for cls in (Theirs, Ours):
+        agg = make(cls, aggregation_weights={"client_0": 0.3, "client_1": 0.9})
+        records.messages.clear()
+        accepted = agg.accept(shareable(weights_dxo({"var1": np.random.random(4)}), "client_0",
+                                        contribution_round), ctx(current_round))
+        outcomes.append((accepted, list(records.messages)))
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][0] is expected
+
+
+def test_accept_and_reject_values_and_messages(records):
+    """Late, duplicate, failed (rc), wrong kind, wrong data kind, not a DXO, missing weight and
+    missing NUM_STEPS: the same return values and log messages."""
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    bad = Shareable()
+    bad.set_peer_props({ReservedKey.IDENTITY_NAME: "site-9"})
+    contributions = [
+        ("site-1", 3, weights_dxo({"w": x}, n_iter=2)),
+        ("site-1", 3, weights_dxo({"w": x + 1})),                           # duplicate
+        ("site-2", 2, weights_dxo({"w": x + 2})),                           # late
+        ("site-3", 3, weights_dxo({"w": x + 3}), ReturnCode.EXECUTION_EXCEPTION),
+        ("site-4", 3, weights_dxo({"w": x + 4}, kind=DataKind.WEIGHTS)),    # wrong kind
+        ("site-5", 3, weights_dxo({"w": x + 5}, kind=DataKind.ANALYTIC)),   # unsupported kind
+        ("site-6", 3, weights_dxo({"w": x + 6}, n_iter=None)),              # no NUM_STEPS
+        ("site-7", 3, weights_dxo({"w": x + 7}, n_iter=3)),                 # no weight given
+    ]
+    outcomes = {}
+    for cls in (Theirs, Ours):
+        agg = make(cls, aggregation_weights={f"site-{i}": 0.5 * i for i in range(1, 7)})
+        fl_ctx = ctx(3)
+        records.messages.clear()
+        accepted = [agg.accept(shareable(dxo, n, r, *rest), fl_ctx) for n, r, dxo, *rest in contributions]
+        accepted.append(agg.accept(bad, fl_ctx))
+        result = from_shareable(agg.aggregate(fl_ctx))
+        outcomes[cls] = (accepted, list(records.messages), result,
+                         fl_ctx.get_prop(AppConstants.AGGREGATION_STATS))
+    (a_t, logs_t, res_t, stats_t), (a_o, logs_o, res_o, stats_o) = outcomes[Theirs], outcomes[Ours]
+    assert a_o == a_t == [True, False, False, False, False, False, True, True, False]
+    assert logs_o == logs_t
+    same_dxo(res_o, res_t)
+    assert stats_o == stats_t
+    expected = (1.0 * x + 3.0 * (x + 6) + 3.0 * (x + 7)) / 7.0
+    np.testing.assert_allclose(res_o.data["w"], expected, rtol=1e-6)
+
+
+def test_processed_algorithm_meta():
+    meta = {MetaKey.PROCESSED_ALGORITHM: "quantize"}
+    contributions = [(f"c{i}", 0, weights_dxo({"w": np.full(3, float(i))}, meta=meta)) for i in range(3)]
+    contributions.append(("c9", 0, weights_dxo({"w": np.ones(3)},
+                                                meta={MetaKey.PROCESSED_ALGORITHM: "other"})))
+    a_t, r_t, s_t, _ = run(Theirs, contributions)
+    a_o, r_o, s_o, _ = run(Ours, contributions)
+    assert a_o == a_t == [True, True, True, False]
+    same_dxo(r_o, r_t)
+    assert r_o.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) == "quantize"
+    assert s_o == s_t
+
+
+# ---------------------------------------------------------------- values
+
+
+@pytest.mark.parametrize("shape", [4, (6, 6), (3, 5, 7)])
+@pytest.mark.parametrize("n_clients", [10, 50])
+@pytest.mark.parametrize("kind", [DataKind.WEIGHT_DIFF, DataKind.WEIGHTS])
+def test_random_contributions(shape, n_clients, kind):
+    rng = np.random.default_rng(n_clients)
+    weights = {f"client_{i}": float(rng.random()) for i in range(n_clients)}
+    contributions = [(name, 0, weights_dxo({"var1": rng.random(shape), "var2": rng.random(3)},
+                                            n_iter=int(rng.integers(1, 50)), kind=kind))
+                     for name in weights]
+    a_t, r_t, s_t, _ = run(Theirs, contributions, aggregation_weights=weights, expected_data_kind=kind)
+    a_o, r_o, s_o, _ = run(Ours, contributions, aggregation_weights=weights, expected_data_kind=kind)
+    assert a_o == a_t
+    same_dxo(r_o, r_t, rtol=1e-10, atol=1e-12)  # float64 arrays accumulate in float64
+    assert s_o == s_t
+    num = sum(weights[n] * d.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) * d.data["var1"]
+              for n, _, d in contributions)
+    den = sum(weights[n] * d.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) for n, _, d in contributions)
+    np.testing.assert_allclose(r_o.data["var1"], num / den)
+
+
+@pytest.mark.parametrize("num_dxo", [1, 2, 3])
+@pytest.mark.parametrize("n_clients", [10, 30])
+def test_dxo_collections(num_dxo, n_clients):
+    rng = np.random.default_rng(num_dxo)
+    names = [f"dxo_{i}" for i in range(num_dxo)]
+    clients = [f"client_{i}" for i in range(n_clients)]
+    weights = {d: {c: float(rng.random()) for c in clients} for d in names}
+    contributions = []
+    for c in clients:
+        n_iter = int(rng.integers(1, 50))
+        data = {d: weights_dxo({"var1": rng.random((6, 6)).astype(np.float32)}, n_iter=n_iter)
+                for d in names}
+        contributions.append((c, 0, DXO(DataKind.COLLECTION, data=data)))
+    kinds = {d: DataKind.WEIGHT_DIFF for d in names}
+    a_t, r_t, s_t, _ = run(Theirs, contributions, aggregation_weights=weights, expected_data_kind=kinds)
+    a_o, r_o, s_o, _ = run(Ours, contributions, aggregation_weights=weights, expected_data_kind=kinds)
+    assert a_o == a_t
+    same_dxo(r_o, r_t)
+    assert s_o == s_t
+
+
+def test_collection_with_missing_and_metrics_entries(records):
+    """A collection lacking one expected DXO, and a METRICS DXO next to the weights."""
+    kinds = {"model": DataKind.WEIGHTS, "metrics": DataKind.METRICS}
+    contributions = [
+        ("a", 0, DXO(DataKind.COLLECTION, data={
+            "model": weights_dxo({"w": np.ones(3, np.float32)}, kind=DataKind.WEIGHTS, n_iter=2),
+            "metrics": weights_dxo({"acc": 0.5, "loss": np.float64(2.0)}, kind=DataKind.METRICS)})),
+        ("b", 0, DXO(DataKind.COLLECTION, data={
+            "model": weights_dxo({"w": np.full(3, 3.0, np.float32)}, kind=DataKind.WEIGHTS)})),
+        ("c", 0, DXO(DataKind.COLLECTION, data={
+            "metrics": weights_dxo({"acc": 0.9, "loss": np.float64(1.0)}, kind=DataKind.METRICS)})),
+    ]
+    a_t, r_t, s_t, l_t = run(Theirs, contributions, records, expected_data_kind=kinds)
+    a_o, r_o, s_o, l_o = run(Ours, contributions, records, expected_data_kind=kinds)
+    assert a_o == a_t == [True, True, True]
+    same_dxo(r_o, r_t)
+    assert s_o == s_t
+    assert [m for m in l_o if "InTime" not in m[1]] == [m for m in l_t if "InTime" not in m[1]]
+    assert type(r_o.data["metrics"].data["loss"]) is np.float64
+
+
+@pytest.mark.parametrize("weigh_by_local_iter", [True, False])
+def test_exclude_vars_and_weigh_by_local_iter(weigh_by_local_iter):
+    rng = np.random.default_rng(3)
+    contributions = [(f"s{i}", 0, weights_dxo({
+        "layer1.weight": rng.standard_normal((4, 4)).astype(np.float32),
+        "layer1.bias": rng.standard_normal(4).astype(np.float32),
+        "bn.running_mean": rng.standard_normal(4).astype(np.float32),
+    }, n_iter=i + 1)) for i in range(4)]
+    kwargs = dict(exclude_vars="bias|bn", aggregation_weights={"s0": 2.0, "s2": 0.5},
+                  weigh_by_local_iter=weigh_by_local_iter)
+    a_t, r_t, s_t, _ = run(Theirs, contributions, **kwargs)
+    a_o, r_o, s_o, _ = run(Ours, contributions, **kwargs)
+    assert a_o == a_t
+    same_dxo(r_o, r_t)
+    assert list(r_o.data) == ["layer1.weight"]
+    assert s_o == s_t and s_o["skipped_keys"] == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, np.int64, np.int32, np.uint8, bool])
+def test_numpy_dtypes(dtype):
+    """NumPy's promotion decides the result dtype (integer buffers give a float64 mean); float16
+    accumulates in fp32 here, in float16 in NVFlare."""
+    rng = np.random.default_rng(5)
+    contributions = [(f"s{i}", 0, weights_dxo({"x": (rng.random((3, 4)) * 10).astype(dtype)}, n_iter=i + 1))
+                     for i in range(5)]
+    _, r_t, _, _ = run(Theirs, contributions)
+    _, r_o, _, _ = run(Ours, contributions)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == np.float16 else dict(rtol=1e-6)
+    same_dxo(r_o, r_t, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64])
+def test_torch_tensors(dtype):
+    """DXOs of torch tensors give torch results of NVFlare's dtype (int -> default float)."""
+    g = torch.Generator().manual_seed(0)
+    contributions = [(f"s{i}", 0, weights_dxo({
+        "w": (torch.rand(5, 7, generator=g) * 10).to(dtype),
+        "b": torch.rand(7, generator=g).to(dtype),
+        "num_batches_tracked": torch.tensor(10 * i),
+    }, n_iter=i + 1)) for i in range(4)]
+    _, r_t, s_t, _ = run(Theirs, contributions, expected_data_kind=DataKind.WEIGHTS)
+    _, r_o, s_o, _ = run(Ours, contributions, expected_data_kind=DataKind.WEIGHTS)
+    half = dtype in (torch.float16, torch.bfloat16)
+    same_dxo(r_o, r_t, rtol=2e-2 if half else 1e-6, atol=2e-2 if half else 1e-6)
+    assert s_o == s_t
+
+
+def test_mixed_precision_contributions():
+    """float32 from some sites and float64 from others: NumPy's float64 result."""
+    contributions = [("a", 0, weights_dxo({"x": np.full(4, 1.0, np.float32)})),
+                     ("b", 0, weights_dxo({"x": np.full(4, 2.0, np.float64)}, n_iter=3))]
+    _, r_t, _, _ = run(Theirs, contributions)
+    _, r_o, _, _ = run(Ours, contributions)
+    same_dxo(r_o, r_t)
+    assert r_o.data["x"].dtype == np.float64
+
+
+def test_missing_key_is_averaged_over_the_contributions_that_have_it():
+    contributions = [("a", 0, weights_dxo({"x": np.ones(3), "y": np.ones(2)})),
+                     ("b", 0, weights_dxo({"x": np.full(3, 4.0)}, n_iter=3)),
+                     ("c", 0, weights_dxo({"y": np.full(2, 5.0), "z": np.zeros(1)}))]
+    _, r_t, s_t, _ = run(Theirs, contributions)
+    _, r_o, s_o, _ = run(Ours, contributions)
+    same_dxo(r_o, r_t)
+    assert list(r_o.data) == list(r_t.data) == ["x", "y", "z"]
+    np.testing.assert_allclose(r_o.data["x"], (1 + 12) / 4)
+    np.testing.assert_allclose(r_o.data["y"], 3.0)
+    assert s_o == s_t
+    assert s_o["fully_matched_keys"] == 0 and s_o["partially_matched_keys"] == 3
+
+
+def test_wrong_shape_is_rejected_before_anything_is_accumulated(records):
+    """NVFlare raises from NumPy half-way through (its key counts are already bumped) or
+    silently broadcasts; ours rejects the contribution, logs which key and shapes, and the round
+    goes on as if it had not come."""
+    good = [("a", 0, weights_dxo({"x": np.ones((2, 3)), "y": np.ones(3)})),
+            ("b", 0, weights_dxo({"x": np.full((2, 3), 3.0), "y": np.full(3, 2.0)}))]
+    wrong = ("c", 0, weights_dxo({"x": np.full((2, 3), 7.0), "y": np.ones(4)}))
+    broadcast = ("d", 0, weights_dxo({"x": np.ones(3), "y": np.ones(3)}))
+
+    theirs = make(Theirs)
+    for n, r, d in good:
+        theirs.accept(shareable(d, n, r), ctx(0))
+    with pytest.raises(ValueError, match="could not be broadcast"):
+        theirs.accept(shareable(wrong[2], "c", 0), ctx(0))
+    assert theirs.accept(shareable(broadcast[2], "d", 0), ctx(0)) is True  # (3,) into (2, 3)
+
+    accepted, result, stats, logs = run(Ours, good + [wrong, broadcast], records)
+    assert accepted == [True, True, False, False]
+    errors = [m for level, m in logs if level == "ERROR"]
+    assert any("'c', key 'y': got a NumPy array of shape (4,)" in m and "(3,)" in m for m in errors)
+    assert any("'d', key 'x': got a NumPy array of shape (3,)" in m and "(2, 3)" in m for m in errors)
+    _, expected, expected_stats, _ = run(Theirs, good)
+    same_dxo(result, expected)
+    assert stats == expected_stats
+
+
+def test_non_finite_weight_is_rejected(records):
+    contributions = [("a", 0, weights_dxo({"x": np.ones(3)})),
+                     ("b", 0, weights_dxo({"x": np.ones(3)}, n_iter=float("inf")))]
+    accepted, result, _, logs = run(Ours, contributions, records)
+    assert accepted == [True, False]
+    assert any("'b': weight is inf" in m for _, m in logs)
+    np.testing.assert_allclose(result.data["x"], 1.0)
+
+
+def test_rounds_reset_between_aggregations():
+    """One aggregator over three rounds, as a workflow uses it."""
+    agg_t, agg_o = make(Theirs), make(Ours)
+    rng = np.random.default_rng(9)
+    for r in range(3):
+        for name in ("a", "b", "c"):
+            d = weights_dxo({"x": rng.random((4, 4)).astype(np.float32)}, n_iter=r + 1)
+            assert agg_o.accept(shareable(d, name, r), ctx(r)) == agg_t.accept(shareable(d, name, r), ctx(r))
+        c_t, c_o = ctx(r), ctx(r)
+        same_dxo(from_shareable(agg_o.aggregate(c_o)), from_shareable(agg_t.aggregate(c_t)))
+        assert c_o.get_prop(AppConstants.AGGREGATION_STATS) == c_t.get_prop(AppConstants.AGGREGATION_STATS)
+
+
+def test_streaming_memory_does_not_grow_with_clients():
+    """The helper keeps one accumulator per key, whatever the number of contributions."""
+    helper = fk.WeightedAggregationHelper()
+    for i in range(200):
+        helper.add({"x": np.full((64, 64), float(i), np.float32)}, 1.0, f"s{i}", 0)
+    assert len(helper.total) == 1
+    assert helper.total["x"].numel() == 64 * 64 and helper.total["x"].dtype == torch.float32
+    np.testing.assert_allclose(helper.get_result()["x"], 99.5)
+
+
+# ---------------------------------------------------------------- the helper alone
+
+
+HELPER_CASES = {
+    "torch float": ([{"w1": torch.tensor([1.0, 2.0, 3.0]), "w2": torch.tensor([4.0, 5.0])},
+                     {"w1": torch.tensor([2.0, 4.0, 6.0]), "w2": torch.tensor([3.0, 6.0])}], [2.0, 1.0]),
+    "torch int": ([{"count": torch.tensor([10, 20, 30])}, {"count": torch.tensor([5, 10, 15])}], [2.0, 3.0]),
+    "numpy": ([{"w": np.array([2.0, 4.0, 6.0])}, {"w": np.array([3.0, 6.0, 9.0])}], [1.0, 2.0]),
+    "different keys": ([{"w1": torch.tensor([1.0]), "w2": torch.tensor([2.0])},
+                        {"w2": torch.tensor([3.0]), "w3": torch.tensor([4.0])}], [1.0, 1.0]),
+    "metrics": ([{"acc": 0.9, "n": 3, "flag": True}, {"acc": 0.7, "n": 5, "flag": False}], [1.0, 3]),
+    "scalar tensors": ([{"t": torch.tensor(2.0), "s": np.float32(1.5)},
+                        {"t": torch.tensor(4.0), "s": np.float32(0.5)}], [1.0, 1.0]),
+    "empty": ([{}], [1.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HELPER_CASES))
+@pytest.mark.parametrize("kwargs", [{}, {"exclude_vars": "w1|flag"}])
+def test_helper_side_by_side(case, kwargs):
+    datas, weights = HELPER_CASES[case]
+    theirs = flare_helper.WeightedAggregationHelper(**kwargs)
+    ours = fk.WeightedAggregationHelper(**kwargs)
+    for i, (d, w) in enumerate(zip(datas, weights)):
+        theirs.add(d, w, f"site-{i}", 0)
+        ours.add(d, w, f"site-{i}", 0)
+    assert ours.get_history() == theirs.get_history()
+    assert ours.get_len() == theirs.get_len()
+    assert ours.counts == theirs.counts
+    assert list(ours.total) == list(theirs.total)
+    assert ours.get_aggregation_stats() == theirs.get_aggregation_stats()
+    result_t, result_o = theirs.get_result(), ours.get_result()
+    same_values(result_o, result_t)
+    assert list(result_o) == list(result_t)
+    assert ours.last_aggregation_stats == theirs.last_aggregation_stats
+    assert ours.get_len() == 0 and len(ours.total) == 0 and len(ours.counts) == 0
+
+
+def test_helper_unweighted_int_tensors_average_where_nvflare_raises():
+    data = [{"count": torch.tensor([10, 20])}, {"count": torch.tensor([5, 10])}]
+    theirs = flare_helper.WeightedAggregationHelper(weigh_by_local_iter=False)
+    ours = fk.WeightedAggregationHelper(weigh_by_local_iter=False)
+    for i, d in enumerate(data):
+        theirs.add(d, 2.0, f"s{i}", 0)
+        ours.add(d, 2.0, f"s{i}", 0)
+    with pytest.raises(RuntimeError):
+        theirs.get_result()
+    result = ours.get_result()["count"]
+    assert result.dtype == torch.get_default_dtype()
+    torch.testing.assert_close(result, torch.tensor([15.0 / 4, 30.0 / 4]))
+
+
+def test_helper_does_not_modify_inputs_and_reads_read_only_arrays():
+    a = np.arange(6, dtype=np.float32)
+    a.flags.writeable = False
+    t = torch.arange(6, dtype=torch.float32)
+    helper = fk.WeightedAggregationHelper()
+    helper.add({"a": a, "t": t, "rev": np.arange(6.0)[::-1]}, 3.0, "x", 0)
+    helper.add({"a": a * 3, "t": t * 3, "rev": np.arange(6.0)}, 1.0, "y", 0)
+    out = helper.get_result()
+    np.testing.assert_array_equal(a, np.arange(6))
+    torch.testing.assert_close(t, torch.arange(6, dtype=torch.float32))
+    np.testing.assert_allclose(out["a"], np.arange(6) * 1.5)
+    np.testing.assert_allclose(out["rev"], (3 * np.arange(6.0)[::-1] + np.arange(6.0)) / 4)
+
+
+def test_helper_lazy_refs_are_materialized():
+    class LazyRef:
+        def __init__(self, value):
+            self.value = value
+
+        def materialize(self):
+            return self.value
+
+    ours = fk.WeightedAggregationHelper()
+    theirs = flare_helper.WeightedAggregationHelper()
+    for i in range(3):
+        d = {"x": LazyRef(torch.full((4,), float(i)))}
+        ours.add(d, 1.0 + i, f"s{i}", 0)
+        theirs.add(d, 1.0 + i, f"s{i}", 0)
+    same_values(ours.get_result(), theirs.get_result())
+
+
+def test_helper_bad_weight_names_the_contributor():
+    helper = fk.WeightedAggregationHelper()
+    with pytest.raises(ValueError, match="'site-3': weight must be a number"):
+        helper.add({"x": np.ones(2)}, "heavy", "site-3", 0)
+    with pytest.raises(ValueError, match="'site-3': weight is nan"):
+        helper.add({"x": np.ones(2)}, float("nan"), "site-3", 0)
+    assert helper.get_len() == 0 and not helper.total
+
+
+# ---------------------------------------------------------------- FedAvg controller
+
+
+def fl_results(rng, n_clients=4, metrics=True, dtype=np.float32):
+    results = []
+    for i in range(n_clients):
+        params = {"conv.weight": rng.standard_normal((4, 3, 3, 3)).astype(dtype),
+                  "fc.bias": rng.standard_normal(10).astype(dtype),
+                  "bn.num_batches_tracked": np.array(10 * i)}
+        meta = {"client_name": f"site-{i + 1}"}
+        if i != 2:
+            meta[MetaKey.NUM_STEPS_CURRENT_ROUND] = 5 * (i + 1)
+        results.append(FLModel(params_type=ParamsType.FULL, params=params, current_round=7,
+                               metrics={"acc": 0.5 + 0.1 * i, "report": {"x": 1}} if metrics else None,
+                               meta=meta))
+    return results
+
+
+def run_controller(controller: FedAvg, results, current_round=7):
+    """The per-round steps of FedAvg.run that touch aggregation, on NVFlare's own controller."""
+    controller.fl_ctx = ctx(current_round)
+    controller.current_round = current_round
+    if controller.aggregator:
+        controller.aggregator.fl_ctx = ctx(current_round)
+        controller.aggregator.reset_stats()
+    else:
+        controller._aggr_helper = flare_helper.WeightedAggregationHelper(exclude_vars=controller.exclude_vars)
+        controller._aggr_metrics_helper = flare_helper.WeightedAggregationHelper()
+        controller._all_metrics = True
+    controller._received_count, controller._expected_count = 0, len(results)
+    controller._params_type, controller._site_metric_weights = None, {}
+    for r in results:
+        controller._aggregate_one_result(r)
+    model = controller._get_aggregated_result()
+    stats_ctx = controller.aggregator.fl_ctx if controller.aggregator else controller.fl_ctx
+    return model, stats_ctx.get_prop(AppConstants.AGGREGATION_STATS)
+
+
+@pytest.mark.parametrize("metrics", [True, False])
+@pytest.mark.parametrize("kwargs", [{}, {"exclude_vars": "bn", "aggregation_weights": {"site-2": 3.0}}])
+def test_fedavg_controller_builtin_vs_weighted_model_aggregator(metrics, kwargs):
+    results = fl_results(np.random.default_rng(0), metrics=metrics)
+    theirs, stats_t = run_controller(FedAvg(num_clients=4, **kwargs), results)
+    ours, stats_o = run_controller(FedAvg(num_clients=4, aggregator=fk.WeightedModelAggregator(**kwargs)),
+                                   results)
+    same_values(ours.params, theirs.params)
+    assert ours.params_type == theirs.params_type
+    assert ours.current_round == theirs.current_round == 7
+    if metrics:
+        same_values(ours.metrics, theirs.metrics, rtol=1e-12)
+    else:
+        assert ours.metrics is theirs.metrics is None
+    info_t = theirs.meta.pop(AppConstants.METRICS_AGGREGATION_INFO)
+    info_o = dict(ours.meta.pop(AppConstants.METRICS_AGGREGATION_INFO))
+    # The controller marks results of a custom aggregator with this flag; all else is equal.
+    assert info_o.pop("use_contribution_sites") is False
+    assert info_o == info_t
+    assert ours.meta == theirs.meta
+    assert stats_o == stats_t
+
+
+def test_weighted_model_aggregator_in_a_recipe():
+    from nvflare.app_common.np.recipes.fedavg import NumpyFedAvgRecipe
+
+    agg = fk.WeightedModelAggregator(aggregation_weights={"site-1": 2.0})
+    recipe = NumpyFedAvgRecipe(name="fk", min_clients=2, num_rounds=1, train_script="train.py",
+                               model=[[0.0, 0.0]], aggregator=agg)
+    assert recipe._get_model_aggregator() is agg
+
+
+def test_weighted_model_aggregator_arguments_are_checked():
+    with pytest.raises(TypeError, match="exclude_vars must be a regex string"):
+        fk.WeightedModelAggregator(exclude_vars=3)
+    with pytest.raises(TypeError, match="aggregation_weights must be a dict"):
+        fk.WeightedModelAggregator(aggregation_weights=[1.0, 2.0])
+
+
+def test_weighted_model_aggregator_skips_empty_results():
+    agg = fk.WeightedModelAggregator()
+    assert agg.accept_model(FLModel(params={}, meta={"client_name": "a"})) is False
+    assert agg.accept_model(FLModel(params={"x": np.ones(2)}, meta={"client_name": "b"})) is True
+    assert agg.aggregate_model().meta["nr_aggregated"] == 1
+
+
+@pytest.mark.parametrize("metrics", [True, False])
+def test_aggregate_fn_equals_base_fedavg(metrics):
+    results = fl_results(np.random.default_rng(1), metrics=metrics, dtype=np.float64)
+    theirs, ours = BaseFedAvg.aggregate_fn(results), fk.aggregate_fn(results)
+    same_values(ours.params, theirs.params, rtol=1e-12)
+    if metrics:
+        same_values(ours.metrics, theirs.metrics, rtol=1e-12)
+    else:
+        assert ours.metrics is theirs.metrics is None
+    assert ours.meta == theirs.meta
+    assert ours.params_type == theirs.params_type
+    with pytest.raises(ValueError, match="received empty results for aggregation."):
+        fk.aggregate_fn([])
+
+
+def test_randomized_against_nvflare():
+    """Random mixes of kinds, shapes, dtypes, weights and missing keys."""
+    rng = random.Random(11)
+    for trial in range(20):
+        keys = {f"k{j}": tuple(rng.randint(1, 6) for _ in range(rng.randint(1, 3)))
+                for j in range(rng.randint(1, 5))}
+        dtype = rng.choice([np.float32, np.float64])
+        contributions = []
+        for i in range(rng.randint(1, 8)):
+            present = [k for k in keys if rng.random() > 0.2] or list(keys)[:1]
+            data = {k: np.asarray(np.random.default_rng(trial * 100 + i).standard_normal(keys[k]), dtype)
+                    for k in present}
+            contributions.append((f"s{i}", 0, weights_dxo(data, n_iter=rng.choice([None, 1, 3, 7.5]))))
+        weights = {f"s{i}": rng.uniform(0.1, 3.0) for i in range(8) if rng.random() > 0.3}
+        _, r_t, s_t, _ = run(Theirs, contributions, aggregation_weights=weights)
+        _, r_o, s_o, _ = run(Ours, contributions, aggregation_weights=weights)
+        same_dxo(r_o, r_t, rtol=1e-5, atol=1e-6)
+        assert s_o == s_t

@@ -1,0 +1,158 @@
+"""Real NVFlare runs: the same job in NVFlare's simulator (3 clients, 3 rounds, loopback only),
+once with NVFlare's aggregator and once with fedkernels', must end with the same global model.
+
+Two jobs, four simulator runs started side by side as child processes:
+
+- ScatterAndGather + ``InTimeAccumulateWeightedAggregator`` (WEIGHT_DIFF contributions,
+  per-site aggregation weights, NUM_STEPS_CURRENT_ROUND per site): the two job configs differ
+  only in the aggregator component's module path.
+- NVFlare's FedAvg controller: its built-in aggregation against ``WeightedModelAggregator``.
+
+Both are also checked against the FedAvg formula replayed here in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nvflare", reason="nvflare is not installed (pip install 'fedkernels[nvflare]')")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from nvflare_sim_components import initial_model, site_update  # noqa: E402
+from nvflare_sim_job import ROUNDS, aggregation_weights  # noqa: E402
+
+N_CLIENTS = 3
+TIMEOUT_S = 240
+
+
+def _child_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(HERE), str(HERE.parent)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def _expected(kind: str) -> dict:
+    """The global model after ROUNDS rounds, by the formula, in float64."""
+    a = aggregation_weights(N_CLIENTS)
+    model = {k: v.astype(np.float64) for k, v in initial_model().items()}
+    for r in range(ROUNDS):
+        sent = {k: v.astype(np.float32) for k, v in model.items()}
+        num = {k: np.zeros_like(v) for k, v in model.items()}
+        den = 0.0
+        for i in range(1, N_CLIENTS + 1):
+            new = site_update(i, r, sent)
+            w = a[f"site-{i}"] * (i + 1)
+            for k in num:
+                x = new[k].astype(np.float64)
+                num[k] += w * (x - sent[k] if kind == "sag" else x)
+            den += w
+        model = {k: (sent[k] + num[k] / den if kind == "sag" else num[k] / den) for k in model}
+    return model
+
+
+@pytest.fixture(scope="module")
+def simulator_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nvflare_sim")
+    runs = {}
+    for kind in ("sag", "fedavg"):
+        for which in ("nvflare", "fedkernels"):
+            name = f"{kind}_{which}"
+            log = open(root / f"{name}.log", "wb")
+            cmd = [sys.executable, str(HERE / "nvflare_sim_job.py"), kind, which,
+                   str(root / f"ws_{name}"), str(root / f"{name}.npz"), str(N_CLIENTS)]
+            proc = subprocess.Popen(cmd, cwd=root, env=_child_env(), stdout=log,
+                                    stderr=subprocess.STDOUT)
+            runs[name] = (proc, log, root / f"{name}.log")
+
+    def log_tail(path: Path) -> str:
+        return path.read_text(errors="replace")[-6000:]
+
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while any(p.poll() is None for p, _, _ in runs.values()):
+            for name, (proc, _, path) in runs.items():
+                if proc.poll() not in (None, 0):
+                    pytest.fail(f"simulator run {name} exited with {proc.returncode}:\n"
+                                f"{log_tail(path)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"simulator runs still going after {TIMEOUT_S} s: " + ", ".join(
+                    n for n, (p, _, _) in runs.items() if p.poll() is None))
+            time.sleep(0.5)
+        for name, (proc, _, path) in runs.items():
+            if proc.returncode != 0:
+                pytest.fail(f"simulator run {name} exited with {proc.returncode}:\n"
+                            f"{log_tail(path)}")
+    finally:
+        for proc, log, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+            log.close()
+    return root
+
+
+def _load(path: Path) -> dict:
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.mark.parametrize("kind", ["sag", "fedavg"])
+def test_same_global_model_as_nvflare(simulator_runs, kind):
+    theirs = _load(simulator_runs / f"{kind}_nvflare.npz")
+    ours = _load(simulator_runs / f"{kind}_fedkernels.npz")
+    assert sorted(ours) == sorted(theirs)
+    for k in theirs:
+        assert ours[k].dtype == theirs[k].dtype, k
+        np.testing.assert_allclose(ours[k], theirs[k], rtol=1e-6, atol=1e-6, err_msg=k)
+    expected = _expected(kind)
+    for k, v in expected.items():
+        np.testing.assert_allclose(ours[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+        np.testing.assert_allclose(theirs[k], v, rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def test_fedavg_metrics_equal(simulator_runs):
+    theirs = _load(simulator_runs / "fedavg_nvflare.npz")["metric.loss"]
+    ours = _load(simulator_runs / "fedavg_fedkernels.npz")["metric.loss"]
+    a = aggregation_weights(N_CLIENTS)
+    w = {i: a[f"site-{i}"] * (i + 1) for i in range(1, N_CLIENTS + 1)}
+    loss = sum(w[i] * (i + 0.25 * (ROUNDS - 1)) for i in w) / sum(w.values())
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-12)
+    assert float(ours) == pytest.approx(loss, rel=1e-12)
+
+
+def test_jobs_differ_only_in_the_aggregator_path(simulator_runs):
+    """The scatter-and-gather job configs are identical but for the aggregator's module path,
+    and the fedkernels run really used fedkernels' class."""
+    def server_config(which: str) -> dict:
+        found = list((simulator_runs / f"ws_sag_{which}").rglob("config_fed_server.json"))
+        assert found, f"no server config in the {which} workspace"
+        return json.loads(found[0].read_text())
+
+    theirs, ours = server_config("nvflare"), server_config("fedkernels")
+    agg_t = next(c for c in theirs["components"] if c["id"] == "aggregator")
+    agg_o = next(c for c in ours["components"] if c["id"] == "aggregator")
+    assert agg_t["path"] == ("nvflare.app_common.aggregators.intime_accumulate_model_aggregator."
+                             "InTimeAccumulateWeightedAggregator")
+    assert agg_o["path"] == "fedkernels.integrations.nvflare.InTimeAccumulateWeightedAggregator"
+    assert agg_o["args"] == agg_t["args"]
+    agg_o["path"] = agg_t["path"]
+
+    def without_output_path(config: dict) -> list:  # each run saves to its own file
+        return [{**c, "args": {k: v for k, v in c["args"].items() if k != "out_path"}}
+                for c in config["components"]]
+
+    assert without_output_path(ours) == without_output_path(theirs)
+    assert ours["workflows"] == theirs["workflows"]
