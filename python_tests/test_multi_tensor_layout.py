@@ -27,7 +27,13 @@ DRIVER = r"""
 using namespace fedkernels;
 
 static int failures = 0;
-#define EXPECT(cond) do { if (!(cond)) { std::printf("FAILED line %d: %s\n", __LINE__, #cond); ++failures; } } while (0)
+#define EXPECT(cond)                                             \
+  do {                                                           \
+    if (!(cond)) {                                               \
+      std::printf("FAILED line %d: %s\n", __LINE__, #cond);      \
+      ++failures;                                                \
+    }                                                            \
+  } while (0)
 
 int main() {
   // Chunk prefix and the owner of every chunk, for several chunk sizes and odd numels.
