@@ -1,8 +1,8 @@
-// Host-side part of the ensemble-distillation ops (schemas: csrc/ops.cpp; math:
-// specs/fedgo.md §2.2-2.4, §2.9, §4 K1-K4), shared by the CPU and CUDA backends: validation
+// Host-side part of the ensemble-distillation ops (schemas and formulas: csrc/ops.cpp; per-row
+// math: DistillMath in csrc/elementwise.h), shared by the CPU and CUDA backends: validation
 // (nothing is allocated or written before it passes), the conversion of the small per-client
-// inputs (scores, log_prior) to the accumulate type, output allocation, and one plan per call
-// that the backend's runner executes.
+// inputs (scores, log_prior) to the accumulate type, output allocation, one plan per call that
+// the backend's kernel template runs, and the registration of a backend's kernels.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,21 +10,17 @@
 #include <ATen/ops/zeros.h>
 #include <c10/util/irange.h>
 
+#include <torch/library.h>
+
 #include <cmath>
+#include <optional>
 #include <string>
 #include <tuple>
 
+#include "common.h"
 #include "elementwise.h"
 
 namespace fedkernels {
-
-inline bool distill_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-inline at::ScalarType accumulate_dtype(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // ---------------------------------------------------------------- ensemble_pseudo_labels
 
@@ -44,7 +40,6 @@ struct PseudoLabelPlan {
   at::Device device = at::kCPU;
 };
 
-using PseudoLabelRunner = void (*)(const PseudoLabelPlan&);
 
 inline Weighting parse_weighting(const std::string& name) {
   if (name == "uniform") return Weighting::kUniform;
@@ -65,7 +60,7 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
     const at::Tensor& logits, const std::optional<at::Tensor>& scores,
     const std::optional<at::Tensor>& log_prior, const std::string& weighting_name,
     const std::string& combine, double temperature, double tau, bool double_sigmoid,
-    PseudoLabelRunner runner) {
+    void (*runner)(const PseudoLabelPlan&)) {
   constexpr const char* op = "fedkernels.ensemble_pseudo_labels: ";
   const Weighting weighting = parse_weighting(weighting_name);
   TORCH_CHECK_VALUE(
@@ -74,9 +69,7 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
   TORCH_CHECK_VALUE(
       logits.dim() == 3, op, "logits must be [K, N, C] (clients, samples, classes), got ",
       logits.dim(), "-D");
-  TORCH_CHECK_TYPE(
-      distill_float(logits.scalar_type()), op, "logits have dtype ", logits.scalar_type(),
-      "; supported: float32, float64, float16, bfloat16");
+  check_supported_float("ensemble_pseudo_labels", logits.scalar_type(), "logits");
   const int64_t K = logits.size(0), N = logits.size(1), C = logits.size(2);
   TORCH_CHECK_VALUE(K >= 1, op, "need at least one client (logits.shape[0] is 0)");
   TORCH_CHECK_VALUE(C >= 1, op, "need at least one class (logits.shape[2] is 0)");
@@ -102,12 +95,8 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
     TORCH_CHECK_VALUE(
         scores->dim() == 2 && scores->size(0) == K && scores->size(1) == N, op,
         "scores must be [K, N] = [", K, ", ", N, "], got ", scores->sizes());
-    TORCH_CHECK_TYPE(
-        distill_float(scores->scalar_type()), op, "scores have dtype ", scores->scalar_type(),
-        "; expected a floating dtype");
-    TORCH_CHECK_VALUE(
-        scores->device() == device, op, "scores are on ", scores->device(), ", logits on ",
-        device);
+    check_supported_float("ensemble_pseudo_labels", scores->scalar_type(), "scores");
+    check_device("ensemble_pseudo_labels", *scores, device, /*allow_cpu=*/false, "scores");
     s = scores->to(acc).contiguous();
   }
   at::Tensor prior;
@@ -115,12 +104,8 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
     TORCH_CHECK_VALUE(
         log_prior->dim() == 1 && log_prior->size(0) == K, op, "log_prior must be [K] = [", K,
         "], got ", log_prior->sizes());
-    TORCH_CHECK_TYPE(
-        distill_float(log_prior->scalar_type()), op, "log_prior has dtype ",
-        log_prior->scalar_type(), "; expected a floating dtype");
-    TORCH_CHECK_VALUE(
-        log_prior->device() == device || log_prior->device().is_cpu(), op, "log_prior is on ",
-        log_prior->device(), ", logits on ", device);
+    check_supported_float("ensemble_pseudo_labels", log_prior->scalar_type(), "log_prior");
+    check_device("ensemble_pseudo_labels", *log_prior, device, /*allow_cpu=*/true, "log_prior");
     if (log_prior->device().is_cpu()) {
       const auto p = log_prior->to(at::kDouble).contiguous();
       const double* pp = p.const_data_ptr<double>();
@@ -172,26 +157,21 @@ struct DistillKLPlan {
   at::Device device = at::kCPU;
 };
 
-using DistillKLRunner = void (*)(const DistillKLPlan&);
 
 inline std::tuple<at::Tensor, at::Tensor> distill_kl_host(
     const at::Tensor& student, const at::Tensor& target, double temperature, double scale,
-    bool with_grad, DistillKLRunner runner) {
+    bool with_grad, void (*runner)(const DistillKLPlan&)) {
   constexpr const char* op = "fedkernels.distill_kl: ";
   TORCH_CHECK_VALUE(
       student.dim() == 2, op, "student_logits must be [N, C], got ", student.dim(), "-D");
   TORCH_CHECK_VALUE(
       target.sizes() == student.sizes(), op, "pseudo_labels have shape ", target.sizes(),
       ", student_logits ", student.sizes());
-  TORCH_CHECK_TYPE(
-      distill_float(student.scalar_type()), op, "student_logits have dtype ",
-      student.scalar_type(), "; supported: float32, float64, float16, bfloat16");
+  check_supported_float("distill_kl", student.scalar_type(), "student_logits");
   TORCH_CHECK_TYPE(
       target.scalar_type() == student.scalar_type(), op, "pseudo_labels have dtype ",
       target.scalar_type(), ", student_logits ", student.scalar_type());
-  TORCH_CHECK_VALUE(
-      target.device() == student.device(), op, "pseudo_labels are on ", target.device(),
-      ", student_logits on ", student.device());
+  check_device("distill_kl", target, student.device(), /*allow_cpu=*/false, "pseudo_labels");
   TORCH_CHECK_VALUE(
       std::isfinite(temperature) && temperature > 0, op, "temperature must be finite and > 0, got ",
       temperature);
@@ -220,6 +200,37 @@ inline std::tuple<at::Tensor, at::Tensor> distill_kl_host(
   p.device = student.device();
   runner(p);
   return {loss, grad};
+}
+
+// Registers the distillation ops of one backend (CPU, CUDA), whose kernels are the templates
+// Kernels::pseudo_labels<T>(const PseudoLabelPlan&) and Kernels::distill_kl<T>(const
+// DistillKLPlan&), T the logits' dtype.
+template <typename Kernels>
+void register_distill(torch::Library& m) {
+  m.impl(
+      "ensemble_pseudo_labels",
+      [](const at::Tensor& logits, const std::optional<at::Tensor>& scores,
+         const std::optional<at::Tensor>& log_prior, c10::string_view weighting,
+         c10::string_view combine, double temperature, double tau, bool double_sigmoid) {
+        return ensemble_pseudo_labels_host(
+            logits, scores, log_prior, std::string(weighting), std::string(combine), temperature,
+            tau, double_sigmoid, [](const PseudoLabelPlan& p) {
+              dispatch_float(p.dtype, "ensemble_pseudo_labels", [&](auto dtype) {
+                Kernels::template pseudo_labels<typename decltype(dtype)::type>(p);
+              });
+            });
+      });
+  m.impl(
+      "distill_kl",
+      [](const at::Tensor& student, const at::Tensor& target, double temperature, double scale,
+         bool with_grad) {
+        return distill_kl_host(
+            student, target, temperature, scale, with_grad, [](const DistillKLPlan& p) {
+              dispatch_float(p.dtype, "distill_kl", [&](auto dtype) {
+                Kernels::template distill_kl<typename decltype(dtype)::type>(p);
+              });
+            });
+      });
 }
 
 }  // namespace fedkernels

@@ -3,11 +3,9 @@
 // either device, or an at::vec::Vectorized on the CPU.
 #pragma once
 
-#if defined(__CUDACC__)
-#define FEDKERNELS_HD __host__ __device__ __forceinline__
-#else
-#define FEDKERNELS_HD inline
-#endif
+#include <cstdint>
+
+#include "host_device.h"
 
 namespace fedkernels {
 
@@ -31,8 +29,8 @@ struct WeightedSumMath {
 
 }  // namespace fedkernels
 
-// ---------------------------------------------------------------- SuPerFed (issue 5)
-// specs/superfed.md §1.5 and §3 K1-K3; schemas in csrc/ops.cpp.
+// ---------------------------------------------------------------- SuPerFed
+// Schemas and formulas in csrc/ops.cpp; the method in docs/superfed.md.
 namespace fedkernels {
 
 // theta = (1 - w) g + w l, evaluated as torch.lerp does so that w = 0 gives g and w = 1 gives
@@ -49,14 +47,27 @@ struct MixMath {
   }
 };
 
-// Per-tensor statistics of the regularizers: <g, l>, ||g||^2, ||l||^2, ||g - a||^2.
+// Per-tensor statistics of the regularizers: s = [<g, l>, ||g||^2, ||l||^2, ||g - a||^2].
 struct StatsMath {
   template <typename V>
   FEDKERNELS_HD static V diff(V g, V a) {
     return g - a;
   }
-  // Backward with h = (H0, 2 H1, 2 H2, 2 H3):
-  //   grad_g = H0 l + 2 H1 g + 2 H3 (g - a);  grad_l = H0 g + 2 H2 l;  grad_a = -2 H3 (g - a).
+  // Adds one element's terms to s (the columns of an absent list stay 0).
+  template <typename V>
+  FEDKERNELS_HD static void accumulate(V* s, V g, V l, V a, bool has_local, bool has_anchor) {
+    s[1] = s[1] + g * g;
+    if (has_local) {
+      s[0] = s[0] + g * l;
+      s[2] = s[2] + l * l;
+    }
+    if (has_anchor) {
+      const V d = diff(g, a);
+      s[3] = s[3] + d * d;
+    }
+  }
+  // Backward with h = (H0, 2 H1, 2 H2, 2 H3) and d = g - a:
+  //   grad_g = H0 l + 2 H1 g + 2 H3 d;  grad_l = H0 g + 2 H2 l;  grad_a = -2 H3 d.
   template <typename V>
   FEDKERNELS_HD static V grad_global(V g, V l, V d, V h0, V h1x2, V h3x2) {
     return h0 * l + h1x2 * g + h3x2 * d;
@@ -65,12 +76,100 @@ struct StatsMath {
   FEDKERNELS_HD static V grad_local(V g, V l, V h0, V h2x2) {
     return h0 * g + h2x2 * l;
   }
+  template <typename V>
+  FEDKERNELS_HD static V grad_anchor(V d, V h3x2) {
+    return -(h3x2 * d);
+  }
+};
+
+// The kernels of the SuPerFed ops. Each reads some of the inputs, by slot g, l, a (anchor), G
+// (the upstream gradient of theta), writes some of the outputs, by slot theta or grad_g, grad_l,
+// grad_a, and sums some per-tensor reductions (the four statistics, or the lam gradient).
+enum class SuperfedKind { kMix, kMixBackward, kStats, kStatsBackward, kMixStats, kMixStatsBackward };
+
+// Per-tensor constants of the element functions, in the value type V (a scalar, or a CPU vector
+// of that scalar in every lane): the mixing weight w = lam_t and the gradient coefficients of the
+// statistics (from H = d loss / d stats, row t; 0 for a list the call does not have).
+template <typename V>
+struct SuperfedCoef {
+  V w, omw;  // w and 1 - w
+  bool low;  // w < 0.5: the lerp form of MixMath::mix
+  V h0, h1x2, h2x2, h3x2;
+  V zero;
+
+  // From lam [T] and H [T, 4] (float64; either may be null) at row t.
+  FEDKERNELS_HD static SuperfedCoef load(
+      const double* lam, const double* h, int64_t t, bool has_local, bool has_anchor) {
+    SuperfedCoef c;
+    c.w = lam ? static_cast<V>(lam[t]) : V(0);
+    c.omw = V(1) - c.w;
+    c.low = c.w < V(0.5);
+    const double* row = h ? h + 4 * t : nullptr;
+    c.h0 = row && has_local ? static_cast<V>(row[0]) : V(0);
+    c.h1x2 = row ? static_cast<V>(2 * row[1]) : V(0);
+    c.h2x2 = row && has_local ? static_cast<V>(2 * row[2]) : V(0);
+    c.h3x2 = row && has_anchor ? static_cast<V>(2 * row[3]) : V(0);
+    c.zero = V(0);
+    return c;
+  }
+
+  // The same constants in another value type (e.g. every lane of a CPU vector).
+  template <typename W>
+  SuperfedCoef<W> as() const {
+    return {W(w), W(omw), low, W(h0), W(h1x2), W(h2x2), W(h3x2), W(zero)};
+  }
+};
+
+// The per-element arithmetic of one kernel kind: x = {g, l, a, G} (inputs the kind or the call
+// does not have are 0 and unused), y = {theta or grad_g, grad_l, grad_a}, s += the kSums
+// per-tensor sums (when `reduce`). Both backends run their element loops through apply, so the
+// CPU tests check the arithmetic the GPU runs.
+template <SuperfedKind kKind>
+struct SuperfedOp {
+  static constexpr bool kMixes =
+      kKind == SuperfedKind::kMix || kKind == SuperfedKind::kMixStats;
+  static constexpr bool kStats =
+      kKind == SuperfedKind::kStats || kKind == SuperfedKind::kMixStats;
+  static constexpr bool kMixGrad =
+      kKind == SuperfedKind::kMixBackward || kKind == SuperfedKind::kMixStatsBackward;
+  static constexpr bool kStatsGrad =
+      kKind == SuperfedKind::kStatsBackward || kKind == SuperfedKind::kMixStatsBackward;
+  // Sums per tensor: the statistics row, or the lam gradient.
+  static constexpr int kSums = kStats ? 4 : (kMixGrad ? 1 : 0);
+
+  template <typename V>
+  FEDKERNELS_HD static void apply(
+      const SuperfedCoef<V>& c, bool has_local, bool has_anchor, bool reduce, const V* x, V* y,
+      V* s) {
+    const V g = x[0], l = x[1], a = x[2], G = x[3];
+    if constexpr (kMixes) y[0] = MixMath::mix(g, l, c.w, c.omw, c.low);
+    if constexpr (kStats) StatsMath::accumulate(s, g, l, a, has_local, has_anchor);
+    if constexpr (kStatsGrad) {
+      const V d = has_anchor ? StatsMath::diff(g, a) : c.zero;
+      const V grad_g = StatsMath::grad_global(g, l, d, c.h0, c.h1x2, c.h3x2);
+      const V grad_l = StatsMath::grad_local(g, l, c.h0, c.h2x2);
+      if constexpr (kMixGrad) {
+        y[0] = c.omw * G + grad_g;
+        y[1] = c.w * G + grad_l;
+      } else {
+        y[0] = grad_g;
+        y[1] = grad_l;
+      }
+      y[2] = StatsMath::grad_anchor(d, c.h3x2);
+    } else if constexpr (kMixGrad) {
+      y[0] = c.omw * G;
+      y[1] = c.w * G;
+    }
+    if constexpr (kMixGrad) {
+      if (reduce) s[0] = s[0] + MixMath::lam_term(G, g, l);
+    }
+  }
 };
 
 }  // namespace fedkernels
 
-// ---------------------------------------------------------------- Ensemble distillation (issue 7)
-// specs/fedgo.md §2.2-2.4 and §4 K1-K4; schemas in csrc/ops.cpp. Scalar math only (A = float
+// ---------------------------------------------------------------- Ensemble distillation
+// Schemas and formulas in csrc/ops.cpp; the method in docs/fedgo.md. Scalar math only (A = float
 // or double): the CPU and CUDA kernels compute the same per-row statistics and call these to
 // turn them into scores, weights and loss terms.
 #include <cmath>
@@ -140,8 +239,8 @@ struct DistillMath {
 
 }  // namespace fedkernels
 
-// ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
-// specs/fedevg.md §1.4-1.5 and §3 K1-K2; schemas in csrc/ops.cpp.
+// ---------------------------------------------------------------- FedEvg / SGLD
+// Schemas and formulas in csrc/ops.cpp; the method in docs/fedevg.md.
 #include <ATen/core/PhiloxRNGEngine.h>
 
 #include <cstdint>

@@ -1,6 +1,8 @@
 // The schemas of every fedkernels op. This file builds the `fedkernels._C` library, which
 // always loads first; CPU kernels (one library per instruction set) and CUDA kernels register
-// their implementations in libraries of their own (see fedkernels/_native.py).
+// their implementations in libraries of their own, each through its family's registration
+// template (register_weighted_sum, register_superfed, register_distill, register_sgld in the
+// csrc/*_host.h headers), so a backend file holds only kernels.
 #include <torch/library.h>
 
 TORCH_LIBRARY(fedkernels, m) {
@@ -22,9 +24,9 @@ TORCH_LIBRARY(fedkernels, m) {
       "bool delta) -> ()");
 }
 
-// ---------------------------------------------------------------- SuPerFed (issue 5)
-// Spec: specs/superfed.md §1.5 (mixing), §1.4 and §3 K1-K3 (regularizers). Kernels:
-// csrc/cpu/superfed.cpp, csrc/cuda/superfed.cu; Python: fedkernels/mixing.py.
+// ---------------------------------------------------------------- SuPerFed
+// The method: docs/superfed.md. Host side: csrc/superfed_host.h; kernels: csrc/cpu/superfed.cpp,
+// csrc/cuda/superfed.cu; per-element math: csrc/elementwise.h.
 TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   // theta_t = (1 - lam_t) g_t + lam_t l_t, computed as torch.lerp does (exact at lam = 0 and 1).
   // lam: one value (model mixing, MM) or one per tensor (layer mixing, LM).
@@ -60,9 +62,9 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "bool[4] output_mask) -> (Tensor[], Tensor[], Tensor, Tensor[])");
 }
 
-// ---------------------------------------------------------------- Ensemble distillation (issue 7)
-// Spec: specs/fedgo.md §2.2-2.4, §2.9 and §4 K1-K4. Kernels: csrc/cpu/distill.cpp,
-// csrc/cuda/distill.cu; host side: csrc/distill_host.h; Python: fedkernels/distill.py.
+// ---------------------------------------------------------------- Ensemble distillation
+// The method: docs/fedgo.md. Host side: csrc/distill_host.h; kernels: csrc/cpu/distill.cpp,
+// csrc/cuda/distill.cu; per-row math: csrc/elementwise.h.
 TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   // Pseudo-labels of K teachers' logits L[K, N, C] in one pass per sample i:
   //   weights w[k, i] (sum_k w = 1), by `weighting`:
@@ -87,10 +89,9 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "bool with_grad) -> (Tensor, Tensor)");
 }
 
-// ---------------------------------------------------------------- FedEvg / SGLD (issue 6)
-// Spec: specs/fedevg.md §1.2 (energies), §1.4 (composition), §1.5 and §3 K1-K3 (SGLD steps).
-// Kernels: csrc/cpu/sgld.cpp, csrc/cuda/sgld.cu; host side: csrc/sgld_host.h; Python:
-// fedkernels/sgld.py.
+// ---------------------------------------------------------------- FedEvg / SGLD
+// The method: docs/fedevg.md. Host side: csrc/sgld_host.h; kernels: csrc/cpu/sgld.cpp,
+// csrc/cuda/sgld.cu; per-element math: csrc/elementwise.h.
 TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   // E_i = -logits[i, labels_i] (labels given) or -logsumexp_c logits[i, c]; logits [N, C],
   // labels int64 [N]; E in logits' dtype (fp32 accumulation for fp16/bf16).

@@ -1,8 +1,9 @@
-// Host-side part of the SGLD / FedEvg ops (schemas: csrc/ops.cpp; math: specs/fedevg.md §1.2,
-// §1.4-1.5, §3 K1-K3), shared by the CPU and CUDA backends: validation (nothing is allocated
-// or written before it passes), conversion of the small per-client inputs to the accumulate
-// type, output allocation, and one plan per call that the backend's runner executes. The
-// runner draws the noise seed from the generator (CPUGeneratorImpl / CUDA Philox state).
+// Host-side part of the SGLD / FedEvg ops (schemas and formulas: csrc/ops.cpp; per-element math:
+// SgldMath and PhiloxNormal in csrc/elementwise.h), shared by the CPU and CUDA backends:
+// validation (nothing is allocated or written before it passes), conversion of the small
+// per-client inputs to the accumulate type, output allocation, one plan per call that the
+// backend's kernel template runs, and the registration of a backend's kernels. The backend draws
+// the noise seed from the generator (CPUGeneratorImpl / CUDA Philox state).
 #pragma once
 
 #include <ATen/core/Generator.h>
@@ -18,17 +19,10 @@
 #include <string>
 #include <tuple>
 
+#include "common.h"
 #include "elementwise.h"
 
 namespace fedkernels {
-
-inline bool sgld_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-inline at::ScalarType sgld_acc_dtype(at::ScalarType t) {
-  return t == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // ---------------------------------------------------------------- energy_from_logits
 
@@ -47,9 +41,7 @@ inline at::Tensor energy_from_logits_host(
     const at::Tensor& logits, const std::optional<at::Tensor>& labels, EnergyRunner runner) {
   constexpr const char* op = "fedkernels.energy_from_logits: ";
   TORCH_CHECK_VALUE(logits.dim() == 2, op, "logits must be [N, C], got ", logits.dim(), "-D");
-  TORCH_CHECK_TYPE(
-      sgld_float(logits.scalar_type()), op, "logits have dtype ", logits.scalar_type(),
-      "; supported: float32, float64, float16, bfloat16");
+  check_supported_float("energy_from_logits", logits.scalar_type(), "logits");
   const int64_t N = logits.size(0), C = logits.size(1);
   TORCH_CHECK_VALUE(N == 0 || C >= 1, op, "need at least one class (logits.shape[1] is 0)");
   const bool has_labels = labels.has_value() && labels->defined();
@@ -61,9 +53,7 @@ inline at::Tensor energy_from_logits_host(
     TORCH_CHECK_TYPE(
         labels->scalar_type() == at::kLong, op, "labels have dtype ", labels->scalar_type(),
         "; expected int64");
-    TORCH_CHECK_VALUE(
-        labels->device() == logits.device(), op, "labels are on ", labels->device(),
-        ", logits on ", logits.device());
+    check_device("energy_from_logits", *labels, logits.device(), /*allow_cpu=*/false, "labels");
     y = labels->contiguous();
     if (y.device().is_cpu()) {
       const int64_t* py = y.const_data_ptr<int64_t>();
@@ -113,7 +103,7 @@ struct SgldPlan {
   at::Device device = at::kCPU;
 };
 
-using SgldRunner = void (*)(SgldPlan&);
+using SgldRunner = void (*)(const SgldPlan&);
 
 inline void check_step_args(
     const char* op, double step_size, double noise_std, const std::optional<double>& grad_clip,
@@ -142,8 +132,10 @@ inline void check_step_args(
 }
 
 inline void check_noise(
-    const char* op, const at::Tensor& x, const std::optional<at::Tensor>& noise,
+    const char* name, const at::Tensor& x, const std::optional<at::Tensor>& noise,
     const std::optional<at::Generator>& generator, SgldPlan& p, at::Tensor& noise_c) {
+  const std::string prefix = std::string("fedkernels.") + name + ": ";
+  const char* op = prefix.c_str();
   const bool has_noise = noise.has_value() && noise->defined();
   if (has_noise) {
     TORCH_CHECK_VALUE(
@@ -154,13 +146,16 @@ inline void check_noise(
     TORCH_CHECK_TYPE(
         noise->scalar_type() == x.scalar_type(), op, "noise has dtype ", noise->scalar_type(),
         ", x ", x.scalar_type());
-    TORCH_CHECK_VALUE(
-        noise->device() == x.device(), op, "noise is on ", noise->device(), ", x on ",
-        x.device());
+    check_device(name, *noise, x.device(), /*allow_cpu=*/false, "noise");
     noise_c = noise->contiguous();
   }
   p.draw_noise = !has_noise && p.noise_std != 0;
-  if (generator.has_value() && generator->defined()) p.generator = generator;
+  if (generator.has_value() && generator->defined()) {
+    TORCH_CHECK_VALUE(
+        generator->device().type() == x.device().type(), op, "generator is a ",
+        generator->device(), " generator, x is on ", x.device());
+    p.generator = generator;
+  }
 }
 
 // Writes into x in place when inplace (through a contiguous temporary when x is not
@@ -184,21 +179,19 @@ inline at::Tensor sgld_step_host(
     const std::optional<double>& grad_clip, const std::optional<double>& clamp_min,
     const std::optional<double>& clamp_max, const std::optional<at::Tensor>& noise,
     const std::optional<at::Generator>& generator, bool inplace, SgldRunner runner) {
+  const char* name = inplace ? "sgld_step_" : "sgld_step";
   const char* op = inplace ? "fedkernels.sgld_step_: " : "fedkernels.sgld_step: ";
-  TORCH_CHECK_TYPE(
-      sgld_float(x.scalar_type()), op, "x has dtype ", x.scalar_type(),
-      "; supported: float32, float64, float16, bfloat16");
+  check_supported_float(name, x.scalar_type(), "x");
   TORCH_CHECK_VALUE(
       grad.sizes() == x.sizes(), op, "grad has shape ", grad.sizes(), ", x ", x.sizes());
   TORCH_CHECK_TYPE(
       grad.scalar_type() == x.scalar_type(), op, "grad has dtype ", grad.scalar_type(), ", x ",
       x.scalar_type());
-  TORCH_CHECK_VALUE(
-      grad.device() == x.device(), op, "grad is on ", grad.device(), ", x on ", x.device());
+  check_device(name, grad, x.device(), /*allow_cpu=*/false, "grad");
   SgldPlan p;
   check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
   at::Tensor noise_c;
-  check_noise(op, x, noise, generator, p, noise_c);
+  check_noise(name, x, noise, generator, p, noise_c);
   const at::Tensor xc = x.contiguous();
   const at::Tensor gc = grad.contiguous();
   p.dtype = x.scalar_type();
@@ -219,13 +212,12 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
     const std::optional<double>& grad_clip, const std::optional<double>& clamp_min,
     const std::optional<double>& clamp_max, const std::optional<at::Tensor>& noise,
     const std::optional<at::Generator>& generator, bool inplace, SgldRunner runner) {
+  const char* name = inplace ? "sgld_compose_step_" : "sgld_compose_step";
   const char* op = inplace ? "fedkernels.sgld_compose_step_: " : "fedkernels.sgld_compose_step: ";
   TORCH_CHECK_VALUE(
       mode == "exact" || mode == "signed", op, "unknown mode '", mode,
       "'; expected exact or signed");
-  TORCH_CHECK_TYPE(
-      sgld_float(x.scalar_type()), op, "x has dtype ", x.scalar_type(),
-      "; supported: float32, float64, float16, bfloat16");
+  check_supported_float(name, x.scalar_type(), "x");
   TORCH_CHECK_VALUE(x.dim() >= 1, op, "x must be [M, ...] (samples first), got a 0-d tensor");
   TORCH_CHECK_VALUE(
       grads.dim() == x.dim() + 1, op, "grads must be [K, M, ...] = [K, ", x.sizes(),
@@ -236,28 +228,19 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   TORCH_CHECK_TYPE(
       grads.scalar_type() == x.scalar_type(), op, "grads have dtype ", grads.scalar_type(),
       ", x ", x.scalar_type());
-  TORCH_CHECK_VALUE(
-      grads.device() == x.device(), op, "grads are on ", grads.device(), ", x on ", x.device());
+  check_device(name, grads, x.device(), /*allow_cpu=*/false, "grads");
   const int64_t K = grads.size(0), M = x.size(0);
   TORCH_CHECK_VALUE(K >= 1, op, "need at least one client (grads.shape[0] is 0)");
   TORCH_CHECK_VALUE(
       energies.dim() == 2 && energies.size(0) == K && energies.size(1) == M, op,
       "energies must be [K, M] = [", K, ", ", M, "], got ", energies.sizes());
-  TORCH_CHECK_TYPE(
-      sgld_float(energies.scalar_type()), op, "energies have dtype ", energies.scalar_type(),
-      "; expected a floating dtype");
-  TORCH_CHECK_VALUE(
-      energies.device() == x.device(), op, "energies are on ", energies.device(), ", x on ",
-      x.device());
+  check_supported_float(name, energies.scalar_type(), "energies");
+  check_device(name, energies, x.device(), /*allow_cpu=*/false, "energies");
   TORCH_CHECK_VALUE(
       log_weights.dim() == 1 && log_weights.size(0) == K, op, "log_weights must be [K] = [", K,
       "], got ", log_weights.sizes());
-  TORCH_CHECK_TYPE(
-      sgld_float(log_weights.scalar_type()), op, "log_weights have dtype ",
-      log_weights.scalar_type(), "; expected a floating dtype");
-  TORCH_CHECK_VALUE(
-      log_weights.device() == x.device() || log_weights.device().is_cpu(), op,
-      "log_weights are on ", log_weights.device(), ", x on ", x.device());
+  check_supported_float(name, log_weights.scalar_type(), "log_weights");
+  check_device(name, log_weights, x.device(), /*allow_cpu=*/true, "log_weights");
   if (log_weights.device().is_cpu()) {
     const auto lw = log_weights.to(at::kDouble).contiguous();
     const double* pw = lw.const_data_ptr<double>();
@@ -270,8 +253,8 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   SgldPlan p;
   check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
   at::Tensor noise_c;
-  check_noise(op, x, noise, generator, p, noise_c);
-  const at::ScalarType acc = sgld_acc_dtype(x.scalar_type());
+  check_noise(name, x, noise, generator, p, noise_c);
+  const at::ScalarType acc = accumulate_dtype(x.scalar_type());
   const auto acc_opts = x.options().dtype(acc);
   const at::Tensor e = energies.to(acc_opts).contiguous();
   const at::Tensor lw = log_weights.to(acc_opts).contiguous();
@@ -295,56 +278,71 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   return {out, pi};
 }
 
-// Registers the FedEvg ops of one backend (CPU, CUDA), run by `energy` and `sgld`.
-template <EnergyRunner energy, SgldRunner sgld>
+// Runs a plan with the backend's kernel templates Kernels::energy<T>(plan) and
+// Kernels::sgld<T>(plan), T the dtype of logits / x.
+template <typename Kernels>
+void run_energy_plan(const EnergyPlan& p) {
+  dispatch_float(p.dtype, "energy_from_logits", [&](auto dtype) {
+    Kernels::template energy<typename decltype(dtype)::type>(p);
+  });
+}
+
+template <typename Kernels>
+void run_sgld_plan(const SgldPlan& p) {
+  dispatch_float(p.dtype, "sgld_step", [&](auto dtype) {
+    Kernels::template sgld<typename decltype(dtype)::type>(p);
+  });
+}
+
+// The kernels of sgld_step (returns x') and sgld_step_ (in place, returns nothing).
+template <typename Kernels, bool kInplace>
+auto sgld_step_kernel(
+    const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  at::Tensor out = sgld_step_host(
+      x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator, kInplace,
+      &run_sgld_plan<Kernels>);
+  if constexpr (kInplace) {
+    return;
+  } else {
+    return out;
+  }
+}
+
+// The kernels of sgld_compose_step (returns (x', pi)) and sgld_compose_step_ (in place, returns
+// pi).
+template <typename Kernels, bool kInplace>
+auto sgld_compose_step_kernel(
+    const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
+    const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
+    std::optional<double> grad_clip, std::optional<double> clamp_min,
+    std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
+    std::optional<at::Generator> generator) {
+  auto result = sgld_compose_step_host(
+      x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
+      clamp_min, clamp_max, noise, generator, kInplace, &run_sgld_plan<Kernels>);
+  if constexpr (kInplace) {
+    return std::get<1>(result);
+  } else {
+    return result;
+  }
+}
+
+// Registers the FedEvg ops of one backend (CPU, CUDA), whose kernels are the templates
+// Kernels::energy<T>(const EnergyPlan&) and Kernels::sgld<T>(const SgldPlan&).
+template <typename Kernels>
 void register_sgld(torch::Library& m) {
   m.impl(
       "energy_from_logits",
       [](const at::Tensor& logits, const std::optional<at::Tensor>& labels) {
-        return energy_from_logits_host(logits, labels, energy);
+        return energy_from_logits_host(logits, labels, &run_energy_plan<Kernels>);
       });
-  m.impl(
-      "sgld_step",
-      [](const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
-         std::optional<double> grad_clip, std::optional<double> clamp_min,
-         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-         std::optional<at::Generator> generator) {
-        return sgld_step_host(
-            x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator,
-            false, sgld);
-      });
-  m.impl(
-      "sgld_step_",
-      [](const at::Tensor& x, const at::Tensor& grad, double step_size, double noise_std,
-         std::optional<double> grad_clip, std::optional<double> clamp_min,
-         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-         std::optional<at::Generator> generator) {
-        sgld_step_host(
-            x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator,
-            true, sgld);
-      });
-  m.impl(
-      "sgld_compose_step",
-      [](const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
-         const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
-         std::optional<double> grad_clip, std::optional<double> clamp_min,
-         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-         std::optional<at::Generator> generator) {
-        return sgld_compose_step_host(
-            x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
-            clamp_min, clamp_max, noise, generator, false, sgld);
-      });
-  m.impl(
-      "sgld_compose_step_",
-      [](const at::Tensor& x, const at::Tensor& grads, const at::Tensor& energies,
-         const at::Tensor& log_weights, c10::string_view mode, double step_size, double noise_std,
-         std::optional<double> grad_clip, std::optional<double> clamp_min,
-         std::optional<double> clamp_max, const std::optional<at::Tensor>& noise,
-         std::optional<at::Generator> generator) {
-        return std::get<1>(sgld_compose_step_host(
-            x, grads, energies, log_weights, std::string(mode), step_size, noise_std, grad_clip,
-            clamp_min, clamp_max, noise, generator, true, sgld));
-      });
+  m.impl("sgld_step", &sgld_step_kernel<Kernels, false>);
+  m.impl("sgld_step_", &sgld_step_kernel<Kernels, true>);
+  m.impl("sgld_compose_step", &sgld_compose_step_kernel<Kernels, false>);
+  m.impl("sgld_compose_step_", &sgld_compose_step_kernel<Kernels, true>);
 }
 
 }  // namespace fedkernels

@@ -1,41 +1,41 @@
-// Host-side part of the SuPerFed ops (mix_endpoints, superfed_stats and their backwards; schemas
-// in csrc/ops.cpp, math in specs/superfed.md §1.5 and §3 K1-K3) shared by the CPU and CUDA
-// backends: input validation (nothing is allocated or written before it passes), output
-// allocation, and the split of the tensor list into groups of one dtype, each run by one kernel
-// call of the backend.
+// Host-side part of the SuPerFed ops (mix_endpoints, superfed_stats, mix_endpoints_with_stats and
+// their backwards; schemas and formulas in csrc/ops.cpp, per-element math in csrc/elementwise.h)
+// shared by the CPU and CUDA backends: input validation (nothing is allocated or written before
+// it passes), output allocation, the split of the tensor lists into groups of one dtype, each run
+// by one kernel call of the backend, and the registration of a backend's kernels.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/irange.h>
+#include <torch/library.h>
 
 #include <array>
 #include <cmath>
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "weighted_sum_host.h"  // is_supported_float
+#include "common.h"
+#include "elementwise.h"  // SuperfedKind
 
 namespace fedkernels {
 
-enum class SuperfedKind { kMix, kMixBackward, kStats, kStatsBackward, kMixStats, kMixStatsBackward };
-
 // One kernel call: the non-empty tensors of one dtype. Inputs and outputs are dense (contiguous)
 // and have numels[i] elements; `index[i]` is the tensor's position in the op's lists, which
-// selects its row of `coef` and of `result`.
-//   kMix:           in {g, l},     out {theta},               coef = lam [T]
-//   kMixBackward:   in {G, g, l},  out {grad_g?, grad_l?},    coef = lam [T], result = dlam [T]
-//   kStats:         in {g, l?, a?},                           result = stats [T, 4]
-//   kStatsBackward: in {g, l?, a?}, out {grad_g?, grad_l?, grad_a?}, coef = H [T, 4]
-//   kMixStats:      in {g, l, a?}, out {theta},  coef = lam [T], result = stats [T, 4]
-//   kMixStatsBackward: in {g, l, a?, G}, out {grad_g?, grad_l?, grad_a?}, coef = lam [T],
-//                   coef2 = H [T, 4], result = dlam [T] (when need[3])
-// An input marked absent (no local list, no anchor) and an output not asked for are null.
+// selects its row of `lam`, `h` and `result`. Input slots {g, l, a, G} and output slots
+// {theta or grad_g, grad_l, grad_a} as in SuperfedOp (csrc/elementwise.h); a slot the call does
+// not read or write is an empty vector.
+//   kMix:              in g, l;          out theta;                          lam
+//   kMixBackward:      in G (g, l for the lam gradient); out grad_g?, grad_l?; lam; result dlam [T]
+//   kStats:            in g, l?, a?;                                         result stats [T, 4]
+//   kStatsBackward:    in g, l?, a?;     out grad_g?, grad_l?, grad_a?;      h
+//   kMixStats:         in g, l, a?;      out theta;                          lam; result stats [T, 4]
+//   kMixStatsBackward: in g, l, a?, G;   out grad_g?, grad_l?, grad_a?;      lam, h; result dlam [T]
 struct SuperfedPlan {
   SuperfedKind kind;
   at::ScalarType dtype;
@@ -44,17 +44,41 @@ struct SuperfedPlan {
   std::vector<int64_t> numels;
   std::array<std::vector<const void*>, 4> in;
   std::array<std::vector<void*>, 3> out;
-  bool has_local = true;
-  bool has_anchor = false;
-  std::array<bool, 4> need = {true, true, true, true};
-  at::Tensor coef;    // float64, contiguous, on `device`
-  at::Tensor coef2;   // float64, contiguous, on `device` (kMixStatsBackward: H)
-  at::Tensor result;  // float64, contiguous, zero-filled, on `device`
+  bool reduce = false;  // the kind's per-tensor sums are wanted (into result)
+  at::Tensor lam;       // float64 [T], contiguous, on `device`; undefined when unused
+  at::Tensor h;         // float64 [T, 4], contiguous, on `device`; undefined when unused
+  at::Tensor result;    // float64, contiguous, zero-filled, on `device`, when reduce
 
   int64_t num_tensors() const { return static_cast<int64_t>(numels.size()); }
+  bool has_input(int slot) const { return !in[slot].empty(); }
+  bool has_output(int slot) const { return !out[slot].empty(); }
 };
 
 using SuperfedRunner = void (*)(const SuperfedPlan&);
+
+// Calls f(std::integral_constant<SuperfedKind, kind>{}).
+template <typename F>
+void dispatch_superfed_kind(SuperfedKind kind, F&& f) {
+  using K = SuperfedKind;
+  switch (kind) {
+    case K::kMix: return f(std::integral_constant<K, K::kMix>{});
+    case K::kMixBackward: return f(std::integral_constant<K, K::kMixBackward>{});
+    case K::kStats: return f(std::integral_constant<K, K::kStats>{});
+    case K::kStatsBackward: return f(std::integral_constant<K, K::kStatsBackward>{});
+    case K::kMixStats: return f(std::integral_constant<K, K::kMixStats>{});
+    case K::kMixStatsBackward: return f(std::integral_constant<K, K::kMixStatsBackward>{});
+  }
+}
+
+// Runs a plan with the backend's kernel template Kernels::run<T, kind>(plan).
+template <typename Kernels>
+void run_superfed_plan(const SuperfedPlan& p) {
+  dispatch_float(p.dtype, "superfed", [&](auto dtype) {
+    dispatch_superfed_kind(p.kind, [&](auto kind) {
+      Kernels::template run<typename decltype(dtype)::type, decltype(kind)::value>(p);
+    });
+  });
+}
 
 // Checks that `other` matches `ref` tensor by tensor (count, device, shape, dtype).
 inline void check_matching_list(
@@ -64,9 +88,7 @@ inline void check_matching_list(
       other.size() == ref.size(), "fedkernels.", op, ": ", other_name, " has ", other.size(),
       " tensors, ", ref_name, " has ", ref.size());
   for (const auto t : c10::irange(ref.size())) {
-    TORCH_CHECK_VALUE(
-        other[t].device() == ref[t].device(), "fedkernels.", op, ": ", other_name, " tensor ", t,
-        " is on ", other[t].device(), ", ", ref_name, " tensor ", t, " on ", ref[t].device());
+    check_device(op, other[t], ref[t].device(), /*allow_cpu=*/false, other_name, " tensor ", t);
     TORCH_CHECK_VALUE(
         other[t].sizes() == ref[t].sizes(), "fedkernels.", op, ": ", other_name, " tensor ", t,
         " has shape ", other[t].sizes(), ", ", ref_name, " tensor ", t, " has ", ref[t].sizes());
@@ -80,13 +102,9 @@ inline void check_matching_list(
 // The reference list: supported float dtypes, all on one device.
 inline void check_global_list(const char* op, at::TensorList g) {
   for (const auto t : c10::irange(g.size())) {
-    TORCH_CHECK_TYPE(
-        is_supported_float(g[t].scalar_type()), "fedkernels.", op, ": global_params tensor ", t,
-        " has dtype ", g[t].scalar_type(), "; supported: float32, float64, float16, bfloat16");
-    TORCH_CHECK_VALUE(
-        g[t].device() == g[0].device(), "fedkernels.", op, ": global_params tensor ", t,
-        " is on ", g[t].device(), ", tensor 0 on ", g[0].device());
+    check_supported_float(op, g[t].scalar_type(), "global_params tensor ", t);
   }
+  if (!g.empty()) check_list_device(op, g, g[0].device(), "global_params");
 }
 
 // lam: one value (MM) or one per tensor (LM), real, finite when on the CPU.
@@ -97,9 +115,7 @@ inline void check_lam(const char* op, const at::Tensor& lam, int64_t T, at::Devi
   TORCH_CHECK_VALUE(
       lam.numel() == 1 || lam.numel() == T, "fedkernels.", op, ": lam has ", lam.numel(),
       " values; expected 1 (model mixing) or one per tensor (", T, ", layer mixing)");
-  TORCH_CHECK_VALUE(
-      lam.device() == device || lam.device().is_cpu(), "fedkernels.", op, ": lam is on ",
-      lam.device(), ", the parameters on ", device);
+  check_device(op, lam, device, /*allow_cpu=*/true, "lam");
   if (lam.device().is_cpu()) {
     const auto w = lam.to(at::kDouble).contiguous();
     const double* p = w.const_data_ptr<double>();
@@ -110,66 +126,85 @@ inline void check_lam(const char* op, const at::Tensor& lam, int64_t T, at::Devi
   }
 }
 
-inline at::Device list_device(at::TensorList g) {
-  return g.empty() ? at::Device(at::kCPU) : g[0].device();
+// The device of the parameters: global_params' own, or for an empty model the device of the
+// call's one other tensor (lam, grad_stats), else the CPU.
+inline at::Device list_device(at::TensorList g, const at::Tensor& other = at::Tensor()) {
+  if (!g.empty()) return g[0].device();
+  return other.defined() ? other.device() : at::Device(at::kCPU);
 }
 
-// Builds one plan per dtype over the non-empty tensors of `g`, with contiguous views of the
-// inputs (strided ones copied into `keep_alive`).
-class PlanBuilder {
- public:
-  PlanBuilder(SuperfedKind kind, at::TensorList g) : kind_(kind), g_(g) {
-    keep_alive_.reserve(6 * g.size());
-  }
+// H = d loss / d stats: [T, 4], floating point, on the parameters' device or the CPU.
+inline void check_grad_stats(const char* op, const at::Tensor& grad_stats, int64_t T, at::Device device) {
+  TORCH_CHECK_VALUE(
+      grad_stats.dim() == 2 && grad_stats.size(0) == T && grad_stats.size(1) == 4, "fedkernels.",
+      op, ": grad_stats has shape ", grad_stats.sizes(), ", expected [", T, ", 4]");
+  TORCH_CHECK_TYPE(
+      at::isFloatingType(grad_stats.scalar_type()), "fedkernels.", op,
+      ": grad_stats must be floating point, got ", grad_stats.scalar_type());
+  check_device(op, grad_stats, device, /*allow_cpu=*/true, "grad_stats");
+}
 
-  const void* dense(const at::Tensor& x) {
+// One kernel pass of a SuPerFed op over the non-empty tensors of g (inputs and outputs by slot,
+// as in SuperfedPlan; an empty input list or a null/empty output list is not in the pass).
+struct SuperfedPass {
+  SuperfedKind kind;
+  std::array<at::TensorList, 4> in;
+  std::array<std::vector<at::Tensor>*, 3> out = {nullptr, nullptr, nullptr};
+  at::Tensor lam;
+  at::Tensor h;
+  at::Tensor result;
+  bool reduce = false;
+};
+
+// Splits the pass into one plan per dtype, over contiguous inputs (strided ones are copied),
+// and runs each with the backend's runner.
+inline void run_superfed(at::TensorList g, const SuperfedPass& pass, SuperfedRunner runner) {
+  std::vector<at::Tensor> keep_alive;
+  keep_alive.reserve(4 * g.size());
+  auto dense = [&keep_alive](const at::Tensor& x) -> const void* {
     if (x.is_contiguous()) return x.const_data_ptr();
-    keep_alive_.push_back(x.contiguous());
-    return keep_alive_.back().const_data_ptr();
-  }
-
-  // ins: up to four lists (an empty list is absent); outs: up to three (empty: not wanted).
-  std::map<at::ScalarType, SuperfedPlan> build(
-      const std::array<at::TensorList, 4>& ins, const std::array<std::vector<at::Tensor>*, 3>& outs,
-      const at::Tensor& coef, const at::Tensor& result) {
-    std::map<at::ScalarType, SuperfedPlan> plans;
-    for (const auto t : c10::irange(g_.size())) {
-      if (g_[t].numel() == 0) continue;
-      auto it = plans.find(g_[t].scalar_type());
-      if (it == plans.end()) {
-        SuperfedPlan p;
-        p.kind = kind_;
-        p.dtype = g_[t].scalar_type();
-        p.device = g_[t].device();
-        p.coef = coef;
-        p.result = result;
-        it = plans.emplace(p.dtype, std::move(p)).first;
-      }
-      SuperfedPlan& p = it->second;
-      p.index.push_back(static_cast<int64_t>(t));
-      p.numels.push_back(g_[t].numel());
-      for (const auto j : c10::irange(4)) {
-        p.in[j].push_back(ins[j].empty() ? nullptr : dense(ins[j][t]));
-      }
-      for (const auto j : c10::irange(3)) {
-        p.out[j].push_back(
-            (outs[j] == nullptr || outs[j]->empty()) ? nullptr : (*outs[j])[t].data_ptr());
+    keep_alive.push_back(x.contiguous());
+    return keep_alive.back().const_data_ptr();
+  };
+  std::map<at::ScalarType, SuperfedPlan> plans;
+  for (const auto t : c10::irange(g.size())) {
+    if (g[t].numel() == 0) continue;  // nothing to compute; its outputs are empty too
+    auto it = plans.find(g[t].scalar_type());
+    if (it == plans.end()) {
+      SuperfedPlan p;
+      p.kind = pass.kind;
+      p.dtype = g[t].scalar_type();
+      p.device = g[t].device();
+      p.lam = pass.lam;
+      p.h = pass.h;
+      p.result = pass.result;
+      p.reduce = pass.reduce;
+      it = plans.emplace(p.dtype, std::move(p)).first;
+    }
+    SuperfedPlan& p = it->second;
+    p.index.push_back(static_cast<int64_t>(t));
+    p.numels.push_back(g[t].numel());
+    for (const auto j : c10::irange(4)) {
+      if (!pass.in[j].empty()) p.in[j].push_back(dense(pass.in[j][t]));
+    }
+    for (const auto j : c10::irange(3)) {
+      if (pass.out[j] != nullptr && !pass.out[j]->empty()) {
+        p.out[j].push_back((*pass.out[j])[t].data_ptr());
       }
     }
-    return plans;
   }
-
- private:
-  SuperfedKind kind_;
-  at::TensorList g_;
-  std::vector<at::Tensor> keep_alive_;
-};
+  for (auto& [dtype, p] : plans) runner(p);
+}
 
 inline std::vector<at::Tensor> empty_like_list(at::TensorList g) {
   std::vector<at::Tensor> out;
   out.reserve(g.size());
   for (const auto& x : g) out.push_back(at::empty(x.sizes(), x.options()));
   return out;
+}
+
+inline std::vector<at::Tensor> empty_like_list_if(bool wanted, at::TensorList g) {
+  return wanted ? empty_like_list(g) : std::vector<at::Tensor>{};
 }
 
 // lam as float64 [T] on `device`, one value per tensor.
@@ -180,20 +215,31 @@ inline at::Tensor lam_per_tensor(const at::Tensor& lam, int64_t T, at::Device de
       .contiguous();
 }
 
+inline at::Tensor zeros_f64(std::initializer_list<int64_t> sizes, at::Device device) {
+  return at::zeros(sizes, at::TensorOptions().device(device).dtype(at::kDouble));
+}
+
+// The lam gradient from the per-tensor sums dlam [T]: MM's one lam feeds every tensor, so its
+// gradient is the sum over tensors (in order); zero when not wanted.
+inline at::Tensor lam_gradient(const at::Tensor& lam, const at::Tensor& dlam, bool wanted) {
+  if (!wanted || dlam.numel() == 0) return at::zeros(lam.sizes(), lam.options());
+  const at::Tensor g_lam = lam.numel() == 1 ? dlam.sum() : dlam;
+  return g_lam.reshape(lam.sizes()).to(lam.options());
+}
+
 inline std::vector<at::Tensor> mix_endpoints_host(
     at::TensorList g, at::TensorList l, const at::Tensor& lam, SuperfedRunner runner) {
   const char* op = "mix_endpoints";
   check_global_list(op, g);
   check_matching_list(op, g, l, "global_params", "local_params");
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
+  const at::Device device = list_device(g, lam);
   check_lam(op, lam, T, device);
   auto theta = empty_like_list(g);
   if (T == 0) return theta;
-  PlanBuilder builder(SuperfedKind::kMix, g);
-  auto plans = builder.build(
-      {g, l, {}, {}}, {&theta, nullptr, nullptr}, lam_per_tensor(lam, T, device), at::Tensor());
-  for (auto& [dtype, p] : plans) runner(p);
+  SuperfedPass pass{SuperfedKind::kMix, {g, l, {}, {}}, {&theta, nullptr, nullptr}};
+  pass.lam = lam_per_tensor(lam, T, device);
+  run_superfed(g, pass, runner);
   return theta;
 }
 
@@ -206,31 +252,24 @@ mix_endpoints_backward_host(
   check_matching_list(op, g, l, "global_params", "local_params");
   check_matching_list(op, g, grads, "global_params", "grads");
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
+  const at::Device device = list_device(g, lam);
   check_lam(op, lam, T, device);
-  std::vector<at::Tensor> grad_g = mask[0] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> grad_l = mask[1] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  const auto dtype = at::TensorOptions().device(device).dtype(at::kDouble);
-  at::Tensor dlam = at::zeros({T}, dtype);
-  // Empty tensors get no kernel: their gradients are empty anyway.
+  auto grad_g = empty_like_list_if(mask[0], g);
+  auto grad_l = empty_like_list_if(mask[1], g);
+  at::Tensor dlam = zeros_f64({T}, device);
+  // Empty tensors get no kernel: their gradients are empty anyway. g and l are read only for
+  // the lam gradient.
   if (T > 0 && (mask[0] || mask[1] || mask[2])) {
-    PlanBuilder builder(SuperfedKind::kMixBackward, g);
-    auto plans = builder.build(
-        {grads, g, l, {}}, {&grad_g, &grad_l, nullptr}, lam_per_tensor(lam, T, device), dlam);
-    for (auto& [type, p] : plans) {
-      p.need = {mask[0], mask[1], mask[2], false};
-      runner(p);
-    }
+    const at::TensorList none;
+    SuperfedPass pass{
+        SuperfedKind::kMixBackward, {mask[2] ? g : none, mask[2] ? l : none, {}, grads},
+        {&grad_g, &grad_l, nullptr}};
+    pass.lam = lam_per_tensor(lam, T, device);
+    pass.result = dlam;
+    pass.reduce = mask[2];
+    run_superfed(g, pass, runner);
   }
-  at::Tensor grad_lam;
-  if (!mask[2] || T == 0) {
-    grad_lam = at::zeros(lam.sizes(), lam.options());
-  } else {
-    // MM: the one lam feeds every tensor, so its gradient is the sum over tensors (in order).
-    at::Tensor g_lam = lam.numel() == 1 ? dlam.sum() : dlam;
-    grad_lam = g_lam.reshape(lam.sizes()).to(lam.options());
-  }
-  return {std::move(grad_g), std::move(grad_l), std::move(grad_lam)};
+  return {std::move(grad_g), std::move(grad_l), lam_gradient(lam, dlam, mask[2])};
 }
 
 // local_params and anchor may each be empty (not used); otherwise they match global_params.
@@ -245,16 +284,12 @@ inline at::Tensor superfed_stats_host(
     at::TensorList g, at::TensorList l, at::TensorList a, SuperfedRunner runner) {
   check_stats_inputs("superfed_stats", g, l, a);
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
-  at::Tensor stats = at::zeros({T, 4}, at::TensorOptions().device(device).dtype(at::kDouble));
+  at::Tensor stats = zeros_f64({T, 4}, list_device(g));
   if (T == 0) return stats;
-  PlanBuilder builder(SuperfedKind::kStats, g);
-  auto plans = builder.build({g, l, a, {}}, {nullptr, nullptr, nullptr}, at::Tensor(), stats);
-  for (auto& [dtype, p] : plans) {
-    p.has_local = !l.empty();
-    p.has_anchor = !a.empty();
-    runner(p);
-  }
+  SuperfedPass pass{SuperfedKind::kStats, {g, l, a, {}}};
+  pass.result = stats;
+  pass.reduce = true;
+  run_superfed(g, pass, runner);
   return stats;
 }
 
@@ -265,33 +300,17 @@ superfed_stats_backward_host(
   const char* op = "superfed_stats_backward";
   check_stats_inputs(op, g, l, a);
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
-  TORCH_CHECK_VALUE(
-      grad_stats.dim() == 2 && grad_stats.size(0) == T && grad_stats.size(1) == 4, "fedkernels.",
-      op, ": grad_stats has shape ", grad_stats.sizes(), ", expected [", T, ", 4]");
-  TORCH_CHECK_TYPE(
-      at::isFloatingType(grad_stats.scalar_type()), "fedkernels.", op,
-      ": grad_stats must be floating point, got ", grad_stats.scalar_type());
-  TORCH_CHECK_VALUE(
-      grad_stats.device() == device || grad_stats.device().is_cpu(), "fedkernels.", op,
-      ": grad_stats is on ", grad_stats.device(), ", the parameters on ", device);
-  const bool has_l = !l.empty(), has_a = !a.empty();
-  mask[1] = mask[1] && has_l;
-  mask[2] = mask[2] && has_a;
-  std::vector<at::Tensor> grad_g = mask[0] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> grad_l = mask[1] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> grad_a = mask[2] ? empty_like_list(g) : std::vector<at::Tensor>{};
+  const at::Device device = list_device(g, grad_stats);
+  check_grad_stats(op, grad_stats, T, device);
+  mask[1] = mask[1] && !l.empty();
+  mask[2] = mask[2] && !a.empty();
+  auto grad_g = empty_like_list_if(mask[0], g);
+  auto grad_l = empty_like_list_if(mask[1], g);
+  auto grad_a = empty_like_list_if(mask[2], g);
   if (T > 0 && (mask[0] || mask[1] || mask[2])) {
-    const at::Tensor h =
-        grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)).contiguous();
-    PlanBuilder builder(SuperfedKind::kStatsBackward, g);
-    auto plans = builder.build({g, l, a, {}}, {&grad_g, &grad_l, &grad_a}, h, at::Tensor());
-    for (auto& [dtype, p] : plans) {
-      p.has_local = has_l;
-      p.has_anchor = has_a;
-      p.need = {mask[0], mask[1], mask[2], false};
-      runner(p);
-    }
+    SuperfedPass pass{SuperfedKind::kStatsBackward, {g, l, a, {}}, {&grad_g, &grad_l, &grad_a}};
+    pass.h = grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)).contiguous();
+    run_superfed(g, pass, runner);
   }
   return {std::move(grad_g), std::move(grad_l), std::move(grad_a)};
 }
@@ -305,18 +324,16 @@ inline std::tuple<std::vector<at::Tensor>, at::Tensor> mix_endpoints_with_stats_
   check_matching_list(op, g, l, "global_params", "local_params");
   check_stats_inputs(op, g, l, a);
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
+  const at::Device device = list_device(g, lam);
   check_lam(op, lam, T, device);
   auto theta = empty_like_list(g);
-  at::Tensor stats = at::zeros({T, 4}, at::TensorOptions().device(device).dtype(at::kDouble));
+  at::Tensor stats = zeros_f64({T, 4}, device);
   if (T == 0) return {std::move(theta), stats};
-  PlanBuilder builder(SuperfedKind::kMixStats, g);
-  auto plans = builder.build(
-      {g, l, a, {}}, {&theta, nullptr, nullptr}, lam_per_tensor(lam, T, device), stats);
-  for (auto& [dtype, p] : plans) {
-    p.has_anchor = !a.empty();
-    runner(p);
-  }
+  SuperfedPass pass{SuperfedKind::kMixStats, {g, l, a, {}}, {&theta, nullptr, nullptr}};
+  pass.lam = lam_per_tensor(lam, T, device);
+  pass.result = stats;
+  pass.reduce = true;
+  run_superfed(g, pass, runner);
   return {std::move(theta), stats};
 }
 
@@ -331,42 +348,62 @@ mix_endpoints_with_stats_backward_host(
   check_matching_list(op, g, grads, "global_params", "grads");
   check_stats_inputs(op, g, l, a);
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g);
+  const at::Device device = list_device(g, lam);
   check_lam(op, lam, T, device);
-  TORCH_CHECK_VALUE(
-      grad_stats.dim() == 2 && grad_stats.size(0) == T && grad_stats.size(1) == 4, "fedkernels.",
-      op, ": grad_stats has shape ", grad_stats.sizes(), ", expected [", T, ", 4]");
-  TORCH_CHECK_VALUE(
-      grad_stats.device() == device || grad_stats.device().is_cpu(), "fedkernels.", op,
-      ": grad_stats is on ", grad_stats.device(), ", the parameters on ", device);
-  const bool has_a = !a.empty();
-  mask[3] = mask[3] && has_a;
-  std::vector<at::Tensor> grad_g = mask[0] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> grad_l = mask[1] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> grad_a = mask[3] ? empty_like_list(g) : std::vector<at::Tensor>{};
-  const auto dtype = at::TensorOptions().device(device).dtype(at::kDouble);
-  at::Tensor dlam = at::zeros({T}, dtype);
+  check_grad_stats(op, grad_stats, T, device);
+  // mask: grad_g, grad_l, grad_lam, grad_a
+  mask[3] = mask[3] && !a.empty();
+  auto grad_g = empty_like_list_if(mask[0], g);
+  auto grad_l = empty_like_list_if(mask[1], g);
+  auto grad_a = empty_like_list_if(mask[3], g);
+  at::Tensor dlam = zeros_f64({T}, device);
   if (T > 0 && (mask[0] || mask[1] || mask[2] || mask[3])) {
-    PlanBuilder builder(SuperfedKind::kMixStatsBackward, g);
-    auto plans = builder.build(
-        {g, l, a, grads}, {&grad_g, &grad_l, &grad_a}, lam_per_tensor(lam, T, device), dlam);
-    const at::Tensor h = grad_stats.to(dtype).contiguous();
-    for (auto& [type, p] : plans) {
-      p.coef2 = h;
-      p.has_anchor = has_a;
-      // need: grad_g, grad_l, grad_a, dlam
-      p.need = {mask[0], mask[1], mask[3], mask[2]};
-      runner(p);
-    }
+    SuperfedPass pass{
+        SuperfedKind::kMixStatsBackward, {g, l, a, grads}, {&grad_g, &grad_l, &grad_a}};
+    pass.lam = lam_per_tensor(lam, T, device);
+    pass.h = grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)).contiguous();
+    pass.result = dlam;
+    pass.reduce = mask[2];
+    run_superfed(g, pass, runner);
   }
-  at::Tensor grad_lam;
-  if (!mask[2] || T == 0) {
-    grad_lam = at::zeros(lam.sizes(), lam.options());
-  } else {
-    at::Tensor g_lam = lam.numel() == 1 ? dlam.sum() : dlam;
-    grad_lam = g_lam.reshape(lam.sizes()).to(lam.options());
-  }
-  return {std::move(grad_g), std::move(grad_l), std::move(grad_lam), std::move(grad_a)};
+  return {std::move(grad_g), std::move(grad_l), lam_gradient(lam, dlam, mask[2]),
+          std::move(grad_a)};
+}
+
+// Registers the SuPerFed ops of one backend (CPU, CUDA), whose kernels are the templates
+// Kernels::run<T, kind>(const SuperfedPlan&).
+template <typename Kernels>
+void register_superfed(torch::Library& m) {
+  m.impl("mix_endpoints", [](at::TensorList g, at::TensorList l, const at::Tensor& lam) {
+    return mix_endpoints_host(g, l, lam, &run_superfed_plan<Kernels>);
+  });
+  m.impl(
+      "mix_endpoints_backward",
+      [](at::TensorList grads, at::TensorList g, at::TensorList l, const at::Tensor& lam,
+         std::array<bool, 3> mask) {
+        return mix_endpoints_backward_host(grads, g, l, lam, mask, &run_superfed_plan<Kernels>);
+      });
+  m.impl("superfed_stats", [](at::TensorList g, at::TensorList l, at::TensorList a) {
+    return superfed_stats_host(g, l, a, &run_superfed_plan<Kernels>);
+  });
+  m.impl(
+      "superfed_stats_backward",
+      [](const at::Tensor& grad_stats, at::TensorList g, at::TensorList l, at::TensorList a,
+         std::array<bool, 3> mask) {
+        return superfed_stats_backward_host(grad_stats, g, l, a, mask, &run_superfed_plan<Kernels>);
+      });
+  m.impl(
+      "mix_endpoints_with_stats",
+      [](at::TensorList g, at::TensorList l, const at::Tensor& lam, at::TensorList a) {
+        return mix_endpoints_with_stats_host(g, l, lam, a, &run_superfed_plan<Kernels>);
+      });
+  m.impl(
+      "mix_endpoints_with_stats_backward",
+      [](at::TensorList grads, const at::Tensor& grad_stats, at::TensorList g, at::TensorList l,
+         const at::Tensor& lam, at::TensorList a, std::array<bool, 4> mask) {
+        return mix_endpoints_with_stats_backward_host(
+            grads, grad_stats, g, l, lam, a, mask, &run_superfed_plan<Kernels>);
+      });
 }
 
 }  // namespace fedkernels

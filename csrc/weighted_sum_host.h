@@ -13,8 +13,11 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "common.h"
 
 namespace fedkernels {
 
@@ -36,10 +39,6 @@ struct WeightedSumPlan {
 };
 
 using WeightedSumRunner = void (*)(const WeightedSumPlan&);
-
-inline bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
 
 // The dtype the result is stored in when base is given: base's own, which must be the update
 // dtype or float32 for half-precision updates (fp32 accumulators of a streaming sum).
@@ -116,6 +115,7 @@ struct WeightedSumShape {
 inline WeightedSumShape check_inputs(
     at::TensorList updates, const at::Tensor& weights,
     at::TensorList base) {
+  const char* op = "weighted_sum";
   TORCH_CHECK_VALUE(
       weights.dim() == 1, "fedkernels.weighted_sum: weights must be 1-D, got ", weights.dim(),
       "-D");
@@ -133,9 +133,7 @@ inline WeightedSumShape check_inputs(
       base.empty() || static_cast<int64_t>(base.size()) == T, "fedkernels.weighted_sum: base has ",
       base.size(), " tensors, clients have ", T);
   const at::Device device = T > 0 ? updates[0].device() : weights.device();
-  TORCH_CHECK_VALUE(
-      weights.device() == device || weights.device().is_cpu(),
-      "fedkernels.weighted_sum: weights are on ", weights.device(), ", updates on ", device);
+  check_device(op, weights, device, /*allow_cpu=*/true, "weights");
   if (weights.device().is_cpu()) {
     const auto w = weights.to(at::kDouble).contiguous();
     const double* wp = w.const_data_ptr<double>();
@@ -146,14 +144,10 @@ inline WeightedSumShape check_inputs(
   }
   for (const auto t : c10::irange(T)) {
     const at::Tensor& ref = updates[t];
-    TORCH_CHECK_TYPE(
-        is_supported_float(ref.scalar_type()), "fedkernels.weighted_sum: ", where(0, t),
-        " has dtype ", ref.scalar_type(), "; supported: float32, float64, float16, bfloat16");
+    check_supported_float(op, ref.scalar_type(), where(0, t));
     for (const auto k : c10::irange(K)) {
       const at::Tensor& x = updates[k * T + t];
-      TORCH_CHECK_VALUE(
-          x.device() == device, "fedkernels.weighted_sum: ", where(k, t), " is on ", x.device(),
-          ", expected ", device);
+      check_device(op, x, device, /*allow_cpu=*/false, where(k, t));
       TORCH_CHECK_VALUE(
           x.sizes() == ref.sizes(), "fedkernels.weighted_sum: ", where(k, t), " has shape ",
           x.sizes(), ", client 0 has ", ref.sizes());
@@ -163,9 +157,7 @@ inline WeightedSumShape check_inputs(
     }
     if (!base.empty()) {
       const at::Tensor& b = base[t];
-      TORCH_CHECK_VALUE(
-          b.device() == device, "fedkernels.weighted_sum: base tensor ", t, " is on ", b.device(),
-          ", expected ", device);
+      check_device(op, b, device, /*allow_cpu=*/false, "base tensor ", t);
       TORCH_CHECK_VALUE(
           b.sizes() == ref.sizes(), "fedkernels.weighted_sum: base tensor ", t, " has shape ",
           b.sizes(), ", clients have ", ref.sizes());
@@ -193,9 +185,7 @@ inline void check_outputs(
   for (const auto t : c10::irange(T)) {
     const at::Tensor& o = out[t];
     const at::Tensor& ref = updates[t];
-    TORCH_CHECK_VALUE(
-        o.device() == ref.device(), "fedkernels.weighted_sum: out tensor ", t, " is on ",
-        o.device(), ", updates on ", ref.device());
+    check_device("weighted_sum", o, ref.device(), /*allow_cpu=*/false, "out tensor ", t);
     TORCH_CHECK_VALUE(
         o.sizes() == ref.sizes(), "fedkernels.weighted_sum: out tensor ", t, " has shape ",
         o.sizes(), ", clients have ", ref.sizes());
@@ -323,25 +313,46 @@ inline void weighted_sum_inplace(
   run_weighted_sum(updates, weights, base, scale, delta, base, shape, runner);
 }
 
-// Registers the three weighted_sum overloads of one backend (CPU, CUDA), all run by `runner`.
-template <WeightedSumRunner runner>
+// Runs a plan with the backend's kernel template Kernels::run<T, U>(plan): T the update dtype,
+// U the result dtype (T, or float32 for half-precision updates into an fp32 base).
+template <typename Kernels>
+void run_weighted_sum_plan(const WeightedSumPlan& p) {
+  dispatch_float(p.in_dtype, "weighted_sum", [&](auto dtype) {
+    using T = typename decltype(dtype)::type;
+    if (p.out_dtype == p.in_dtype) return Kernels::template run<T, T>(p);
+    if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+      if (p.out_dtype == at::kFloat) return Kernels::template run<T, float>(p);
+    }
+    TORCH_CHECK(
+        false, "fedkernels.weighted_sum: unsupported dtypes ", p.in_dtype, " -> ", p.out_dtype);
+  });
+}
+
+// Registers the three weighted_sum overloads of one backend (CPU, CUDA), whose kernel is the
+// template Kernels::run<T, U>(const WeightedSumPlan&).
+template <typename Kernels>
 void register_weighted_sum(torch::Library& m) {
   m.impl(
       "weighted_sum",
       [](at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
          bool delta) {
-        return weighted_sum_functional(updates, weights, base, scale, delta, runner);
+        return weighted_sum_functional(
+            updates, weights, base, scale, delta, &run_weighted_sum_plan<Kernels>);
       });
   m.impl(
       "weighted_sum.out",
       [](at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
          bool delta, at::TensorList out) {
-        weighted_sum_out(updates, weights, base, scale, delta, out, runner);
+        weighted_sum_out(
+            updates, weights, base, scale, delta, out, &run_weighted_sum_plan<Kernels>);
       });
   m.impl(
       "weighted_sum_",
       [](at::TensorList base, at::TensorList updates, const at::Tensor& weights, double scale,
-         bool delta) { weighted_sum_inplace(base, updates, weights, scale, delta, runner); });
+         bool delta) {
+        weighted_sum_inplace(
+            base, updates, weights, scale, delta, &run_weighted_sum_plan<Kernels>);
+      });
 }
 
 }  // namespace fedkernels

@@ -1,5 +1,5 @@
-// CPU kernels of the ensemble-distillation ops (schemas: csrc/ops.cpp; host side:
-// csrc/distill_host.h; math: specs/fedgo.md §2.2-2.4 and §4 K1-K4). Like every csrc/cpu/*.cpp
+// CPU kernels of the ensemble-distillation ops (schemas and formulas: csrc/ops.cpp; host side:
+// csrc/distill_host.h; per-row math: DistillMath in csrc/elementwise.h). Like every csrc/cpu/*.cpp
 // this file is compiled once per instruction set (see setup.py) into a library of its own.
 //
 // Work: samples (rows i) are the parallel unit. A row's K teacher rows L[k, i, :] are read once
@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "../distill_host.h"
-#include "vec_io.h"
 #include "../elementwise.h"
+#include "vec_io.h"
 
 namespace fedkernels {
 namespace {
@@ -115,166 +115,132 @@ void client_weights(
   }
 }
 
-template <typename T>
-void pseudo_labels_kernel(const PseudoLabelPlan& p) {
-  using A = acc_type<T>;
-  using Vec = Vectorized<A>;
-  const int64_t K = p.K, N = p.N, C = p.C;
-  const T* logits = static_cast<const T*>(p.logits);
-  const A* scores = static_cast<const A*>(p.scores);
-  const A* log_prior = static_cast<const A*>(p.log_prior);
-  T* out_y = static_cast<T*>(p.out_labels);
-  T* out_w = static_cast<T*>(p.out_weights);
-  const A inv_t = static_cast<A>(1.0 / p.temperature);
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * C));
+struct DistillCpu {
+  template <typename T>
+  static void pseudo_labels(const PseudoLabelPlan& p) {
+    using A = acc_type<T>;
+    using Vec = Vectorized<A>;
+    const int64_t K = p.K, N = p.N, C = p.C;
+    const T* logits = static_cast<const T*>(p.logits);
+    const A* scores = static_cast<const A*>(p.scores);
+    const A* log_prior = static_cast<const A*>(p.log_prior);
+    T* out_y = static_cast<T*>(p.out_labels);
+    T* out_w = static_cast<T*>(p.out_weights);
+    const A inv_t = static_cast<A>(1.0 / p.temperature);
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * C));
 
-  at::parallel_for(0, N, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<A> rows;  // the row's K teacher rows in A (only for fp16/bf16 inputs)
-    if constexpr (!std::is_same_v<T, A>) rows.resize(K * C);
-    std::vector<A> acc(C);
-    std::vector<A> w(K);
-    std::vector<RowStats<A>> st(K);
-    for (int64_t i = i0; i < i1; ++i) {
-      auto row = [&](int64_t k) -> const A* {
-        if constexpr (std::is_same_v<T, A>) {
-          return logits + (k * N + i) * C;
-        } else {
-          return rows.data() + k * C;
+    at::parallel_for(0, N, grain, [&](int64_t i0, int64_t i1) {
+      std::vector<A> rows;  // the row's K teacher rows in A (only for fp16/bf16 inputs)
+      if constexpr (!std::is_same_v<T, A>) rows.resize(K * C);
+      std::vector<A> acc(C);
+      std::vector<A> w(K);
+      std::vector<RowStats<A>> st(K);
+      for (int64_t i = i0; i < i1; ++i) {
+        auto row = [&](int64_t k) -> const A* {
+          if constexpr (std::is_same_v<T, A>) {
+            return logits + (k * N + i) * C;
+          } else {
+            return rows.data() + k * C;
+          }
+        };
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (!std::is_same_v<T, A>) {
+            const T* src = logits + (k * N + i) * C;
+            A* dst = rows.data() + k * C;
+            for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<A>(src[c]);
+          }
+          const A z = scores ? scores[k * N + i] : A(0);
+          st[k] = row_stats<A>(row(k), C, p, z);
         }
-      };
-      for (int64_t k = 0; k < K; ++k) {
-        if constexpr (!std::is_same_v<T, A>) {
-          const T* src = logits + (k * N + i) * C;
-          A* dst = rows.data() + k * C;
-          for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<A>(src[c]);
-        }
-        const A z = scores ? scores[k * N + i] : A(0);
-        st[k] = row_stats<A>(row(k), C, p, z);
-      }
-      client_weights<A>(st, log_prior, p.weighting, w.data());
-      for (int64_t k = 0; k < K; ++k) out_w[k * N + i] = static_cast<T>(w[k]);
+        client_weights<A>(st, log_prior, p.weighting, w.data());
+        for (int64_t k = 0; k < K; ++k) out_w[k * N + i] = static_cast<T>(w[k]);
 
-      // Combination in client order (§2.3).
-      std::fill(acc.begin(), acc.end(), A(0));
-      for (int64_t k = 0; k < K; ++k) {
-        const A* x = row(k);
-        if (!p.probs) {
-          const Vec wv(w[k]);
-          at::vec::map2<A>(
-              [wv](Vec a, Vec v) { return a + wv * v; }, acc.data(), acc.data(), x, C);
-        } else {
-          const Vec coef(w[k] / st[k].sum_t), mt(st[k].max_t), it(inv_t);
-          at::vec::map2<A>(
-              [coef, mt, it](Vec a, Vec v) { return a + coef * (v * it - mt).exp(); },
-              acc.data(), acc.data(), x, C);
-        }
-      }
-      T* y = out_y + i * C;
-      if (p.probs) {
-        for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c]);
-        continue;
-      }
-      // y = softmax(acc / T).
-      const A m = row_max(acc.data(), C) * inv_t;
-      const Vec mv(m), it(inv_t);
-      at::vec::map<A>([mv, it](Vec a) { return (a * it - mv).exp(); }, acc.data(), acc.data(), C);
-      const A inv_sum = A(1) / row_sum(acc.data(), C);
-      for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c] * inv_sum);
-    }
-  });
-}
-
-void pseudo_labels_cpu_run(const PseudoLabelPlan& p) {
-  switch (p.dtype) {
-    case at::kFloat: return pseudo_labels_kernel<float>(p);
-    case at::kDouble: return pseudo_labels_kernel<double>(p);
-    case at::kHalf: return pseudo_labels_kernel<at::Half>(p);
-    case at::kBFloat16: return pseudo_labels_kernel<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
-  }
-}
-
-template <typename T>
-void distill_kl_kernel(const DistillKLPlan& p) {
-  using A = acc_type<T>;
-  using Vec = Vectorized<A>;
-  const int64_t N = p.N, C = p.C;
-  const T* student = static_cast<const T*>(p.student);
-  const T* target = static_cast<const T*>(p.target);
-  T* grad = static_cast<T*>(p.grad);
-  const A inv_t = static_cast<A>(1.0 / p.temperature);
-  const A scale_over_t = static_cast<A>(p.scale / p.temperature);
-  const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
-  std::vector<double> partial(blocks, 0.0);
-
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<A> z(C);
-    std::vector<A> e(C);
-    for (int64_t b = b0; b < b1; ++b) {
-      double block_loss = 0;
-      const int64_t end = std::min(N, (b + 1) * kRowBlock);
-      for (int64_t i = b * kRowBlock; i < end; ++i) {
-        const T* s = student + i * C;
-        const T* y = target + i * C;
-        for (int64_t c = 0; c < C; ++c) z[c] = static_cast<A>(s[c]) * inv_t;
-        const A m = row_max(z.data(), C);
-        const Vec mv(m);
-        at::vec::map<A>([mv](Vec v) { return (v - mv).exp(); }, e.data(), z.data(), C);
-        const A sum = row_sum(e.data(), C);
-        const A log_sum = std::log(sum);
-        const A inv_sum = A(1) / sum;
-        A row_loss = 0, y_sum = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          const A yc = static_cast<A>(y[c]);
-          row_loss += DistillMath::kl_term<A>(yc, z[c] - m - log_sum);
-          y_sum += yc;
-        }
-        if (grad) {
-          for (int64_t c = 0; c < C; ++c) {
-            grad[i * C + c] = static_cast<T>(DistillMath::kl_grad<A>(
-                e[c] * inv_sum, static_cast<A>(y[c]), y_sum, scale_over_t));
+        // Combination in client order (§2.3).
+        std::fill(acc.begin(), acc.end(), A(0));
+        for (int64_t k = 0; k < K; ++k) {
+          const A* x = row(k);
+          if (!p.probs) {
+            const Vec wv(w[k]);
+            at::vec::map2<A>(
+                [wv](Vec a, Vec v) { return a + wv * v; }, acc.data(), acc.data(), x, C);
+          } else {
+            const Vec coef(w[k] / st[k].sum_t), mt(st[k].max_t), it(inv_t);
+            at::vec::map2<A>(
+                [coef, mt, it](Vec a, Vec v) { return a + coef * (v * it - mt).exp(); },
+                acc.data(), acc.data(), x, C);
           }
         }
-        block_loss += static_cast<double>(row_loss);
+        T* y = out_y + i * C;
+        if (p.probs) {
+          for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c]);
+          continue;
+        }
+        // y = softmax(acc / T).
+        const A m = row_max(acc.data(), C) * inv_t;
+        const Vec mv(m), it(inv_t);
+        at::vec::map<A>([mv, it](Vec a) { return (a * it - mv).exp(); }, acc.data(), acc.data(), C);
+        const A inv_sum = A(1) / row_sum(acc.data(), C);
+        for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c] * inv_sum);
       }
-      partial[b] = block_loss;
-    }
-  });
-  double total = 0;
-  for (const double v : partial) total += v;
-  *static_cast<A*>(p.loss) = static_cast<A>(p.scale * total);
-}
-
-void distill_kl_cpu_run(const DistillKLPlan& p) {
-  switch (p.dtype) {
-    case at::kFloat: return distill_kl_kernel<float>(p);
-    case at::kDouble: return distill_kl_kernel<double>(p);
-    case at::kHalf: return distill_kl_kernel<at::Half>(p);
-    case at::kBFloat16: return distill_kl_kernel<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
+    });
   }
-}
 
-std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_cpu(
-    const at::Tensor& logits, const std::optional<at::Tensor>& scores,
-    const std::optional<at::Tensor>& log_prior, c10::string_view weighting,
-    c10::string_view combine, double temperature, double tau, bool double_sigmoid) {
-  return ensemble_pseudo_labels_host(
-      logits, scores, log_prior, std::string(weighting), std::string(combine), temperature, tau,
-      double_sigmoid, &pseudo_labels_cpu_run);
-}
+  template <typename T>
+  static void distill_kl(const DistillKLPlan& p) {
+    using A = acc_type<T>;
+    using Vec = Vectorized<A>;
+    const int64_t N = p.N, C = p.C;
+    const T* student = static_cast<const T*>(p.student);
+    const T* target = static_cast<const T*>(p.target);
+    T* grad = static_cast<T*>(p.grad);
+    const A inv_t = static_cast<A>(1.0 / p.temperature);
+    const A scale_over_t = static_cast<A>(p.scale / p.temperature);
+    const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+    std::vector<double> partial(blocks, 0.0);
 
-std::tuple<at::Tensor, at::Tensor> distill_kl_cpu(
-    const at::Tensor& student, const at::Tensor& target, double temperature, double scale,
-    bool with_grad) {
-  return distill_kl_host(student, target, temperature, scale, with_grad, &distill_kl_cpu_run);
-}
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      std::vector<A> z(C);
+      std::vector<A> e(C);
+      for (int64_t b = b0; b < b1; ++b) {
+        double block_loss = 0;
+        const int64_t end = std::min(N, (b + 1) * kRowBlock);
+        for (int64_t i = b * kRowBlock; i < end; ++i) {
+          const T* s = student + i * C;
+          const T* y = target + i * C;
+          for (int64_t c = 0; c < C; ++c) z[c] = static_cast<A>(s[c]) * inv_t;
+          const A m = row_max(z.data(), C);
+          const Vec mv(m);
+          at::vec::map<A>([mv](Vec v) { return (v - mv).exp(); }, e.data(), z.data(), C);
+          const A sum = row_sum(e.data(), C);
+          const A log_sum = std::log(sum);
+          const A inv_sum = A(1) / sum;
+          A row_loss = 0, y_sum = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            const A yc = static_cast<A>(y[c]);
+            row_loss += DistillMath::kl_term<A>(yc, z[c] - m - log_sum);
+            y_sum += yc;
+          }
+          if (grad) {
+            for (int64_t c = 0; c < C; ++c) {
+              grad[i * C + c] = static_cast<T>(DistillMath::kl_grad<A>(
+                  e[c] * inv_sum, static_cast<A>(y[c]), y_sum, scale_over_t));
+            }
+          }
+          block_loss += static_cast<double>(row_loss);
+        }
+        partial[b] = block_loss;
+      }
+    });
+    double total = 0;
+    for (const double v : partial) total += v;
+    *static_cast<A*>(p.loss) = static_cast<A>(p.scale * total);
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
-  m.impl("ensemble_pseudo_labels", &ensemble_pseudo_labels_cpu);
-  m.impl("distill_kl", &distill_kl_cpu);
+  register_distill<DistillCpu>(m);
 }
 
 }  // namespace fedkernels

@@ -1,6 +1,5 @@
-// CPU kernels of the SGLD / FedEvg ops (schemas: csrc/ops.cpp; host side: csrc/sgld_host.h;
-// math: specs/fedevg.md §1.2, §1.4-1.5 and §3 K1-K3, per-element formulas in
-// csrc/elementwise.h shared with the CUDA kernels). Like every csrc/cpu/*.cpp this file is
+// CPU kernels of the SGLD / FedEvg ops (schemas and formulas: csrc/ops.cpp; host side:
+// csrc/sgld_host.h; per-element formulas in csrc/elementwise.h, shared with the CUDA kernels). Like every csrc/cpu/*.cpp this file is
 // compiled once per instruction set (see setup.py) into a library of its own.
 //
 // sgld_compose_step: the K x M weights pi first (one sample per item), then chunks of the M*D
@@ -32,42 +31,7 @@ namespace {
 
 using at::vec::Vectorized;
 
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
-
-template <typename T>
-void energy_kernel(const EnergyPlan& p) {
-  using A = acc_type<T>;
-  const T* logits = static_cast<const T*>(p.logits);
-  T* out = static_cast<T*>(p.out);
-  const int64_t C = p.C;
-  at::parallel_for(0, p.N, std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1)), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const T* row = logits + i * C;
-      if (p.labels) {
-        out[i] = static_cast<T>(-static_cast<A>(row[p.labels[i]]));
-        continue;
-      }
-      A m = -std::numeric_limits<A>::infinity();
-      for (int64_t c = 0; c < C; ++c) m = std::max(m, static_cast<A>(row[c]));
-      A s = 0;
-      for (int64_t c = 0; c < C; ++c) s += std::exp(static_cast<A>(row[c]) - m);
-      out[i] = static_cast<T>(-(m + std::log(s)));
-    }
-  });
-}
-
-void energy_cpu_run(const EnergyPlan& p) {
-  switch (p.dtype) {
-    case at::kFloat: return energy_kernel<float>(p);
-    case at::kDouble: return energy_kernel<double>(p);
-    case at::kHalf: return energy_kernel<at::Half>(p);
-    case at::kBFloat16: return energy_kernel<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
-  }
-}
 
 // pi[:, j] = softmax_k(log_w_k + phi(-E_kj)) (§1.4), stable (max subtracted).
 template <typename A>
@@ -95,92 +59,110 @@ void client_weights(const SgldPlan& p) {
   });
 }
 
-template <typename T>
-void sgld_kernel(const SgldPlan& p, uint64_t seed) {
-  using A = acc_type<T>;
-  using Vec = Vectorized<A>;
-  const int64_t K = p.K, M = p.M, D = p.D, n = M * D;
-  if (K > 0) client_weights<A>(p);
-  if (n == 0) return;
-  const T* x = static_cast<const T*>(p.x);
-  const T* grads = static_cast<const T*>(p.grads);
-  const T* noise = static_cast<const T*>(p.noise);
-  const A* pi = static_cast<const A*>(p.pi);
-  T* out = static_cast<T*>(p.out);
-  const A tau = static_cast<A>(p.tau), step = static_cast<A>(p.step);
-  const A std_ = static_cast<A>(p.noise_std);
-  const A lo = static_cast<A>(p.lo), hi = static_cast<A>(p.hi);
-  const int64_t groups = (n + 3) / 4;
-
-  at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
-    const int64_t e0 = g0 * 4, e1 = std::min(n, g1 * 4), len = e1 - e0;
-    std::vector<A> acc(len, A(0));
-    std::vector<A> conv;
-    if constexpr (!std::is_same_v<T, A>) conv.resize(len);
-    const Vec vt(tau), vnt(-tau);
-    const int64_t clients = K > 0 ? K : 1;
-    for (int64_t k = 0; k < clients; ++k) {
-      const T* gk = grads + k * n + e0;
-      const A* src;
-      if constexpr (std::is_same_v<T, A>) {
-        src = gk;
-      } else {
-        for (int64_t i = 0; i < len; ++i) conv[i] = static_cast<A>(gk[i]);
-        src = conv.data();
-      }
-      if (K == 0) {
-        at::vec::map<A>(
-            [vt, vnt](Vec g) { return at::vec::clamp(g, vnt, vt); }, acc.data(), src, len);
-        break;
-      }
-      // Runs of one sample j share the weight pi[k, j].
-      for (int64_t s = 0; s < len;) {
-        const int64_t j = (e0 + s) / D;
-        const int64_t run = std::min(len, (j + 1) * D - e0) - s;
-        const Vec w(pi[k * M + j]);
-        at::vec::map2<A>(
-            [w, vt, vnt](Vec a, Vec g) { return a + w * at::vec::clamp(g, vnt, vt); },
-            acc.data() + s, acc.data() + s, src + s, run);
-        s += run;
-      }
-    }
-    A eps4[4] = {0, 0, 0, 0};
-    for (int64_t i = 0; i < len; ++i) {
-      const int64_t e = e0 + i;
-      A eps = 0;
-      if (noise) {
-        eps = static_cast<A>(noise[e]);
-      } else if (p.draw_noise) {
-        if ((e & 3) == 0 || i == 0) PhiloxNormal::normal4<A>(seed, 0, e / 4, eps4);
-        eps = eps4[e & 3];
-      }
-      out[e] = static_cast<T>(
-          SgldMath::update<A>(static_cast<A>(x[e]), acc[i], eps, step, std_, lo, hi));
-    }
-  });
+// One random64 of the plan's generator (the default CPU generator when none) seeds the noise.
+uint64_t draw_seed(const SgldPlan& p) {
+  if (!p.draw_noise || p.M * p.D == 0) return 0;
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+      p.generator, at::detail::getDefaultCPUGenerator());
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->random64();
 }
 
-void sgld_cpu_run(SgldPlan& p) {
-  uint64_t seed = 0;
-  if (p.draw_noise && p.M * p.D > 0) {
-    auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
-        p.generator, at::detail::getDefaultCPUGenerator());
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    seed = gen->random64();
+struct SgldCpu {
+  template <typename T>
+  static void energy(const EnergyPlan& p) {
+    using A = acc_type<T>;
+    const T* logits = static_cast<const T*>(p.logits);
+    T* out = static_cast<T*>(p.out);
+    const int64_t C = p.C;
+    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
+    at::parallel_for(0, p.N, grain, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const T* row = logits + i * C;
+        if (p.labels) {
+          out[i] = static_cast<T>(-static_cast<A>(row[p.labels[i]]));
+          continue;
+        }
+        A m = -std::numeric_limits<A>::infinity();
+        for (int64_t c = 0; c < C; ++c) m = std::max(m, static_cast<A>(row[c]));
+        A s = 0;
+        for (int64_t c = 0; c < C; ++c) s += std::exp(static_cast<A>(row[c]) - m);
+        out[i] = static_cast<T>(-(m + std::log(s)));
+      }
+    });
   }
-  switch (p.dtype) {
-    case at::kFloat: return sgld_kernel<float>(p, seed);
-    case at::kDouble: return sgld_kernel<double>(p, seed);
-    case at::kHalf: return sgld_kernel<at::Half>(p, seed);
-    case at::kBFloat16: return sgld_kernel<at::BFloat16>(p, seed);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
+
+  template <typename T>
+  static void sgld(const SgldPlan& p) {
+    using A = acc_type<T>;
+    using Vec = Vectorized<A>;
+    const uint64_t seed = draw_seed(p);
+    const int64_t K = p.K, M = p.M, D = p.D, n = M * D;
+    if (K > 0) client_weights<A>(p);
+    if (n == 0) return;
+    const T* x = static_cast<const T*>(p.x);
+    const T* grads = static_cast<const T*>(p.grads);
+    const T* noise = static_cast<const T*>(p.noise);
+    const A* pi = static_cast<const A*>(p.pi);
+    T* out = static_cast<T*>(p.out);
+    const A tau = static_cast<A>(p.tau), step = static_cast<A>(p.step);
+    const A std_ = static_cast<A>(p.noise_std);
+    const A lo = static_cast<A>(p.lo), hi = static_cast<A>(p.hi);
+    const int64_t groups = (n + 3) / 4;
+
+    at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
+      const int64_t e0 = g0 * 4, e1 = std::min(n, g1 * 4), len = e1 - e0;
+      std::vector<A> acc(len, A(0));
+      std::vector<A> conv;
+      if constexpr (!std::is_same_v<T, A>) conv.resize(len);
+      const Vec vt(tau), vnt(-tau);
+      const int64_t clients = K > 0 ? K : 1;
+      for (int64_t k = 0; k < clients; ++k) {
+        const T* gk = grads + k * n + e0;
+        const A* src;
+        if constexpr (std::is_same_v<T, A>) {
+          src = gk;
+        } else {
+          for (int64_t i = 0; i < len; ++i) conv[i] = static_cast<A>(gk[i]);
+          src = conv.data();
+        }
+        if (K == 0) {
+          at::vec::map<A>(
+              [vt, vnt](Vec g) { return at::vec::clamp(g, vnt, vt); }, acc.data(), src, len);
+          break;
+        }
+        // Runs of one sample j share the weight pi[k, j].
+        for (int64_t s = 0; s < len;) {
+          const int64_t j = (e0 + s) / D;
+          const int64_t run = std::min(len, (j + 1) * D - e0) - s;
+          const Vec w(pi[k * M + j]);
+          at::vec::map2<A>(
+              [w, vt, vnt](Vec a, Vec g) { return a + w * at::vec::clamp(g, vnt, vt); },
+              acc.data() + s, acc.data() + s, src + s, run);
+          s += run;
+        }
+      }
+      A eps4[4] = {0, 0, 0, 0};
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t e = e0 + i;
+        A eps = 0;
+        if (noise) {
+          eps = static_cast<A>(noise[e]);
+        } else if (p.draw_noise) {
+          if ((e & 3) == 0 || i == 0) PhiloxNormal::normal4<A>(seed, 0, e / 4, eps4);
+          eps = eps4[e & 3];
+        }
+        out[e] = static_cast<T>(
+            SgldMath::update<A>(static_cast<A>(x[e]), acc[i], eps, step, std_, lo, hi));
+      }
+    });
   }
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
-  register_sgld<&energy_cpu_run, &sgld_cpu_run>(m);
+  register_sgld<SgldCpu>(m);
 }
 
 }  // namespace fedkernels

@@ -1,5 +1,5 @@
-// Vector loads and stores shared by the CPU kernels: any supported input dtype is read as the
-// accumulate type (fp32, fp64 for fp64) and written back in the storage dtype.
+// Vector loads, stores and sums shared by the CPU kernels: any supported input dtype is read as
+// the accumulate type (fp32, fp64 for fp64) and written back in the storage dtype.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -7,10 +7,9 @@
 
 #include <type_traits>
 
-namespace fedkernels {
+#include "../common.h"
 
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+namespace fedkernels {
 
 // Loads 2 * Vectorized<A>::size() elements of type T as two vectors of the accumulate type A.
 template <typename T, typename A>
@@ -32,6 +31,18 @@ inline void store2(U* p, const at::vec::Vectorized<A>& lo, const at::vec::Vector
   } else {
     at::vec::convert_from_float<U>(lo, hi).store(p);
   }
+}
+
+// The lanes of two vectors added in lane order, in float64.
+template <typename A>
+inline double horizontal_sum(const at::vec::Vectorized<A>& lo, const at::vec::Vectorized<A>& hi) {
+  constexpr int n = at::vec::Vectorized<A>::size();
+  alignas(64) A buf[2 * n];
+  lo.store(buf);
+  hi.store(buf + n);
+  double s = 0;
+  for (int i = 0; i < 2 * n; ++i) s += static_cast<double>(buf[i]);
+  return s;
 }
 
 }  // namespace fedkernels

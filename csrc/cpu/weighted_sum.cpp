@@ -6,17 +6,16 @@
 // fp32 accumulators stay in L1. For each tile, clients are read in groups of four, so every
 // input element is read from memory exactly once and every output element written once:
 // (K + 1) * P element traffic (K + 2 with a separate base).
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <vector>
 
 #include "../elementwise.h"
-#include "vec_io.h"
 #include "../weighted_sum_host.h"
+#include "chunk_loop.h"
+#include "vec_io.h"
 
 namespace fedkernels {
 namespace {
@@ -106,66 +105,42 @@ void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc
   }
 }
 
-template <typename T, typename U>
-void weighted_sum_group(const WeightedSumPlan& p) {
-  using A = acc_type<T>;
-  const int64_t K = p.num_clients;
-  const int64_t n = p.num_tensors();
-  std::vector<A> weights(K);
-  const double* w = p.weights.const_data_ptr<double>();
-  for (int64_t k = 0; k < K; ++k) weights[k] = static_cast<A>(w[k]);
-  std::vector<int64_t> chunk_begin(n + 1, 0);
-  for (int64_t i = 0; i < n; ++i) {
-    chunk_begin[i + 1] = chunk_begin[i] + (p.numels[i] + kChunk - 1) / kChunk;
-  }
-  const WeightedSumMath math{!p.bases.empty(), p.delta};
-  const A scale = static_cast<A>(p.scale);
-
-  int64_t total = 0;
-  for (int64_t i = 0; i < n; ++i) total += p.numels[i];
-  const int64_t grain = total * (K + 1) < kParallelMinTraffic ? chunk_begin[n] : 1;
-  at::parallel_for(0, chunk_begin[n], grain, [&](int64_t c0, int64_t c1) {
-    std::vector<const T*> src(K);
-    int64_t i = std::upper_bound(chunk_begin.begin(), chunk_begin.end(), c0) -
-        chunk_begin.begin() - 1;
-    for (int64_t c = c0; c < c1; ++c) {
-      while (c >= chunk_begin[i + 1]) ++i;
-      const int64_t begin = (c - chunk_begin[i]) * kChunk;
-      const int64_t end = std::min(p.numels[i], begin + kChunk);
-      for (int64_t off = begin; off < end; off += kTile) {
+struct WeightedSumCpu {
+  template <typename T, typename U>
+  static void run(const WeightedSumPlan& p) {
+    using A = acc_type<T>;
+    const int64_t K = p.num_clients;
+    const int64_t n = p.num_tensors();
+    std::vector<A> weights(K);
+    const double* w = p.weights.const_data_ptr<double>();
+    for (int64_t k = 0; k < K; ++k) weights[k] = static_cast<A>(w[k]);
+    const WeightedSumMath math{!p.bases.empty(), p.delta};
+    const A scale = static_cast<A>(p.scale);
+    const bool serial = total_numel(p.numels) * (K + 1) < kParallelMinTraffic;
+    for_each_chunk(p.numels, kChunk, serial, [&](int64_t, const ChunkRange& r) {
+      thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
+      src.resize(K);
+      for (int64_t off = r.begin; off < r.end; off += kTile) {
         for (int64_t k = 0; k < K; ++k) {
-          src[k] = static_cast<const T*>(p.inputs[k * n + i]) + off;
+          src[k] = static_cast<const T*>(p.inputs[k * n + r.tensor]) + off;
         }
         TileArgs<T, U> a{
             src.data(),
-            math.has_base ? static_cast<const U*>(p.bases[i]) + off : nullptr,
-            static_cast<U*>(p.outs[i]) + off,
+            math.has_base ? static_cast<const U*>(p.bases[r.tensor]) + off : nullptr,
+            static_cast<U*>(p.outs[r.tensor]) + off,
             weights.data(),
             K,
-            std::min(kTile, end - off)};
+            std::min(kTile, r.end - off)};
         weighted_sum_tile<T, U>(a, math, scale);
       }
-    }
-  });
-}
-
-void weighted_sum_cpu_group(const WeightedSumPlan& p) {
-  const auto in = p.in_dtype, out = p.out_dtype;
-  if (in == at::kFloat && out == at::kFloat) return weighted_sum_group<float, float>(p);
-  if (in == at::kDouble && out == at::kDouble) return weighted_sum_group<double, double>(p);
-  if (in == at::kHalf && out == at::kHalf) return weighted_sum_group<at::Half, at::Half>(p);
-  if (in == at::kBFloat16 && out == at::kBFloat16) {
-    return weighted_sum_group<at::BFloat16, at::BFloat16>(p);
+    });
   }
-  if (in == at::kHalf && out == at::kFloat) return weighted_sum_group<at::Half, float>(p);
-  if (in == at::kBFloat16 && out == at::kFloat) return weighted_sum_group<at::BFloat16, float>(p);
-  TORCH_CHECK(false, "fedkernels.weighted_sum: unsupported dtypes ", in, " -> ", out);
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CPU, m) {
-  register_weighted_sum<&weighted_sum_cpu_group>(m);
+  register_weighted_sum<WeightedSumCpu>(m);
 }
 
 }  // namespace fedkernels

@@ -1,6 +1,6 @@
-// CUDA kernels of the ensemble-distillation ops (schemas: csrc/ops.cpp; host side:
-// csrc/distill_host.h; math: specs/fedgo.md §2.2-2.4 and §4 K1-K4, per-element formulas in
-// csrc/elementwise.h shared with the CPU kernels).
+// CUDA kernels of the ensemble-distillation ops (schemas and formulas: csrc/ops.cpp; host side:
+// csrc/distill_host.h; per-row formulas: DistillMath in csrc/elementwise.h, shared with the CPU
+// kernels).
 //
 // ensemble_pseudo_labels: one block per sample row i (grid-stride). The block's warps take the
 // K clients in turn (warp w: clients w, w + 8, ...) and reduce each teacher row L[k, i, :] with
@@ -14,62 +14,23 @@
 // the per-row losses are then summed by one block in a fixed order.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <type_traits>
 
 #include "../distill_host.h"
 #include "../elementwise.h"
+#include "multi_tensor.cuh"
 
 namespace fedkernels {
 namespace {
-
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Dynamic shared memory per block; the static reduction buffers fit in the rest of 48 KiB.
 constexpr size_t kSharedLimit = 46 * 1024;
-
-template <typename A>
-struct MaxOp {
-  __device__ __forceinline__ A operator()(A a, A b) const { return a > b ? a : b; }
-};
-template <typename A>
-struct SumOp {
-  __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
-};
-
-// Butterfly reduction: every lane ends with the same value (fp addition is commutative).
-template <typename A, typename Op>
-__device__ __forceinline__ A warp_reduce(A v, Op op) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
-// Every thread of the block gets the reduction of v over the block, in a fixed order.
-template <typename A, typename Op>
-__device__ __forceinline__ A block_reduce(A v, Op op, A* s_red) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  v = warp_reduce(v, op);
-  if (lane == 0) s_red[warp] = v;
-  __syncthreads();
-  A r = s_red[0];
-#pragma unroll
-  for (int j = 1; j < kWarps; ++j) r = op(r, s_red[j]);
-  __syncthreads();
-  return r;
-}
 
 struct PseudoLabelArgs {
   int64_t K, N, C;
@@ -213,60 +174,15 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
       }
     }
     if (a.probs) continue;
-    const A m = block_reduce(local_max, MaxOp<A>(), s_red);
+    const A m = block_reduce<kThreads>(local_max, MaxOp<A>(), s_red);
     A local_sum = 0;
     for (int64_t c = tid; c < C; c += kThreads) {
       const A e = math_exp(acc[c] * inv_t - m);
       acc[c] = e;
       local_sum += e;
     }
-    const A inv_sum = A(1) / block_reduce(local_sum, SumOp<A>(), s_red);
+    const A inv_sum = A(1) / block_reduce<kThreads>(local_sum, SumOp<A>(), s_red);
     for (int64_t c = tid; c < C; c += kThreads) y[c] = static_cast<T>(acc[c] * inv_sum);
-  }
-}
-
-template <typename T>
-void pseudo_labels_cuda_typed(const PseudoLabelPlan& p) {
-  using A = acc_type<T>;
-  const c10::cuda::CUDAGuard guard(p.device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const size_t per_client = 4 * sizeof(A) * static_cast<size_t>(p.K);
-  TORCH_CHECK_VALUE(
-      per_client <= kSharedLimit, "fedkernels.ensemble_pseudo_labels: K = ", p.K,
-      " clients is more than the CUDA kernel supports (", kSharedLimit / (4 * sizeof(A)), ")");
-  PseudoLabelArgs a;
-  a.K = p.K;
-  a.N = p.N;
-  a.C = p.C;
-  a.weighting = p.weighting;
-  a.probs = p.probs;
-  a.double_sigmoid = p.double_sigmoid;
-  a.temperature = p.temperature;
-  a.tau = p.tau;
-  const size_t with_row = per_client + sizeof(A) * static_cast<size_t>(p.C);
-  a.acc_in_shared = p.probs || with_row <= kSharedLimit;
-  at::Tensor workspace;
-  if (!a.acc_in_shared) {
-    workspace = at::empty(
-        {p.N, p.C}, at::TensorOptions().device(p.device).dtype(c10::CppTypeToScalarType<A>::value));
-  }
-  const size_t shared = a.acc_in_shared && !p.probs ? with_row : per_client;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(p.N, 65535 * 8));
-  pseudo_labels_kernel<T><<<grid, kThreads, shared, stream>>>(
-      static_cast<const T*>(p.logits), static_cast<const A*>(p.scores),
-      static_cast<const A*>(p.log_prior), static_cast<T*>(p.out_labels),
-      static_cast<T*>(p.out_weights), workspace.defined() ? workspace.mutable_data_ptr<A>() : nullptr,
-      a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void pseudo_labels_cuda_run(const PseudoLabelPlan& p) {
-  switch (p.dtype) {
-    case at::kFloat: return pseudo_labels_cuda_typed<float>(p);
-    case at::kDouble: return pseudo_labels_cuda_typed<double>(p);
-    case at::kHalf: return pseudo_labels_cuda_typed<at::Half>(p);
-    case at::kBFloat16: return pseudo_labels_cuda_typed<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
   }
 }
 
@@ -317,59 +233,66 @@ __global__ void __launch_bounds__(kThreads) sum_rows_kernel(
   __shared__ double s_red[kWarps];
   double v = 0;
   for (int64_t i = threadIdx.x; i < N; i += kThreads) v += row_loss[i];
-  v = block_reduce(v, SumOp<double>(), s_red);
+  v = block_reduce<kThreads>(v, SumOp<double>(), s_red);
   if (threadIdx.x == 0) *loss = static_cast<A>(scale * v);
 }
 
-template <typename T>
-void distill_kl_cuda_typed(const DistillKLPlan& p) {
-  using A = acc_type<T>;
-  const c10::cuda::CUDAGuard guard(p.device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor row_loss =
-      at::empty({p.N}, at::TensorOptions().device(p.device).dtype(at::kDouble));
-  const int64_t blocks = (p.N + kWarps - 1) / kWarps;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks, 65535 * 8));
-  distill_kl_rows_kernel<T><<<grid, kThreads, 0, stream>>>(
-      static_cast<const T*>(p.student), static_cast<const T*>(p.target), static_cast<T*>(p.grad),
-      row_loss.mutable_data_ptr<double>(), p.N, p.C, static_cast<A>(1.0 / p.temperature),
-      static_cast<A>(p.scale / p.temperature));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sum_rows_kernel<A><<<1, kThreads, 0, stream>>>(
-      row_loss.const_data_ptr<double>(), p.N, p.scale, static_cast<A*>(p.loss));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void distill_kl_cuda_run(const DistillKLPlan& p) {
-  switch (p.dtype) {
-    case at::kFloat: return distill_kl_cuda_typed<float>(p);
-    case at::kDouble: return distill_kl_cuda_typed<double>(p);
-    case at::kHalf: return distill_kl_cuda_typed<at::Half>(p);
-    case at::kBFloat16: return distill_kl_cuda_typed<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
+struct DistillCuda {
+  template <typename T>
+  static void pseudo_labels(const PseudoLabelPlan& p) {
+    using A = acc_type<T>;
+    const CudaLaunch launch(p.device);
+    const size_t per_client = 4 * sizeof(A) * static_cast<size_t>(p.K);
+    TORCH_CHECK_VALUE(
+        per_client <= kSharedLimit, "fedkernels.ensemble_pseudo_labels: K = ", p.K,
+        " clients is more than the CUDA kernel supports (", kSharedLimit / (4 * sizeof(A)), ")");
+    PseudoLabelArgs a;
+    a.K = p.K;
+    a.N = p.N;
+    a.C = p.C;
+    a.weighting = p.weighting;
+    a.probs = p.probs;
+    a.double_sigmoid = p.double_sigmoid;
+    a.temperature = p.temperature;
+    a.tau = p.tau;
+    const size_t with_row = per_client + sizeof(A) * static_cast<size_t>(p.C);
+    a.acc_in_shared = p.probs || with_row <= kSharedLimit;
+    at::Tensor workspace;
+    if (!a.acc_in_shared) {
+      workspace = at::empty(
+          {p.N, p.C},
+          at::TensorOptions().device(p.device).dtype(c10::CppTypeToScalarType<A>::value));
+    }
+    const size_t shared = a.acc_in_shared && !p.probs ? with_row : per_client;
+    pseudo_labels_kernel<T><<<grid_size(p.N, 1, 65535 * 8), kThreads, shared, launch.stream>>>(
+        static_cast<const T*>(p.logits), static_cast<const A*>(p.scores),
+        static_cast<const A*>(p.log_prior), static_cast<T*>(p.out_labels),
+        static_cast<T*>(p.out_weights),
+        workspace.defined() ? workspace.mutable_data_ptr<A>() : nullptr, a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
 
-std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_cuda(
-    const at::Tensor& logits, const std::optional<at::Tensor>& scores,
-    const std::optional<at::Tensor>& log_prior, c10::string_view weighting,
-    c10::string_view combine, double temperature, double tau, bool double_sigmoid) {
-  return ensemble_pseudo_labels_host(
-      logits, scores, log_prior, std::string(weighting), std::string(combine), temperature, tau,
-      double_sigmoid, &pseudo_labels_cuda_run);
-}
-
-std::tuple<at::Tensor, at::Tensor> distill_kl_cuda(
-    const at::Tensor& student, const at::Tensor& target, double temperature, double scale,
-    bool with_grad) {
-  return distill_kl_host(student, target, temperature, scale, with_grad, &distill_kl_cuda_run);
-}
+  template <typename T>
+  static void distill_kl(const DistillKLPlan& p) {
+    using A = acc_type<T>;
+    const CudaLaunch launch(p.device);
+    at::Tensor row_loss =
+        at::empty({p.N}, at::TensorOptions().device(p.device).dtype(at::kDouble));
+    distill_kl_rows_kernel<T><<<grid_size(p.N, kWarps, 65535 * 8), kThreads, 0, launch.stream>>>(
+        static_cast<const T*>(p.student), static_cast<const T*>(p.target), static_cast<T*>(p.grad),
+        row_loss.mutable_data_ptr<double>(), p.N, p.C, static_cast<A>(1.0 / p.temperature),
+        static_cast<A>(p.scale / p.temperature));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    sum_rows_kernel<A><<<1, kThreads, 0, launch.stream>>>(
+        row_loss.const_data_ptr<double>(), p.N, p.scale, static_cast<A*>(p.loss));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
-  m.impl("ensemble_pseudo_labels", &ensemble_pseudo_labels_cuda);
-  m.impl("distill_kl", &distill_kl_cuda);
+  register_distill<DistillCuda>(m);
 }
 
 }  // namespace fedkernels

@@ -1,6 +1,5 @@
-// CUDA kernels of the SGLD / FedEvg ops (schemas: csrc/ops.cpp; host side: csrc/sgld_host.h;
-// math: specs/fedevg.md §1.2, §1.4-1.5 and §3 K1-K3, per-element formulas in
-// csrc/elementwise.h shared with the CPU kernels).
+// CUDA kernels of the SGLD / FedEvg ops (schemas and formulas: csrc/ops.cpp; host side:
+// csrc/sgld_host.h; per-element formulas in csrc/elementwise.h, shared with the CPU kernels).
 //
 // energy_from_logits: one warp per row, shuffle reductions (max, then sum of exp).
 // sgld_compose_step: (1) one thread per sample j turns the K energies into pi[:, j] (softmax
@@ -12,35 +11,22 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/PhiloxUtils.cuh>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <mutex>
 #include <tuple>
-#include <type_traits>
 
 #include "../elementwise.h"
 #include "../sgld_host.h"
+#include "multi_tensor.cuh"
 
 namespace fedkernels {
 namespace {
 
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
 constexpr int kThreads = 256;
-
-int64_t num_blocks(int64_t work, int64_t per_block) {
-  const int64_t b = (work + per_block - 1) / per_block;
-  return std::max<int64_t>(1, std::min<int64_t>(b, 65535LL * 32));
-}
+constexpr int64_t kMaxBlocks = 65535LL * 32;
 
 template <typename T>
 __global__ void energy_kernel(const T* logits, const int64_t* labels, T* out, int64_t N, int64_t C) {
@@ -59,12 +45,10 @@ __global__ void energy_kernel(const T* logits, const int64_t* labels, T* out, in
     }
     A m = -std::numeric_limits<A>::infinity();
     for (int64_t c = lane; c < C; c += 32) m = max(m, static_cast<A>(row[c]));
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    m = warp_reduce(m, MaxOp<A>());
     A s = 0;
     for (int64_t c = lane; c < C; c += 32) s += math_exp(static_cast<A>(row[c]) - m);
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
+    s = warp_reduce(s, SumOp<A>());
     if (lane == 0) out[i] = static_cast<T>(-(m + math_log(s)));
   }
 }
@@ -147,78 +131,61 @@ __global__ void update_kernel(
   }
 }
 
-template <typename T>
-void energy_launch(const EnergyPlan& p) {
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int warps = kThreads / 32;
-  energy_kernel<T><<<num_blocks(p.N, warps), kThreads, 0, stream>>>(
-      static_cast<const T*>(p.logits), p.labels, static_cast<T*>(p.out), p.N, p.C);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// The Philox seed and offset of the plan's generator (the device's default CUDA generator when
+// none), advanced by one 128-bit block per thread.
+at::PhiloxCudaState philox_state(const SgldPlan& p) {
+  if (!p.draw_noise || p.M * p.D == 0) return {};
+  auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+      p.generator, at::cuda::detail::getDefaultCUDAGenerator(p.device.index()));
+  std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->philox_cuda_state(4);
 }
 
-void energy_cuda_run(const EnergyPlan& p) {
-  const c10::cuda::CUDAGuard guard(p.device);
-  switch (p.dtype) {
-    case at::kFloat: return energy_launch<float>(p);
-    case at::kDouble: return energy_launch<double>(p);
-    case at::kHalf: return energy_launch<at::Half>(p);
-    case at::kBFloat16: return energy_launch<at::BFloat16>(p);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
-  }
-}
-
-template <typename T>
-void sgld_launch(const SgldPlan& p, const at::PhiloxCudaState& philox) {
-  using A = acc_type<T>;
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (p.K > 0) {
-    weights_kernel<A><<<num_blocks(p.M, kThreads), kThreads, 0, stream>>>(
-        static_cast<const A*>(p.energies), static_cast<const A*>(p.log_weights),
-        static_cast<A*>(p.pi), p.K, p.M, p.signed_mode);
+struct SgldCuda {
+  template <typename T>
+  static void energy(const EnergyPlan& p) {
+    const CudaLaunch launch(p.device);
+    energy_kernel<T><<<grid_size(p.N, kThreads / 32, kMaxBlocks), kThreads, 0, launch.stream>>>(
+        static_cast<const T*>(p.logits), p.labels, static_cast<T*>(p.out), p.N, p.C);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const int64_t n = p.M * p.D;
-  if (n == 0) return;
-  UpdateArgs a;
-  a.K = p.K;
-  a.M = p.M;
-  a.D = p.D;
-  a.n = n;
-  a.step = p.step;
-  a.noise_std = p.noise_std;
-  a.tau = p.tau;
-  a.lo = p.lo;
-  a.hi = p.hi;
-  a.draw_noise = p.draw_noise;
-  a.philox = philox;
-  update_kernel<T><<<num_blocks((n + 3) / 4, kThreads), kThreads, 0, stream>>>(
-      static_cast<const T*>(p.x), static_cast<const T*>(p.grads),
-      static_cast<const A*>(p.pi), static_cast<const T*>(p.noise), static_cast<T*>(p.out), a);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
 
-void sgld_cuda_run(SgldPlan& p) {
-  const c10::cuda::CUDAGuard guard(p.device);
-  at::PhiloxCudaState philox;
-  if (p.draw_noise && p.M * p.D > 0) {
-    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
-        p.generator, at::cuda::detail::getDefaultCUDAGenerator(p.device.index()));
-    std::lock_guard<std::mutex> lock(gen->mutex_);
-    philox = gen->philox_cuda_state(4);  // one 128-bit block per subsequence (per thread)
+  template <typename T>
+  static void sgld(const SgldPlan& p) {
+    using A = acc_type<T>;
+    const CudaLaunch launch(p.device);
+    const at::PhiloxCudaState philox = philox_state(p);
+    if (p.K > 0) {
+      weights_kernel<A><<<grid_size(p.M, kThreads, kMaxBlocks), kThreads, 0, launch.stream>>>(
+          static_cast<const A*>(p.energies), static_cast<const A*>(p.log_weights),
+          static_cast<A*>(p.pi), p.K, p.M, p.signed_mode);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t n = p.M * p.D;
+    if (n == 0) return;
+    UpdateArgs a;
+    a.K = p.K;
+    a.M = p.M;
+    a.D = p.D;
+    a.n = n;
+    a.step = p.step;
+    a.noise_std = p.noise_std;
+    a.tau = p.tau;
+    a.lo = p.lo;
+    a.hi = p.hi;
+    a.draw_noise = p.draw_noise;
+    a.philox = philox;
+    update_kernel<T><<<grid_size((n + 3) / 4, kThreads, kMaxBlocks), kThreads, 0, launch.stream>>>(
+        static_cast<const T*>(p.x), static_cast<const T*>(p.grads),
+        static_cast<const A*>(p.pi), static_cast<const T*>(p.noise), static_cast<T*>(p.out), a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  switch (p.dtype) {
-    case at::kFloat: return sgld_launch<float>(p, philox);
-    case at::kDouble: return sgld_launch<double>(p, philox);
-    case at::kHalf: return sgld_launch<at::Half>(p, philox);
-    case at::kBFloat16: return sgld_launch<at::BFloat16>(p, philox);
-    default: TORCH_CHECK(false, "fedkernels: unsupported dtype ", p.dtype);
-  }
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
-  register_sgld<&energy_cuda_run, &sgld_cuda_run>(m);
+  register_sgld<SgldCuda>(m);
 }
 
 }  // namespace fedkernels

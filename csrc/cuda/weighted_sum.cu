@@ -1,11 +1,13 @@
-// CUDA kernel of fedkernels::weighted_sum (schemas and the three modes: csrc/ops.cpp; design:
-// specs/prior_art.md §2.4, "multi_tensor_apply with an indirect pointer table").
+// CUDA kernel of fedkernels::weighted_sum (schemas and the three modes: csrc/ops.cpp; the design
+// is multi_tensor_apply with an indirect pointer table).
 //
 // One launch per (input dtype, output dtype) group, whatever the number of clients K and of
 // tensors n: the launch metadata (client-major input pointers [K][n], base and out pointers,
 // numels, a prefix sum of chunks per tensor, per-tensor vectorizable flags, the weights) lives in
-// one device buffer, copied from pinned memory on the current stream, rather than in kernel
-// arguments (4 KB, which caps apex/ATen multi_tensor_apply at a handful of lists).
+// one device buffer (LaunchMetadata, csrc/cuda/multi_tensor.cuh) rather than in kernel arguments
+// (4 KB, which caps apex/ATen multi_tensor_apply at a handful of lists). The upload is legal
+// under CUDA graph capture, so the op works in captured graphs (torch.compile's
+// mode="reduce-overhead"); weights given on the CPU are then fixed at their captured values.
 //
 // Work: each block owns one chunk of one tensor (found by binary search on the chunk prefix).
 // Its threads keep the chunk's accumulators in registers (fp32, fp64 for fp64 inputs) and read
@@ -14,11 +16,6 @@
 // (K + 2 with a separate base). The per-element order of the sum is fixed, so a given input gives
 // bitwise the same output run after run on one device.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -27,17 +24,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "../elementwise.h"
 #include "../weighted_sum_host.h"
+#include "multi_tensor.cuh"
 
 namespace fedkernels {
 namespace {
-
-template <typename T>
-using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
 constexpr int kThreads = 256;
 
@@ -273,21 +267,6 @@ __device__ __forceinline__ void weighted_sum_chunk(
   }
 }
 
-// The tensor that owns chunk c: the last t with chunk_prefix[t] <= c (no tensor is empty, so
-// the prefix is strictly increasing).
-__device__ __forceinline__ int64_t tensor_of_chunk(const int64_t* prefix, int64_t n, int64_t c) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (prefix[mid] <= c) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
-
 template <typename T, typename U, bool kHasBase, bool kDelta>
 __global__ void __launch_bounds__(kThreads, 2) weighted_sum_kernel(const Meta<acc_type<T>> m) {
   using A = acc_type<T>;
@@ -314,130 +293,94 @@ bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
-size_t round_up8(size_t bytes) {
-  return (bytes + 7) / 8 * 8;
-}
+struct WeightedSumCuda {
+  template <typename T, typename U>
+  static void run(const WeightedSumPlan& p) {
+    using A = acc_type<T>;
+    const int64_t K = p.num_clients;
+    const int64_t n = p.num_tensors();
+    const bool has_base = !p.bases.empty();
+    const bool weights_on_host = p.weights.device().is_cpu();
+    const CudaLaunch launch(p.device);
 
-template <typename T, typename U>
-void weighted_sum_cuda_typed(const WeightedSumPlan& p) {
-  using A = acc_type<T>;
-  const int64_t K = p.num_clients;
-  const int64_t n = p.num_tensors();
-  const bool has_base = !p.bases.empty();
-  const bool weights_on_host = p.weights.device().is_cpu();
+    MetadataLayout layout;
+    const size_t inputs_at = layout.add<uint64_t>(K * n);
+    const size_t bases_at = layout.add<uint64_t>(has_base ? n : 0);
+    const size_t outs_at = layout.add<uint64_t>(n);
+    const size_t numels_at = layout.add<int64_t>(n);
+    const size_t prefix_at = layout.add<int64_t>(n + 1);
+    const size_t flags_at = layout.add<uint8_t>(n);
+    const size_t weights_at = layout.add<A>(weights_on_host ? K : 0);
+    LaunchMetadata meta(layout, p.device);
+    auto* h_inputs = meta.host<uint64_t>(inputs_at);
+    auto* h_bases = meta.host<uint64_t>(bases_at);
+    auto* h_outs = meta.host<uint64_t>(outs_at);
+    auto* h_numels = meta.host<int64_t>(numels_at);
+    auto* h_prefix = meta.host<int64_t>(prefix_at);
+    auto* h_flags = meta.host<uint8_t>(flags_at);
 
-  const c10::cuda::CUDAGuard guard(p.device);
-  TORCH_CHECK(
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-      "fedkernels.weighted_sum: cannot run under CUDA graph capture (its launch metadata is "
-      "copied from a host buffer that is reused after the call)");
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-
-  // Layout of the metadata buffer, in bytes; every section starts 8-byte aligned.
-  const size_t inputs_at = 0;
-  const size_t bases_at = inputs_at + sizeof(uint64_t) * K * n;
-  const size_t outs_at = bases_at + (has_base ? sizeof(uint64_t) * n : 0);
-  const size_t numels_at = outs_at + sizeof(uint64_t) * n;
-  const size_t prefix_at = numels_at + sizeof(int64_t) * n;
-  const size_t flags_at = prefix_at + sizeof(int64_t) * (n + 1);
-  const size_t weights_at = flags_at + round_up8(n);
-  const size_t total = weights_at + (weights_on_host ? round_up8(sizeof(A) * K) : 0);
-
-  at::Tensor host = at::empty(
-      {static_cast<int64_t>(total)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  uint8_t* h = host.mutable_data_ptr<uint8_t>();
-  auto* h_inputs = reinterpret_cast<uint64_t*>(h + inputs_at);
-  auto* h_bases = reinterpret_cast<uint64_t*>(h + bases_at);
-  auto* h_outs = reinterpret_cast<uint64_t*>(h + outs_at);
-  auto* h_numels = reinterpret_cast<int64_t*>(h + numels_at);
-  auto* h_prefix = reinterpret_cast<int64_t*>(h + prefix_at);
-  auto* h_flags = h + flags_at;
-
-  std::vector<bool> vectorizable(n);
-  for (int64_t i = 0; i < n; ++i) {
-    const void* out = p.outs[i];
-    bool ok = p.numels[i] % kVec<T> == 0 && aligned16(out);
-    h_outs[i] = reinterpret_cast<uint64_t>(out);
-    if (has_base) {
-      ok = ok && aligned16(p.bases[i]);
-      h_bases[i] = reinterpret_cast<uint64_t>(p.bases[i]);
-    }
-    vectorizable[i] = ok;
-  }
-  for (int64_t k = 0; k < K; ++k) {
+    std::vector<bool> vectorizable(n);
     for (int64_t i = 0; i < n; ++i) {
-      const void* x = p.inputs[k * n + i];
-      h_inputs[k * n + i] = reinterpret_cast<uint64_t>(x);
-      if (!aligned16(x)) vectorizable[i] = false;
+      const void* out = p.outs[i];
+      bool ok = p.numels[i] % kVec<T> == 0 && aligned16(out);
+      h_outs[i] = reinterpret_cast<uint64_t>(out);
+      if (has_base) {
+        ok = ok && aligned16(p.bases[i]);
+        h_bases[i] = reinterpret_cast<uint64_t>(p.bases[i]);
+      }
+      vectorizable[i] = ok;
     }
-  }
-  h_prefix[0] = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    h_numels[i] = p.numels[i];
-    h_prefix[i + 1] = h_prefix[i] + (p.numels[i] + kChunk<T> - 1) / kChunk<T>;
-    h_flags[i] = vectorizable[i] ? 1 : 0;
-  }
-  const int64_t total_chunks = h_prefix[n];
-  at::Tensor device_weights;  // keeps converted on-device weights alive until after the launch
-  if (weights_on_host) {
-    const double* w = p.weights.const_data_ptr<double>();
-    A* h_weights = reinterpret_cast<A*>(h + weights_at);
-    for (int64_t k = 0; k < K; ++k) h_weights[k] = static_cast<A>(w[k]);
-  } else {
-    device_weights = p.weights.to(c10::CppTypeToScalarType<A>::value).contiguous();
-  }
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t i = 0; i < n; ++i) {
+        const void* x = p.inputs[k * n + i];
+        h_inputs[k * n + i] = reinterpret_cast<uint64_t>(x);
+        if (!aligned16(x)) vectorizable[i] = false;
+      }
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      h_numels[i] = p.numels[i];
+      h_flags[i] = vectorizable[i] ? 1 : 0;
+    }
+    const int64_t total_chunks = fill_chunk_prefix(h_numels, n, kChunk<T>, h_prefix);
+    at::Tensor device_weights;  // keeps converted on-device weights alive until after the launch
+    if (weights_on_host) {
+      const double* w = p.weights.const_data_ptr<double>();
+      A* h_weights = meta.host<A>(weights_at);
+      for (int64_t k = 0; k < K; ++k) h_weights[k] = static_cast<A>(w[k]);
+    } else {
+      device_weights = p.weights.to(c10::CppTypeToScalarType<A>::value).contiguous();
+    }
+    meta.upload(launch.stream);
 
-  // Asynchronous copy on the current stream; the caching host allocator keeps `host` from being
-  // reused until the copy is done, and the device buffer is freed in stream order.
-  const at::Tensor meta_dev =
-      host.to(at::TensorOptions().device(p.device).dtype(at::kByte), /*non_blocking=*/true);
-  const uint8_t* d = meta_dev.const_data_ptr<uint8_t>();
+    Meta<A> m;
+    m.inputs = meta.device<uint64_t>(inputs_at);
+    m.bases = has_base ? meta.device<uint64_t>(bases_at) : nullptr;
+    m.outs = meta.device<uint64_t>(outs_at);
+    m.numels = meta.device<int64_t>(numels_at);
+    m.chunk_prefix = meta.device<int64_t>(prefix_at);
+    m.vectorizable = meta.device<uint8_t>(flags_at);
+    m.weights = weights_on_host ? meta.device<A>(weights_at) : device_weights.const_data_ptr<A>();
+    m.num_clients = K;
+    m.num_tensors = n;
+    m.total_chunks = total_chunks;
+    m.scale = static_cast<A>(p.scale);
 
-  Meta<A> m;
-  m.inputs = reinterpret_cast<const uint64_t*>(d + inputs_at);
-  m.bases = has_base ? reinterpret_cast<const uint64_t*>(d + bases_at) : nullptr;
-  m.outs = reinterpret_cast<const uint64_t*>(d + outs_at);
-  m.numels = reinterpret_cast<const int64_t*>(d + numels_at);
-  m.chunk_prefix = reinterpret_cast<const int64_t*>(d + prefix_at);
-  m.vectorizable = d + flags_at;
-  m.weights = weights_on_host ? reinterpret_cast<const A*>(d + weights_at)
-                              : device_weights.const_data_ptr<A>();
-  m.num_clients = K;
-  m.num_tensors = n;
-  m.total_chunks = total_chunks;
-  m.scale = static_cast<A>(p.scale);
-
-  const dim3 grid(static_cast<unsigned>(
-      std::min<int64_t>(total_chunks, std::numeric_limits<int32_t>::max())));
-  if (!has_base) {  // delta without a base is the plain sum (as on the CPU)
-    weighted_sum_kernel<T, U, false, false><<<grid, kThreads, 0, stream>>>(m);
-  } else if (p.delta) {
-    weighted_sum_kernel<T, U, true, true><<<grid, kThreads, 0, stream>>>(m);
-  } else {
-    weighted_sum_kernel<T, U, true, false><<<grid, kThreads, 0, stream>>>(m);
+    const dim3 grid(grid_size(total_chunks, 1, std::numeric_limits<int32_t>::max()));
+    if (!has_base) {  // delta without a base is the plain sum (as on the CPU)
+      weighted_sum_kernel<T, U, false, false><<<grid, kThreads, 0, launch.stream>>>(m);
+    } else if (p.delta) {
+      weighted_sum_kernel<T, U, true, true><<<grid, kThreads, 0, launch.stream>>>(m);
+    } else {
+      weighted_sum_kernel<T, U, true, false><<<grid, kThreads, 0, launch.stream>>>(m);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-void weighted_sum_cuda_group(const WeightedSumPlan& p) {
-  const auto in = p.in_dtype, out = p.out_dtype;
-  if (in == at::kFloat && out == at::kFloat) return weighted_sum_cuda_typed<float, float>(p);
-  if (in == at::kDouble && out == at::kDouble) return weighted_sum_cuda_typed<double, double>(p);
-  if (in == at::kHalf && out == at::kHalf) return weighted_sum_cuda_typed<at::Half, at::Half>(p);
-  if (in == at::kBFloat16 && out == at::kBFloat16) {
-    return weighted_sum_cuda_typed<at::BFloat16, at::BFloat16>(p);
-  }
-  if (in == at::kHalf && out == at::kFloat) return weighted_sum_cuda_typed<at::Half, float>(p);
-  if (in == at::kBFloat16 && out == at::kFloat) {
-    return weighted_sum_cuda_typed<at::BFloat16, float>(p);
-  }
-  TORCH_CHECK(false, "fedkernels.weighted_sum: unsupported dtypes ", in, " -> ", out);
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fedkernels, CUDA, m) {
-  register_weighted_sum<&weighted_sum_cuda_group>(m);
+  register_weighted_sum<WeightedSumCuda>(m);
 }
 
 }  // namespace fedkernels

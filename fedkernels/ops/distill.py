@@ -40,6 +40,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .devices import check_device
+
 _ops = torch.ops.fedkernels
 
 WEIGHTINGS = ("uniform", "fedgo", "entropy", "variance", "domain")
@@ -141,6 +143,11 @@ def _ensemble_pseudo_labels_fake(
             scores.dim() == 2 and scores.shape[0] == k and scores.shape[1] == n,
             lambda: f"fedkernels.ensemble_pseudo_labels: scores must be [K, N], got {tuple(scores.shape)}",
         )
+        check_device("ensemble_pseudo_labels", scores, logits.device, "scores")
+    if log_prior is not None:
+        check_device(
+            "ensemble_pseudo_labels", log_prior, logits.device, "log_prior", allow_cpu=True
+        )
     return logits.new_empty((n, c)), logits.new_empty((k, n))
 
 
@@ -154,6 +161,7 @@ def _distill_kl_fake(student_logits, target, temperature, scale, with_grad):
         target.shape == student_logits.shape,
         lambda: "fedkernels.distill_kl: pseudo_labels and student_logits differ in shape",
     )
+    check_device("distill_kl", target, student_logits.device, "pseudo_labels")
     acc = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     loss = student_logits.new_empty((), dtype=acc)
     grad = student_logits.new_empty(student_logits.shape if with_grad else (0,))

@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .devices import check_device, check_list_device
+
 _ops = torch.ops.fedkernels
 
 COSINE_EPS = 1e-12
@@ -84,8 +86,12 @@ def superfed_stats(
     anchor: Sequence[Tensor] = (),
 ) -> Tensor:
     r"""Float64 ``[T, 4]``: per tensor :math:`[\langle g,l\rangle, \|g\|^2, \|l\|^2, \|g-a\|^2]`
-    (a column is 0 when its list is not given). One fused read pass; differentiable."""
-    return _ops.superfed_stats(list(global_params), list(local_params), list(anchor))
+    (a column is 0 when its list is not given). One fused read pass; differentiable. An empty
+    model (all three lists empty) gives a ``[0, 4]`` tensor on the CPU."""
+    g, l, a = list(global_params), list(local_params), list(anchor)
+    if not (g or l or a):  # no tensor to dispatch on: the native op cannot be called
+        return torch.zeros((0, 4), dtype=torch.float64)
+    return _ops.superfed_stats(g, l, a)
 
 
 def orthogonality_from_stats(
@@ -247,65 +253,103 @@ def _check_same_length(op: str, a, b, name_a: str, name_b: str) -> None:
     )
 
 
+def _check_inputs(op, global_params, lists=(), optional=(), lam=None, grad_stats=None):
+    """The native op's checks of list lengths and devices (see :mod:`.devices`); returns the
+    parameters' device: global_params' own, or for an empty model lam's (grad_stats'), else
+    the CPU. ``lists``: (name, list) that match global_params; ``optional``: the same, but an
+    empty list means "not given"."""
+    for name, tensors in lists:
+        _check_same_length(op, global_params, tensors, "global_params", name)
+    for name, tensors in optional:
+        if tensors or not global_params:
+            _check_same_length(op, global_params, tensors, "global_params", name)
+    other = lam if lam is not None else grad_stats
+    if global_params:
+        device = global_params[0].device
+    else:
+        device = other.device if other is not None else torch.device("cpu")
+    check_list_device(op, global_params, device, "global_params")
+    for name, tensors in (*lists, *optional):
+        check_list_device(op, tensors, device, name)
+    if lam is not None:
+        check_device(op, lam, device, "lam", allow_cpu=True)
+    if grad_stats is not None:
+        check_device(op, grad_stats, device, "grad_stats", allow_cpu=True)
+    return device
+
+
+def _like(global_params, wanted=True):
+    return [g.new_empty(g.shape) for g in global_params] if wanted else []
+
+
+def _stats(global_params, device):
+    return torch.empty((len(global_params), 4), dtype=torch.float64, device=device)
+
+
 @torch.library.register_fake("fedkernels::mix_endpoints")
 def _mix_endpoints_fake(global_params, local_params, lam):
-    _check_same_length(
-        "mix_endpoints", global_params, local_params, "global_params", "local_params"
-    )
-    return [g.new_empty(g.shape) for g in global_params]
+    _check_inputs("mix_endpoints", global_params, [("local_params", local_params)], lam=lam)
+    return _like(global_params)
 
 
 @torch.library.register_fake("fedkernels::mix_endpoints_backward")
 def _mix_endpoints_backward_fake(grads, global_params, local_params, lam, output_mask):
-    _check_same_length(
-        "mix_endpoints_backward", global_params, local_params, "global_params", "local_params"
+    _check_inputs(
+        "mix_endpoints_backward", global_params,
+        [("local_params", local_params), ("grads", grads)], lam=lam,
     )
-    _check_same_length("mix_endpoints_backward", global_params, grads, "global_params", "grads")
-    grad_g = [g.new_empty(g.shape) for g in global_params] if output_mask[0] else []
-    grad_l = [g.new_empty(g.shape) for g in global_params] if output_mask[1] else []
-    return grad_g, grad_l, lam.new_empty(lam.shape)
+    return (
+        _like(global_params, output_mask[0]),
+        _like(global_params, output_mask[1]),
+        lam.new_empty(lam.shape),
+    )
 
 
 @torch.library.register_fake("fedkernels::superfed_stats")
 def _superfed_stats_fake(global_params, local_params, anchor):
-    device = global_params[0].device if global_params else torch.device("cpu")
-    return torch.empty((len(global_params), 4), dtype=torch.float64, device=device)
+    device = _check_inputs(
+        "superfed_stats", global_params,
+        optional=[("local_params", local_params), ("anchor", anchor)],
+    )
+    return _stats(global_params, device)
 
 
 @torch.library.register_fake("fedkernels::superfed_stats_backward")
 def _superfed_stats_backward_fake(grad_stats, global_params, local_params, anchor, output_mask):
-    def grads(wanted):
-        return [g.new_empty(g.shape) for g in global_params] if wanted else []
-
+    _check_inputs(
+        "superfed_stats_backward", global_params,
+        optional=[("local_params", local_params), ("anchor", anchor)], grad_stats=grad_stats,
+    )
     return (
-        grads(output_mask[0]),
-        grads(output_mask[1] and len(local_params) > 0),
-        grads(output_mask[2] and len(anchor) > 0),
+        _like(global_params, output_mask[0]),
+        _like(global_params, output_mask[1] and len(local_params) > 0),
+        _like(global_params, output_mask[2] and len(anchor) > 0),
     )
 
 
 @torch.library.register_fake("fedkernels::mix_endpoints_with_stats")
 def _mix_endpoints_with_stats_fake(global_params, local_params, lam, anchor):
-    _check_same_length(
-        "mix_endpoints_with_stats", global_params, local_params, "global_params", "local_params"
+    device = _check_inputs(
+        "mix_endpoints_with_stats", global_params, [("local_params", local_params)],
+        optional=[("anchor", anchor)], lam=lam,
     )
-    device = global_params[0].device if global_params else torch.device("cpu")
-    stats = torch.empty((len(global_params), 4), dtype=torch.float64, device=device)
-    return [g.new_empty(g.shape) for g in global_params], stats
+    return _like(global_params), _stats(global_params, device)
 
 
 @torch.library.register_fake("fedkernels::mix_endpoints_with_stats_backward")
 def _mix_endpoints_with_stats_backward_fake(
     grads, grad_stats, global_params, local_params, lam, anchor, output_mask
 ):
-    def grads_if(wanted):
-        return [g.new_empty(g.shape) for g in global_params] if wanted else []
-
+    _check_inputs(
+        "mix_endpoints_with_stats_backward", global_params,
+        [("local_params", local_params), ("grads", grads)], optional=[("anchor", anchor)],
+        lam=lam, grad_stats=grad_stats,
+    )
     return (
-        grads_if(output_mask[0]),
-        grads_if(output_mask[1]),
+        _like(global_params, output_mask[0]),
+        _like(global_params, output_mask[1]),
         lam.new_empty(lam.shape),
-        grads_if(output_mask[3] and len(anchor) > 0),
+        _like(global_params, output_mask[3] and len(anchor) > 0),
     )
 
 

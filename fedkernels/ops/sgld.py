@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .devices import check_device
+
 _ops = torch.ops.fedkernels
 
 MODES = ("exact", "signed")
@@ -134,45 +136,59 @@ def _energy_fake(logits, labels):
         logits.dim() == 2,
         lambda: f"fedkernels.energy_from_logits: logits must be [N, C], got {logits.dim()}-D",
     )
+    if labels is not None:
+        check_device("energy_from_logits", labels, logits.device, "labels")
     return logits.new_empty((logits.shape[0],))
+
+
+def _step_checks(op, x, grad, noise):
+    torch._check(grad.shape == x.shape, lambda: f"fedkernels.{op}: grad and x differ in shape")
+    check_device(op, grad, x.device, "grad")
+    if noise is not None:
+        check_device(op, noise, x.device, "noise")
 
 
 @torch.library.register_fake("fedkernels::sgld_step")
 def _sgld_step_fake(x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator):
-    torch._check(grad.shape == x.shape, lambda: "fedkernels.sgld_step: grad and x differ in shape")
+    _step_checks("sgld_step", x, grad, noise)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("fedkernels::sgld_step_")
 def _sgld_step_inplace_fake(x, grad, step_size, noise_std, grad_clip, clamp_min, clamp_max, noise, generator):
-    torch._check(grad.shape == x.shape, lambda: "fedkernels.sgld_step_: grad and x differ in shape")
+    _step_checks("sgld_step_", x, grad, noise)
     return None
 
 
-def _compose_checks(x, grads, energies, log_weights):
+def _compose_checks(op, x, grads, energies, log_weights, noise):
     torch._check(
         grads.dim() == x.dim() + 1 and grads.shape[1:] == x.shape,
-        lambda: "fedkernels.sgld_compose_step: grads must be [K, M, ...] with [M, ...] = x.shape",
+        lambda: f"fedkernels.{op}: grads must be [K, M, ...] with [M, ...] = x.shape",
     )
+    check_device(op, grads, x.device, "grads")
     k, m = grads.shape[0], x.shape[0]
     torch._check(
         energies.dim() == 2 and energies.shape[0] == k and energies.shape[1] == m,
-        lambda: "fedkernels.sgld_compose_step: energies must be [K, M]",
+        lambda: f"fedkernels.{op}: energies must be [K, M]",
     )
+    check_device(op, energies, x.device, "energies")
+    check_device(op, log_weights, x.device, "log_weights", allow_cpu=True)
+    if noise is not None:
+        check_device(op, noise, x.device, "noise")
     return x.new_empty((k, m), dtype=_acc(x.dtype))
 
 
 @torch.library.register_fake("fedkernels::sgld_compose_step")
 def _compose_fake(x, grads, energies, log_weights, weighting, step_size, noise_std, grad_clip,
                   clamp_min, clamp_max, noise, generator):
-    pi = _compose_checks(x, grads, energies, log_weights)
+    pi = _compose_checks("sgld_compose_step", x, grads, energies, log_weights, noise)
     return torch.empty_like(x, memory_format=torch.contiguous_format), pi
 
 
 @torch.library.register_fake("fedkernels::sgld_compose_step_")
 def _compose_inplace_fake(x, grads, energies, log_weights, weighting, step_size, noise_std, grad_clip,
                           clamp_min, clamp_max, noise, generator):
-    return _compose_checks(x, grads, energies, log_weights)
+    return _compose_checks("sgld_compose_step_", x, grads, energies, log_weights, noise)
 
 
 # ---------------------------------------------------------------- autograd (energy only)

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .devices import check_device, check_list_device
+
 _ops = torch.ops.fedkernels
 
 
@@ -66,23 +68,16 @@ def _num_tensors(updates: Sequence[Tensor], weights: Tensor) -> int:
 
 
 def _check_devices(updates, weights, base, out=()) -> None:
-    """The device checks of the native op, repeated here because a tensor on another device
-    (e.g. ``meta``) among CPU tensors dispatches to these fake kernels, not to the native ones.
-    """
+    """The device checks of the native op (see :mod:`.devices` for why the fakes repeat them)."""
     device = updates[0].device if updates else weights.device
-    if weights.device != device and weights.device.type != "cpu":
-        raise ValueError(f"fedkernels.weighted_sum: weights are on {weights.device}, "
-                         f"updates on {device}")
-    for i, x in enumerate(updates):
-        if x.device != device:
-            n = len(updates) // max(int(weights.numel()), 1)
-            raise ValueError(f"fedkernels.weighted_sum: client {i // n}, tensor {i % n} is on "
-                             f"{x.device}, expected {device}")
-    for role, tensors in (("base", base), ("out", out)):
-        for t, x in enumerate(tensors):
-            if x.device != device:
-                raise ValueError(f"fedkernels.weighted_sum: {role} tensor {t} is on {x.device}, "
-                                 f"expected {device}")
+    check_device("weighted_sum", weights, device, "weights", allow_cpu=True)
+    k_count = max(int(weights.numel()), 1)
+    n = len(updates) // k_count
+    for t in range(n):  # in the native op's order: tensor by tensor, clients in order
+        for k in range(k_count):
+            check_device("weighted_sum", updates[k * n + t], device, f"client {k}, tensor {t}")
+    check_list_device("weighted_sum", base, device, "base")
+    check_list_device("weighted_sum", out, device, "out")
 
 
 @torch.library.register_fake("fedkernels::weighted_sum")

@@ -1,0 +1,96 @@
+// What every fedkernels op shares, on the host and in the kernels of both backends: the
+// accumulate type of each supported dtype, the checks of dtypes and devices every op's
+// validation runs (each raising an error that names the op and the argument), and the one
+// dispatch from a runtime dtype to the kernel templates.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <string>
+#include <type_traits>
+
+#include "host_device.h"
+
+namespace fedkernels {
+
+// "<what> <verb>", the verb in the plural form for a plural argument name ("scores are", "x is"):
+// the subject of the messages below.
+template <typename... What>
+inline std::string subject(const char* singular, const char* plural, const What&... what) {
+  const std::string name = c10::str(what...);
+  return name + " " + (!name.empty() && name.back() == 's' ? plural : singular);
+}
+
+// ---------------------------------------------------------------- dtypes
+
+// Arithmetic type of a storage type: fp32 for fp16/bf16/fp32, fp64 for fp64.
+template <typename T>
+using acc_type = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+inline at::ScalarType accumulate_dtype(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The parameter dtypes every op takes.
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+// TypeError "fedkernels.<op>: <what> has dtype <t>; supported: ..." unless t is supported.
+template <typename... What>
+inline void check_supported_float(const char* op, at::ScalarType t, const What&... what) {
+  TORCH_CHECK_TYPE(
+      is_supported_float(t), "fedkernels.", op, ": ", subject("has", "have", what...), " dtype ",
+      t, "; supported: float32, float64, float16, bfloat16");
+}
+
+template <typename T>
+struct DtypeTag {
+  using type = T;
+};
+
+// Calls f(DtypeTag<T>{}) with the C++ type T of a supported dtype; raises for any other.
+template <typename F>
+decltype(auto) dispatch_float(at::ScalarType t, const char* op, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(DtypeTag<float>{});
+    case at::kDouble: return f(DtypeTag<double>{});
+    case at::kHalf: return f(DtypeTag<at::Half>{});
+    case at::kBFloat16: return f(DtypeTag<at::BFloat16>{});
+    default:
+      TORCH_CHECK_TYPE(
+          false, "fedkernels.", op, ": unsupported dtype ", t,
+          "; supported: float32, float64, float16, bfloat16");
+  }
+}
+
+// ---------------------------------------------------------------- devices
+
+// ValueError "fedkernels.<op>: <what> is on <device>, expected <expected>" unless the tensor
+// is on `expected` (or, with allow_cpu, on the CPU: the small host-side arguments, such as
+// weights and mixing coefficients, that an op reads or uploads itself). Every tensor argument
+// of every op passes through this check, so a tensor on another device (`meta` among CPU
+// tensors, say) is an error that names it, never a result computed from the wrong memory.
+template <typename... What>
+inline void check_device(
+    const char* op, const at::Tensor& t, at::Device expected, bool allow_cpu,
+    const What&... what) {
+  TORCH_CHECK_VALUE(
+      t.device() == expected || (allow_cpu && t.device().is_cpu()), "fedkernels.", op, ": ",
+      subject("is", "are", what...), " on ", t.device(), ", expected ", expected,
+      allow_cpu && !expected.is_cpu() ? " (or cpu)" : "");
+}
+
+// The same for every tensor of a list ("<name> tensor <i> is on ...").
+inline void check_list_device(
+    const char* op, at::TensorList list, at::Device expected, const char* name) {
+  for (size_t i = 0; i < list.size(); ++i) {
+    check_device(op, list[i], expected, /*allow_cpu=*/false, name, " tensor ", i);
+  }
+}
+
+}  // namespace fedkernels

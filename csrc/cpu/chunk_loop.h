@@ -1,0 +1,51 @@
+// The parallel loop of the CPU multi-tensor kernels: every chunk of every tensor of a list
+// (layout in csrc/multi_tensor.h) is one work item of at::parallel_for, or the whole list runs
+// on the calling thread when it is small (waking a thread team costs more than such a pass,
+// and milliseconds on a busy machine). A chunk's result never depends on which thread ran it,
+// so the output is the same for any number of threads.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../multi_tensor.h"
+
+namespace fedkernels {
+
+// Elements [begin, end) of tensor `tensor` of the list.
+struct ChunkRange {
+  int64_t tensor, begin, end;
+};
+
+// Calls fn(chunk index, range) for every chunk of tensors of numels[i] elements, chunk
+// elements a chunk, on one thread when `serial`.
+template <typename Fn>
+void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, bool serial, Fn fn) {
+  const int64_t n = static_cast<int64_t>(numels.size());
+  std::vector<int64_t> prefix(n + 1);
+  const int64_t total = fill_chunk_prefix(numels.data(), n, chunk, prefix.data());
+  auto body = [&](int64_t c0, int64_t c1) {
+    int64_t i = tensor_of_chunk(prefix.data(), n, c0);
+    for (int64_t c = c0; c < c1; ++c) {
+      while (c >= prefix[i + 1]) ++i;
+      const int64_t begin = (c - prefix[i]) * chunk;
+      fn(c, ChunkRange{i, begin, std::min(numels[i], begin + chunk)});
+    }
+  };
+  if (serial) {
+    body(0, total);
+  } else {
+    at::parallel_for(0, total, 1, body);
+  }
+}
+
+inline int64_t total_numel(const std::vector<int64_t>& numels) {
+  int64_t total = 0;
+  for (const auto n : numels) total += n;
+  return total;
+}
+
+}  // namespace fedkernels

@@ -1,0 +1,9 @@
+// FEDKERNELS_HD marks the functions the CPU and CUDA kernels share: __host__ __device__ under
+// nvcc, plain inline functions in the CPU libraries.
+#pragma once
+
+#if defined(__CUDACC__)
+#define FEDKERNELS_HD __host__ __device__ __forceinline__
+#else
+#define FEDKERNELS_HD inline
+#endif
