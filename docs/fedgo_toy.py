@@ -11,9 +11,15 @@ the distillation set (U, or the clients' 1200 points unlabeled: the paper's text
 
 Metrics: ``acc`` = server model accuracy on 4000 fresh samples of the mixture against the
 component that generated them; ``oracle`` = agreement with the axes rule on a uniform grid of
-[-12, 12]^2; ``ens`` = the same accuracy for the ensemble's pseudo-label (argmax) itself.
+[-12, 12]^2; ``ens`` = the same accuracy for the ensemble's pseudo-label (argmax) itself;
+``weight_tv`` = the mean over those 4000 samples of the total-variation distance
+1/2 sum_k |w_k(x) - w*_k(x)| between a method's client weights and the oracle's
+w*_k(x) = n_k p_k(x) / sum_j n_j p_j(x) (Theorem 3.4; the clients' densities are known here).
 
-    python docs/fedgo_toy.py [--seeds 5] [--out docs/fedgo_toy.json]
+    python docs/fedgo_toy.py [--seeds 5] [--out docs/fedgo_toy.json] [--plot docs/fedgo_toy_weights.png]
+
+The plot shows each method's weights against the oracle's at the 4000 samples (seed 0), for the
+paper's training budget and for models trained to convergence.
 """
 
 from __future__ import annotations
@@ -27,12 +33,33 @@ import torch
 import torch.nn.functional as F
 
 import fedkernels
-from fedkernels.algorithms.distillation import distill, mlp, teacher_logits, train_discriminator
+from fedkernels.algorithms.distillation import distill, teacher_logits, train_discriminator
+from fedkernels.algorithms.generators import mlp
 
 MEANS = torch.tensor([[4.0, 4.0], [-4.0, -4.0], [-4.0, 4.0], [4.0, -4.0]])
 COMPONENT_LABEL = torch.tensor([0, 0, 1, 2])  # red, red, blue, green
 CLIENT_COMPONENT = [1, 3, 2, 0]  # client 1 -> Q3, 2 -> Q4, 3 -> Q2, 4 -> Q1
-METHODS = ["param_avg", "uniform", "variance", "entropy", "domain", "fedgo"]
+METHODS = ["param_avg", "uniform", "variance", "entropy", "domain", "fedgo", "fedgo_exact"]
+WEIGHTED = METHODS[1:]
+
+
+def weighting_of(method):
+    """(weighting, uses discriminators, odds) of a method name."""
+    if method == "fedgo_exact":
+        return "fedgo", True, "exact"
+    return method, method in ("fedgo", "domain"), "double_sigmoid"
+
+
+def oracle_weights(x, sizes):
+    """w*_k(x) = n_k p_k(x) / sum_j n_j p_j(x): client k holds 270/300 of its own component's
+    points and 10/300 of each other's, every component N(mean, 3 I)."""
+    logp = torch.distributions.MultivariateNormal(
+        MEANS, covariance_matrix=3.0 * torch.eye(2)).log_prob(x[:, None, :])  # [N, 4]
+    share = torch.full((4, 4), 10 / 300)
+    for k, c in enumerate(CLIENT_COMPONENT):
+        share[k, c] = 270 / 300
+    logpk = torch.logsumexp(logp[None, :, :] + share.log()[:, None, :], dim=-1)  # [K, N]
+    return torch.softmax(logpk.double() + sizes.log()[:, None], dim=0)
 
 
 def sample_mixture(n_per, g):
@@ -96,32 +123,62 @@ def run(seed, client_epochs, disc_epochs, server_epochs, distill_on):
         z_dx = torch.stack([d(dx).squeeze(-1) for d in discs])
         z_test = torch.stack([d(test_x).squeeze(-1) for d in discs])
     results = {}
+    w_star = oracle_weights(test_x, sizes)
+    weights = {"oracle": w_star}
     for method in METHODS:
         student = copy.deepcopy(init)
         student.load_state_dict(avg)
-        ens = float("nan")
+        ens = tv = float("nan")
         if method != "param_avg":
-            weighting = method
-            scores = z_dx if method in ("fedgo", "domain") else None
-            kw = dict(weighting=weighting, sample_sizes=sizes if method == "fedgo" else None)
-            y_dx = fedkernels.ensemble_pseudo_labels(teacher_logits(init, states, dx), scores, **kw)
+            weighting, uses_disc, odds = weighting_of(method)
+            kw = dict(weighting=weighting, odds=odds,
+                      sample_sizes=sizes if weighting == "fedgo" else None)
+            y_dx = fedkernels.ensemble_pseudo_labels(
+                teacher_logits(init, states, dx), z_dx if uses_disc else None, **kw)
             distill(student, dx, y_dx, epochs=server_epochs, batch_size=64, lr=1e-3,
                     seed=seed * 100 + 99)
-            y_test = fedkernels.ensemble_pseudo_labels(
-                teacher_logits(init, states, test_x),
-                z_test if method in ("fedgo", "domain") else None, **kw)
+            y_test, w_test = fedkernels.ensemble_pseudo_labels(
+                teacher_logits(init, states, test_x), z_test if uses_disc else None,
+                return_weights=True, **kw)
             ens = float((y_test.argmax(1) == test_y).double().mean())
+            tv = float(0.5 * (w_test.double() - w_star).abs().sum(0).mean())
+            weights[method] = w_test
         with torch.no_grad():
             acc = float((student(test_x).argmax(1) == test_y).double().mean())
             agree = float((student(grid).argmax(1) == oracle(grid)).double().mean())
-        results[method] = {"acc": acc, "oracle": agree, "ens": ens}
-    return results
+        results[method] = {"acc": acc, "oracle": agree, "ens": ens, "weight_tv": tv}
+    return results, weights
+
+
+def plot_weights(weights_by_setting, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(weights_by_setting)
+    fig, axes = plt.subplots(len(names), len(WEIGHTED), figsize=(2.3 * len(WEIGHTED), 2.5 * len(names)),
+                             squeeze=False, sharex=True, sharey=True)
+    for row, name in enumerate(names):
+        w = weights_by_setting[name]
+        for col, method in enumerate(WEIGHTED):
+            ax = axes[row][col]
+            ax.scatter(w["oracle"].flatten(), w[method].flatten(), s=1, alpha=0.15)
+            ax.plot([0, 1], [0, 1], color="gray", lw=0.8)
+            tv = float(0.5 * (w[method].double() - w["oracle"]).abs().sum(0).mean())
+            ax.set_title(f"{method}\nTV {tv:.2f}", fontsize=8)
+            if row == len(names) - 1:
+                ax.set_xlabel("oracle weight w*_k(x)", fontsize=8)
+        axes[row][0].set_ylabel(f"{name}\nmethod weight w_k(x)", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--out", default="docs/fedgo_toy.json")
+    parser.add_argument("--plot", default="docs/fedgo_toy_weights.png")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = {
@@ -131,14 +188,20 @@ def main():
         "converged": dict(client_epochs=100, disc_epochs=100, server_epochs=50),
     }
     out = {}
+    seed0_weights = {}
     for name, s in settings.items():
         for distill_on in ("server", "clients"):
             key = f"{name}/distill_on_{distill_on}"
             start = time.time()
-            runs = [run(seed, distill_on=distill_on, **s) for seed in range(args.seeds)]
+            runs = []
+            for seed in range(args.seeds):
+                result, weights = run(seed, distill_on=distill_on, **s)
+                runs.append(result)
+                if seed == 0 and distill_on == "server":
+                    seed0_weights[name] = weights
             summary = {}
             for m in METHODS:
-                for metric in ("acc", "oracle", "ens"):
+                for metric in ("acc", "oracle", "ens", "weight_tv"):
                     vals = torch.tensor([r[m][metric] for r in runs], dtype=torch.float64)
                     summary.setdefault(m, {})[metric] = [float(vals.mean()), float(vals.std())]
             out[key] = {"settings": s, "seeds": args.seeds, "summary": summary, "runs": runs,
@@ -148,9 +211,11 @@ def main():
                 r = summary[m]
                 print(f"  {m:10s} acc {100*r['acc'][0]:5.1f}±{100*r['acc'][1]:4.1f}  "
                       f"oracle {100*r['oracle'][0]:5.1f}±{100*r['oracle'][1]:4.1f}  "
-                      f"ens {100*r['ens'][0]:5.1f}±{100*r['ens'][1]:4.1f}")
+                      f"ens {100*r['ens'][0]:5.1f}±{100*r['ens'][1]:4.1f}  "
+                      f"tv {r['weight_tv'][0]:.3f}±{r['weight_tv'][1]:.3f}")
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
+    plot_weights(seed0_weights, args.plot)
 
 
 if __name__ == "__main__":
