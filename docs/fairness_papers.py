@@ -324,7 +324,8 @@ def tune(name: str, spec: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         t["client"]["lr"] = lr
         start = time.perf_counter()
         value = validation_score(t, dataset, algo, params, criterion, seed)
-        log.append({"method": label, "lr": lr, "params": params, "score": value})
+        log.append({"method": label, "lr": lr, "params": params,
+                    "score": value if np.isfinite(value) else None})
         print(f"  {label:>22s} lr={lr} {params}: {value:.4f} ({time.perf_counter() - start:.0f}s)",
               file=sys.stderr, flush=True)
         return value
