@@ -22,6 +22,12 @@ Constants: ``constants="paper"`` (default) takes the thesis' values (β_last = 0
 ``constants="code"`` the official scripts' (β_last = 1, δ = 1e-4). The gradient clip τ = 3 and the
 [0, 1] clamp exist only in the code; they are on by default (``grad_clip``, ``clamp``) because
 the sampler diverges without them; set ``clamp=false`` for unbounded data.
+
+Each round also logs diagnostics of the synthetic set (:func:`synthetic_set_diagnostics`: the
+energy gap between the clients' real data and the synthetic set, the server step against the
+noise, movement, saturation and within-class spread). ``fedcvae`` (:class:`FedCVAE`) is the
+thesis' federated generative baseline with the same synthetic-set classifier: a conditional VAE
+trained by the clients and averaged by the server, whose decoder draws the synthetic set.
 """
 
 from __future__ import annotations
