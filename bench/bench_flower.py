@@ -203,6 +203,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="K = 10 only, 3 repeats")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cases", default="resnet18:10,lora:10,resnet18:100,lora:100",
+                        help="model:K pairs; rows of other cases already in the results "
+                             "file are kept")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--child-memory", nargs=4, metavar=("MODEL", "K", "STRATEGY", "IMPL"),
@@ -220,9 +223,15 @@ def main() -> None:
         if s not in STRATEGIES:
             parser.error(f"--strategies: unknown strategy {s!r}; choose from {STRATEGIES}")
     repeats = 3 if args.quick else args.repeats
-    cases = [("resnet18", 10), ("lora", 10)]
-    if not args.quick:
-        cases += [("resnet18", 100), ("lora", 100)]
+    try:
+        cases = [(m, int(k)) for m, k in (c.split(":") for c in args.cases.split(",") if c)]
+    except ValueError:
+        parser.error(f"--cases: expected model:K pairs, got {args.cases!r}")
+    for model, k in cases:
+        if model not in MODELS or k < 1:
+            parser.error(f"--cases: unknown model {model!r} or K {k} (models: {list(MODELS)})")
+    if args.quick:
+        cases = [(m, k) for m, k in cases if k <= 10]
     device = torch.device("cpu")
     probe = bandwidth_probes(device)
     rows = []
@@ -250,6 +259,19 @@ def main() -> None:
                     timespec="seconds")})
     os.makedirs(RESULTS_DIR, exist_ok=True)
     path = os.path.join(RESULTS_DIR, f"flower-{device_name(device)}.json")
+    # Rows of other (model, K, strategy) cases measured by an earlier run are kept, each
+    # with the environment of its own run.
+    for row in rows:
+        row["environment"] = env
+    kept = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        done = {(r["model"], r["K"], r["strategy"]) for r in rows}
+        kept = [r for r in old.get("rows", []) if (r["model"], r["K"], r["strategy"]) not in done]
+    order = {m: i for i, m in enumerate(MODELS)}
+    rows = sorted(kept + rows, key=lambda r: (r["K"], order[r["model"]],
+                                              STRATEGIES.index(r["strategy"])))
     with open(path, "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)
         f.write("\n")

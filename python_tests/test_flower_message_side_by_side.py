@@ -2,9 +2,10 @@
 
 For each drop-in class (FedAvg, FedProx, FedAvgM, FedAdam, FedYogi, FedAdagrad, QFedAvg) and
 each kind of reply (float32, float64, a float64 global model with float32 replies and the
-reverse, replies of mixed dtypes, 0-d arrays, int64 counters, NaN, zero examples, a missing
-MetricRecord or weight key or loss, error replies, no replies, arrays in another order, and
-``Mock(spec=Message)`` replies without a numeric node id), Flower's class and ours go through
+reverse, replies of mixed dtypes, 0-d arrays, int64 counters, NaN, zero examples, a reply with
+zero examples and NaN/Inf in its arrays, a missing MetricRecord or weight key or loss, error
+replies, no replies, arrays in another order, and ``Mock(spec=Message)`` replies without a
+numeric node id), Flower's class and ours go through
 three rounds on identical replies, with hyperparameters changed between rounds. Checked every
 round: the messages configure_train builds, the returned ArrayRecord (keys, dtypes, shapes,
 values to fp32 rounding), the MetricRecord, the exception type, and the public state Flower
@@ -156,6 +157,16 @@ class ZeroExamples(Scenario):
         return out
 
 
+class ZeroExamplesWithNaN(Scenario):
+    """A reply with zero examples that carries NaN and Inf: 0 * NaN is NaN in Flower's sum."""
+
+    def replies(self, r, rng, global_state):
+        out = super().replies(r, rng, global_state)
+        out[0][2]["num-examples"] = 0.0
+        out[0][1]["fc.weight"][0, :2] = [np.nan, np.inf]
+        return out
+
+
 class MissingMetricRecord(Scenario):
     def replies(self, r, rng, global_state):
         out = super().replies(r, rng, global_state)
@@ -208,7 +219,8 @@ class MockMessages(Scenario):
 
 SCENARIOS = {cls.__name__: cls for cls in (
     Float32, Float64, Global64Replies32, Global32Replies64, MixedReplies, ZeroDim,
-    Int64Counter, NaNInReply, ZeroExamples, MissingMetricRecord, MissingWeightKey,
+    Int64Counter, NaNInReply, ZeroExamples, ZeroExamplesWithNaN, MissingMetricRecord,
+    MissingWeightKey,
     MissingLoss, ErrorReplies, NoReplies, ReorderedArrays, MockMessages)}
 
 

@@ -22,9 +22,11 @@ and nothing else::
         result = strategy.start(grid=grid, initial_arrays=ArrayRecord(model.state_dict()),
                                 num_rounds=10)
 
-One opt-in difference: integer/bool arrays (BatchNorm's ``num_batches_tracked``) are averaged
-into float64 as Flower does (``int_policy="mean"``, the default); ``int_policy="max"`` keeps
-them integers (the clients' maximum). Flower's ``FedTrimmedAvg`` and ``FedMedian`` are not
+Values equal Flower's to rounding, not bitwise (a fixed summation order with fused
+multiply-adds). Differences one keyword away: integer/bool arrays (BatchNorm's
+``num_batches_tracked``) are averaged into float64 as Flower does (``int_policy="mean"``, the
+default), ``int_policy="max"`` keeps them integers (the clients' maximum); ``check_finite=True``
+rejects replies that carry NaN/Inf. Flower's ``FedTrimmedAvg`` and ``FedMedian`` are not
 wrapped: a trimmed mean or a median is a selection over the K replies, not a weighted sum
 (it needs a selection kernel, planned as a new op).
 
@@ -53,9 +55,11 @@ FedAU and AAggFF identify clients by their Flower node id (an integer).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import math
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from logging import INFO
 from typing import Any
@@ -163,21 +167,31 @@ def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
     if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
         return None
     start = 10 if data[6] == 1 else 12
-    length = int.from_bytes(data[8:start], "little")
-    header = data[start:start + length]
+    end = start + int.from_bytes(data[8:start], "little")
     try:
-        dtype = np.dtype(array.dtype)
-        shape = tuple(int(s) for s in array.shape)
+        expected = _expected_header(array.dtype, array.shape)
     except (TypeError, ValueError):
         return None
-    if dtype.hasobject or b"'fortran_order': False" not in header \
-            or f"'descr': {dtype.str!r}".encode() not in header \
-            or f"'shape': {shape!r}".encode() not in header:
+    if expected is None:
         return None
-    count = math.prod(shape)
-    if start + length + count * dtype.itemsize > len(data):
+    dtype, shape, count, (order, descr, dims) = expected
+    if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
+            or data.find(dims, start, end) < 0 or end + count * dtype.itemsize > len(data):
         return None
-    return np.frombuffer(data, dtype=dtype, count=count, offset=start + length).reshape(shape)
+    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected_header(dtype_name: str, shape: tuple[int, ...]):
+    """What the ``.npy`` header of a C-ordered array of this dtype and shape says (cached:
+    a model has few distinct layer shapes, its replies many arrays)."""
+    dtype = np.dtype(dtype_name)
+    shape = tuple(int(s) for s in shape)
+    if dtype.hasobject:
+        return None
+    markers = (b"'fortran_order': False", f"'descr': {dtype.str!r}".encode(),
+               f"'shape': {shape!r}".encode())
+    return dtype, shape, math.prod(shape), markers
 
 
 def ndarray_to_array(a: np.ndarray) -> Array:
@@ -332,7 +346,7 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
             out[n] = _flower_mean_entry(arrays, factors)
     if fused:
         clients = [
-            {n: _to_tensor(views[n][k], dtype) for n, dtype in fused.items()}
+            dict(zip(fused, _as_tensors([views[n][k] for n in fused], fused.values())))
             for k in range(len(records))
         ]
         weights = torch.tensor([float(w) for w in factors], dtype=torch.float64)
@@ -356,9 +370,24 @@ def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str
 
 
 def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
-    if a.dtype != dtype:
-        a = a.astype(dtype)
-    return ndarrays_to_tensors([a])[0]
+    return _as_tensors([a], [dtype])[0]
+
+
+def _as_tensors(arrays: Sequence[np.ndarray], dtypes: Iterable[np.dtype]) -> list[Tensor]:
+    """The arrays as tensors in ``dtypes`` (converted where they differ), sharing memory with
+    them otherwise. Views of a message's bytes are read-only; the fused op only reads them,
+    so torch's warning about that is silenced, once for all the arrays."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        for a, dtype in zip(arrays, dtypes):
+            if a.dtype != dtype:
+                a = a.astype(dtype)
+            if a.dtype.isnative and all(s >= 0 for s in a.strides):
+                out.append(torch.from_numpy(a))
+            else:
+                out.append(ndarrays_to_tensors([a])[0])
+    return out
 
 
 def _to_arrayrecord(arrays: dict[str, np.ndarray], *, consume: bool = False) -> ArrayRecord:
