@@ -22,12 +22,11 @@ import time
 from pathlib import Path
 
 import torch
+from fedevg_digits import COMMON, experiment_config  # docs/, the script's own folder
 
 from fedkernels.algorithms import build_strategy
 from fedkernels.algorithms.fedevg import train_on_synthetic
 from fedkernels.sim import Simulation
-
-from fedevg_digits import COMMON, experiment_config  # noqa: E402  (docs/ is the script's folder)
 
 HERE = Path(__file__).parent
 SETTING = "K10-a1"

@@ -126,7 +126,7 @@ def main() -> None:
     fedavg = out["methods"]["fedavg"]["runs"]
     target = 0.05 * math.floor(min(max(r["curve"]) for r in fedavg) / 0.05 + 1e-9)
     out["target_accuracy"] = target
-    for name, entry in out["methods"].items():
+    for entry in out["methods"].values():
         reached = [rounds_to(r["curve"], target) for r in entry["runs"]]
         hit = [r for r in reached if r is not None]
         entry["rounds_to_target"] = {"per_seed": reached, "reached": len(hit),

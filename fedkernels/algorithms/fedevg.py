@@ -7,12 +7,14 @@ labels :math:`\hat y`, initialised from N(0, I)). Each round:
 1. every participant re-initialises an energy model / classifier f (a SiLU MLP with spectral
    norm on its last layer; :math:`E(x, y) = -f(x)[y]`), trains it on its real data plus persistent
    SGLD chains started from the downloaded :math:`\hat x` (loss
-   :math:`L = \overline{E(x, y)} - \overline{E(\hat x', \hat y)} + CE(f(x), y) + \lambda CE(f(\hat x), \hat y)`,
+   :math:`L = \overline{E(x, y)} - \overline{E(\hat x', \hat y)} + CE(f(x), y)
+   + \lambda CE(f(\hat x), \hat y)`,
    one SGLD step per minibatch with :func:`fedkernels.sgld_step`), and uploads, on the downloaded
    :math:`\hat x`, the clipped energy gradients :math:`g_{kj}` and energies :math:`E_{kj}`;
 2. the server composes them with :func:`fedkernels.sgld_compose_step` (the thesis' eq. 4.14):
    :math:`\pi_{kj} = \mathrm{softmax}_k(\log w_k + \mathrm{sgn}(-E_{kj}))`, :math:`w_k \propto n_k`,
-   :math:`\hat x_j \leftarrow \mathrm{clamp}(\hat x_j - \beta^{(t)} \sum_k \pi_{kj} g_{kj} + \delta\varepsilon)`,
+   :math:`\hat x_j \leftarrow
+   \mathrm{clamp}(\hat x_j - \beta^{(t)} \sum_k \pi_{kj} g_{kj} + \delta\varepsilon)`,
    with the cosine schedule :math:`\beta^{(t)}` from ``server_beta`` to ``server_beta_last``;
 3. a fresh copy of the run's model is trained on :math:`(\hat x, \hat y)` only and becomes the
    global model, so the simulation's test accuracy is the paper's metric (that classifier on
@@ -120,7 +122,8 @@ class FedEvgConfig:
 def cosine_beta_schedule(beta_first: float, beta_last: float, rounds: int, s: float = 0.008) -> Tensor:
     r"""The cosine schedule of improved DDPM, mapped onto [beta_last, beta_first]:
     :math:`\bar\alpha_t = \cos^2(((t/T)+s)/(1+s)\,\pi/2)/\cos^2(s/(1+s)\,\pi/2)`,
-    :math:`b_t = 1 - \bar\alpha_{t+1}/\bar\alpha_t`, :math:`\beta^{(t)} = b_t(\beta_{last} - \beta_0) + \beta_0`."""
+    :math:`b_t = 1 - \bar\alpha_{t+1}/\bar\alpha_t`,
+    :math:`\beta^{(t)} = b_t(\beta_{last} - \beta_0) + \beta_0`."""
     t = torch.arange(rounds + 1, dtype=torch.float64)
     f = torch.cos(((t / rounds) + s) / (1 + s) * math.pi / 2) ** 2
     abar = f / f[0]
@@ -177,7 +180,8 @@ def write_png_grid(path: str | Path, images: Tensor, rows: int) -> None:
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", pix.shape[1], pix.shape[0], 8, 0, 0, 0, 0))
+    header = struct.pack(">IIBBBBB", pix.shape[1], pix.shape[0], 8, 0, 0, 0, 0)
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
     png += chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(png)

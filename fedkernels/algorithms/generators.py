@@ -11,8 +11,9 @@ the FedCVAE baseline of FedEvg (``fedevg.py``). Equations and sources:
 - :class:`ConvGenerator`: a DCGAN-style generator (linear layer to a small feature map, then
   k4 s2 p1 transposed convolutions with BatchNorm and ReLU).
 - :func:`gradient_penalty` and :func:`train_wgan_gp`: WGAN-GP (Gulrajani et al. 2017),
-  :math:`\min_G\max_D\ \mathbb E[D(x)] - \mathbb E[D(G(z))] - \lambda\,\mathbb E[(\lVert\nabla_{\hat x} D(\hat x)\rVert_2 - 1)^2]`
-  with :math:`\hat x = \epsilon x + (1-\epsilon) G(z)`, :math:`\epsilon \sim U(0, 1)` per sample;
+  :math:`\min_G\max_D\ \mathbb E[D(x)] - \mathbb E[D(G(z))]
+  - \lambda\,\mathbb E[(\lVert\nabla_{\hat x} D(\hat x)\rVert_2 - 1)^2]` with
+  :math:`\hat x = \epsilon x + (1-\epsilon) G(z)`, :math:`\epsilon \sim U(0, 1)` per sample;
   ``n_critic`` critic steps per generator step, Adam(2e-4, betas (0, 0.9)).
 - :class:`ConditionalVAE`: an MLP conditional VAE (encoder :math:`q(z \mid x, y)`, decoder
   :math:`p(x \mid z, y)`) with the loss :math:`\lVert x - \hat x\rVert^2 + \mathrm{KL}(q \,\|\, N(0, I))`.
