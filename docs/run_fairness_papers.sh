@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every table of docs/participation.md and docs/fairness.md that compares with the papers, in
-# one command (about 45 minutes on 2 CPU cores with seeds 0,1,2; each table alone takes a few
-# minutes: python docs/fairness_papers.py NAME). Extra arguments go to docs/fairness_papers.py:
+# one command (seeds 0,1,2; each table alone, python docs/fairness_papers.py NAME, took 3.5-7
+# minutes on a 2-core machine shared with other jobs, about an hour for all). Extra arguments
+# go to docs/fairness_papers.py:
 #
 #   docs/run_fairness_papers.sh                      # 3 seeds, the tuned values in docs/experiments/
 #   docs/run_fairness_papers.sh --seeds 0,1,2,3,4    # the 5-seed version

@@ -232,3 +232,21 @@ def test_run_auroc_per_client_when_defined():
     assert result.summary["client_auroc_clients"] == 4
     assert result.summary["client_auroc_mean"] == pytest.approx(np.mean(values))
     assert result.summary["client_auroc_min"] == min(values)
+
+
+def test_per_client_macro_matches_scikit_learn_class_by_class():
+    sklearn_metrics = pytest.importorskip("sklearn.metrics")
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(90, 5, generator=gen)
+    owner = torch.arange(90) // 30
+    # client 0 sees all five classes, client 1 classes {1, 3}, client 2 classes {0, 2, 4}
+    y = torch.cat([torch.arange(30) % 5, 1 + 2 * (torch.arange(30) % 2),
+                   2 * (torch.arange(30) % 3)])
+    per_client, _ = client_auroc(logits, y, owner, 3)
+    log_p = torch.log_softmax(logits.double(), 1).numpy()
+    for k in range(3):
+        rows = (owner == k).numpy()
+        labels = y.numpy()[rows]
+        expected = np.mean([sklearn_metrics.roc_auc_score(labels == c, log_p[rows, c])
+                            for c in np.unique(labels)])
+        assert per_client[k].item() == pytest.approx(expected)
