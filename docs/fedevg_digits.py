@@ -84,8 +84,11 @@ def references(sim: Simulation, strategy, spc: int, seed: int) -> dict[str, floa
     return out
 
 
-def run(method: str, setting: str, seed: int, rounds: int, eval_every: int) -> dict:
+def run(method: str, setting: str, seed: int, rounds: int, eval_every: int,
+        images: bool = False) -> dict:
     params = {**COMMON, "classify_every": eval_every}
+    if images and seed == 0:
+        params["image_path"] = str(HERE / f"fedevg_digits_{setting}_{method}.png")
     strategy = build_strategy(method, params)
     sim = Simulation(experiment_config(setting, seed, rounds, eval_every), strategy)
     start = time.time()
@@ -142,6 +145,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="all four columns of the thesis")
     parser.add_argument("--settings", default="", help="comma-separated, e.g. K10-a1,K100-a1")
     parser.add_argument("--methods", default="fedevg,fedcvae")
+    parser.add_argument("--images", action="store_true",
+                        help="write seed 0's final synthetic sets as PNG grids into docs/")
     parser.add_argument("--out", default=str(HERE / "fedevg_digits.json"))
     parser.add_argument("--plot", default=str(HERE / "fedevg_digits_curves.png"))
     args = parser.parse_args()
@@ -158,7 +163,8 @@ def main() -> None:
         res = out["results"].setdefault(setting, {})
         refs = []
         for method in methods:
-            runs = [run(method, setting, s, args.rounds, args.eval_every) for s in range(args.seeds)]
+            runs = [run(method, setting, s, args.rounds, args.eval_every, args.images)
+                    for s in range(args.seeds)]
             res[method] = {"final": mean_std([r["final"] for r in runs]), "runs": runs}
             refs += [r["references"] for r in runs if "references" in r]
             print(f"{setting:11s} {method:8s} final {100 * res[method]['final'][0]:5.1f} "
