@@ -8,12 +8,17 @@
 * `fedkernels._cuda`: the CUDA kernels, when FEDKERNELS_CUDA=1, or when FEDKERNELS_CUDA=auto
   (the default) and torch is a CUDA build and nvcc is found. TORCH_CUDA_ARCH_LIST is honoured.
 
-DEBUG=1 builds without optimisation and with debug symbols.
+DEBUG=1 builds without optimisation and with debug symbols. FEDKERNELS_CPU_ISAS=avx2,default
+builds only the listed CPU variants (a faster developer build); a variant whose flags the
+compiler refuses is skipped with a note. Libraries build side by side (one thread each) when
+the machine has the cores for it: FEDKERNELS_BUILD_PARALLEL=N overrides the count.
 """
 
 import glob
 import os
+import subprocess
 import sys
+import threading
 
 from setuptools import setup
 from torch.utils import cpp_extension
@@ -31,6 +36,38 @@ CPU_CAPABILITIES = {
         "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
     ],
 }
+
+
+def compiler_accepts(flags):
+    """Whether the C++ compiler builds a trivial file with these flags (an old compiler may
+    not know the AVX-512 ones)."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        result = subprocess.run(
+            [compiler, "-x", "c++", "-c", "-", "-o", os.devnull, *flags],
+            input="int main() { return 0; }\n", capture_output=True, text=True, timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return result.returncode == 0
+
+
+def cpu_capabilities():
+    wanted = os.environ.get("FEDKERNELS_CPU_ISAS", ",".join(CPU_CAPABILITIES))
+    names = [n.strip().lower() for n in wanted.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CPU_CAPABILITIES]
+    if unknown or "default" not in names:
+        sys.exit(f"FEDKERNELS_CPU_ISAS must list 'default' and any of {list(CPU_CAPABILITIES)}, "
+                 f"got {wanted!r}")
+    chosen = {}
+    for name in names:
+        flags = [f for f in CPU_CAPABILITIES[name] if not f.startswith("-D")]
+        if name != "default" and not compiler_accepts(flags):
+            print(f"fedkernels: the compiler refuses {' '.join(flags)}; skipping the {name} "
+                  "CPU build", file=sys.stderr)
+            continue
+        chosen[name] = CPU_CAPABILITIES[name]
+    return chosen
 
 
 def rel(pattern):
@@ -75,7 +112,7 @@ def extensions():
             "fedkernels._C", rel("csrc/*.cpp"), extra_compile_args={"cxx": cxx_flags()}
         )
     ]
-    for name, flags in CPU_CAPABILITIES.items():
+    for name, flags in cpu_capabilities().items():
         exts.append(
             cpp_extension.CppExtension(
                 f"fedkernels._cpu_{name}",
@@ -100,17 +137,43 @@ def extensions():
     return exts
 
 
+def parallel_libraries(count):
+    forced = os.environ.get("FEDKERNELS_BUILD_PARALLEL")
+    if forced:
+        return max(1, int(forced))
+    # ninja already uses every core inside one library; building several at once only pays
+    # where there are more cores than one library has sources.
+    return max(1, min(count, (os.cpu_count() or 1) // 4))
+
+
 class BuildPerExtension(cpp_extension.BuildExtension):
     """One temporary folder per library: the CPU kernels compile from the same sources with
-    different flags, and must not share object files."""
+    different flags, and must not share object files. The folder is kept per thread, so the
+    libraries can build side by side."""
+
+    _local = threading.local()
+
+    @property
+    def build_temp(self):
+        return getattr(self._local, "build_temp", None) or self.__dict__.get("_build_temp")
+
+    @build_temp.setter
+    def build_temp(self, value):
+        self.__dict__["_build_temp"] = value
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = parallel_libraries(len(self.extensions or ()))
+        if self.parallel == 1:
+            self.parallel = None
 
     def build_extension(self, ext):
-        base = self.build_temp
-        self.build_temp = os.path.join(base, ext.name)
+        self._local.build_temp = os.path.join(self.__dict__["_build_temp"], ext.name)
         try:
             super().build_extension(ext)
         finally:
-            self.build_temp = base
+            self._local.build_temp = None
 
 
 setup(

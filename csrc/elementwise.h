@@ -206,7 +206,7 @@ struct DistillMath {
     return A(1) / (A(1) + math_exp(-z));
   }
   // H(softmax(x)) = lse - sum_c p_c x_c, from m = max x, s = sum e^(x - m), t = sum e^(x - m) x
-  // (the stable form of §4 K2).
+  // (the stable form; docs/algorithms/distillation.md, "Ops").
   template <typename A>
   FEDKERNELS_HD static A entropy(A m, A s, A t) {
     return m + math_log(s) - t / s;
@@ -259,7 +259,8 @@ struct SgldMath {
     const A v = x - step * a + std * eps;
     return v < lo ? lo : (v > hi ? hi : v);
   }
-  // z = log w + phi(-E): phi = identity (exact, eq. 4.13) or sign (signed, §1.4).
+  // z = log w + phi(-E): phi = identity (exact) or sign (signed)
+  // (docs/algorithms/fedevg.md, "Composition on the server").
   template <typename A>
   FEDKERNELS_HD static A logit(A log_w, A energy, bool signed_mode) {
     if (!signed_mode) return log_w - energy;

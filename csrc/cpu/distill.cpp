@@ -87,7 +87,8 @@ RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
   return st;
 }
 
-// w[k] from the per-client scores (§4 K1): softmax of score + log_prior, or the linear
+// w[k] from the per-client scores (docs/algorithms/distillation.md, "Client weightings"):
+// softmax of score + log_prior, or the linear
 // normalisation of n_k * score (uniform when every mass is 0).
 template <typename A>
 void client_weights(
@@ -155,7 +156,7 @@ struct DistillCpu {
         client_weights<A>(st, log_prior, p.weighting, w.data());
         for (int64_t k = 0; k < K; ++k) out_w[k * N + i] = static_cast<T>(w[k]);
 
-        // Combination in client order (§2.3).
+        // Combination in client order.
         std::fill(acc.begin(), acc.end(), A(0));
         for (int64_t k = 0; k < K; ++k) {
           const A* x = row(k);

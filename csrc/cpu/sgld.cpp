@@ -33,7 +33,7 @@ using at::vec::Vectorized;
 
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
 
-// pi[:, j] = softmax_k(log_w_k + phi(-E_kj)) (§1.4), stable (max subtracted).
+// pi[:, j] = softmax_k(log_w_k + phi(-E_kj)), stable (max subtracted).
 template <typename A>
 void client_weights(const SgldPlan& p) {
   const int64_t K = p.K, M = p.M;
@@ -84,7 +84,16 @@ struct SgldCpu {
           continue;
         }
         A m = -std::numeric_limits<A>::infinity();
-        for (int64_t c = 0; c < C; ++c) m = std::max(m, static_cast<A>(row[c]));
+        bool has_nan = false;
+        for (int64_t c = 0; c < C; ++c) {
+          m = std::max(m, static_cast<A>(row[c]));
+          has_nan |= std::isnan(static_cast<A>(row[c]));
+        }
+        // An infinite max is the log-sum-exp itself (x - m would give inf - inf = NaN).
+        if (std::isinf(m) || has_nan) {
+          out[i] = static_cast<T>(has_nan ? std::numeric_limits<A>::quiet_NaN() : -m);
+          continue;
+        }
         A s = 0;
         for (int64_t c = 0; c < C; ++c) s += std::exp(static_cast<A>(row[c]) - m);
         out[i] = static_cast<T>(-(m + std::log(s)));

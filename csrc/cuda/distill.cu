@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
   for (int64_t i = blockIdx.x; i < N; i += gridDim.x) {
     __syncthreads();  // the previous row is done with the shared buffers
     A* acc = a.acc_in_shared ? s_acc : workspace + i * C;
-    // 1. Per-client statistics and scores (§4 K2), one warp per client.
+    // 1. Per-client statistics and scores (docs/algorithms/distillation.md, "Ops"), one warp per client.
     if (row_stats) {
       for (int64_t k = warp; k < K; k += kWarps) {
         const T* x = logits + (k * N + i) * C;
@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
       }
     }
     __syncthreads();
-    // 2. Weights over the clients (§4 K1), by warp 0.
+    // 2. Weights over the clients, by warp 0.
     if (warp == 0) {
       if (DistillMath::softmax_kind(a.weighting)) {
         A m = -inf;
@@ -153,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
       for (int64_t k = lane; k < K; k += 32) out_w[k * N + i] = static_cast<T>(s_w[k]);
     }
     __syncthreads();
-    // 3. Combination in client order (§2.3) and the final softmax (logit mode).
+    // 3. Combination in client order and the final softmax (logit mode).
     T* y = out_y + i * C;
     A local_max = -inf;
     for (int64_t c = tid; c < C; c += kThreads) {

@@ -44,8 +44,20 @@ __global__ void energy_kernel(const T* logits, const int64_t* labels, T* out, in
       continue;
     }
     A m = -std::numeric_limits<A>::infinity();
-    for (int64_t c = lane; c < C; c += 32) m = max(m, static_cast<A>(row[c]));
+    bool has_nan = false;
+    for (int64_t c = lane; c < C; c += 32) {
+      const A v = static_cast<A>(row[c]);
+      m = max(m, v);
+      has_nan |= v != v;
+    }
     m = warp_reduce(m, MaxOp<A>());
+    has_nan = __any_sync(0xffffffffu, has_nan);
+    // An infinite max is the log-sum-exp itself (x - m would give inf - inf = NaN).
+    const A inf = std::numeric_limits<A>::infinity();
+    if (m == inf || m == -inf || has_nan) {
+      if (lane == 0) out[i] = static_cast<T>(has_nan ? std::numeric_limits<A>::quiet_NaN() : -m);
+      continue;
+    }
     A s = 0;
     for (int64_t c = lane; c < C; c += 32) s += math_exp(static_cast<A>(row[c]) - m);
     s = warp_reduce(s, SumOp<A>());
