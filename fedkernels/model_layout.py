@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-Model = Union[Mapping[str, Tensor], Sequence[Tensor], Tensor]
+Model = Mapping[str, Tensor] | Sequence[Tensor] | Tensor
 
 INT_POLICIES = ("max", "first", "skip", "error")
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
