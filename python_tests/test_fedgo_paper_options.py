@@ -224,15 +224,15 @@ def test_distillation_loss_with_the_diversity_term_by_hand():
     ce = -(logq[0, 0] + logq[1, 1] + logq[2, 2]) / 3
     kl = lambda i: float((d[i] * (d[i].log() - logq[i])).sum())  # noqa: E731
     want = float(ce) + lam * T * T * (kl(0) + kl(2)) / 3
-    assert float(loss) == pytest.approx(want, rel=1e-10)
+    assert float(loss.detach()) == pytest.approx(want, rel=1e-10)
     # Soft consensus: the batch-mean KL to the pseudo-labels instead of the cross-entropy.
     soft = distillation_loss(S, y, temperature=T, diversity=d, has_diversity=has,
                              diversity_lambda=lam)
     kl_y = float((y * (y.log() - logq)).sum()) * T * T / 3
-    assert float(soft) == pytest.approx(kl_y + lam * T * T * (kl(0) + kl(2)) / 3, rel=1e-10)
+    assert float(soft.detach()) == pytest.approx(kl_y + lam * T * T * (kl(0) + kl(2)) / 3, rel=1e-10)
     # Without lambda the term is absent.
     plain = distillation_loss(S, y, temperature=T, hard=True, diversity=d, has_diversity=has)
-    assert float(plain) == pytest.approx(float(ce), rel=1e-12)
+    assert float(plain.detach()) == pytest.approx(float(ce), rel=1e-12)
     # The gradient flows to the student.
     loss.backward()
     assert S.grad is not None and torch.isfinite(S.grad).all()
