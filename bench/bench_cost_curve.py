@@ -23,7 +23,7 @@ common.py for where they go):
                K is.
   distributed  fedkernels.integrations.distributed.all_reduce_aggregate with the K = 8
                clients spread over 2 and 4 gloo processes on this machine, against one
-               process aggregating all 8 (CPU only).
+               process aggregating all 8; P = 1e5 and 1e7 (1e5, 1e6, 1e7 with --full).
 
 Methods of a sweep or lora case, timed in interleaved rounds (see common.py):
 
@@ -80,6 +80,7 @@ from common import (  # noqa: E402
     interleaved_medians,
     peak_extra_memory,
     print_probes,
+    release_freed_memory,
     use_cpu_clock,
     write_results,
 )
@@ -170,7 +171,7 @@ def settings_for(args) -> dict:
                  lora_clients=[2, 10, 100],
                  stream=[(10 ** 7, [2, 10, 100, 1000]), (10 ** 8, [2, 10, 100]),
                          (10 ** 9, [2, 10])],
-                 worlds=[2, 4], distributed_sizes=[10 ** 5, 10 ** 6, 10 ** 7, 10 ** 8],
+                 worlds=[2, 4], distributed_sizes=[10 ** 5, 10 ** 6, 10 ** 7],
                  repeats=5)
     else:
         s = dict(sizes=[10 ** e for e in range(4, 8)], clients=[2, 10, 100, 1000],
@@ -279,11 +280,13 @@ def measure_in_child(args, settings: dict) -> dict:
             memory[f"{case_key(section, dtype_name, k, numel_of(shapes))}/{name}"] = \
                 peak_extra_memory(fn, CPU)
         del clients, fns
+        release_freed_memory()
     stream = []
     for dtype_name in settings["dtypes"]:
         for numel, ks in settings["stream"]:
             for k in ks:
                 stream.append(stream_case(two_tensor_shapes(numel), k, getattr(torch, dtype_name)))
+                release_freed_memory()
                 row = stream[-1]
                 print(f"# stream {dtype_name} K={k} P={numel:.0e}: "
                       f"{row['add_ms_per_client']:.2f} ms/client", file=sys.stderr, flush=True)
@@ -322,13 +325,14 @@ def _rank_main(rank: int, world: int, port: int, sizes: list[int], repeats: int,
     for numel in sizes:
         shapes = two_tensor_shapes(numel)
         mine = list(range(rank, DISTRIBUTED_CLIENTS, world))
-        clients = [make_client(shapes, torch.float32, k) for k in mine]
-        my_weights = [weights[k] for k in mine]
-        buffer = torch.zeros(numel + 1)
         # The baseline, one process summing all K clients, runs on rank 0 in the same rounds
         # (the other ranks wait at the next barrier), so noise hits it and the ranks alike.
         everyone = ([make_client(shapes, torch.float32, k) for k in range(DISTRIBUTED_CLIENTS)]
                     if rank == 0 else None)
+        clients = ([everyone[k] for k in mine] if rank == 0
+                   else [make_client(shapes, torch.float32, k) for k in mine])
+        my_weights = [weights[k] for k in mine]
+        buffer = torch.zeros(numel + 1)
         fns = {
             "all_reduce_aggregate": lambda: all_reduce_aggregate(clients, my_weights,
                                                                  normalize=True),
@@ -505,6 +509,7 @@ def run(args, argv: list[str], settings: dict) -> dict:
         rows += list(by.values())
         print_sweep_row(by)
         del clients, fns
+        release_freed_memory()
 
     for r in child["stream"]:
         r["pct_read_probe"] = 100 * r["add_GBps"] / probes["read_GBps"]
@@ -516,6 +521,7 @@ def run(args, argv: list[str], settings: dict) -> dict:
 
     distributed = []
     if settings["worlds"]:
+        release_freed_memory()
         sizes = settings["distributed_sizes"]
         for world in settings["worlds"]:
             for r in run_distributed(world, sizes, settings["repeats"], args.timeout):

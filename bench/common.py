@@ -191,6 +191,19 @@ def exact_cpu_memory_accounting() -> None:
         pass
 
 
+def release_freed_memory() -> None:
+    """Hands freed heap memory back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+    Once glibc has freed a large block it serves blocks up to that size from its heap, whose
+    freed pages it keeps: a run through many multi-GiB cases would otherwise hold the largest
+    case's memory to its end."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _rss_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
