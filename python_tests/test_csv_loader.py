@@ -246,6 +246,15 @@ def test_infinite_value(tmp_path):
     fails(write(tmp_path, "a,label\n1,0\ninf,1\n2,0\n"), "row 3", "'a'", "not a finite number")
 
 
+def test_number_too_large_for_a_float(tmp_path):
+    fails(write(tmp_path, "a,label\n1,0\n1e400,1\n2,0\n"), "row 3", "'a'", "'1e400'",
+          "not a finite number")
+
+
+def test_every_feature_column_empty_names_the_file_and_columns(tmp_path):
+    fails(write(tmp_path, "a,b,label\n,?,0\nNA,,1\n"), "data.csv", "'a', 'b'", "empty")
+
+
 def test_identifier_column(tmp_path):
     rows = ["name,a,label"] + [f"patient{i},{i},{i % 2}" for i in range(80)]
     path = write(tmp_path, "\n".join(rows) + "\n")

@@ -246,6 +246,9 @@ def load_csv(
     y, num_classes, labels = map_labels(table, label_column, label_map, positive_labels)
     groups, clients = (None, None) if client_column is None else client_codes(table, client_column)
     columns, dropped = feature_columns(table, names, list(categorical_columns or ()))
+    if not columns:
+        raise ConfigError(f"{table.path}: every feature column is empty (no value in any row "
+                          f"of {', '.join(repr(c) for c in dropped)})")
     encoder = TableEncoder(columns, standardize, dropped)
     x, features = encoder.encode()
     info: dict[str, Any] = {"file": str(table.path), "rows": len(table.rows), "labels": labels}

@@ -302,10 +302,12 @@ def feature_columns(
             text_rows = [r for r, ok in zip(present, is_number) if not ok]
             number_rows = [r for r, ok in zip(present, is_number) if ok]
             for r in text_rows:
-                word = raw[r].strip().lower()
-                if word in ("inf", "+inf", "-inf", "infinity", "+infinity", "-infinity"):
-                    raise ConfigError(f"{table.where(r)}: column {name!r} value {raw[r]!r} is "
-                                      "not a finite number")
+                try:  # inf, or a number too large for a float such as 1e400
+                    float(raw[r])
+                except ValueError:
+                    continue
+                raise ConfigError(f"{table.where(r)}: column {name!r} value {raw[r]!r} is "
+                                  "not a finite number")
             if len(text_rows) <= len(number_rows):
                 r, e = text_rows[0], number_rows[0]
                 raise ConfigError(
