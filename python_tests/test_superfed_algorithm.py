@@ -54,9 +54,13 @@ def test_registered():
 
 def test_warm_up_is_fedprox():
     """Before round floor(L*R) SuPerFed is FedProx (paper form) on the global endpoint: with
-    L = 1 the whole run must match the fedprox strategy (same batches, same seeds)."""
+    L = 1 the whole run must match the fedprox strategy (same batches, same seeds; no
+    validation rows held out)."""
     superfed = Simulation(
-        config(), build_strategy("superfed-mm", {"start_fraction": 1.0, "mu": 0.1})
+        config(),
+        build_strategy(
+            "superfed-mm", {"start_fraction": 1.0, "mu": 0.1, "lambda_selection": "train"}
+        ),
     )
     fedprox = Simulation(config(), build_strategy("fedprox", {"mu": 0.1}))
     superfed.run()
@@ -134,15 +138,72 @@ def test_evaluation_over_the_lambda_grid():
     sim = Simulation(config(rounds=4), build_strategy("superfed-mm", {"start_fraction": 0.25}))
     result = sim.run()
     s = sim.strategy
-    grid = s.grid_accuracy(sim.server.state, sim.federation.clients)
-    assert grid.shape == (6, 11)
+    clients = sim.federation.clients
+    test = s.grid_accuracy(sim.server.state, clients)
+    validation = s.grid_accuracy(sim.server.state, clients, "validation")
+    assert test.shape == validation.shape == (6, 11)
     summary = result.summary
-    torch.testing.assert_close(summary["personalized_accuracy"], float(grid.max(1).values.mean()))
+    torch.testing.assert_close(summary["personalized_accuracy_oracle"], float(test.max(1).values.mean()))
+    # the reported figure: test accuracy at the lambda each client picks on its validation rows
+    chosen = validation.argmax(1)
+    at_chosen = test.gather(1, chosen[:, None]).squeeze(1)
+    torch.testing.assert_close(summary["personalized_accuracy"], float(at_chosen.mean()))
+    torch.testing.assert_close(summary["personalized_client_accuracy"], at_chosen.tolist())
+    torch.testing.assert_close(summary["personalized_lambda_mean"], float(chosen.double().mean() / 10))
     # lambda = 0 is the global model: the simulation's own per-client evaluation of it
     torch.testing.assert_close(summary["global_endpoint_accuracy"], summary["client_accuracy_mean"])
-    assert summary["personalized_accuracy"] >= summary["personalized_accuracy_train_selected"]
-    assert summary["personalized_accuracy"] >= summary["global_endpoint_accuracy"]
+    for key in ("train_selected", "validation_selected"):
+        assert summary["personalized_accuracy_oracle"] >= summary[f"personalized_accuracy_{key}"]
+    assert summary["personalized_accuracy_oracle"] >= summary["global_endpoint_accuracy"]
+    assert 0 <= summary["personalized_ece"] <= 1 and 0 <= summary["personalized_mce"] <= 1
     assert "personalized_accuracy" in result.rounds[-1]
+
+
+def test_validation_rows_are_held_out_of_training():
+    """With lambda_selection=validation each client trains on its training split less a seeded
+    validation part (20% by default), picks lambda there, and never trains on it."""
+    sim = Simulation(config(rounds=2), build_strategy("superfed-mm", {"start_fraction": 0.0}))
+    s = sim.strategy
+    seen: dict[int, list] = {}
+    real = s.split
+
+    def spy(data, client_id):
+        fit, val = real(data, client_id)
+        seen.setdefault(client_id, []).append((fit, val))
+        return fit, val
+
+    s.split = spy
+    sim.run()
+    assert seen
+    for k, pairs in seen.items():
+        fit, val = pairs[0]
+        full = sim.federation.clients[k]
+        assert len(val.train_y) == round(0.2 * full.num_train)
+        assert sorted(fit.train_index.tolist() + val.train_index.tolist()) == full.train_index.tolist()
+        assert not set(fit.train_index.tolist()) & set(val.train_index.tolist())
+        assert all(torch.equal(p[1].train_x, val.train_x) for p in pairs)  # one split per client
+
+
+@pytest.mark.parametrize("selection", ["train", "test"])
+def test_other_lambda_selections(selection):
+    sim = Simulation(
+        config(rounds=3),
+        build_strategy("superfed-lm", {"start_fraction": 0.0, "lambda_selection": selection}),
+    )
+    summary = sim.run().summary
+    s, state, clients = sim.strategy, sim.server.state, sim.federation.clients
+    test = s.grid_accuracy(state, clients)
+    chosen = s.grid_accuracy(state, clients, selection).argmax(1)
+    expected = float(test.gather(1, chosen[:, None]).mean())
+    torch.testing.assert_close(summary["personalized_accuracy"], expected)
+    assert "personalized_accuracy_validation_selected" not in summary
+    if selection == "test":
+        assert summary["personalized_accuracy"] == summary["personalized_accuracy_oracle"]
+
+
+def test_bad_validation_fraction():
+    with pytest.raises(ValueError, match="validation_fraction"):
+        build_strategy("superfed-mm", {"validation_fraction": "1"})
 
 
 def test_checkpoint_keeps_the_local_models(tmp_path):

@@ -58,7 +58,7 @@ from fedkernels.ops.mixing import mix_endpoints, proximal_term
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
 from fedkernels.sim.config import ClientConfig, ConfigError
-from fedkernels.sim.metrics import distribution_summary
+from fedkernels.sim.metrics import calibration_errors, distribution_summary
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo
 
@@ -174,6 +174,49 @@ def _check_count(algorithm: str, name: str, value: int | None, minimum: int) -> 
         raise ConfigError(f"{algorithm}.{name} must be >= {minimum} (got {value})")
 
 
+def personalized_metrics(logits: list[Tensor | None], clients: list[Any]) -> dict[str, Any]:
+    """Per-client ``accuracy``, ``ece``, ``mce`` (``[N]`` float64, NaN for a client without
+    test samples) of the personalized models' test ``logits`` (one entry per client), and the
+    pooled ``ece_pooled``/``mce_pooled`` over every client's samples."""
+    n = len(clients)
+    accuracy, ece, mce = (torch.full((n,), float("nan"), dtype=torch.float64) for _ in range(3))
+    kept = [(k, z) for k, z in enumerate(logits) if z is not None]
+    out: dict[str, Any] = {"accuracy": accuracy, "ece": ece, "mce": mce}
+    if not kept:
+        return out
+    ids = [k for k, _ in kept]
+    z = torch.cat([z for _, z in kept])
+    y = torch.cat([clients[k].test_y for k in ids])
+    sizes = torch.tensor([len(clients[k].test_y) for k in ids])
+    owner = torch.repeat_interleave(torch.arange(len(ids)), sizes)
+    correct = (z.argmax(1) == y).double()
+    index = torch.tensor(ids)
+    accuracy[index] = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, owner, correct) / sizes
+    ece[index], mce[index] = calibration_errors(z, y, owner, len(ids))
+    pooled_ece, pooled_mce = calibration_errors(z, y)
+    out["ece_pooled"], out["mce_pooled"] = float(pooled_ece[0]), float(pooled_mce[0])
+    return out
+
+
+def personalized_summary(metrics: dict[str, Any]) -> dict[str, Any]:
+    """The ``personalized_*`` keys a strategy's evaluation reports from
+    :func:`personalized_metrics` (``PersonalizedStrategy.evaluate``)."""
+    accuracy = metrics["accuracy"]
+    finite = accuracy[~accuracy.isnan()]
+    out: dict[str, Any] = {}
+    if finite.numel():
+        for key, value in distribution_summary(finite).items():
+            out["personalized_accuracy" if key == "mean" else f"personalized_accuracy_{key}"] = (
+                value
+            )
+        for key in ("ece", "mce"):
+            values = metrics[key][~metrics[key].isnan()]
+            out[f"personalized_{key}"] = float(values.mean())
+            out[f"personalized_{key}_pooled"] = metrics[f"{key}_pooled"]
+    out["personalized_client_accuracy"] = accuracy.tolist()
+    return out
+
+
 # ---------------------------------------------------------------------------------- base
 
 
@@ -215,19 +258,20 @@ class PersonalizedStrategy(FedAvg):
         return phase_plan(self.client, epochs, data.num_train, rng)
 
     @torch.no_grad()
-    def personalized_accuracy(
+    def personalized_logits(
         self, global_state: Mapping[str, Tensor], clients: list[Any]
-    ) -> Tensor:
-        """``[N]`` float64: each client's personalized model on its own test split (NaN for a
-        client without test samples)."""
+    ) -> list[Tensor | None]:
+        """Each client's personalized model's logits on its own test split (None for a client
+        without test samples)."""
         model = self.eval_model()
-        out = torch.full((len(clients),), float("nan"), dtype=torch.float64)
+        out: list[Tensor | None] = []
         for k, c in enumerate(clients):
             if len(c.test_y) == 0:
+                out.append(None)
                 continue
             model.load_state_dict(self.personal_state(k, global_state, c))
             model.eval()
-            out[k] = (model(c.test_x).argmax(1) == c.test_y).double().mean()
+            out.append(model(c.test_x))
         return out
 
     def eval_model(self) -> nn.Module:
@@ -238,17 +282,12 @@ class PersonalizedStrategy(FedAvg):
     def evaluate(self, global_state: Mapping[str, Tensor], clients: list[Any]) -> dict[str, Any]:
         """``personalized_accuracy`` (mean over clients) and its ``_std``, ``_worst10``,
         ``_best10``, ``_min``, ``_max``, ``_gini``; ``personalized_client_accuracy`` lists
-        every client's value."""
-        accuracy = self.personalized_accuracy(global_state, clients)
-        finite = accuracy[~accuracy.isnan()]
-        out: dict[str, Any] = {}
-        if finite.numel():
-            for key, value in distribution_summary(finite).items():
-                out["personalized_accuracy" if key == "mean" else f"personalized_accuracy_{key}"] = (
-                    value
-                )
-        out["personalized_client_accuracy"] = accuracy.tolist()
-        return out
+        every client's value; ``personalized_ece``/``_mce`` (mean over clients) and
+        ``_ece_pooled``/``_mce_pooled`` (every client's test samples, each through its own
+        model)."""
+        return personalized_summary(
+            personalized_metrics(self.personalized_logits(global_state, clients), clients)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"personal": {str(k): dict(v) for k, v in self.personal.items()}}

@@ -22,6 +22,13 @@ average of the one-vs-rest AUROCs (class c scored by :math:`\log p_c`) over the 
 occur in the split. A split with a single class has no AUROC: the value is NaN in tensors,
 ``null`` in ``results.json``, and such clients are left out of every statistic over clients
 (``client_auroc_clients`` counts the others).
+
+Calibration (:func:`calibration_errors`): each prediction's confidence is its largest softmax
+probability; the confidences are put into ``B`` equal-width bins :math:`((b-1)/B, b/B]` and,
+with :math:`n_b` samples, accuracy :math:`acc_b` and mean confidence :math:`conf_b` in bin b,
+ECE :math:`= \sum_b (n_b/n)\,|acc_b - conf_b|` and MCE :math:`= \max_{n_b > 0} |acc_b - conf_b|`
+(``docs/algorithms/personalized.md``, "Calibration"). ``client_ece``/``client_mce`` average the
+per-client values over the clients, ``test_ece``/``test_mce`` pool every client's test samples.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 EVAL_CHUNK = 8192
+CALIBRATION_BINS = 15  # SuPerFed's paper reports ECE and MCE with 15 bins
 
 
 @dataclass
@@ -48,6 +56,9 @@ class ClientEvaluation:
     count: Tensor
     auroc: Tensor | None = None
     auroc_pooled: float | None = None
+    ece: Tensor | None = None
+    mce: Tensor | None = None
+    calibration_pooled: tuple[float, float] | None = None  # (ECE, MCE) of the pooled samples
 
     def pooled_loss(self) -> float:
         """Mean loss over all samples of all clients."""
@@ -60,11 +71,17 @@ class ClientEvaluation:
 
 @torch.no_grad()
 def evaluate_clients(
-    model: nn.Module, xs: list[Tensor], ys: list[Tensor], *, auroc: bool = False
+    model: nn.Module,
+    xs: list[Tensor],
+    ys: list[Tensor],
+    *,
+    auroc: bool = False,
+    calibration: bool = False,
 ) -> ClientEvaluation:
     """Evaluates ``model`` (in eval mode) on each client's ``(xs[k], ys[k])`` with one forward
     pass over their concatenation, reduced per client. ``auroc`` adds the per-client and
-    pooled AUROC (:func:`client_auroc`)."""
+    pooled AUROC (:func:`client_auroc`), ``calibration`` the per-client and pooled ECE and MCE
+    (:func:`calibration_errors`)."""
     was_training = model.training
     model.eval()
     try:
@@ -80,9 +97,51 @@ def evaluate_clients(
         evaluation = ClientEvaluation(loss, accuracy, count)
         if auroc:
             evaluation.auroc, evaluation.auroc_pooled = client_auroc(logits, y, owner, k)
+        if calibration:
+            evaluation.ece, evaluation.mce = calibration_errors(logits, y, owner, k)
+            ece, mce = calibration_errors(logits, y)
+            evaluation.calibration_pooled = (float(ece[0]), float(mce[0]))
         return evaluation
     finally:
         model.train(was_training)
+
+
+def calibration_errors(
+    logits: Tensor,
+    y: Tensor,
+    owner: Tensor | None = None,
+    num_groups: int = 1,
+    bins: int = CALIBRATION_BINS,
+) -> tuple[Tensor, Tensor]:
+    """Expected and maximum calibration error (module docstring) of ``logits`` (``[M, C]``)
+    for labels ``y``, per group: sample i belongs to group ``owner[i]`` (all to group 0 when
+    ``owner`` is None). Returns two float64 ``[num_groups]`` tensors, NaN for a group without
+    samples. A confidence of exactly ``b/B`` falls into bin b (right-closed bins)."""
+    if bins < 1:
+        raise ValueError(f"calibration_errors: bins must be >= 1, got {bins}")
+    if logits.dim() != 2 or y.shape != logits.shape[:1]:
+        raise ValueError(
+            f"calibration_errors: logits must be [M, C] and y [M], got "
+            f"{tuple(logits.shape)} and {tuple(y.shape)}"
+        )
+    probs = torch.softmax(logits.double(), dim=1)
+    confidence, predicted = probs.max(dim=1)
+    correct = (predicted == y).double()
+    group = torch.zeros_like(y) if owner is None else owner.long()
+    # bin b covers ((b-1)/B, b/B]; index 0..B-1
+    index = (torch.ceil(confidence * bins).long() - 1).clamp(0, bins - 1)
+    cell = group * bins + index
+    size = num_groups * bins
+    count = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, torch.ones_like(correct))
+    hits = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, correct)
+    conf = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, confidence)
+    count, hits, conf = (t.view(num_groups, bins) for t in (count, hits, conf))
+    gap = (hits - conf).abs() / count.clamp(min=1)  # |acc_b - conf_b|, 0 for an empty bin
+    total = count.sum(dim=1)
+    ece = (gap * count).sum(dim=1) / total
+    mce = torch.where(count > 0, gap, torch.zeros_like(gap)).max(dim=1).values
+    empty = total == 0
+    return ece.masked_fill(empty, float("nan")), mce.masked_fill(empty, float("nan"))
 
 
 def auroc_by_group(
@@ -198,7 +257,9 @@ def evaluation_metrics(evaluation: ClientEvaluation) -> dict[str, Any]:
     ``test_loss`` (pooled test samples), ``client_accuracy_<stat>`` over the clients (every
     key of :func:`distribution_summary`, test sizes as weights), and when the evaluation has
     AUROC, ``test_auroc`` (pooled), ``client_auroc_<stat>`` over the clients whose AUROC is
-    defined (None for all when no client's is) and ``client_auroc_clients``, their number."""
+    defined (None for all when no client's is) and ``client_auroc_clients``, their number; when
+    it has calibration, ``test_ece``/``test_mce`` (pooled) and ``client_ece_mean``/
+    ``client_mce_mean`` (over the clients)."""
     out: dict[str, Any] = {
         "test_accuracy": evaluation.pooled_accuracy(),
         "test_loss": evaluation.pooled_loss(),
@@ -216,4 +277,13 @@ def evaluation_metrics(evaluation: ClientEvaluation) -> dict[str, Any]:
         else:
             summary = dict.fromkeys(SUMMARY_KEYS)
         out.update({f"client_auroc_{k}": v for k, v in summary.items()})
+    if evaluation.ece is not None:
+        out["test_ece"], out["test_mce"] = evaluation.calibration_pooled
+        out["client_ece_mean"] = _nanmean(evaluation.ece)
+        out["client_mce_mean"] = _nanmean(evaluation.mce)
     return out
+
+
+def _nanmean(values: Tensor) -> float | None:
+    finite = values[~values.isnan()]
+    return float(finite.mean()) if finite.numel() else None

@@ -182,12 +182,12 @@ class Simulation:
         return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
 
     def evaluate(self) -> ClientEvaluation:
-        """The global model on every client's own test split (loss, accuracy and AUROC)."""
+        """The global model on every client's own test split (loss, accuracy, AUROC, ECE, MCE)."""
         self.eval_model.load_state_dict(self.server.state)
         clients = self.federation.clients
         return evaluate_clients(
             self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients],
-            auroc=True,
+            auroc=True, calibration=True,
         )
 
     def result(self) -> RunResult:
