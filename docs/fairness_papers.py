@@ -1,7 +1,7 @@
 """Fairness and participation comparisons in the shape of the papers' tables (offline, 2 CPU cores).
 
-Each experiment is one ``fedkernels compare`` run (every method on the same clients, seeds 0,1,2
-by default) whose table, JSON and plot are described in docs/participation.md and
+Each experiment is one ``fedkernels compare`` run (every method on the same clients, seeds
+0,1,2,3,4 by default) whose table, JSON and plot are described in docs/participation.md and
 docs/fairness.md:
 
 - ``fedau-bernoulli``, ``fedau-markov``, ``fedau-cyclic``: FedAU against averaging the
@@ -29,8 +29,8 @@ chose are written into ``docs/experiments/tuning_<name>.json`` (every validation
 there), and every later run of that experiment uses them; without that file a run uses the
 values written below (the papers' choices, and a learning rate that trains FedAvg).
 
-    python docs/fairness_papers.py fedau-bernoulli             # one table, seeds 0,1,2
-    python docs/fairness_papers.py all --seeds 0,1,2,3,4       # every table, 5 seeds
+    python docs/fairness_papers.py fedau-bernoulli             # one table, seeds 0-4
+    python docs/fairness_papers.py all --seeds 0,1,2           # every table, 3 seeds (faster)
     python docs/fairness_papers.py semivred --tune             # the validation sweep first
     python docs/fairness_papers.py all --save                  # into bench/results/ and docs/
 
@@ -188,21 +188,21 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
         "title": "digits, Dirichlet(0.3) over 100 clients, Bernoulli participation with "
         "label-correlated p_n (mean 0.1, min 0.02), logistic regression, 300 rounds x 5 steps",
         "tree": _participation("bernoulli"),
-        "methods": FEDAU_METHODS, "long": FEDAU_LONG,
+        "methods": FEDAU_METHODS, "long": FEDAU_LONG, "paired_with": ["known p_n"],
         "criterion": "pooled", "lr_grid": [0.03, 0.1, 0.3],
     },
     "fedau-markov": {
         "title": "digits, Dirichlet(0.3) over 100 clients, Markov participation (delta 0.05) "
         "with label-correlated p_n, logistic regression, 300 rounds x 5 steps",
         "tree": _participation("markov", markov_delta=0.05),
-        "methods": FEDAU_METHODS, "long": FEDAU_LONG,
+        "methods": FEDAU_METHODS, "long": FEDAU_LONG, "paired_with": ["known p_n"],
         "criterion": "pooled", "lr_grid": [0.03, 0.1, 0.3],
     },
     "fedau-cyclic": {
         "title": "digits, Dirichlet(0.3) over 100 clients, cyclic participation (cycles of 50 "
         "rounds) with label-correlated p_n, logistic regression, 300 rounds x 5 steps",
         "tree": _participation("cyclic", cycle_length=50),
-        "methods": FEDAU_METHODS, "long": FEDAU_LONG,
+        "methods": FEDAU_METHODS, "long": FEDAU_LONG, "paired_with": ["known p_n"],
         "criterion": "pooled", "lr_grid": [0.03, 0.1, 0.3],
     },
     "aaggff-device": {
@@ -362,12 +362,52 @@ def late_accuracy(entries: list[dict[str, Any]], rounds: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+PAIRED_KEYS = {  # the statistics the paired table compares, by the experiment's criterion
+    "pooled": [("test_accuracy", "pooled acc"), ("client_accuracy_mean", "avg"),
+               ("client_accuracy_worst10", "worst-10%")],
+    "fair": [("client_accuracy_mean", "avg"), ("client_accuracy_worst10", "worst-10%"),
+             ("client_accuracy_min", "worst")],
+    "auroc": [("client_auroc_mean", "AUROC avg"), ("client_auroc_min", "AUROC worst"),
+              ("client_accuracy_mean", "acc avg"), ("client_accuracy_min", "acc worst")],
+}
+
+
+def paired_differences(entries: list[dict[str, Any]], criterion: str, base: int = 0) -> str:
+    """Every other method minus ``entries[base]`` (by default the first, the baseline), seed by
+    seed: mean ± std of the differences in points and on how many seeds the method is ahead.
+    The methods share the clients of a seed, so this separates a real gain from the
+    seed-to-seed spread that the mean ± std columns mix in."""
+    keys = PAIRED_KEYS[criterion]
+    base_entry = entries[base]
+    by_seed = {run["seed"]: run["summary"] for run in base_entry["runs"]}
+    header = " | ".join(name for _, name in keys)
+    label = base_entry["label"]
+    lines = [f"Paired against {label}, seed by seed (method minus {label}, "
+             "points, mean ± std over seeds; [seeds ahead/behind]):", "",
+             f"| method | {header} |", "|---|" + "---|" * len(keys)]
+    for entry in entries:
+        if entry is base_entry:
+            continue
+        cells = []
+        for key, _ in keys:
+            diff = np.array([100 * (run["summary"][key] - by_seed[run["seed"]][key])
+                             for run in entry["runs"]
+                             if run["summary"].get(key) is not None
+                             and by_seed[run["seed"]].get(key) is not None])
+            if diff.size == 0:
+                cells.append("—")
+                continue
+            cells.append(f"{diff.mean():+.1f} ± {diff.std():.1f} "
+                         f"[{int((diff > 1e-9).sum())}/{int((diff < -1e-9).sum())}]")
+        lines.append(f"| {entry['label']} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", nargs="+", choices=[*EXPERIMENTS, "all"])
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--seeds", default="0,1,2,3,4",
+                        help="comma-separated seeds (default 0,1,2,3,4)")
     parser.add_argument("--tune", action="store_true",
                         help="choose the learning rate and the methods' parameters on a "
                         "validation split first (long: a run per grid value)")
@@ -410,14 +450,23 @@ def main(argv: list[str] | None = None) -> int:
                         for label, algo, fixed, grid in spec.get("long", [])]
         algorithms = [spec_text(label, algo, params) for label, algo, params, _ in methods]
         out = root / f"compare_{name}"
+        start = time.perf_counter()
         entries = compare(algorithms, seeds, tree, out, spec["title"],
                           reference=spec.get("reference"), reference_split=args.reference_split)
         if args.save:
             shutil.copyfile(out / "compare.png", ROOT / "docs" / f"{name}.png")
+        elapsed = time.perf_counter() - start
         late = late_accuracy(entries, tree["rounds"])
         (out / "late_accuracy.md").write_text(late)
+        timing = (f"Wall time of the runs: {elapsed / 60:.1f} min for {len(seeds)} seeds x "
+                  f"{len(methods)} methods ({os.cpu_count()} CPUs, torch threads {args.threads}).\n")
+        (out / "timing.md").write_text(timing)
+        labels = [e["label"] for e in entries]
+        paired = "\n".join(paired_differences(entries, spec["criterion"], labels.index(label))
+                           for label in [labels[0], *spec.get("paired_with", [])])
+        (out / "paired.md").write_text(paired)
         print(f"## {name}\n\n{spec['title']}; lr {tree['client']['lr']}\n\n"
-              f"{markdown_table(entries)}\n{late}", flush=True)
+              f"{markdown_table(entries)}\n{paired}\n{late}\n{timing}", flush=True)
     return 0
 
 

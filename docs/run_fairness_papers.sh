@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Every table of docs/participation.md and docs/fairness.md that compares with the papers, in
-# one command (seeds 0,1,2; each table alone, python docs/fairness_papers.py NAME, took 3.5-7
-# minutes on a 2-core machine shared with other jobs, about an hour for all). Extra arguments
-# go to docs/fairness_papers.py:
+# one command (seeds 0,1,2,3,4 by default; each table's measured run time is printed with it in
+# the docs). Extra arguments go to docs/fairness_papers.py:
 #
-#   docs/run_fairness_papers.sh                      # 3 seeds, the tuned values in docs/experiments/
-#   docs/run_fairness_papers.sh --seeds 0,1,2,3,4    # the 5-seed version
+#   docs/run_fairness_papers.sh                      # 5 seeds, the tuned values in docs/experiments/
+#   docs/run_fairness_papers.sh --seeds 0,1,2        # 3 seeds (faster)
 #   docs/run_fairness_papers.sh --tune               # redo the validation sweeps first (long)
 #   docs/run_fairness_papers.sh --long               # add FedAU without cutoff and average-all
 #   docs/run_fairness_papers.sh --save               # write bench/results/compare_* and docs/*.png

@@ -63,3 +63,23 @@ def test_tuning_results_replace_the_defaults(papers):
     assert tree["client"]["lr"] == 0.02 and spec["tree"]["client"]["lr"] == 0.05
     assert dict((m[0], m[2]) for m in methods)["VRed"] == {"beta": 0.1}
     assert dict((m[0], m[2]) for m in methods)["Semi-VRed"] == {"beta": 0.5}
+
+
+def test_paired_differences_seed_by_seed(papers):
+    def entry(label, values):
+        return {"label": label, "runs": [
+            {"seed": seed, "summary": {"test_accuracy": a, "client_accuracy_mean": a,
+                                       "client_accuracy_worst10": w}}
+            for seed, (a, w) in values.items()]}
+
+    base = entry("A", {0: (0.90, 0.50), 1: (0.80, 0.40)})
+    # seeds listed in another order: the differences must still be matched by seed
+    other = entry("B", {1: (0.85, 0.40), 0: (0.89, 0.60)})
+    text = papers.paired_differences([base, other], "pooled")
+    row = next(line for line in text.splitlines() if line.startswith("| B |"))
+    # pooled: +5 and -1 points -> mean +2.0, population std 3.0, ahead on 1 seed, behind on 1
+    assert "+2.0 ± 3.0 [1/1]" in row
+    # worst-10%: +10 and 0 -> +5.0 ± 5.0, ahead on 1, behind on none
+    assert row.endswith("+5.0 ± 5.0 [1/0] |")
+    flipped = papers.paired_differences([base, other], "pooled", base=1)
+    assert "| A | -2.0 ± 3.0 [1/1]" in flipped
