@@ -1,4 +1,5 @@
-"""The clients of a simulation: each one's train and test split of its share of the data."""
+"""The clients of a simulation: each one's train and test split of its share of the data, with
+optional noise on the training labels (:func:`noisy_labels`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from . import seeding
 from .config import PartitionConfig
 from .data import Dataset
 from .partition import partition
+
+LABEL_NOISE = 21  # (seed, LABEL_NOISE, client): a stream of its own beside those of seeding
 
 
 @dataclass
@@ -86,16 +89,42 @@ def server_split(
     return client_rows, server_rows
 
 
+def noisy_labels(
+    labels: Tensor, kind: str, rate: float, num_classes: int, rng: np.random.Generator
+) -> Tensor:
+    """``labels`` with each entry flipped independently with probability ``rate``:
+    ``symmetric`` to one of the other ``num_classes - 1`` classes chosen uniformly, ``pair``
+    from class c to ``(c + 1) mod num_classes`` (the noise models of SuPerFed's label-noise
+    experiments); ``none`` returns them unchanged."""
+    if kind == "none" or rate == 0 or len(labels) == 0:
+        return labels
+    if kind not in ("symmetric", "pair"):
+        raise ValueError(f"label noise must be none, symmetric or pair, got {kind!r}")
+    y = labels.numpy()
+    flip = rng.random(len(y)) < rate
+    if kind == "pair":
+        shift = np.ones(len(y), dtype=np.int64)
+    else:  # an offset in 1..C-1 never lands on the true class
+        shift = rng.integers(1, num_classes, len(y))
+    return torch.from_numpy(np.where(flip, (y + shift) % num_classes, y))
+
+
 def build_federation(
     dataset: Dataset,
     config: PartitionConfig,
     test_fraction: float,
     seed: int,
     server_fraction: float = 0.0,
+    *,
+    label_noise: str = "none",
+    noise_rate: float = 0.0,
 ) -> Federation:
     """Partitions ``dataset`` and splits each client's share into train and test, with the
     split of client k seeded by ``(seed, SPLIT, k)``. With ``server_fraction`` > 0 that
-    fraction of every class is first held out, unlabeled, for the server (``server_x``)."""
+    fraction of every class is first held out, unlabeled, for the server (``server_x``).
+    ``label_noise``/``noise_rate`` flip client k's training labels (:func:`noisy_labels`,
+    stream ``(seed, LABEL_NOISE, k)``); test labels stay clean, and ``data_info`` records the
+    fraction actually flipped."""
     labels = dataset.y.numpy()
     rows = np.arange(len(labels))
     server_rows = None
@@ -119,23 +148,34 @@ def build_federation(
     dataset = dataset.fit_features(np.concatenate([train for train, _ in splits]))
     server_x = None if server_rows is None else dataset.x[torch.from_numpy(server_rows)]
     clients = []
-    for train, test in splits:
+    flipped = 0
+    for k, (train, test) in enumerate(splits):
         train_t, test_t = torch.from_numpy(train), torch.from_numpy(test)
+        train_y = noisy_labels(
+            dataset.y[train_t], label_noise, noise_rate, dataset.num_classes,
+            seeding.numpy_rng(seed, LABEL_NOISE, k),
+        )
+        flipped += int((train_y != dataset.y[train_t]).sum())
         clients.append(
             ClientData(
                 dataset.x[train_t],
-                dataset.y[train_t],
+                train_y,
                 dataset.x[test_t],
                 dataset.y[test_t],
                 train,
                 test,
             )
         )
+    info = dataset.info
+    if label_noise != "none":
+        total = sum(len(train) for train, _ in splits)
+        info = {**info, "label_noise": {"kind": label_noise, "rate": noise_rate,
+                                        "flipped_fraction": flipped / max(total, 1)}}
     return Federation(
         clients,
         dataset.num_classes,
         dataset.num_features,
         dataset.image_shape,
         server_x,
-        dataset.info,
+        info,
     )

@@ -72,9 +72,13 @@ class Simulation:
             dataset = load_dataset(config.data, config.partition.num_clients, seed)
         self.dataset_name = dataset.name
         self.federation = build_federation(
-            dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction
+            dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
+            label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
         )
         fed = self.federation
+        self.attack = build_attack(config.attack, fed.num_clients, seed)
+        if self.attack is not None:
+            self.attack.poison_labels(fed)
         if model is None:
             model = build_model(
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed

@@ -1,0 +1,269 @@
+r"""Central differential privacy for aggregation: per-client update norms, the clipped weighted
+sum plus Gaussian noise, and the adaptive clip norm of Andrew et al. (2021), with the arithmetic
+of Flower's ``DifferentialPrivacyServerSideFixedClipping`` / ``...AdaptiveClipping`` (the math
+and the noise stream: ``docs/algorithms/robust_and_private.md``).
+
+``clients`` is what :func:`fedkernels.aggregate` accepts (K state_dicts, K tensor lists, or a
+``[K, P]`` tensor) and ``base`` is the current global model with the same structure. Only the
+floating-point entries take part; integer and bool entries of the result are ``base``'s (a
+privatised release carries no un-noised client data).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .model_layout import Model, weights_and_values
+from .ops.sgld import sgld_step
+from .robust import ClientSet, shares_memory
+
+__all__ = ["update_norms", "clip_factors", "private_aggregate", "adaptive_clip_norm",
+           "adaptive_noise_params"]
+
+
+def _with_base(clients, base: Model, api: str) -> tuple[ClientSet, list[Tensor], list[Tensor]]:
+    """The checked clients, base's float tensors and base's integer tensors."""
+    cs = ClientSet(clients, api)
+    if base is None:
+        raise ValueError(f"{api}: base (the current global model) is required")
+    tensors = cs.layout.tensors(base, "base")
+    if cs.flat and tensors[0].dim() != 1:
+        raise ValueError(f"{api}: with [K, P] clients, base must be a 1-D [P] tensor")
+    first = cs._client0()
+    for i, (b, t) in enumerate(zip(tensors, first)):
+        if b.shape != t.shape or b.dtype != t.dtype or b.device != t.device:
+            raise ValueError(f"{api}: base tensor {cs.label(i)} is {b.dtype} {tuple(b.shape)} "
+                             f"on {b.device}; client 0 has {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+    floats = [tensors[i] for i in cs.layout.float_index]
+    return cs, floats, tensors
+
+
+def _norms(cs: ClientSet, base: list[Tensor]) -> Tensor:
+    dev = base[0].device if base else torch.device("cpu")
+    sq = torch.zeros(cs.K, dtype=torch.float64, device=dev)
+    for k, c in enumerate(cs.floats):
+        for x, b in zip(c, base):
+            sq[k] += ((x.to(torch.float64) - b.to(torch.float64)) ** 2).sum()
+    return sq.sqrt()
+
+
+def update_norms(clients, base: Model) -> Tensor:
+    r"""``[K]`` float64: :math:`\lVert x_k - b\rVert_2` over all floating-point tensors, the
+    differences and squares accumulated in float64 (Flower's ``get_norm`` takes each array's
+    norm in the array's dtype, so it agrees up to float32 rounding for float32 models)."""
+    cs, base_floats, _ = _with_base(clients, base, "fedkernels.update_norms")
+    return _norms(cs, base_floats)
+
+
+def clip_factors(norms: Tensor, clip_norm: float) -> list[float]:
+    r""":math:`\min(1, C / \lVert u_k\rVert)` per client, as Flower's ``clip_inputs_inplace``
+    computes it in Python floats (a zero update keeps factor 1, where Flower divides by zero)."""
+    return [1.0 if n == 0 else min(1.0, clip_norm / n) for n in norms.tolist()]
+
+
+def _noise(floats: list[Tensor], noise_std: float,
+           generator: torch.Generator | None) -> list[Tensor]:
+    r""":math:`\sigma\varepsilon` for every element of ``floats`` in the accumulate type:
+    element e of the concatenation of all tensors takes normal e of the SGLD ops' Philox
+    stream, so one seed drawn from ``generator`` keys the whole model."""
+    device = floats[0].device
+    total = sum(t.numel() for t in floats)
+    acc_types = {torch.float64 if t.dtype == torch.float64 else torch.float32 for t in floats}
+    if generator is None:
+        generator = (torch.default_generator if device.type == "cpu"
+                     else torch.cuda.default_generators[device.index or 0])
+    state = generator.get_state()
+    flat = {}
+    for n, dtype in enumerate(sorted(acc_types, key=str)):
+        if n:  # the same seed for every accumulate type; the draw is consumed once
+            after = generator.get_state()
+            generator.set_state(state)
+        zeros = torch.zeros(total, dtype=dtype, device=device)
+        flat[dtype] = sgld_step(zeros, zeros, step_size=0.0, noise_std=noise_std,
+                                generator=generator)
+        if n:
+            generator.set_state(after)
+    out, start = [], 0
+    for t in floats:
+        dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
+        out.append(flat[dtype][start:start + t.numel()].reshape(t.shape))
+        start += t.numel()
+    return out
+
+
+def private_aggregate(
+    clients,
+    weights=None,
+    *,
+    base: Model,
+    clip_norm: float,
+    noise_std: float,
+    generator: torch.Generator | None = None,
+    out: Model | None = None,
+) -> tuple[Model, Tensor]:
+    r"""Clipped weighted average of the client updates plus Gaussian noise:
+
+    .. math::
+        r = b + \sum_k \bar w_k \min\!\Big(1, \frac{C}{\lVert x_k - b\rVert_2}\Big)(x_k - b)
+              + \sigma\,\varepsilon,\qquad \varepsilon \sim \mathcal N(0, I)
+
+    with :math:`\bar w` the weights divided by their sum (None: equal weights, :math:`1/K`),
+    :math:`C` = ``clip_norm`` and :math:`\sigma` = ``noise_std``. This is Flower's server-side
+    fixed clipping (``compute_clip_model_update`` per client, then FedAvg's weighted average,
+    then ``add_gaussian_noise_inplace``); Flower's noise level is
+    ``noise_std = noise_multiplier * clip_norm / num_sampled_clients``.
+
+    Arithmetic in the accumulate type (float32; float64 for float64 models); norms in float64.
+    Noise: one seed from ``generator`` (the default generator of base's device when None; CPU:
+    one ``random64``, CUDA: its Philox seed and offset) keys the Philox-4x32-10 stream of the
+    SGLD ops (:func:`fedkernels.sgld_step`); element e of the model (all floating-point tensors
+    concatenated in order) gets normal e of it. ``noise_std = 0`` adds nothing and draws
+    nothing. A non-finite update norm (NaN/Inf in a client) is refused, naming the clients:
+    such an update cannot be clipped.
+
+    ``out``: where to write the result (``base`` itself updates the global model in place).
+    Returns ``(result, norms)`` with ``norms`` the ``[K]`` float64 update norms before
+    clipping (what :func:`adaptive_clip_norm` takes).
+    """
+    api = "fedkernels.private_aggregate"
+    for name, value in (("clip_norm", clip_norm), ("noise_std", noise_std)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"{api}: clip_norm must be finite and > 0, got {clip_norm}")
+    if not (math.isfinite(noise_std) and noise_std >= 0):
+        raise ValueError(f"{api}: noise_std must be finite and >= 0, got {noise_std}")
+    cs, base_floats, base_all = _with_base(clients, base, api)
+    if weights is None:
+        w = [1.0 / cs.K] * cs.K
+    else:
+        w = weights_and_values(weights, cs.K, True)[0].tolist()
+    out_tensors = None
+    if out is not None:
+        out_tensors = cs.layout.tensors(out, "out")
+        for i, (o, b) in enumerate(zip(out_tensors, base_all)):
+            if o.shape != b.shape or o.dtype != b.dtype or o.device != b.device:
+                raise ValueError(f"{api}: out tensor {cs.label(i)} is {o.dtype} "
+                                 f"{tuple(o.shape)} on {o.device}, expected {b.dtype} "
+                                 f"{tuple(b.shape)} on {b.device}")
+        for j, i in enumerate(cs.layout.float_index):
+            for k in range(cs.K):
+                if shares_memory(out_tensors[i], cs.floats[k][j]):
+                    raise ValueError(f"{api}: out tensor {cs.label(i)} shares memory with "
+                                     f"client {k}; the output must not alias a client")
+
+    norms = _norms(cs, base_floats)
+    values = norms.tolist()
+    bad = [k for k, n in enumerate(values) if not math.isfinite(n)]
+    if bad:
+        raise ValueError(f"{api}: the update of client {bad[0]} has norm {values[bad[0]]} "
+                         f"(NaN/Inf in clients {bad[:10]}); a non-finite update cannot be "
+                         "clipped")
+    coef = [wk * fk for wk, fk in zip(w, clip_factors(norms, float(clip_norm)))]
+    noise = (_noise(base_floats, float(noise_std), generator)
+             if noise_std != 0 and base_floats else None)
+    results = []
+    for j, b in enumerate(base_floats):
+        acc_type = torch.float64 if b.dtype == torch.float64 else torch.float32
+        bb = b.to(acc_type)
+        acc = torch.zeros_like(bb)
+        for k in range(cs.K):
+            acc += coef[k] * (cs.floats[k][j].to(acc_type) - bb)
+        r = bb + acc
+        if noise is not None:
+            r += noise[j]
+        results.append(r.to(b.dtype))
+    merged, it = [], iter(results)
+    for i, f in enumerate(cs.layout.float_mask):
+        merged.append(next(it) if f else base_all[i])
+    if out_tensors is None:
+        return cs.layout.build([t if f else t.clone() for t, f in
+                                zip(merged, cs.layout.float_mask)]), norms
+    for o, r in zip(out_tensors, merged):
+        if o.data_ptr() != r.data_ptr():
+            o.copy_(r)
+    return out, norms
+
+
+def adaptive_clip_norm(
+    clip_norm: float,
+    norms,
+    *,
+    target_quantile: float,
+    clip_norm_lr: float,
+    clipped_count_stddev: float,
+    generator: torch.Generator | None = None,
+) -> float:
+    r"""The clip norm for the next round, by the geometric update of Andrew et al. (2021) as
+    Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` applies it:
+
+    .. math::
+        b = \#\{k : \min(1, C/\lVert u_k\rVert) < 1\},\quad
+        \tilde b = (b + \sigma_b z) / K,\quad
+        C' = C \exp\!\big(-\eta_C (\tilde b - \gamma)\big)
+
+    with :math:`K` = ``len(norms)`` (Flower divides by the number of replies),
+    :math:`\sigma_b` = ``clipped_count_stddev``, :math:`\eta_C` = ``clip_norm_lr``,
+    :math:`\gamma` = ``target_quantile`` and :math:`z` one standard normal drawn from
+    ``generator`` (a CPU generator; the default one when None; nothing is drawn when
+    :math:`\sigma_b = 0`). ``norms`` are the update norms before clipping, as
+    :func:`private_aggregate` returns them. Note that Flower computes the round's noise
+    standard deviation from the clip norm *after* this update.
+    """
+    api = "fedkernels.adaptive_clip_norm"
+    checks = (("clip_norm", clip_norm, lambda v: v > 0, "> 0"),
+              ("target_quantile", target_quantile, lambda v: 0 <= v <= 1, "in [0, 1]"),
+              ("clip_norm_lr", clip_norm_lr, lambda v: v > 0, "> 0"),
+              ("clipped_count_stddev", clipped_count_stddev, lambda v: v >= 0, ">= 0"))
+    for name, value, ok, what in checks:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
+        if not (math.isfinite(value) and ok(value)):
+            raise ValueError(f"{api}: {name} must be finite and {what}, got {value}")
+    values = (norms.detach().cpu().double().reshape(-1).tolist() if isinstance(norms, Tensor)
+              else [float(n) for n in norms])
+    if not values:
+        raise ValueError(f"{api}: norms is empty (no client updates)")
+    if any(math.isnan(n) or n < 0 for n in values):
+        raise ValueError(f"{api}: norms must be >= 0 and not NaN, got {values[:10]}")
+    clipped = sum(1 for n in values if n != 0 and min(1.0, clip_norm / n) < 1)
+    noisy = float(clipped)
+    if clipped_count_stddev > 0:
+        if generator is not None and generator.device.type != "cpu":
+            raise ValueError(f"{api}: generator must be a CPU generator, got one on "
+                             f"{generator.device}")
+        z = torch.randn((), dtype=torch.float64, generator=generator).item()
+        noisy = clipped + clipped_count_stddev * z
+    fraction = noisy / len(values)
+    return float(clip_norm * math.exp(-clip_norm_lr * (fraction - target_quantile)))
+
+
+def adaptive_noise_params(noise_multiplier: float, num_sampled: int,
+                          clipped_count_stddev: float | None = None) -> tuple[float, float]:
+    r"""``(clipped_count_stddev, update_noise_multiplier)`` for adaptive clipping, as Flower's
+    ``compute_adaptive_noise_params``: the clipped-count query spends part of the privacy
+    budget, so the updates get the larger multiplier
+    :math:`(z^{-2} - (2\sigma_b)^{-2})^{-1/2}`; :math:`\sigma_b` defaults to
+    ``num_sampled / 20`` (Andrew et al.'s suggestion). ``noise_multiplier = 0`` gives
+    ``(clipped_count_stddev or 0, 0)``. Raises ``ValueError`` when
+    :math:`z \ge 2\sigma_b` (no finite multiplier exists)."""
+    api = "fedkernels.adaptive_noise_params"
+    if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+        raise ValueError(f"{api}: noise_multiplier must be finite and >= 0, got "
+                         f"{noise_multiplier}")
+    if clipped_count_stddev is not None and not (math.isfinite(clipped_count_stddev)
+                                                 and clipped_count_stddev >= 0):
+        raise ValueError(f"{api}: clipped_count_stddev must be finite and >= 0, got "
+                         f"{clipped_count_stddev}")
+    if noise_multiplier == 0:
+        return (0.0 if clipped_count_stddev is None else float(clipped_count_stddev)), 0.0
+    stddev = num_sampled / 20 if clipped_count_stddev is None else float(clipped_count_stddev)
+    if noise_multiplier >= 2 * stddev:
+        raise ValueError(f"{api}: noise_multiplier {noise_multiplier} needs "
+                         f"clipped_count_stddev > {noise_multiplier / 2} (got {stddev}); "
+                         "raise clipped_count_stddev or lower noise_multiplier")
+    return stddev, (noise_multiplier ** -2 - (2 * stddev) ** -2) ** -0.5
