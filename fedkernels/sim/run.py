@@ -76,9 +76,6 @@ class Simulation:
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
         )
         fed = self.federation
-        self.attack = build_attack(config.attack, fed.num_clients, seed)
-        if self.attack is not None:
-            self.attack.poison_labels(fed)
         if model is None:
             model = build_model(
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
