@@ -433,7 +433,7 @@ class _DPClipping:
         arrays = aggregated.to_numpy_ndarrays()
         for t, a in enumerate(arrays):
             if a.dtype in _FUSED_FLOAT_DTYPES:
-                x = torch.from_numpy(np.ascontiguousarray(a))
+                x = torch.from_numpy(a if a.flags.c_contiguous else a.copy())
                 arrays[t] = sgld_step(x, torch.zeros_like(x), step_size=0.0, noise_std=stdv,
                                       generator=self.generator).numpy()
             else:
@@ -455,18 +455,18 @@ class _DPClipping:
         if plan is None:
             return None
         names, base, clients = plan
+        norms = update_norms(clients, base).tolist()
+        if not all(math.isfinite(n) for n in norms):
+            return None
+        self._scales(norms, clip_norm)  # Flower clips (and divides) before the inner checks
+        for _ in replies:
+            flwr_log(INFO, self._clip_message, clip_norm)
         inner = self.strategy
         valid, _ = inner._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None
         contents = [m.content for m in valid]
         factors = _weights_from_records(contents, inner.weighted_by_key)
-        norms = update_norms(clients, base).tolist()
-        if not all(math.isfinite(n) for n in norms):
-            return None
-        self._scales(norms, clip_norm)
-        for _ in replies:
-            flwr_log(INFO, self._clip_message, clip_norm)
         stdv = compute_stdv(self.noise_multiplier, noise_clip(norms), self.num_sampled_clients)
         result, _ = private_aggregate(clients, factors, base=base, clip_norm=clip_norm,
                                       noise_std=stdv, generator=self.generator)
