@@ -9,6 +9,13 @@ mean, test-size-weighted mean, worst-10%, worst client, best-10%, gap, std, Gini
 tables report each as mean ± std over the seeds. A client whose test split holds one class has
 no AUROC and is left out of the AUROC statistics; the AUROC table says how many clients remain.
 
+When a method keeps personal models (the personalized baselines, SuPerFed), a further table
+reports what it is judged by: each client's own model on the client's own test split
+(``personalized_accuracy``, its worst-10%, and the models' ECE and MCE, mean over clients);
+methods without personal models appear there with their global model. For SuPerFed the
+personalized figure is at the lambda each client picks on its validation rows, and the paper's
+test-chosen (oracle) figure is shown beside it.
+
 ``--reference NAME`` adds the comparison of the Semi-VRed paper, per seed and client by client
 against that method's run with the same seed (hence the same clients): of the clients below the
 reference's median accuracy (``--reference-split mean``: its mean), how many the method
@@ -62,6 +69,21 @@ AUROC_METRICS = [  # the AUROC table, over the clients whose AUROC is defined
     ("client_auroc_gap", "gap"),
     ("client_auroc_clients", "clients"),
 ]
+PERSONALIZED_METRICS = [  # each client's own model on its own test split
+    ("personalized_accuracy", "personalized acc"),
+    ("personalized_accuracy_worst10", "worst-10%"),
+    ("personalized_ece", "ECE ×100"),
+    ("personalized_mce", "MCE ×100"),
+    ("personalized_accuracy_oracle", "λ chosen on test (SuPerFed's oracle)"),
+    ("client_accuracy_mean", "global model avg"),
+]
+# the global model's figures stand in for a method without personal models
+GLOBAL_AS_PERSONAL = {
+    "personalized_accuracy": "client_accuracy_mean",
+    "personalized_accuracy_worst10": "client_accuracy_worst10",
+    "personalized_ece": "client_ece_mean",
+    "personalized_mce": "client_mce_mean",
+}
 COUNTS = {"client_auroc_clients"}  # shown as numbers, not percentages
 REFERENCE_SPLITS = ("median", "mean")
 
@@ -104,12 +126,18 @@ def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) 
     result = Simulation(config, build_strategy(name, params)).run()
     summary = {
         k: v for k, v in result.summary.items()
-        if k.startswith(("test_", "client_accuracy_", "client_auroc_"))
+        if k.startswith(("test_", "client_accuracy_", "client_auroc_", "client_ece_",
+                         "client_mce_", "personalized_"))
         and (v is None or isinstance(v, (int, float)))
     }
+    personal = "personalized_accuracy" in summary
+    if not personal:
+        for key, source in GLOBAL_AS_PERSONAL.items():
+            summary[key] = summary.get(source)
     summary["seconds"] = time.perf_counter() - start
     return {
         "seed": seed,
+        "personal_models": personal,
         "summary": summary,
         "client_accuracy": [c["test_accuracy"] for c in result.clients],
         "client_auroc": [c.get("test_auroc") for c in result.clients],
@@ -277,13 +305,36 @@ def has_auroc(entries: list[dict[str, Any]]) -> bool:
                for k in ("test_auroc", "client_auroc_mean"))
 
 
+def has_personal_models(entries: list[dict[str, Any]]) -> bool:
+    """Whether any method keeps personal models (its runs report ``personalized_accuracy``)."""
+    return any(run.get("personal_models") for e in entries for run in e["runs"])
+
+
+def _personalized_table(entries: list[dict[str, Any]]) -> list[str]:
+    rows = [
+        {**e, "label": e["label"] if any(r.get("personal_models") for r in e["runs"])
+         else f"{e['label']} (global model)"}
+        for e in entries
+    ]
+    return [
+        "Personalized (%, mean ± std over seeds): each client's own model on its own test split, "
+        "mean over clients; ECE and MCE of those models (15 equal-width confidence bins, mean "
+        "over clients); a method without personal models is shown with its global model.",
+        "",
+        *_table(rows, PERSONALIZED_METRICS),
+    ]
+
+
 def markdown_table(entries: list[dict[str, Any]]) -> str:
     """The accuracy table (% , mean ± std over seeds; ``(w)``: weighted by test size), then
-    the AUROC table when there is an AUROC, then the comparison with ``--reference``."""
+    the AUROC table when there is an AUROC, the personalized table when a method keeps
+    personal models, then the comparison with ``--reference``."""
     lines = _table(entries, METRICS)
     if has_auroc(entries):
         lines += ["", "AUROC (%; the clients whose test split holds one class are left out, "
                   "'clients' counts the others):", "", *_table(entries, AUROC_METRICS)]
+    if has_personal_models(entries):
+        lines += ["", *_personalized_table(entries)]
     if any("versus_reference" in e for e in entries):
         lines += ["", *_reference_table(entries)]
     return "\n".join(lines) + "\n"
@@ -376,9 +427,11 @@ def compare(
             runs.append(run)
             if progress:
                 s = run["summary"]
+                personal = (f" personalized {s['personalized_accuracy']:.3f}"
+                            if run["personal_models"] else "")
                 print(
                     f"{label:>28s} seed {seed}: avg {s['client_accuracy_mean']:.3f} worst10 "
-                    f"{s['client_accuracy_worst10']:.3f} ({s['seconds']:.1f}s)",
+                    f"{s['client_accuracy_worst10']:.3f}{personal} ({s['seconds']:.1f}s)",
                     file=sys.stderr,
                 )
         mean, std = seed_statistics([r["summary"] for r in runs])
