@@ -9,6 +9,8 @@ docs/fairness.md:
   whose participation probabilities depend on their labels (FedAU's experiment);
 - ``aaggff-device``: AAggFF-D against FedAvg, q-FedAvg, TERM, AFL, PropFair and Δ-FL,
   100 synthetic(1,1) users, 10% of them sampled per round;
+- ``aaggff-device-digits``: the same line-up on digits split among 100 clients by
+  Dirichlet(0.3), 10% sampled per round;
 - ``aaggff-silo-heart``: AAggFF-S against the same baselines and FedMGDA+ on four sites of a
   heart-disease-like table (AUROC, as the paper's Heart experiment);
 - ``aaggff-silo-digits``: the same on digits split among 7 clients;
@@ -97,6 +99,16 @@ DEVICE_TREE = {
     "participation": {"kind": "uniform", "fraction": 0.1},
     "model": {"name": "logreg"},
     "client": {"epochs": 1, "batch_size": 20, "lr": 0.05},
+}
+DEVICE_DIGITS_TREE = {
+    "rounds": 300,
+    "eval_every": 25,
+    "vmap": True,
+    "data": {"name": "digits"},
+    "partition": {"kind": "dirichlet", "alpha": 0.3, "num_clients": 100},
+    "participation": {"kind": "uniform", "fraction": 0.1},
+    "model": {"name": "logreg"},
+    "client": {"steps": 5, "batch_size": 16, "lr": 0.1},
 }
 FAIR_BASELINES = [
     ("FedAvg", "fedavg", {}, {}),
@@ -210,6 +222,12 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
         "300 rounds x 1 local epoch (batch 20)",
         "tree": DEVICE_TREE, "methods": DEVICE_METHODS, "long": [],
         "criterion": "fair", "lr_grid": [0.02, 0.05, 0.1],
+    },
+    "aaggff-device-digits": {
+        "title": "digits, Dirichlet(0.3) over 100 clients, 10 sampled per round, logistic "
+        "regression, 300 rounds x 5 steps (batch 16)",
+        "tree": DEVICE_DIGITS_TREE, "methods": DEVICE_METHODS, "long": [],
+        "criterion": "fair", "lr_grid": [0.03, 0.1, 0.3],
     },
     "aaggff-silo-heart": {
         "title": "heart-disease-like table, 4 sites (natural split), full participation, "
