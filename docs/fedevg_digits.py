@@ -14,6 +14,9 @@ recipe: the initial noise set of FedEvg (chance level) and ``spc`` real training
     python docs/fedevg_digits.py --sweep           # the four columns (about 40 minutes)
     python docs/fedevg_digits.py --sweep --seeds 5 # five seeds, as the tables in docs/fedevg.md
 
+``--resume`` keeps the runs already in ``--out`` that were made with the same rounds, evaluation
+interval and common settings, and runs only the missing seeds (runs are deterministic per seed).
+
 Writes ``--out`` (default docs/fedevg_digits.json) and the accuracy curves ``--plot`` (default
 docs/fedevg_digits_curves.png). Every hyperparameter is fixed before any run, the same way for
 both methods: the thesis' or official scripts' values where they exist, the shared scale-downs
@@ -137,6 +140,17 @@ def plot(out: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def load_previous(args) -> dict:
+    """The results in ``args.out`` if they were made with the same rounds, interval and COMMON."""
+    path = Path(args.out)
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    same = (old["common"] == COMMON and old["settings"]["rounds"] == args.rounds
+            and old["settings"]["eval_every"] == args.eval_every)
+    return old["results"] if same else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -147,6 +161,8 @@ def main() -> None:
     parser.add_argument("--methods", default="fedevg,fedcvae")
     parser.add_argument("--images", action="store_true",
                         help="write seed 0's final synthetic sets as PNG grids into docs/")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the matching runs already in --out, run only what is missing")
     parser.add_argument("--out", default=str(HERE / "fedevg_digits.json"))
     parser.add_argument("--plot", default=str(HERE / "fedevg_digits_curves.png"))
     args = parser.parse_args()
@@ -157,13 +173,15 @@ def main() -> None:
         parser.error(f"unknown setting {unknown[0]} (choose from {', '.join(SETTINGS)})")
     methods = args.methods.split(",")
     torch.set_num_threads(1)
+    previous = load_previous(args) if args.resume else {}
     out = {"settings": {**vars(args), "settings": settings}, "common": COMMON, "paper": PAPER,
            "results": {}}
     for setting in settings:
         res = out["results"].setdefault(setting, {})
         refs = []
         for method in methods:
-            runs = [run(method, setting, s, args.rounds, args.eval_every, args.images)
+            done = {r["seed"]: r for r in previous.get(setting, {}).get(method, {}).get("runs", [])}
+            runs = [done.get(s) or run(method, setting, s, args.rounds, args.eval_every, args.images)
                     for s in range(args.seeds)]
             res[method] = {"final": mean_std([r["final"] for r in runs]), "runs": runs}
             refs += [r["references"] for r in runs if "references" in r]
