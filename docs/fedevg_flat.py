@@ -11,6 +11,8 @@ accuracy on 10 real digits per class and on every client's training data.
     python docs/fedevg_flat.py --interventions   # also 5 local epochs, spc 50, beta_0 = 1
 
 Writes ``--out`` (default docs/fedevg_flat.json) and ``--plot`` (docs/fedevg_flat.png).
+``--resume`` keeps the runs already in ``--out`` made with the same rounds, interval and common
+settings, and runs only the missing ones (runs are deterministic per seed).
 """
 
 from __future__ import annotations
@@ -159,14 +161,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--interventions", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the matching runs already in --out, run only what is missing")
     parser.add_argument("--out", default=str(HERE / "fedevg_flat.json"))
     parser.add_argument("--plot", default=str(HERE / "fedevg_flat.png"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     chosen = INTERVENTIONS if args.interventions else {"default": {}}
+    previous = {}
+    if args.resume and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if (old["common"] == COMMON and old["settings"]["rounds"] == args.rounds
+                and old["settings"]["eval_every"] == args.eval_every):
+            previous = old["runs"]
     out = {"settings": vars(args), "setting": SETTING, "common": COMMON, "runs": {}}
     for name, extra in chosen.items():
-        runs = [run(s, args.rounds, args.eval_every, extra, name == "default")
+        done = {r["seed"]: r for r in previous.get(name, [])}
+        runs = [done.get(s) or run(s, args.rounds, args.eval_every, extra, name == "default")
                 for s in range(args.seeds)]
         out["runs"][name] = runs
         finals = [r["accuracy"][-1][1] for r in runs]

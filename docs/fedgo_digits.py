@@ -15,7 +15,9 @@ Reports the server model's test accuracy (pooled over the clients' test splits) 
 round, the last round's ensemble accuracy, and the paper's rounds-to-target: the first round
 whose accuracy reaches the target, the highest multiple of 5% that FedAvg reached within the run
 on every seed. Every setting is fixed before the runs and shared by all methods; nothing is
-chosen on test data. Writes ``--out`` (default docs/fedgo_digits.json).
+chosen on test data. Writes ``--out`` (default docs/fedgo_digits.json) after every method;
+``--resume`` keeps the runs already there that were made with the same rounds, alpha and
+generator steps and runs only the missing seeds (runs are deterministic per seed).
 """
 
 from __future__ import annotations
@@ -95,6 +97,29 @@ def summary(values: list[float]) -> list[float]:
     return [statistics.mean(values), statistics.pstdev(values) if len(values) > 1 else 0.0]
 
 
+def add_rounds_to_target(out: dict) -> None:
+    """Rounds to the target: the highest multiple of 5% FedAvg reached on every seed."""
+    fedavg = out["methods"]["fedavg"]["runs"]
+    target = 0.05 * math.floor(min(max(r["curve"]) for r in fedavg) / 0.05 + 1e-9)
+    out["target_accuracy"] = target
+    for entry in out["methods"].values():
+        reached = [rounds_to(r["curve"], target) for r in entry["runs"]]
+        hit = [r for r in reached if r is not None]
+        entry["rounds_to_target"] = {"per_seed": reached, "reached": len(hit),
+                                     "mean_std": summary(hit) if hit else None}
+
+
+def load_previous(args) -> dict:
+    """The methods in ``args.out`` if they were made with the same rounds, alpha and steps."""
+    path = Path(args.out)
+    if not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    keys = ("rounds", "alpha", "gan_steps")
+    same = all(old["settings"][k] == getattr(args, k) for k in keys)
+    return old["methods"] if same else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -104,15 +129,21 @@ def main() -> None:
     parser.add_argument("--variants", action="store_true")
     parser.add_argument("--generator-cache", default="",
                         help="folder for the trained generators (default: a temporary one)")
+    parser.add_argument("--resume", action="store_true",
+                        help="reuse the matching runs already in --out, run only what is missing")
     parser.add_argument("--out", default=str(HERE / "fedgo_digits.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     methods = {**METHODS, **(VARIANTS if args.variants else {})}
+    previous = load_previous(args) if args.resume else {}
     out = {"settings": vars(args), "methods": {}}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(args.generator_cache or tmp)
         for name, (algorithm, params) in methods.items():
-            runs = [experiment(algorithm, params, s, args.rounds, args.alpha, args.gan_steps, cache)
+            done = {r["seed"]: r for r in previous.get(name, {}).get("runs", [])
+                    if previous[name]["params"] == params}
+            runs = [done.get(s) or {"seed": s, **experiment(algorithm, params, s, args.rounds,
+                                                            args.alpha, args.gan_steps, cache)}
                     for s in range(args.seeds)]
             entry = {"algorithm": algorithm, "params": params, "runs": runs,
                      "final": summary([r["final"] for r in runs])}
@@ -122,21 +153,15 @@ def main() -> None:
             out["methods"][name] = entry
             print(f"{name:30s} final {100 * entry['final'][0]:5.1f} ± {100 * entry['final'][1]:4.1f}"
                   f"  ({sum(r['seconds'] for r in runs):.0f} s)", flush=True)
-    # Rounds to the target: the highest multiple of 5% FedAvg reached on every seed.
-    fedavg = out["methods"]["fedavg"]["runs"]
-    target = 0.05 * math.floor(min(max(r["curve"]) for r in fedavg) / 0.05 + 1e-9)
-    out["target_accuracy"] = target
-    for entry in out["methods"].values():
-        reached = [rounds_to(r["curve"], target) for r in entry["runs"]]
-        hit = [r for r in reached if r is not None]
-        entry["rounds_to_target"] = {"per_seed": reached, "reached": len(hit),
-                                     "mean_std": summary(hit) if hit else None}
+            # Written after every method, so an interrupted run keeps what it finished.
+            add_rounds_to_target(out)
+            Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    target = out["target_accuracy"]
     for name, entry in out["methods"].items():
         rt = entry["rounds_to_target"]
         rts = ("never" if rt["mean_std"] is None
                else f"{rt['mean_std'][0]:5.1f} ± {rt['mean_std'][1]:4.1f} ({rt['reached']}/{args.seeds})")
         print(f"{name:30s} rounds to {100 * target:.0f}%: {rts}")
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
