@@ -6,7 +6,9 @@ and :func:`build_strategy` choose from the registry:
 - ``fedavg``: :class:`~fedkernels.algorithms.fedavg.FedAvg` (with ``server.optimizer`` it is
   also FedAvgM, FedAdam, FedYogi, FedAdagrad);
 - ``fedprox``: :class:`~fedkernels.algorithms.fedprox.FedProx`;
-- ``superfed-mm``, ``superfed-lm``: :mod:`~fedkernels.algorithms.superfed` (personalized).
+- ``superfed-mm``, ``superfed-lm``: :mod:`~fedkernels.algorithms.superfed` (personalized);
+- ``fedmedian``, ``trimmed-mean``, ``krum``, ``multikrum``, ``bulyan``:
+  :mod:`~fedkernels.algorithms.robust` (Byzantine-robust rules).
 """
 
 # Importing an algorithm's module registers it.
@@ -22,6 +24,7 @@ from . import (  # noqa: E402,F401
     fedevg,  # noqa: E402,F401
     participation,
     personalized,  # local, fedavg-ft, fedper, fedrep, lg-fedavg, apfl, ditto, pfedme
+    robust,  # fedmedian, trimmed-mean, krum, multikrum, bulyan
 )
 from .fedavg import FedAvg
 from .fedprox import FedProx, FedProxConfig

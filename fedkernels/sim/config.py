@@ -266,6 +266,76 @@ class ServerConfig:
 
 
 @dataclass
+class AttackConfig:
+    """Byzantine clients (:mod:`fedkernels.sim.attacks`)."""
+
+    kind: Literal["none", "signflip", "gaussian", "labelflip", "scale"] = _field(
+        "none",
+        "what the Byzantine clients do: signflip (reply x - scale*(x_k - x)), gaussian (reply "
+        "x + N(0, std^2)), labelflip (train on label C-1-y), scale (reply x + scale*(x_k - x))",
+    )
+    fraction: float = _field(
+        0.2, "fraction of the clients that are Byzantine (a seeded choice of round(fraction*N))"
+    )
+    scale: float = _field(10.0, "signflip/scale: factor on the honest update x_k - x")
+    std: float = _field(1.0, "gaussian: standard deviation of the reply's noise")
+
+    def __post_init__(self) -> None:
+        _require_finite(self, "attack")
+        _require(0.0 <= self.fraction <= 1.0, "attack.fraction must be in [0, 1]")
+        _require(self.scale > 0, "attack.scale must be > 0")
+        _require(self.std > 0, "attack.std must be > 0")
+
+
+@dataclass
+class PrivacyConfig:
+    """Server-side central differential privacy (:mod:`fedkernels.sim.central_dp`)."""
+
+    clip: float | None = _field(
+        None,
+        "L2 bound C on each client's update x_k - x; setting it turns central DP on "
+        "(with dp.adaptive the initial C, default 0.1)",
+    )
+    noise_multiplier: float = _field(
+        0.0, "sigma: Gaussian noise of std sigma*C/K on the mean of the K clipped updates"
+    )
+    adaptive: bool = _field(
+        False, "adapt C each round towards the target quantile of the update norms"
+    )
+    target_quantile: float = _field(0.5, "adaptive: fraction of updates meant to stay unclipped")
+    clip_lr: float = _field(0.2, "adaptive: learning rate of the geometric clip update")
+    clipped_count_stddev: float | None = _field(
+        None, "adaptive: noise std of the count of clipped updates (default: K/20)"
+    )
+    delta: float | None = _field(None, "delta of the reported (epsilon, delta) (default: 1/N)")
+    accountant: Literal["rdp", "pld"] = _field(
+        "rdp", "privacy accountant of dp-accounting (extra fedkernels[dp]) for epsilon"
+    )
+
+    def __post_init__(self) -> None:
+        _require_finite(self, "dp")
+        _require(self.clip is None or self.clip > 0, "dp.clip must be > 0")
+        _require(self.noise_multiplier >= 0, "dp.noise_multiplier must be >= 0")
+        _require(
+            self.clip is not None or self.adaptive or self.noise_multiplier == 0,
+            "dp.noise_multiplier needs dp.clip (or dp.adaptive): the noise is scaled by the "
+            "clipping bound",
+        )
+        _require(0.0 <= self.target_quantile <= 1.0, "dp.target_quantile must be in [0, 1]")
+        _require(self.clip_lr > 0, "dp.clip_lr must be > 0")
+        _require(
+            self.clipped_count_stddev is None or self.clipped_count_stddev >= 0,
+            "dp.clipped_count_stddev must be >= 0",
+        )
+        _require(self.delta is None or 0 < self.delta < 1, "dp.delta must be in (0, 1)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether updates are clipped (and noised) at all."""
+        return self.clip is not None or self.adaptive
+
+
+@dataclass
 class ExperimentConfig:
     """One federated experiment: everything ``fedkernels run`` needs."""
 
@@ -282,6 +352,8 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    dp: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def __post_init__(self) -> None:
         _require(self.rounds >= 1, "rounds must be >= 1")
@@ -307,7 +379,7 @@ class ExperimentConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = ("data", "partition", "participation", "model", "client", "server")
+SECTIONS = ("data", "partition", "participation", "model", "client", "server", "attack", "dp")
 
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attacks import build_attack
+from .central_dp import CentralPrivacy
 from .client import ClientUpdate, LocalTrainer
 from .config import ConfigError, ExperimentConfig
 from .data import Dataset, load_dataset
@@ -76,11 +78,15 @@ class Simulation:
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
         )
         fed = self.federation
+        self.attack = build_attack(config.attack, fed.num_clients, seed)
+        if self.attack is not None:
+            self.attack.poison_labels(fed)
         if model is None:
             model = build_model(
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
             )
-        self.server = Server(model, build_server_optimizer(config.server))
+        private = CentralPrivacy(config.dp, fed.num_clients, seed) if config.dp.enabled else None
+        self.server = Server(model, build_server_optimizer(config.server), private)
         self.sampler = build_sampler(config.participation, fed, seed)
         self.history = ParticipationHistory(fed.num_clients)
         self.strategy = strategy
@@ -147,6 +153,11 @@ class Simulation:
             start = time.perf_counter()
             updates = self._train(global_state, clients, t, ids.tolist())
             time_client = time.perf_counter() - start
+            if self.attack is not None:
+                updates = self.attack.corrupt(
+                    updates, ids.tolist(), global_state, self.server.parameter_names, t
+                )
+                record["byzantine_participants"] = self.attack.count_in(ids.tolist())
             info = RoundInfo(
                 round=t,
                 num_clients=fed.num_clients,
@@ -161,6 +172,8 @@ class Simulation:
             start = time.perf_counter()
             extra = self.strategy.aggregate(info, self.server)
             time_aggregate = time.perf_counter() - start
+            if self.server.private is not None:
+                record.update(self.server.private.take_round_record())
             record["train_loss"] = float(info.train_losses.mean())
             if global_losses is not None:
                 record["global_loss_before"] = float(global_losses.mean())
@@ -209,6 +222,8 @@ class Simulation:
             }
             if probabilities is not None:
                 entry["participation_probability"] = float(probabilities[k])
+            if self.attack is not None:
+                entry["byzantine"] = k in self.attack.clients
             clients.append(entry)
         summary = {
             **evaluation_metrics(evaluation),
@@ -217,6 +232,10 @@ class Simulation:
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
         }
+        if self.attack is not None:
+            summary["byzantine_clients"] = list(self.attack.clients)
+        if self.server.private is not None:
+            summary.update(self.server.private.summary())
         return RunResult(
             self.config.to_dict(),
             self.dataset_name,

@@ -23,6 +23,8 @@ MODEL_INIT = 4
 BATCHES = 5
 LOCAL_TRAINING = 6
 SERVER_SPLIT = 7
+ATTACK = 8
+DP_NOISE = 9
 
 
 def numpy_rng(seed: int, stream: int, *keys: int) -> np.random.Generator:

@@ -31,7 +31,7 @@ buffers (``num_batches_tracked``) the clients' maximum (``int_policy="max"``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -39,6 +39,9 @@ from torch import Tensor, nn
 from fedkernels.aggregate import aggregate
 
 from .config import ServerConfig
+
+if TYPE_CHECKING:
+    from .central_dp import CentralPrivacy
 
 StateDict = dict[str, Tensor]
 
@@ -207,12 +210,15 @@ def build_server_optimizer(config: ServerConfig) -> ServerOptimizer:
 class Server:
     """Holds the global ``state`` (a state_dict of the model) and applies client rounds to it."""
 
-    def __init__(self, model: nn.Module, optimizer: ServerOptimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: ServerOptimizer, private: CentralPrivacy | None = None
+    ) -> None:
         self.state: StateDict = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.parameter_names = [n for n, _ in model.named_parameters()]
         trainable = set(self.parameter_names)
         self.buffer_names = [n for n in self.state if n not in trainable]
         self.optimizer = optimizer
+        self.private = private  # central DP: clipped, noised, equally weighted mean
 
     def step(self, client_states: list[StateDict], weights: Tensor, round_index: int) -> None:
         """Applies one round: parameters through the optimizer, buffers averaged
@@ -220,12 +226,15 @@ class Server:
         if not client_states:
             return
         params = {n: self.state[n] for n in self.parameter_names}
-        self.optimizer.apply(
-            params,
-            [{n: s[n] for n in self.parameter_names} for s in client_states],
-            weights,
-            round_index + 1,
-        )
+        client_params = [{n: s[n] for n in self.parameter_names} for s in client_states]
+        if self.private is None:
+            self.optimizer.apply(params, client_params, weights, round_index + 1)
+        else:
+            # the optimizer moves x towards the private mean as it would towards the average
+            averaged = self.private.average(params, client_params, round_index)
+            self.optimizer.apply(
+                params, [averaged], torch.ones(1, dtype=torch.float64), round_index + 1
+            )
         if self.buffer_names:
             buffers = {n: self.state[n] for n in self.buffer_names}
             aggregate(
@@ -236,9 +245,14 @@ class Server:
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"global": self.state, "optimizer": self.optimizer.state_dict()}
+        state = {"global": self.state, "optimizer": self.optimizer.state_dict()}
+        if self.private is not None:
+            state["private"] = self.private.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, value in state["global"].items():
             self.state[name].copy_(value)
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.private is not None:
+            self.private.load_state_dict(state["private"])
