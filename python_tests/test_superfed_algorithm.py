@@ -13,6 +13,7 @@ from fedkernels.algorithms import available, build_strategy
 from fedkernels.cli import main
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import from_dict
+from fedkernels.sim.metrics import calibration_errors
 
 
 @pytest.fixture(autouse=True)
@@ -155,7 +156,11 @@ def test_evaluation_over_the_lambda_grid():
     for key in ("train_selected", "validation_selected"):
         assert summary["personalized_accuracy_oracle"] >= summary[f"personalized_accuracy_{key}"]
     assert summary["personalized_accuracy_oracle"] >= summary["global_endpoint_accuracy"]
-    assert 0 <= summary["personalized_ece"] <= 1 and 0 <= summary["personalized_mce"] <= 1
+    # ECE and MCE of each client's model at its chosen lambda, averaged over clients
+    logits = s.grid_logits(sim.server.state, clients)
+    per_client = [calibration_errors(z[j], c.test_y) for z, j, c in zip(logits, chosen.tolist(), clients)]
+    torch.testing.assert_close(summary["personalized_ece"], sum(float(e) for e, _ in per_client) / 6)
+    torch.testing.assert_close(summary["personalized_mce"], sum(float(m) for _, m in per_client) / 6)
     assert "personalized_accuracy" in result.rounds[-1]
 
 
