@@ -41,9 +41,18 @@ def cell(values: list[float], scale: float, seeds: bool) -> str:
     return text
 
 
-def table(path: Path, seeds_for: set[str]) -> str:
-    """The markdown table of one compare.json; per-seed values for the keys in ``seeds_for``."""
+def table(
+    path: Path, seeds_for: set[str], only_seeds: set[int] | None = None,
+    labels: list[str] | None = None,
+) -> str:
+    """The markdown table of one compare.json; per-seed values for the keys in ``seeds_for``;
+    only the runs with a seed in ``only_seeds`` and the methods in ``labels`` when given."""
     data = json.loads(path.read_text())
+    if labels is not None:
+        data["entries"] = [e for e in data["entries"] if e["label"] in labels]
+    if only_seeds is not None:
+        for e in data["entries"]:
+            e["runs"] = [run for run in e["runs"] if run["seed"] in only_seeds]
     columns = [c for c in COLUMNS if any(
         c[0] in run["summary"] and (c[0] in GLOBAL_KEYS or run.get("personal_models"))
         for e in data["entries"] for run in e["runs"])]
@@ -72,9 +81,13 @@ def main() -> None:
     parser.add_argument("files", nargs="+", type=Path, help="compare.json files")
     parser.add_argument("--seeds", default="personalized_accuracy",
                         help="comma-separated keys shown with per-seed values")
+    parser.add_argument("--only-seeds", help="comma-separated seeds: leave the other runs out")
+    parser.add_argument("--labels", help="comma-separated method labels: leave the others out")
     args = parser.parse_args()
+    only = None if args.only_seeds is None else {int(s) for s in args.only_seeds.split(",")}
+    labels = None if args.labels is None else args.labels.split(",")
     for path in args.files:
-        print(f"{path}:\n\n{table(path, set(args.seeds.split(',')))}\n")
+        print(f"{path}:\n\n{table(path, set(args.seeds.split(',')), only, labels)}\n")
 
 
 if __name__ == "__main__":
