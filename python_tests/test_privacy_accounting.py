@@ -244,3 +244,28 @@ def test_strategies_that_bypass_the_weighted_mean_are_refused():
 
     with pytest.raises(ConfigError, match="no noise was added"):
         Simulation(dp_config(rounds=1, clip=1.0), OwnAverage()).run()
+
+
+def test_adaptive_step_direction_against_flower():
+    """Documents the departure in docs/algorithms/robust.md: with every update clipped, the
+    paper's rule (ours) raises C; Flower's server-side class lowers it by the same factor."""
+    pytest.importorskip("flwr")
+    from unittest.mock import MagicMock
+
+    import numpy as np
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.server.strategy import DifferentialPrivacyServerSideAdaptiveClipping, FedAvg
+
+    flower = DifferentialPrivacyServerSideAdaptiveClipping(
+        FedAvg(), noise_multiplier=0.0, num_sampled_clients=4
+    )
+    flower.current_round_params = [np.zeros(3)]
+    replies = [
+        (MagicMock(), FitRes(Status(Code.OK, ""), ndarrays_to_parameters([np.ones(3)]), 10, {}))
+        for _ in range(4)
+    ]
+    flower.aggregate_fit(1, replies, [])
+    ours = CentralPrivacy(PrivacyConfig(adaptive=True), num_clients=4, seed=0)
+    ours.average(params([0.0, 0.0, 0.0]), [params([1.0, 1.0, 1.0])] * 4, 0)
+    assert flower.clipping_norm == pytest.approx(0.1 * math.exp(-0.1))
+    assert ours.clip == pytest.approx(0.1 * math.exp(0.1))
