@@ -136,7 +136,8 @@ def main() -> None:
     torch.set_num_threads(1)
     methods = {**METHODS, **(VARIANTS if args.variants else {})}
     previous = load_previous(args) if args.resume else {}
-    out = {"settings": vars(args), "methods": {}}
+    # An interrupted --resume run leaves the methods it has not reached as they were.
+    out = {"settings": vars(args), "methods": {k: v for k, v in previous.items() if k in methods}}
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(args.generator_cache or tmp)
         for name, (algorithm, params) in methods.items():
