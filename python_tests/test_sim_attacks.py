@@ -175,3 +175,17 @@ def test_cli_flags(tmp_path, capsys):
 def test_bad_attack_settings(tree, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(ExperimentConfig, {"attack": tree})
+
+
+def test_checkpoints_from_before_the_attack_and_dp_sections_resume(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    Simulation(small_config(rounds=1), build_strategy("fedavg"), checkpoint=path).run()
+    state = torch.load(path, weights_only=True)
+    del state["config"]["attack"], state["config"]["dp"]
+    torch.save(state, path)
+    resumed = Simulation(small_config(rounds=2), build_strategy("fedavg"), checkpoint=path)
+    assert len(resumed.run(resume=True).rounds) == 2
+    attacked = Simulation(small_config(rounds=2, kind="signflip"), build_strategy("fedavg"),
+                          checkpoint=path)
+    with pytest.raises(ConfigError, match="differs from the checkpoint's in attack.kind"):
+        attacked.run(resume=True)

@@ -30,7 +30,7 @@ from torch import nn
 from .attacks import build_attack
 from .central_dp import CentralPrivacy
 from .client import ClientUpdate, LocalTrainer
-from .config import ConfigError, ExperimentConfig
+from .config import AttackConfig, ConfigError, ExperimentConfig, PrivacyConfig
 from .data import Dataset, load_dataset
 from .federation import build_federation
 from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
@@ -293,6 +293,9 @@ class Simulation:
             raise ConfigError(f"{damaged} (missing or malformed: {', '.join(missing) or 'config'})")
         saved, current = dict(state["config"]), self.config.to_dict()
         saved.pop("rounds", None), current.pop("rounds")
+        # checkpoints written before the attack and dp sections existed ran without either
+        saved.setdefault("attack", dataclasses.asdict(AttackConfig()))
+        saved.setdefault("dp", dataclasses.asdict(PrivacyConfig()))
         changed = sorted(_differences(saved, current))
         if changed:
             keys = ", ".join(changed)
