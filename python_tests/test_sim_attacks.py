@@ -189,3 +189,22 @@ def test_checkpoints_from_before_the_attack_and_dp_sections_resume(tmp_path):
                           checkpoint=path)
     with pytest.raises(ConfigError, match="differs from the checkpoint's in attack.kind"):
         attacked.run(resume=True)
+
+
+class OwnTraining(Recording):
+    """Trains its clients itself: every client returns the global model plus 1."""
+
+    name = "own-training-test"
+
+    def train_client(self, global_state, data, round_index, client_id):
+        return ClientUpdate({n: t + 1.0 for n, t in global_state.items()}, 0.0)
+
+
+def test_strategies_that_train_their_own_clients_are_attacked_too():
+    strategy = OwnTraining()
+    Simulation(small_config(rounds=1, kind="signflip", fraction=0.3, scale=2.0), strategy).run()
+    byzantine = choose_byzantine(10, 0.3, seed=0)
+    for k, reply in enumerate(strategy.seen):
+        for n, base in strategy.base.items():
+            expected = base - 2.0 if k in byzantine else base + 1.0
+            torch.testing.assert_close(reply[n], expected)
