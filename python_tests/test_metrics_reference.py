@@ -105,8 +105,8 @@ def test_tables_show_weighted_auroc_and_reference_columns():
         keys = {"test_accuracy": acc, "client_accuracy_mean": acc,
                 "client_accuracy_mean_weighted": acc, "test_auroc": auroc,
                 "client_auroc_mean": auroc, "client_auroc_clients": 3.0 if auroc else None}
-        return {"label": label, "mean": keys, "std": {k: 0.0 if v is not None else None
-                                                       for k, v in keys.items()}}
+        return {"label": label, "runs": [], "mean": keys,
+                "std": {k: 0.0 if v is not None else None for k, v in keys.items()}}
 
     entries = [entry("fedavg", 0.5, 0.75), entry("semi", 0.6, None)]
     entries[1]["versus_reference"] = {
