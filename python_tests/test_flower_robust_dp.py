@@ -318,3 +318,24 @@ def test_zero_dim_arrays_are_clipped():
     assert float(got[0]["s"].numpy()) == pytest.approx(0.5)
     total = np.sqrt(np.sum(got[0]["w"].numpy() ** 2) + float(got[0]["s"].numpy()) ** 2)
     assert total == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_update_like_flower(bad):
+    """NaN in a reply: Flower's factor min(1, C / nan) is 1 and the NaN reaches the mean;
+    Inf: the factor is 0 and 0 * inf is NaN. Ours gives the same arrays (through the
+    general path: fedkernels' private_aggregate refuses a non-finite update)."""
+    rng = np.random.default_rng(10)
+    state = _model(rng, np.float32)
+    out = []
+    for cls in (flower.DifferentialPrivacyServerSideFixedClipping,
+                ours_module.DifferentialPrivacyServerSideFixedClipping):
+        msgs = _replies(np.random.default_rng(11), state, np.float32, [0.1, 0.2, 0.3, 0.4, 0.5])
+        arrays = msgs[1].content["arrays"]
+        w = arrays["fc.weight"].numpy()
+        w[0, 0] = bad
+        arrays["fc.weight"] = flwr.app.Array(w)
+        out.append(_round(cls(flower.FedAvg(), 0.0, 0.5, K), 1, state, msgs))
+    assert out[0][1] is None and out[1][1] is None
+    assert np.isnan(out[0][0][0]["fc.weight"].numpy()).any()
+    assert_arrays_equal(out[1][0][0], out[0][0][0], 2e-5, 2e-6)

@@ -443,33 +443,45 @@ class _DPClipping:
                             for k, v in zip(names, arrays, strict=True)})
 
     def _fused_round(self, replies: list[Message], clip_norm: float,
-                     noise_clip: Callable[[list[float]], float]
+                     noise_clip: Callable[[list[float]], float] | None = None
                      ) -> tuple[ArrayRecord | None, MetricRecord | None] | None:
-        """Clip, the wrapped FedAvg's mean and the noise as one :func:`private_aggregate`,
-        after one :func:`update_norms` pass (the noise's C, ``noise_clip(norms)``, may depend
-        on the norms); None where the wrapped strategy or the replies need the general path
-        (also for NaN/Inf updates, which Flower averages unclipped or as NaN)."""
+        """Clip, the wrapped FedAvg's mean and the noise as one :func:`private_aggregate`
+        call; None where the wrapped strategy or the replies need the general path (also for
+        NaN/Inf updates, which Flower averages unclipped or as NaN). The noise's C is
+        ``clip_norm``, or ``noise_clip(norms)`` (the adaptive wrapper's updated C, which
+        needs the norms first: one :func:`update_norms` pass more)."""
         if not _averages_like_fedavg(self.strategy):
             return None
         plan = self._plan(replies)
         if plan is None:
             return None
         names, base, clients = plan
-        norms = update_norms(clients, base).tolist()
-        if not all(math.isfinite(n) for n in norms):
-            return None
-        self._scales(norms, clip_norm)  # Flower clips (and divides) before the inner checks
+        norms = None
+        if noise_clip is not None:
+            norms = update_norms(clients, base).tolist()
+            if not all(math.isfinite(n) for n in norms):
+                return None
+            self._scales(norms, clip_norm)  # Flower clips (and divides) before the inner checks
+        inner = self.strategy
         for _ in replies:
             flwr_log(INFO, self._clip_message, clip_norm)
-        inner = self.strategy
         valid, _ = inner._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None
         contents = [m.content for m in valid]
         factors = _weights_from_records(contents, inner.weighted_by_key)
-        stdv = compute_stdv(self.noise_multiplier, noise_clip(norms), self.num_sampled_clients)
-        result, _ = private_aggregate(clients, factors, base=base, clip_norm=clip_norm,
-                                      noise_std=stdv, generator=self.generator)
+        c_noise = clip_norm if noise_clip is None else noise_clip(norms)
+        stdv = compute_stdv(self.noise_multiplier, c_noise, self.num_sampled_clients)
+        try:
+            result, computed = private_aggregate(clients, factors, base=base,
+                                                 clip_norm=clip_norm, noise_std=stdv,
+                                                 generator=self.generator)
+        except ValueError:
+            if all(math.isfinite(n) for n in update_norms(clients, base).tolist()):
+                raise
+            return None  # NaN/Inf in an update: Flower's arithmetic, not an error
+        if norms is None:
+            self._scales(computed.tolist(), clip_norm)  # a zero update: Flower's error
         flwr_log(INFO, "aggregate_fit: central DP noise with %.4f stdev added", stdv)
         record = ArrayRecord({n: ndarray_to_array(t.numpy()) for n, t in zip(names, result)})
         return record, inner.train_metrics_aggr_fn(contents, inner.weighted_by_key)
@@ -511,7 +523,7 @@ class DifferentialPrivacyServerSideFixedClipping(
             return None, None
         self._validate_uniform_weights(replies_list)
         clip = self.clipping_norm
-        fused = self._fused_round(replies_list, clip, lambda norms: clip)
+        fused = self._fused_round(replies_list, clip)
         if fused is None:
             self._clip_replies(replies_list, clip)
             fused = self.strategy.aggregate_train(server_round, replies_list)
