@@ -301,3 +301,21 @@ def test_constructor_and_summary_are_flowers():
         ours_module.FedTrimmedAvg(beta=0.5)
     ours_module.Bulyan(num_malicious_nodes=1).summary()
     assert ours_module.Krum().num_nodes_to_select == 1
+
+
+@pytest.mark.parametrize("name, op", [("FedMedian", "coordinate_median"),
+                                      ("FedTrimmedAvg", "trimmed_mean"),
+                                      ("Krum", "pairwise_sq_distances"),
+                                      ("MultiKrum", "pairwise_sq_distances"),
+                                      ("Bulyan", "pairwise_sq_distances")])
+def test_float_replies_take_the_fedkernels_op(monkeypatch, name, op):
+    """The arithmetic really is fedkernels': one call of the op for all float arrays."""
+    calls = []
+    real = getattr(ours_module, op)
+    monkeypatch.setattr(ours_module, op, lambda *a, **k: calls.append(op) or real(*a, **k))
+    spec = Float32Odd().replies(1, np.random.default_rng(5))
+    kwargs = CLASSES[name][0]
+    got = getattr(ours_module, name)(**kwargs).aggregate_train(1, _messages(spec, False))
+    want = getattr(flower, name)(**kwargs).aggregate_train(1, _messages(spec, False))
+    assert calls == [op]
+    assert_arrays_equal(got[0], want[0], 2e-5, 2e-6)

@@ -40,9 +40,16 @@ arrays become float64 where Flower's NumPy arithmetic makes them so). What diffe
 - Krum's distances are exact float64 sums where Flower uses
   :math:`\|x\|^2 + \|y\|^2 - 2x\cdot y` in the models' precision; two replies whose scores
   differ by less than that rounding may be ranked the other way.
-- Bulyan's "nearest to the median" and a trimmed mean's cut are defined up to ties: where two
-  values are equally far from the median and only one of them is kept, the kept one may
-  differ from NumPy's ``argpartition`` choice.
+- Bulyan's "β values nearest to the median" is defined up to ties: where two different
+  values are equally far from the median and only one of them is kept, ours keeps the earlier
+  selected reply's, which may differ from NumPy's ``argpartition`` choice. (A trimmed mean
+  has no such ambiguity: the kept values are the same whatever their order.)
+- Flower's float16 Krum distances round away the distances between similar replies; ours
+  are exact, so the float16 selections can differ.
+- Flower's DP clip multiplies each update in place, which does not reach 0-d arrays (NumPy
+  hands out a scalar copy): Flower leaves them unclipped. Ours clips every array by the same
+  factor, as the clipping bound needs. A reply equal to the global model is Flower's
+  ``ZeroDivisionError`` (its clipping factor divides by the zero norm), with a message.
 - DP noise is drawn from fedkernels' counter-based Philox stream (``generator``, a
   ``torch.Generator``; None: a seed from torch's default generator) instead of NumPy's global
   ``np.random``: same distribution, different draws. The adaptive wrapper's noise on the
