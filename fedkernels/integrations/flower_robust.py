@@ -578,6 +578,9 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
         replies_list = list(replies)
         if not _flwr_dp_fixed.validate_replies(replies_list, self.num_sampled_clients):
             return None, None
+        if not replies_list:  # Flower divides the noisy clipped count by zero replies
+            raise ZeroDivisionError(f"{type(self).__name__}: no replies, and the clipped "
+                                    "fraction divides by their number")
         clip = self.clipping_norm
         updated: list[float] = []
 
