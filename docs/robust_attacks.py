@@ -12,7 +12,8 @@ The rules that take f are told f = 4, the true number of Byzantine clients. Each
 ``fedkernels run``; ``--commands`` prints them instead of running.
 
 A second part sweeps the noise multiplier of FedAvg + DP without attack and plots accuracy
-against the epsilon the accountant reports after the last round.
+against the epsilon the accountant reports after the last round, next to FedAvg and to clipping
+without noise. Cells already in the JSON are reused (``--fresh`` recomputes them).
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def plot(cells: dict, seeds: list[int]) -> None:
         ax.annotate(f"σ={sigma:g}", (x, y), textcoords="offset points", xytext=(4, -12),
                     fontsize=8)
     ax.axhline(100 * statistics.fmean(plain), color="grey", linestyle="--", label="FedAvg, no DP")
+    clip_only = [cells[f"dp-clip-only/{s}"]["accuracy"] for s in seeds]
+    ax.axhline(100 * statistics.fmean(clip_only), color="tab:orange", linestyle=":",
+               label="clipping only (σ = 0, no ε)")
     ax.set_xscale("log")
     ax.set_xlabel("ε after 20 rounds (δ = 1/20, RDP accountant)")
     ax.set_ylabel("test accuracy (%)")
@@ -155,6 +159,9 @@ def main() -> None:
             dp = {"clip": DP["clip"], "noise_multiplier": sigma}
             jobs.append((f"dp-sigma{sigma}/{seed}", "fedavg", {},
                          experiment(seed, "none", dp, args.rounds)))
+    for seed in args.seeds:  # clipping without noise: what the clip alone costs
+        jobs.append((f"dp-clip-only/{seed}", "fedavg", {},
+                     experiment(seed, "none", {"clip": DP["clip"]}, args.rounds)))
     if args.commands:
         for key, algorithm, params, tree in jobs:
             print(f"# {key}\n{command(algorithm, params, tree)}")
@@ -181,6 +188,8 @@ def main() -> None:
         runs = [cells[f"dp-sigma{sigma}/{s}"] for s in args.seeds]
         print(f"sigma {sigma:g}: epsilon {runs[0]['epsilon']:.2f}, accuracy "
               f"{mean_std([r['accuracy'] for r in runs])}")
+    clip_only = [cells[f"dp-clip-only/{s}"]["accuracy"] for s in args.seeds]
+    print(f"clipping only (sigma 0, no guarantee): accuracy {mean_std(clip_only)}")
     total = sum(c["seconds"] for c in cells.values())
     print(f"\n{len(cells)} runs, {total / 60:.1f} min of run time")
     plot(cells, args.seeds)
