@@ -14,7 +14,7 @@ from scipy.stats import norm
 from fedkernels.algorithms.registry import build_strategy
 from fedkernels.cli import main
 from fedkernels.privacy import epsilon, epsilon_from_rates
-from fedkernels.sim.central_dp import CentralPrivacy
+from fedkernels.sim.central_dp import CentralPrivacy, sampling_rate
 from fedkernels.sim.config import ConfigError, ExperimentConfig, PrivacyConfig, from_dict
 from fedkernels.sim.run import Simulation
 
@@ -118,7 +118,7 @@ def test_clipped_equal_weight_mean_by_hand():
     clients = [params([3.0, 4.0]), params([0.3, 0.4])]  # norms 5 (clipped to 1) and 0.5
     averaged = dp.average(base, clients, round_index=0)
     torch.testing.assert_close(averaged["w"], torch.tensor([0.45, 0.6], dtype=torch.float64))
-    record = dp.take_round_record()
+    record = dp.take_round_record(2)
     assert record["dp_clipped_fraction"] == 0.5 and record["dp_noise_std"] == 0.0
     assert record["dp_epsilon"] is None
     assert dp.sampling_rates == [0.5]
@@ -185,6 +185,24 @@ def test_run_reports_epsilon_every_round_and_at_the_end():
     assert result.summary["dp_epsilon"] == per_round[-1]
     assert result.summary["dp_delta"] == 0.1  # 1/N
     assert all(r["dp_clip"] == 0.5 for r in result.rounds)
+
+
+def test_sampling_rate_per_participation_pattern():
+    assert sampling_rate("full", None) == 1.0
+    assert sampling_rate("uniform", None) is None  # the round's K / N
+    assert sampling_rate("bernoulli", [0.1, 0.3, 0.2]) == 0.3  # the worst-off client
+    assert sampling_rate("markov", [0.1, 0.1]) == 1.0  # not independent draws: no amplification
+    assert sampling_rate("cyclic", [0.1, 0.1]) == 1.0
+    config = dp_config(participation={"kind": "bernoulli", "fraction": 0.2},
+                       clip=1.0, noise_multiplier=2.0)
+    assert Simulation(config, build_strategy("fedavg")).server.private.rate == 0.2
+
+
+def test_a_round_without_participants_still_counts_for_poisson_sampling():
+    dp = CentralPrivacy(PrivacyConfig(clip=1.0, noise_multiplier=2.0), 10, seed=0, rate=0.2)
+    record = dp.take_round_record(0)
+    assert dp.sampling_rates == [0.2]
+    assert record == {"dp_epsilon": pytest.approx(epsilon(2.0, 0.2, 1, 0.1))}
 
 
 def test_clipping_without_noise_bounds_the_step():

@@ -32,7 +32,7 @@ sensitivity argument needs.
 
 Noise comes from the streams ``(seed, DP_NOISE, round, 0)`` (model) and ``(..., 1)`` (count), so a
 resumed run draws the same noise. :math:`\varepsilon` after each round is computed with
-:mod:`fedkernels.privacy` from the sampling rates :math:`q_t = K_t / N` seen so far.
+:mod:`fedkernels.privacy` from the rounds' sampling rates (:func:`sampling_rate`).
 """
 
 from __future__ import annotations
@@ -52,11 +52,26 @@ from .config import ConfigError, PrivacyConfig
 INITIAL_ADAPTIVE_CLIP = 0.1  # Flower's initial_clipping_norm
 
 
+def sampling_rate(kind: str, probabilities: Any) -> float | None:
+    """The sampling rate the accountant is given for a participation pattern: ``None`` for
+    ``uniform`` (the round's K / N, a fixed-size random subset), the largest :math:`p_n` for
+    ``bernoulli`` (independent draws: Poisson sampling, and the worst-off client's rate), and 1
+    (no amplification) for ``full`` and for ``markov`` and ``cyclic``, whose participation is not
+    an independent random draw each round."""
+    if kind == "uniform":
+        return None
+    if kind == "bernoulli":
+        return float(max(probabilities))
+    return 1.0
+
+
 class CentralPrivacy:
     """Clip, average and noise the clients' models; keeps the clip bound and the sampling
     rates (for the accountant) across rounds and through checkpoints."""
 
-    def __init__(self, config: PrivacyConfig, num_clients: int, seed: int) -> None:
+    def __init__(
+        self, config: PrivacyConfig, num_clients: int, seed: int, rate: float | None = None
+    ) -> None:
         if not config.enabled:
             raise ConfigError("central DP needs dp.clip or dp.adaptive")
         if config.noise_multiplier > 0 and not dp_accounting_available():
@@ -69,6 +84,7 @@ class CentralPrivacy:
         self.seed = seed
         self.delta = config.delta if config.delta is not None else 1.0 / num_clients
         self.clip = config.clip if config.clip is not None else INITIAL_ADAPTIVE_CLIP
+        self.rate = rate  # the accountant's q per round; None: the round's K / N
         self.sampling_rates: list[float] = []
         self.last: dict[str, float] | None = None
 
@@ -109,7 +125,6 @@ class CentralPrivacy:
         )
         if self.config.adaptive:
             self.clip = self._next_clip(clip, norms, count_std, round_index)
-        self.sampling_rates.append(k / self.num_clients)
         self.last = {
             "dp_clip": clip,
             "dp_noise_std": noise_std,
@@ -144,16 +159,19 @@ class CentralPrivacy:
             accountant=self.config.accountant,
         )
 
-    def take_round_record(self) -> dict[str, Any]:
-        """This round's DP metrics (clip, noise, epsilon); raises when the strategy did not
-        aggregate through the server's weighted mean, so the noise was never added."""
-        if self.last is None:
+    def take_round_record(self, num_participants: int) -> dict[str, Any]:
+        """Closes a round of ``num_participants`` clients for the accountant and returns its DP
+        metrics (clip, noise, epsilon); raises when clients took part but the strategy did not
+        aggregate through the server's weighted mean, so no noise was added."""
+        if num_participants and self.last is None:
             raise ConfigError(
                 "dp.* needs an algorithm that aggregates through the server's weighted mean "
                 "(fedavg, fedprox, ...); this one combines the clients its own way, so no "
                 "noise was added"
             )
-        record: dict[str, Any] = dict(self.last)
+        rate = num_participants / self.num_clients if self.rate is None else self.rate
+        self.sampling_rates.append(rate)
+        record: dict[str, Any] = dict(self.last or {})
         record["dp_epsilon"] = self.epsilon()
         self.last = None
         return record

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .attacks import build_attack
-from .central_dp import CentralPrivacy
+from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
 from .config import AttackConfig, ConfigError, ExperimentConfig, PrivacyConfig
 from .data import Dataset, load_dataset
@@ -85,9 +85,12 @@ class Simulation:
             model = build_model(
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
             )
-        private = CentralPrivacy(config.dp, fed.num_clients, seed) if config.dp.enabled else None
-        self.server = Server(model, build_server_optimizer(config.server), private)
         self.sampler = build_sampler(config.participation, fed, seed)
+        private = None
+        if config.dp.enabled:
+            rate = sampling_rate(config.participation.kind, self.sampler.probabilities)
+            private = CentralPrivacy(config.dp, fed.num_clients, seed, rate)
+        self.server = Server(model, build_server_optimizer(config.server), private)
         self.history = ParticipationHistory(fed.num_clients)
         self.strategy = strategy
         trainer_class = BatchedTrainer if config.vmap else LocalTrainer
@@ -172,12 +175,12 @@ class Simulation:
             start = time.perf_counter()
             extra = self.strategy.aggregate(info, self.server)
             time_aggregate = time.perf_counter() - start
-            if self.server.private is not None:
-                record.update(self.server.private.take_round_record())
             record["train_loss"] = float(info.train_losses.mean())
             if global_losses is not None:
                 record["global_loss_before"] = float(global_losses.mean())
             record.update({f"strategy_{k}": float(v) for k, v in extra.items()})
+        if self.server.private is not None:
+            record.update(self.server.private.take_round_record(len(ids)))
         record["time_client"] = time_client
         record["time_aggregate"] = time_aggregate
         if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
