@@ -294,7 +294,7 @@ class PrivacyConfig:
     clip: float | None = _field(
         None,
         "L2 bound C on each client's update x_k - x; setting it turns central DP on "
-        "(with dp.adaptive the initial C, default 0.1)",
+        "(default: off; with dp.adaptive the initial C, 0.1)",
     )
     noise_multiplier: float = _field(
         0.0, "sigma: Gaussian noise of std sigma*C/K on the mean of the K clipped updates"
