@@ -251,6 +251,22 @@ def test_cli_errors(tmp_path, capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
+def test_every_noised_release_is_accounted():
+    from fedkernels.algorithms.fedavg import FedAvg
+
+    class TwoSteps(FedAvg):
+        name = "two-steps-test"
+
+        def aggregate(self, info, server):
+            super().aggregate(info, server)
+            return super().aggregate(info, server)
+
+    config = dp_config(rounds=2, clip=1.0, noise_multiplier=2.0)
+    result = Simulation(config, TwoSteps()).run()
+    assert result.summary["dp_releases"] == 4
+    assert result.summary["dp_epsilon"] == pytest.approx(epsilon(2.0, 1.0, 4, 0.1))
+
+
 def test_strategies_that_bypass_the_weighted_mean_are_refused():
     from fedkernels.algorithms.fedavg import FedAvg
 

@@ -85,8 +85,9 @@ class CentralPrivacy:
         self.delta = config.delta if config.delta is not None else 1.0 / num_clients
         self.clip = config.clip if config.clip is not None else INITIAL_ADAPTIVE_CLIP
         self.rate = rate  # the accountant's q per round; None: the round's K / N
-        self.sampling_rates: list[float] = []
+        self.sampling_rates: list[float] = []  # one entry per noised release
         self.last: dict[str, float] | None = None
+        self.releases = 0  # noised means released in the current round
 
     def noise_levels(self, num_sampled: int) -> tuple[float, float]:
         """``(model noise multiplier, std of the clipped count)`` for ``num_sampled`` clients."""
@@ -129,8 +130,9 @@ class CentralPrivacy:
             "dp_clip": clip,
             "dp_noise_std": noise_std,
             "dp_clipped_fraction": float((norms > clip).double().mean()),
-            "dp_update_norm_median": float(norms.double().median()),
+            "dp_update_norm_median": float(norms.double().quantile(0.5)),
         }
+        self.releases += 1
         return averaged
 
     def _next_clip(self, clip: float, norms: Tensor, count_std: float, round_index: int) -> float:
@@ -170,10 +172,12 @@ class CentralPrivacy:
                 "noise was added"
             )
         rate = num_participants / self.num_clients if self.rate is None else self.rate
-        self.sampling_rates.append(rate)
+        # a round without participants is still one draw of the sampler; a strategy that steps
+        # the server twice releases two noised means
+        self.sampling_rates += [rate] * max(1, self.releases)
         record: dict[str, Any] = dict(self.last or {})
         record["dp_epsilon"] = self.epsilon()
-        self.last = None
+        self.last, self.releases = None, 0
         return record
 
     def summary(self) -> dict[str, Any]:
@@ -185,7 +189,7 @@ class CentralPrivacy:
             "dp_noise_multiplier": self.config.noise_multiplier,
             "dp_accountant": self.config.accountant,
             "dp_final_clip": self.clip,
-            "dp_rounds": len(self.sampling_rates),
+            "dp_releases": len(self.sampling_rates),
             "dp_mean_sampling_rate": (
                 math.fsum(self.sampling_rates) / len(self.sampling_rates)
                 if self.sampling_rates
