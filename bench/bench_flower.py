@@ -6,10 +6,12 @@ Models (float32, as torch clients send them):
 - ``resnet18``: the 62 parameter tensors of a ResNet-18 (11.69 M values, 46.8 MB);
 - ``lora``: 256 adapter tensors of 64 Ki values each (16.8 M values, 67.1 MB).
 
-K = 10 and 100. For K = 100, replies cycle through 10 distinct client models (reply k carries
-the serialized bytes of client k mod 10), so that the replies fit in memory on a shared
-machine; 10 distinct models (468 MB / 671 MB) are still far larger than any L3 cache, and
-Flower deserializes every reply anyway.
+K = 10 and 100. ``--distinct D`` (default 10) builds D distinct client models and reply k
+carries the serialized bytes of client k mod D, so that K = 100 fits in memory on a small
+machine. Repeated replies favour the fused op: it reads one tile of every reply before the
+next tile, so a repeat within K is a cache hit, where Flower's reply-by-reply loop re-reads
+the whole model. Rows record D; use ``--distinct 100`` (4.7 GB of replies for ResNet-18,
+6.7 GB for LoRA) for an unbiased K = 100.
 
 Time: the median of interleaved repeats (Flower, ours, Flower, ours, ...) in this process.
 Peak memory: each (model, K, strategy, implementation) in a fresh child process, the peak
@@ -51,7 +53,6 @@ from common import (  # noqa: E402
 )
 
 STRATEGIES = ("FedAvg", "FedAdam", "QFedAvg")
-DISTINCT_CLIENTS = 10
 
 
 def resnet18_shapes() -> list[tuple[int, ...]]:
@@ -76,7 +77,7 @@ MODELS = {
 }
 
 
-def build_replies(model: str, k: int, seed: int = 0):
+def build_replies(model: str, k: int, num_distinct: int = 10, seed: int = 0):
     """The global model (ArrayRecord) and a function that returns K fresh reply Messages
     (fresh ArrayRecords over the same serialized bytes: QFedAvg empties the replies'
     records, as Flower's does, but no bytes are copied)."""
@@ -95,7 +96,7 @@ def build_replies(model: str, k: int, seed: int = 0):
     names = [f"p{i}" for i in range(len(shapes))]
     global_arrays = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     distinct = []
-    for _ in range(min(k, DISTINCT_CLIENTS)):
+    for _ in range(min(k, num_distinct)):
         distinct.append({n: Array(g + np.float32(0.01) * rng.standard_normal(g.shape,
                                                                           dtype=np.float32))
                          for n, g in zip(names, global_arrays)})
@@ -141,11 +142,11 @@ def one_round(strategy, name, global_record, replies):
     return strategy.aggregate_train(1, replies())
 
 
-def child_memory(model: str, k: int, name: str, impl: str) -> int:
+def child_memory(model: str, k: int, name: str, impl: str, distinct: int) -> int:
     """Runs in a fresh process: peak extra resident memory of one aggregate_train call."""
     exact_cpu_memory_accounting()
     quiet_flower()
-    global_record, replies = build_replies(model, k)
+    global_record, replies = build_replies(model, k, distinct)
     strategy = make_strategy(impl, name, global_record)
     one_round(strategy, name, global_record, replies)  # warm-up (imports, first-use allocs)
     prepared = replies()
@@ -161,16 +162,18 @@ def _qfedavg_call(strategy, global_record, prepared):
     return strategy.aggregate_train(1, prepared)
 
 
-def measure_memory(model: str, k: int, name: str, impl: str) -> int:
+def measure_memory(model: str, k: int, name: str, impl: str, distinct: int) -> int:
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", model,
-                          str(k), name, impl], capture_output=True, text=True, timeout=1800)
+                          str(k), name, impl, str(distinct)], capture_output=True, text=True,
+                         timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
     return int(out.stdout.strip().splitlines()[-1])
 
 
-def measure_time(model: str, k: int, name: str, repeats: int) -> dict[str, float]:
-    global_record, replies = build_replies(model, k)
+def measure_time(model: str, k: int, name: str, repeats: int, distinct: int
+                 ) -> dict[str, float]:
+    global_record, replies = build_replies(model, k, distinct)
     strategies = {impl: make_strategy(impl, name, global_record)
                   for impl in ("flower", "fedkernels")}
     times = {impl: [] for impl in strategies}
@@ -207,14 +210,18 @@ def main() -> None:
                         help="model:K pairs; rows of other cases already in the results "
                              "file are kept")
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--distinct", type=int, default=10,
+                        help="distinct client models the K replies cycle through")
     parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument("--child-memory", nargs=4, metavar=("MODEL", "K", "STRATEGY", "IMPL"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument("--child-memory", nargs=5, help=argparse.SUPPRESS,
+                        metavar=("MODEL", "K", "STRATEGY", "IMPL", "DISTINCT"))
     args = parser.parse_args()
     if args.child_memory:
-        model, k, name, impl = args.child_memory
-        print(child_memory(model, int(k), name, impl))
+        model, k, name, impl, distinct = args.child_memory
+        print(child_memory(model, int(k), name, impl, int(distinct)))
         return
+    if args.distinct < 1:
+        parser.error("--distinct: expected a positive number of client models")
     quiet_flower()
     import flwr
 
@@ -237,10 +244,11 @@ def main() -> None:
     rows = []
     for model, k in cases:
         for name in names:
-            t = measure_time(model, k, name, repeats)
+            distinct = min(k, args.distinct)
+            t = measure_time(model, k, name, repeats, distinct)
             row = {"model": model, "tensors": len(MODELS[model]),
                    "params": model_bytes(model) // 4, "K": k,
-                   "distinct_clients": min(k, DISTINCT_CLIENTS), "strategy": name,
+                   "distinct_clients": distinct, "strategy": name,
                    "flower_s": t["flower"], "fedkernels_s": t["fedkernels"],
                    "speedup": t["flower"] / t["fedkernels"]}
             traffic = (k + 1) * model_bytes(model)
@@ -248,7 +256,8 @@ def main() -> None:
             row["fedkernels_read_probe_fraction"] = row["fedkernels_GBps"] / probe["read_GBps"]
             if not args.no_memory:
                 for impl in ("flower", "fedkernels"):
-                    row[f"{impl}_peak_MB"] = measure_memory(model, k, name, impl) / 1e6
+                    row[f"{impl}_peak_MB"] = measure_memory(model, k, name, impl,
+                                                            distinct) / 1e6
             rows.append(row)
             print(json.dumps(row), flush=True)
     env = environment(device)
@@ -267,10 +276,13 @@ def main() -> None:
     if os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        done = {(r["model"], r["K"], r["strategy"]) for r in rows}
-        kept = [r for r in old.get("rows", []) if (r["model"], r["K"], r["strategy"]) not in done]
+        def case(r):
+            return r["model"], r["K"], r["distinct_clients"], r["strategy"]
+
+        done = {case(r) for r in rows}
+        kept = [r for r in old.get("rows", []) if case(r) not in done]
     order = {m: i for i, m in enumerate(MODELS)}
-    rows = sorted(kept + rows, key=lambda r: (r["K"], order[r["model"]],
+    rows = sorted(kept + rows, key=lambda r: (r["K"], order[r["model"]], r["distinct_clients"],
                                               STRATEGIES.index(r["strategy"])))
     with open(path, "w") as f:
         json.dump({"environment": env, "rows": rows}, f, indent=1)
