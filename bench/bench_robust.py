@@ -380,16 +380,18 @@ def markdown_table(rows: list[dict], env: dict) -> str:
     lines = [
         f"{env['device']}, {env['threads']} threads, torch {env['torch']}, flwr {env['flwr']}, "
         f"numpy {env['numpy']}, {env['date'][:10]}; ResNet-18 shape (62 tensors, 11.7 M "
-        f"float32); median of {env['repeats']} interleaved repeats",
+        "float32); times are medians of the row's interleaved repeats",
         "",
-        "| K | rule | Flower | fedkernels | torch.stack | vs Flower | vs stack | Flower peak "
-        "| fedkernels peak | stack peak |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| K | rule | repeats | Flower | fedkernels | torch.stack | vs Flower | vs stack "
+        "| Flower peak | fedkernels peak | stack peak |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mem = [f"{r[f'{i}_peak_MB']:.0f} MB" if f"{i}_peak_MB" in r else "-" for i in IMPLS]
+        repeats = r.get("environment", env)["repeats"]
         lines.append(
-            f"| {r['K']} | {r['rule']} | {r['flower_s']:.2f} s | {r['fedkernels_s']:.2f} s | "
+            f"| {r['K']} | {r['rule']} | {repeats} | {r['flower_s']:.2f} s | "
+            f"{r['fedkernels_s']:.2f} s | "
             f"{r['stack_s']:.2f} s | {r['speedup_vs_flower']:.2f}x | "
             f"{r['speedup_vs_stack']:.2f}x | {mem[0]} | {mem[1]} | {mem[2]} |")
     return "\n".join(lines)
