@@ -11,8 +11,10 @@ recipe: the initial noise set of FedEvg (chance level) and ``spc`` real training
 (what M real samples can teach).
 
     python docs/fedevg_digits.py                   # K = 100, alpha = 1; 3 seeds; a few minutes
-    python docs/fedevg_digits.py --sweep           # the four columns (about 40 minutes)
+    python docs/fedevg_digits.py --sweep           # the four columns (times: docs/fedevg.md)
     python docs/fedevg_digits.py --sweep --seeds 5 # five seeds, as the tables in docs/fedevg.md
+    python docs/fedevg_digits.py --settings K100-a1 --seeds 5 --local-epochs 5 \
+        --out docs/fedevg_digits_k100_e5.json --plot docs/fedevg_digits_k100_e5.png
 
 ``--resume`` keeps the runs already in ``--out`` that were made with the same rounds, evaluation
 interval and common settings, and runs only the missing seeds (runs are deterministic per seed).
@@ -88,8 +90,8 @@ def references(sim: Simulation, strategy, spc: int, seed: int) -> dict[str, floa
 
 
 def run(method: str, setting: str, seed: int, rounds: int, eval_every: int,
-        images: bool = False) -> dict:
-    params = {**COMMON, "classify_every": eval_every}
+        images: bool = False, common: dict = COMMON) -> dict:
+    params = {**common, "classify_every": eval_every}
     if images and seed == 0:
         params["image_path"] = str(HERE / f"fedevg_digits_{setting}_{method}.png")
     strategy = build_strategy(method, params)
@@ -140,13 +142,13 @@ def plot(out: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def load_previous(args) -> dict:
-    """The results in ``args.out`` if they were made with the same rounds, interval and COMMON."""
+def load_previous(args, common: dict) -> dict:
+    """The results in ``args.out`` if they were made with the same rounds, interval and common."""
     path = Path(args.out)
     if not path.exists():
         return {}
     old = json.loads(path.read_text())
-    same = (old["common"] == COMMON and old["settings"]["rounds"] == args.rounds
+    same = (old["common"] == common and old["settings"]["rounds"] == args.rounds
             and old["settings"]["eval_every"] == args.eval_every)
     return old["results"] if same else {}
 
@@ -161,6 +163,8 @@ def main() -> None:
     parser.add_argument("--methods", default="fedevg,fedcvae")
     parser.add_argument("--images", action="store_true",
                         help="write seed 0's final synthetic sets as PNG grids into docs/")
+    parser.add_argument("--local-epochs", type=int, default=None,
+                        help="local epochs of both methods (default: theirs, 1); use with --out")
     parser.add_argument("--resume", action="store_true",
                         help="reuse the matching runs already in --out, run only what is missing")
     parser.add_argument("--out", default=str(HERE / "fedevg_digits.json"))
@@ -173,15 +177,17 @@ def main() -> None:
         parser.error(f"unknown setting {unknown[0]} (choose from {', '.join(SETTINGS)})")
     methods = args.methods.split(",")
     torch.set_num_threads(1)
-    previous = load_previous(args) if args.resume else {}
-    out = {"settings": {**vars(args), "settings": settings}, "common": COMMON, "paper": PAPER,
+    common = COMMON if args.local_epochs is None else {**COMMON, "local_epochs": args.local_epochs}
+    previous = load_previous(args, common) if args.resume else {}
+    out = {"settings": {**vars(args), "settings": settings}, "common": common, "paper": PAPER,
            "results": {}}
     for setting in settings:
         res = out["results"].setdefault(setting, {})
         refs = []
         for method in methods:
             done = {r["seed"]: r for r in previous.get(setting, {}).get(method, {}).get("runs", [])}
-            runs = [done.get(s) or run(method, setting, s, args.rounds, args.eval_every, args.images)
+            runs = [done.get(s) or run(method, setting, s, args.rounds, args.eval_every,
+                                       args.images, common)
                     for s in range(args.seeds)]
             res[method] = {"final": mean_std([r["final"] for r in runs]), "runs": runs}
             refs += [r["references"] for r in runs if "references" in r]
