@@ -307,7 +307,7 @@ def has_auroc(entries: list[dict[str, Any]]) -> bool:
 
 def has_personal_models(entries: list[dict[str, Any]]) -> bool:
     """Whether any method keeps personal models (its runs report ``personalized_accuracy``)."""
-    return any(run.get("personal_models") for e in entries for run in e["runs"])
+    return any(run.get("personal_models") for e in entries for run in e.get("runs", ()))
 
 
 def _personalized_table(entries: list[dict[str, Any]]) -> list[str]:
