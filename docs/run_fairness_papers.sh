@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every table of docs/participation.md and docs/fairness.md that compares with the papers, in
 # one command (seeds 0,1,2,3,4 by default; each table's measured run time is printed with it in
-# the docs). Extra arguments go to docs/fairness_papers.py:
+# the docs: together about 1 h 45 min on a 2-core machine shared with other jobs, plus the
+# sweep with --tune). Extra arguments go to docs/fairness_papers.py:
 #
 #   docs/run_fairness_papers.sh                      # 5 seeds, the tuned values in docs/experiments/
 #   docs/run_fairness_papers.sh --seeds 0,1,2        # 3 seeds (faster)
