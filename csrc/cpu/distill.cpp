@@ -22,6 +22,7 @@
 
 #include "../distill_host.h"
 #include "../elementwise.h"
+#include "parallel.h"
 #include "vec_io.h"
 
 namespace fedkernels {
@@ -130,7 +131,8 @@ struct DistillCpu {
     const A inv_t = static_cast<A>(1.0 / p.temperature);
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * C));
 
-    at::parallel_for(0, N, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
+    parallel_for_bytes(0, N, grain, bytes, [&](int64_t i0, int64_t i1) {
       std::vector<A> rows;  // the row's K teacher rows in A (only for fp16/bf16 inputs)
       if constexpr (!std::is_same_v<T, A>) rows.resize(K * C);
       std::vector<A> acc(C);
@@ -199,7 +201,8 @@ struct DistillCpu {
     const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
     std::vector<double> partial(blocks, 0.0);
 
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
+    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
       std::vector<A> z(C);
       std::vector<A> e(C);
       for (int64_t b = b0; b < b1; ++b) {

@@ -25,9 +25,6 @@ using at::vec::Vectorized;
 constexpr int64_t kTile = 2048;    // elements whose accumulators stay in L1 (8 KiB in fp32)
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
 constexpr int kClientGroup = 4;    // clients whose loads are in flight together
-// Below this many elements read and written in all, one thread does the work: waking a thread
-// team costs more than such a pass (milliseconds on a busy machine).
-constexpr int64_t kParallelMinTraffic = int64_t(1) << 20;
 
 template <typename T, typename U>
 struct TileArgs {
@@ -116,8 +113,9 @@ struct WeightedSumCpu {
     for (int64_t k = 0; k < K; ++k) weights[k] = static_cast<A>(w[k]);
     const WeightedSumMath math{!p.bases.empty(), p.delta};
     const A scale = static_cast<A>(p.scale);
-    const bool serial = total_numel(p.numels) * (K + 1) < kParallelMinTraffic;
-    for_each_chunk(p.numels, kChunk, serial, [&](int64_t, const ChunkRange& r) {
+    const int64_t bytes = total_numel(p.numels) *
+        (K * int64_t(sizeof(T)) + int64_t(sizeof(U)) * (p.bases.empty() ? 1 : 2));
+    for_each_chunk(p.numels, kChunk, bytes, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       for (int64_t off = r.begin; off < r.end; off += kTile) {
