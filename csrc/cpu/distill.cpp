@@ -61,11 +61,26 @@ RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
   if (p.weighting == Weighting::kEntropy || p.probs) {
     const A m = row_max(x, C);
     if (p.weighting == Weighting::kEntropy) {
+      // s = sum e^(x - m) and t = sum e^(x - m) x in one pass: one exp per element.
       const Vec mv(m);
-      const A s = at::vec::map_reduce_all<A>(
-          [mv](Vec v) { return (v - mv).exp(); }, [](Vec a, Vec b) { return a + b; }, x, C);
-      const A t = at::vec::map_reduce_all<A>(
-          [mv](Vec v) { return (v - mv).exp() * v; }, [](Vec a, Vec b) { return a + b; }, x, C);
+      Vec s_lo(A(0)), s_hi(A(0)), t_lo(A(0)), t_hi(A(0));
+      constexpr int64_t step = 2 * Vec::size();
+      int64_t c = 0;
+      for (; c + step <= C; c += step) {
+        const Vec v_lo = Vec::loadu(x + c), v_hi = Vec::loadu(x + c + Vec::size());
+        const Vec e_lo = (v_lo - mv).exp(), e_hi = (v_hi - mv).exp();
+        s_lo = s_lo + e_lo;
+        s_hi = s_hi + e_hi;
+        t_lo = t_lo + e_lo * v_lo;
+        t_hi = t_hi + e_hi * v_hi;
+      }
+      A s = static_cast<A>(horizontal_sum(s_lo, s_hi));
+      A t = static_cast<A>(horizontal_sum(t_lo, t_hi));
+      for (; c < C; ++c) {
+        const A e = std::exp(x[c] - m);
+        s += e;
+        t += e * x[c];
+      }
       ent = DistillMath::entropy(m, s, t);
     }
     if (p.probs) {
