@@ -61,14 +61,19 @@ RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
   if (p.weighting == Weighting::kEntropy || p.probs) {
     const A m = row_max(x, C);
     if (p.weighting == Weighting::kEntropy) {
-      // s = sum e^(x - m) and t = sum e^(x - m) x in one pass: one exp per element.
+      // s = sum e^(x - m) and t = sum e^(x - m) x in one pass: one exp per element. With a
+      // finite max every exponent is <= 0 or -inf, where the faster exp_u20 (a few more ulps;
+      // it does not carry NaN through) is exact enough for a weight; otherwise the NaN/inf
+      // cases take the full exp.
       const Vec mv(m);
+      const bool fast = std::isfinite(m);
       Vec s_lo(A(0)), s_hi(A(0)), t_lo(A(0)), t_hi(A(0));
       constexpr int64_t step = 2 * Vec::size();
       int64_t c = 0;
       for (; c + step <= C; c += step) {
         const Vec v_lo = Vec::loadu(x + c), v_hi = Vec::loadu(x + c + Vec::size());
-        const Vec e_lo = (v_lo - mv).exp(), e_hi = (v_hi - mv).exp();
+        const Vec e_lo = fast ? (v_lo - mv).exp_u20() : (v_lo - mv).exp();
+        const Vec e_hi = fast ? (v_hi - mv).exp_u20() : (v_hi - mv).exp();
         s_lo = s_lo + e_lo;
         s_hi = s_hi + e_hi;
         t_lo = t_lo + e_lo * v_lo;
