@@ -79,13 +79,17 @@ RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
         t_lo = t_lo + e_lo * v_lo;
         t_hi = t_hi + e_hi * v_hi;
       }
-      A s = static_cast<A>(horizontal_sum(s_lo, s_hi));
-      A t = static_cast<A>(horizontal_sum(t_lo, t_hi));
-      for (; c < C; ++c) {
-        const A e = std::exp(x[c] - m);
-        s += e;
-        t += e * x[c];
+      // The rest (fewer than `step`) one vector at a time, the last one partial: its missing
+      // lanes load as 0 and their e is set to 0, so they add nothing to s or t.
+      for (; c < C; c += Vec::size()) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c);
+        const Vec v = Vec::loadu(x + c, count);
+        const Vec e = Vec::set(Vec(A(0)), fast ? (v - mv).exp_u20() : (v - mv).exp(), count);
+        s_lo = s_lo + e;
+        t_lo = t_lo + e * v;
       }
+      const A s = static_cast<A>(horizontal_sum(s_lo, s_hi));
+      const A t = static_cast<A>(horizontal_sum(t_lo, t_hi));
       ent = DistillMath::entropy(m, s, t);
     }
     if (p.probs) {
