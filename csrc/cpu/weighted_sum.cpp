@@ -76,6 +76,25 @@ void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc
   using A = acc_type<T>;
   using Vec = Vectorized<A>;
   constexpr int64_t step = 2 * Vec::size();
+  if (a.num_clients == 1) {
+    // One client (e.g. b += w x in place): one pass, the same arithmetic as the tile below.
+    const int64_t vec_len = a.len - a.len % step;
+    const Vec w(a.weights[0]), scale_v(scale), zero(A(0));
+    for (int64_t j = 0; j < vec_len; j += step) {
+      Vec b_lo(A(0)), b_hi(A(0)), x_lo, x_hi;
+      if (math.has_base) load2<U, A>(a.base + j, b_lo, b_hi);
+      load2<T, A>(a.src[0] + j, x_lo, x_hi);
+      const Vec lo = math.finish(math.accumulate(zero, w, x_lo, b_lo), scale_v, b_lo);
+      const Vec hi = math.finish(math.accumulate(zero, w, x_hi, b_hi), scale_v, b_hi);
+      store2<U, A>(a.out + j, lo, hi);
+    }
+    for (int64_t j = vec_len; j < a.len; ++j) {
+      const A b = math.has_base ? static_cast<A>(a.base[j]) : A(0);
+      const A acc = math.accumulate(A(0), a.weights[0], static_cast<A>(a.src[0][j]), b);
+      a.out[j] = static_cast<U>(math.finish(acc, scale, b));
+    }
+    return;
+  }
   alignas(64) A acc[kTile];
   int64_t k0 = 0;
   for (; k0 + kClientGroup <= a.num_clients; k0 += kClientGroup) {
