@@ -1,7 +1,7 @@
 """Where a thread team starts to pay off for one memory-bound pass on this machine: the
 measurement behind ``kSerialMaxBytes`` in csrc/cpu/parallel.h.
 
-    python bench/bench_serial_threshold.py [--repeats 15] [--max-mib 64]
+    python bench/bench_serial_threshold.py [--repeats 15] [--max-mib 64] [--tiny]
 
 For inputs touching 16 KiB to ``--max-mib`` MiB in all (read + written), it times
 ``torch.add(a, b, out=c)`` (fp32; at::parallel_for, the loop every fedkernels CPU kernel uses)
@@ -43,9 +43,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--max-mib", type=int, default=64)
+    parser.add_argument("--tiny", action="store_true",
+                        help="up to 1 MiB, 1 repeat: checks the script runs")
     add_output_arguments(parser)
     args = parser.parse_args()
     check_output_arguments(args)
+    if args.tiny:
+        args.max_mib, args.repeats = 1, 1
     device = torch.device("cpu")
     team = torch.get_num_threads()
     if team < 2:
