@@ -244,6 +244,9 @@ struct DistillMath {
 #include <ATen/core/PhiloxRNGEngine.h>
 
 #include <cstdint>
+#include <type_traits>
+
+#include "normal_noise.h"
 
 namespace fedkernels {
 
@@ -271,23 +274,29 @@ struct SgldMath {
 
 // Standard normals for the SGLD noise, the same on both devices: element e of a call takes
 // lane e % 4 of the Philox-4x32-10 block (seed, subsequence = e / 4, offset); lanes (0, 1) and
-// (2, 3) are Box-Muller pairs, u1 = (r + 1) 2^-32 in (0, 1], u2 = r 2^-32 in [0, 1).
+// (2, 3) are Box-Muller pairs, u1 = (r + 1) 2^-32 in (0, 1], u2 = r 2^-32 in [0, 1). In fp32
+// the pair is BoxMullerF32 (csrc/normal_noise.h: our own log, sin and cos, so every device and
+// CPU build gives the same bits); in fp64 it uses the device's log, sin and cos.
 struct PhiloxNormal {
   template <typename A>
   FEDKERNELS_HD static void box_muller(uint32_t r1, uint32_t r2, A& n0, A& n1) {
-    const A scale = A(2.3283064365386963e-10);  // 2^-32
-    const A u1 = (static_cast<A>(r1) + A(1)) * scale;
-    const A u2 = static_cast<A>(r2) * scale;
-    const A two_pi = A(6.283185307179586);
+    if constexpr (std::is_same_v<A, float>) {
+      BoxMullerF32<ScalarF32Ops>::pair(r1, r2, n0, n1);
+    } else {
+      const A scale = A(2.3283064365386963e-10);  // 2^-32
+      const A u1 = (static_cast<A>(r1) + A(1)) * scale;
+      const A u2 = static_cast<A>(r2) * scale;
+      const A two_pi = A(6.283185307179586);
 #if defined(__CUDA_ARCH__)
-    const A r = sqrt(A(-2) * log(u1));
-    n0 = r * cos(two_pi * u2);
-    n1 = r * sin(two_pi * u2);
+      const A r = sqrt(A(-2) * log(u1));
+      n0 = r * cos(two_pi * u2);
+      n1 = r * sin(two_pi * u2);
 #else
-    const A r = std::sqrt(A(-2) * std::log(u1));
-    n0 = r * std::cos(two_pi * u2);
-    n1 = r * std::sin(two_pi * u2);
+      const A r = std::sqrt(A(-2) * std::log(u1));
+      n0 = r * std::cos(two_pi * u2);
+      n1 = r * std::sin(two_pi * u2);
 #endif
+    }
   }
   template <typename A>
   FEDKERNELS_HD static void normal4(uint64_t seed, uint64_t offset, uint64_t group, A* out) {

@@ -5,10 +5,14 @@ opcheck, float64 gradcheck of the energy, torch.compile and the errors."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
+from torch import Tensor
 
 import fedkernels
 from fedkernels.ops import reference as ref
@@ -258,6 +262,150 @@ def test_compose_deterministic_and_large_exact_energies():
     finally:
         torch.set_num_threads(2)
     assert bitwise_equal(a, c)
+
+
+# ---------------------------------------------------------------- the noise, bit for bit
+
+_M32 = 0xFFFFFFFF
+
+
+def _philox_words(seed: int, groups: torch.Tensor) -> list[torch.Tensor]:
+    """The four output words of at::philox_engine(seed, subsequence=group, offset=0), as int64
+    tensors (products split in 16-bit halves, so no int64 overflows)."""
+
+    def mulhilo(m, x):
+        low, high = m * (x & 0xFFFF), m * (x >> 16)
+        return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _M32
+
+    x0, x1, x2, x3 = torch.zeros_like(groups), torch.zeros_like(groups), groups & _M32, groups >> 32
+    k0, k1 = seed & _M32, (seed >> 32) & _M32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        hi0, lo0 = mulhilo(0xD2511F53, x0)
+        hi1, lo1 = mulhilo(0xCD9E8D57, x2)
+        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+    return [x0, x1, x2, x3]
+
+
+def _f(v: float) -> Tensor:
+    return torch.tensor(v, dtype=torch.float32)
+
+
+def _poly(coefs, x):
+    acc = _f(coefs[0])
+    for c in coefs[1:]:
+        acc = acc * x + _f(c)
+    return acc
+
+
+def _box_muller_f32(r1: Tensor, r2: Tensor) -> tuple[Tensor, Tensor]:
+    """csrc/normal_noise.h's BoxMullerF32, one float32 torch op per C++ operation."""
+    i32 = lambda t: t.view(torch.int32).to(torch.int64) & _M32  # noqa: E731
+    scale = _f(2.0**-32)
+    u1 = (r1.to(torch.float32) + _f(1.0)) * scale
+    u2 = r2.to(torch.float32) * scale
+    b = i32(u1)
+    m = (b & 0x7FFFFF) | 0x3F800000
+    big = ((0x3FB504F3 - m) >> 31) & 1
+    m = m - (big << 23)
+    e = ((b >> 23) + big).to(torch.float32) - _f(127.0)
+    f = m.to(torch.int32).view(torch.float32) - _f(1.0)
+    q = _poly([-7.866667956e-02, 1.282174885e-01, -1.310163438e-01, 1.418900043e-01,
+               -1.662759930e-01, 2.000196874e-01, -2.500077188e-01, 3.333332241e-01,
+               -4.999999702e-01], f)
+    log_u1 = e * _f(0.693145751953125) + (e * _f(1.428606765330187e-06) + (f + (f * f) * q))
+    # float32 torch.sqrt is not always correctly rounded; via float64 it is (53 >= 2 * 24 + 2).
+    r = torch.sqrt((_f(-2.0) * log_u1).double()).float()
+    x = u2 * _f(4.0)
+    shifted = x + _f(12582912.0)
+    quadrant = i32(shifted) & 3
+    d = x - (shifted - _f(12582912.0))
+    z = d * d
+    s = _poly([-4.602163099e-03, 7.968021929e-02, -6.459634900e-01, 1.570796371e00], z) * d
+    c = _poly([9.036298725e-04, -2.086007036e-02, 2.536692023e-01, -1.233700514e00, 1.0], z)
+    odd = (quadrant & 1) == 1
+    cos, sin = torch.where(odd, s, c), torch.where(odd, c, s)
+    cos = torch.where(((quadrant + 1) & 2) != 0, -cos, cos)
+    sin = torch.where((quadrant & 2) != 0, -sin, sin)
+    return r * cos, r * sin
+
+
+def _noise_reference(seed: int, n: int) -> tuple[Tensor, Tensor]:
+    """(fp32 noise as the kernels draw it, the same Box-Muller in float64 with libm's functions
+    from the same uniforms)."""
+    w = _philox_words(seed, torch.arange((n + 3) // 4, dtype=torch.int64))
+    pairs = [_box_muller_f32(w[0], w[1]), _box_muller_f32(w[2], w[3])]
+    ours = torch.stack([pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1]], 1).reshape(-1)[:n]
+    exact = []
+    for r1, r2 in ((w[0], w[1]), (w[2], w[3])):
+        u1 = ((r1.to(torch.float32) + 1) * 2.0**-32).double()
+        u2 = (r2.to(torch.float32) * 2.0**-32).double()
+        rad = torch.sqrt(-2 * torch.log(u1))
+        exact += [rad * torch.cos(2 * math.pi * u2), rad * torch.sin(2 * math.pi * u2)]
+    return ours, torch.stack(exact, 1).reshape(-1)[:n]
+
+
+def _seed_of(generator_seed: int) -> int:
+    """The Philox seed the CPU ops draw from a torch.Generator seeded so (one random64)."""
+    g = _gen(generator_seed)
+    return torch.empty((), dtype=torch.int64).random_(-(2**63), None, generator=g).item() & (2**64 - 1)
+
+
+@pytest.mark.parametrize("n", [1, 7, 4 * 64 + 3, 3 * 2048 + 17])
+def test_drawn_noise_bits_match_the_pytorch_rendering(n):
+    """The fp32 noise is BoxMullerF32 of at::philox_engine's words, bit for bit (the vector
+    loops of the AVX2/AVX-512 builds included), and within 1e-6 of float64 libm's Box-Muller."""
+    x = torch.zeros(n)
+    got = fedkernels.sgld_step(x, x, step_size=0.0, noise_std=1.0, generator=_gen(11))
+    want, exact = _noise_reference(_seed_of(11), n)
+    assert torch.equal(got, want + 0.0)  # the op adds x = 0, which turns -0 into 0
+    assert (want.double() - exact).abs().max().item() < 1e-6 * max(1.0, exact.abs().max().item())
+
+
+_ISA_SCRIPT = """
+import sys, torch, fedkernels
+from fedkernels.ops import native
+g = lambda s: torch.Generator().manual_seed(s)
+out = {"capability": native.cpu_capability}
+n = 3 * 2048 + 4 * 37 + 3
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    x = torch.rand(n, generator=g(1)).to(dtype)
+    grads = (4 * torch.randn(3, 7, n // 7, generator=g(2))).to(dtype)
+    xs = x[: 7 * (n // 7)].reshape(7, -1)
+    out[str(dtype)] = [
+        fedkernels.sgld_step(torch.zeros(n, dtype=dtype), x, step_size=0.0, noise_std=1.0,
+                             generator=g(3)),
+        fedkernels.sgld_step(x, x, step_size=0.5, noise_std=0.1, grad_clip=0.3,
+                             clamp=(0.1, 0.9), generator=g(4)),
+        fedkernels.sgld_compose_step(xs, grads, torch.randn(3, 7, generator=g(5)),
+                                     torch.zeros(3), mode="signed", step_size=0.1,
+                                     noise_std=0.01, grad_clip=3.0, clamp=(0.0, 1.0),
+                                     generator=g(6), return_weights=True),
+    ]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_cpu_builds_draw_the_same_bits(tmp_path):
+    """Every CPU build this machine can load (default, avx2, avx512) gives the same bits for the
+    drawn noise and the whole step, in every dtype."""
+    from fedkernels.ops import native
+
+    results = {}
+    for cap in native._supported_capabilities():
+        path = tmp_path / f"{cap}.pt"
+        env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=cap, OMP_NUM_THREADS="2")
+        proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[cap] = torch.load(path)
+        assert results[cap].pop("capability") == cap
+    if len(results) < 2:
+        pytest.skip("this CPU loads only one build")
+    first, *others = results
+    for cap in others:
+        assert bitwise_equal(results[cap], results[first]), (cap, first)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,17 +1,15 @@
 // The parallel loop of the CPU multi-tensor kernels: every chunk of every tensor of a list
 // (layout in csrc/multi_tensor.h) is one work item of at::parallel_for, or the whole list runs
-// on the calling thread when it is small (waking a thread team costs more than such a pass,
-// and milliseconds on a busy machine). A chunk's result never depends on which thread ran it,
+// on the calling thread when the pass touches few bytes (csrc/cpu/parallel.h). A chunk's result never depends on which thread ran it,
 // so the output is the same for any number of threads.
 #pragma once
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
 #include "../multi_tensor.h"
+#include "parallel.h"
 
 namespace fedkernels {
 
@@ -21,9 +19,9 @@ struct ChunkRange {
 };
 
 // Calls fn(chunk index, range) for every chunk of tensors of numels[i] elements, chunk
-// elements a chunk, on one thread when `serial`.
+// elements a chunk; `bytes` is what the whole pass reads and writes.
 template <typename Fn>
-void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, bool serial, Fn fn) {
+void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, int64_t bytes, Fn fn) {
   const int64_t n = static_cast<int64_t>(numels.size());
   std::vector<int64_t> prefix(n + 1);
   const int64_t total = fill_chunk_prefix(numels.data(), n, chunk, prefix.data());
@@ -35,11 +33,7 @@ void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, bool seri
       fn(c, ChunkRange{i, begin, std::min(numels[i], begin + chunk)});
     }
   };
-  if (serial) {
-    body(0, total);
-  } else {
-    at::parallel_for(0, total, 1, body);
-  }
+  parallel_for_bytes(0, total, 1, bytes, body);
 }
 
 inline int64_t total_numel(const std::vector<int64_t>& numels) {

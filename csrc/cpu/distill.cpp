@@ -22,6 +22,7 @@
 
 #include "../distill_host.h"
 #include "../elementwise.h"
+#include "parallel.h"
 #include "vec_io.h"
 
 namespace fedkernels {
@@ -60,11 +61,35 @@ RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
   if (p.weighting == Weighting::kEntropy || p.probs) {
     const A m = row_max(x, C);
     if (p.weighting == Weighting::kEntropy) {
+      // s = sum e^(x - m) and t = sum e^(x - m) x in one pass: one exp per element. With a
+      // finite max every exponent is <= 0 or -inf, where the faster exp_u20 (a few more ulps;
+      // it does not carry NaN through) is exact enough for a weight; otherwise the NaN/inf
+      // cases take the full exp.
       const Vec mv(m);
-      const A s = at::vec::map_reduce_all<A>(
-          [mv](Vec v) { return (v - mv).exp(); }, [](Vec a, Vec b) { return a + b; }, x, C);
-      const A t = at::vec::map_reduce_all<A>(
-          [mv](Vec v) { return (v - mv).exp() * v; }, [](Vec a, Vec b) { return a + b; }, x, C);
+      const bool fast = std::isfinite(m);
+      Vec s_lo(A(0)), s_hi(A(0)), t_lo(A(0)), t_hi(A(0));
+      constexpr int64_t step = 2 * Vec::size();
+      int64_t c = 0;
+      for (; c + step <= C; c += step) {
+        const Vec v_lo = Vec::loadu(x + c), v_hi = Vec::loadu(x + c + Vec::size());
+        const Vec e_lo = fast ? (v_lo - mv).exp_u20() : (v_lo - mv).exp();
+        const Vec e_hi = fast ? (v_hi - mv).exp_u20() : (v_hi - mv).exp();
+        s_lo = s_lo + e_lo;
+        s_hi = s_hi + e_hi;
+        t_lo = t_lo + e_lo * v_lo;
+        t_hi = t_hi + e_hi * v_hi;
+      }
+      // The rest (fewer than `step`) one vector at a time, the last one partial: its missing
+      // lanes load as 0 and their e is set to 0, so they add nothing to s or t.
+      for (; c < C; c += Vec::size()) {
+        const int64_t count = std::min<int64_t>(Vec::size(), C - c);
+        const Vec v = Vec::loadu(x + c, count);
+        const Vec e = Vec::set(Vec(A(0)), fast ? (v - mv).exp_u20() : (v - mv).exp(), count);
+        s_lo = s_lo + e;
+        t_lo = t_lo + e * v;
+      }
+      const A s = static_cast<A>(horizontal_sum(s_lo, s_hi));
+      const A t = static_cast<A>(horizontal_sum(t_lo, t_hi));
       ent = DistillMath::entropy(m, s, t);
     }
     if (p.probs) {
@@ -130,7 +155,8 @@ struct DistillCpu {
     const A inv_t = static_cast<A>(1.0 / p.temperature);
     const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * C));
 
-    at::parallel_for(0, N, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
+    parallel_for_bytes(0, N, grain, bytes, [&](int64_t i0, int64_t i1) {
       std::vector<A> rows;  // the row's K teacher rows in A (only for fp16/bf16 inputs)
       if constexpr (!std::is_same_v<T, A>) rows.resize(K * C);
       std::vector<A> acc(C);
@@ -199,7 +225,8 @@ struct DistillCpu {
     const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
     std::vector<double> partial(blocks, 0.0);
 
-    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
+    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
       std::vector<A> z(C);
       std::vector<A> e(C);
       for (int64_t b = b0; b < b1; ++b) {

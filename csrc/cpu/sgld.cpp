@@ -1,30 +1,41 @@
 // CPU kernels of the SGLD / FedEvg ops (schemas and formulas: csrc/ops.cpp; host side:
-// csrc/sgld_host.h; per-element formulas in csrc/elementwise.h, shared with the CUDA kernels). Like every csrc/cpu/*.cpp this file is
-// compiled once per instruction set (see setup.py) into a library of its own.
+// csrc/sgld_host.h; per-element formulas in csrc/elementwise.h, shared with the CUDA kernels).
+// Like every csrc/cpu/*.cpp this file is compiled once per instruction set (see setup.py) into a
+// library of its own.
 //
-// sgld_compose_step: the K x M weights pi first (one sample per item), then chunks of the M*D
-// elements (multiples of 4, the noise's Philox blocks) are the parallel unit: a chunk's
-// accumulator takes the K clipped client gradients in client order (vectorized over runs of
-// one sample, whose weight is constant), then one scalar pass adds the step, the noise and the
+// sgld_compose_step: the K x M weights pi first (one sample per item), then ranges of the M*D
+// elements (multiples of 4, the noise's Philox blocks) are the parallel unit, each walked in
+// tiles of kTile elements whose accumulators stay in L1: a tile's accumulator takes the K
+// clipped client gradients in client order (vectorized over runs of one sample, whose weight is
+// constant), then the tile's noise is drawn and one vector pass adds the step, the noise and the
 // clamp. The result does not depend on the number of threads. The noise seed is drawn from the
 // CPU generator (one random64 per call), so a seeded torch.Generator reproduces a run.
+//
+// Noise: the AVX2 and AVX-512 builds run Philox-4x32-10 and BoxMullerF32 (csrc/normal_noise.h)
+// on 8 or 16 Philox blocks at once; the bits are those of the scalar PhiloxNormal, which the
+// default build and fp64 use.
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <type_traits>
-#include <vector>
 
 #include "../elementwise.h"
+#include "../normal_noise.h"
 #include "../sgld_host.h"
+#include "parallel.h"
 
 namespace fedkernels {
 namespace {
@@ -32,6 +43,106 @@ namespace {
 using at::vec::Vectorized;
 
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
+constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * 16)
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+// kLanes fp32 values and their uint32 bit patterns (GCC vector types: the same integer and
+// float operators as scalars, compiled to the build's vector instructions).
+typedef float VecF __attribute__((vector_size(4 * kLanes)));
+typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
+typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
+typedef uint64_t VecU64 __attribute__((vector_size(4 * kLanes)));
+
+struct VecF32Ops {
+  using F = VecF;
+  using U = VecU;
+  static F splat(float v) { return F{} + v; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+#if defined(CPU_CAPABILITY_AVX512)
+  static F sqrt(F a) { return (F)_mm512_sqrt_ps((__m512)a); }
+#else
+  static F sqrt(F a) { return (F)_mm256_sqrt_ps((__m256)a); }
+#endif
+  static U bits(F x) { return (U)x; }
+  static F from_bits(U u) { return (F)u; }
+  // Both halves convert exactly, so the one rounding is the sum's: the nearest float, as
+  // ScalarF32Ops::to_float.
+  static F to_float(U u) {
+    const F hi = __builtin_convertvector((VecI)(u >> 16), F);
+    const F lo = __builtin_convertvector((VecI)(u & 0xffffu), F);
+    return hi * 65536.0f + lo;
+  }
+};
+
+// hi and lo words of the 64-bit products m * x, lane by lane.
+inline void mulhilo(uint32_t m, VecU x, VecU& hi, VecU& lo) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i mv = _mm512_set1_epi64(m);
+  const VecU64 even = (VecU64)_mm512_mul_epu32((__m512i)x, mv);
+  const VecU64 odd = (VecU64)_mm512_mul_epu32(_mm512_srli_epi64((__m512i)x, 32), mv);
+#else
+  const __m256i mv = _mm256_set1_epi64x(m);
+  const VecU64 even = (VecU64)_mm256_mul_epu32((__m256i)x, mv);
+  const VecU64 odd = (VecU64)_mm256_mul_epu32(_mm256_srli_epi64((__m256i)x, 32), mv);
+#endif
+  hi = (VecU)((even >> 32) | (odd & 0xffffffff00000000ull));
+  lo = (VecU)((even & 0xffffffffull) | (odd << 32));
+}
+
+// eps[4 i + j] = element j of Philox group g0 + i, i < kLanes: at::philox_engine's
+// Philox-4x32-10 with offset 0 (counter = {0, 0, group}, key = seed), one group per lane.
+inline void normal_lanes(uint64_t seed, uint64_t g0, float* eps) {
+  alignas(64) uint32_t words[2][kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    words[0][i] = static_cast<uint32_t>(g0 + i);
+    words[1][i] = static_cast<uint32_t>((g0 + i) >> 32);
+  }
+  VecU x0 = {}, x1 = {}, x2, x3;
+  std::memcpy(&x2, words[0], sizeof x2);
+  std::memcpy(&x3, words[1], sizeof x3);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    VecU hi0, lo0, hi1, lo1;
+    mulhilo(0xD2511F53u, x0, hi0, lo0);
+    mulhilo(0xCD9E8D57u, x2, hi1, lo1);
+    x0 = hi1 ^ x1 ^ k0;
+    x1 = lo1;
+    x2 = hi0 ^ x3 ^ k1;
+    x3 = lo0;
+  }
+  alignas(64) float n[4][kLanes];
+  VecF v[4];
+  BoxMullerF32<VecF32Ops>::pair(x0, x1, v[0], v[1]);
+  BoxMullerF32<VecF32Ops>::pair(x2, x3, v[2], v[3]);
+  for (int j = 0; j < 4; ++j) std::memcpy(n[j], &v[j], sizeof v[j]);
+  for (int i = 0; i < kLanes; ++i) {
+    for (int j = 0; j < 4; ++j) eps[4 * i + j] = n[j][i];
+  }
+}
+#endif
+
+// eps[0, 4 * (g1 - g0)) = the noise of Philox groups [g0, g1).
+template <typename A>
+void draw_normals(uint64_t seed, int64_t g0, int64_t g1, A* eps) {
+  int64_t g = g0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    for (; g + kLanes <= g1; g += kLanes) normal_lanes(seed, g, eps + 4 * (g - g0));
+  }
+#endif
+  for (; g < g1; ++g) PhiloxNormal::normal4<A>(seed, 0, g, eps + 4 * (g - g0));
+}
 
 // pi[:, j] = softmax_k(log_w_k + phi(-E_kj)), stable (max subtracted).
 template <typename A>
@@ -40,7 +151,8 @@ void client_weights(const SgldPlan& p) {
   const A* energies = static_cast<const A*>(p.energies);
   const A* log_w = static_cast<const A*>(p.log_weights);
   A* pi = static_cast<A*>(p.pi);
-  at::parallel_for(0, M, std::max<int64_t>(1, 4096 / K), [&](int64_t j0, int64_t j1) {
+  const int64_t bytes = 2 * K * M * int64_t(sizeof(A));
+  parallel_for_bytes(0, M, std::max<int64_t>(1, 4096 / K), bytes, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       A m = -std::numeric_limits<A>::infinity();
       for (int64_t k = 0; k < K; ++k) {
@@ -76,7 +188,8 @@ struct SgldCpu {
     T* out = static_cast<T*>(p.out);
     const int64_t C = p.C;
     const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
-    at::parallel_for(0, p.N, grain, [&](int64_t i0, int64_t i1) {
+    const int64_t bytes = p.N * (C + 1) * int64_t(sizeof(T));
+    parallel_for_bytes(0, p.N, grain, bytes, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const T* row = logits + i * C;
         if (p.labels) {
@@ -118,51 +231,85 @@ struct SgldCpu {
     const A std_ = static_cast<A>(p.noise_std);
     const A lo = static_cast<A>(p.lo), hi = static_cast<A>(p.hi);
     const int64_t groups = (n + 3) / 4;
+    const int64_t clients = K > 0 ? K : 1;
+    const int64_t bytes = n * int64_t(sizeof(T)) * (clients + 2 + (noise ? 1 : 0));
 
-    at::parallel_for(0, groups, kGroupGrain, [&](int64_t g0, int64_t g1) {
-      const int64_t e0 = g0 * 4, e1 = std::min(n, g1 * 4), len = e1 - e0;
-      std::vector<A> acc(len, A(0));
-      std::vector<A> conv;
-      if constexpr (!std::is_same_v<T, A>) conv.resize(len);
+    parallel_for_bytes(0, groups, kGroupGrain, bytes, [&](int64_t g0, int64_t g1) {
+      alignas(64) A acc[kTile];
+      alignas(64) A eps[kTile];
+      alignas(64) A conv[kTile];  // an fp16/bf16 input in A
       const Vec vt(tau), vnt(-tau);
-      const int64_t clients = K > 0 ? K : 1;
-      for (int64_t k = 0; k < clients; ++k) {
-        const T* gk = grads + k * n + e0;
-        const A* src;
-        if constexpr (std::is_same_v<T, A>) {
-          src = gk;
-        } else {
-          for (int64_t i = 0; i < len; ++i) conv[i] = static_cast<A>(gk[i]);
-          src = conv.data();
+      const int64_t stop = std::min(n, g1 * 4);
+      for (int64_t e0 = g0 * 4; e0 < stop; e0 += kTile) {
+        const int64_t len = std::min(kTile, stop - e0);
+        // The step direction: clipped client gradients in client order.
+        for (int64_t k = 0; k < clients; ++k) {
+          const T* gk = grads + k * n + e0;
+          const A* src;
+          if constexpr (std::is_same_v<T, A>) {
+            src = gk;
+          } else {
+            for (int64_t i = 0; i < len; ++i) conv[i] = static_cast<A>(gk[i]);
+            src = conv;
+          }
+          if (K == 0) {
+            at::vec::map<A>(
+                [vt, vnt](Vec g) { return at::vec::clamp(g, vnt, vt); }, acc, src, len);
+            break;
+          }
+          // Runs of one sample j share the weight pi[k, j].
+          for (int64_t s = 0; s < len;) {
+            const int64_t j = (e0 + s) / D;
+            const int64_t run = std::min(len, (j + 1) * D - e0) - s;
+            const Vec w(pi[k * M + j]);
+            const auto add = [w, vt, vnt](Vec a, Vec g) {
+              return a + w * at::vec::clamp(g, vnt, vt);
+            };
+            if (k == 0) {
+              at::vec::map<A>(
+                  [w, vt, vnt](Vec g) { return w * at::vec::clamp(g, vnt, vt); }, acc + s,
+                  src + s, run);
+            } else {
+              at::vec::map2<A>(add, acc + s, acc + s, src + s, run);
+            }
+            s += run;
+          }
         }
-        if (K == 0) {
-          at::vec::map<A>(
-              [vt, vnt](Vec g) { return at::vec::clamp(g, vnt, vt); }, acc.data(), src, len);
-          break;
-        }
-        // Runs of one sample j share the weight pi[k, j].
-        for (int64_t s = 0; s < len;) {
-          const int64_t j = (e0 + s) / D;
-          const int64_t run = std::min(len, (j + 1) * D - e0) - s;
-          const Vec w(pi[k * M + j]);
-          at::vec::map2<A>(
-              [w, vt, vnt](Vec a, Vec g) { return a + w * at::vec::clamp(g, vnt, vt); },
-              acc.data() + s, acc.data() + s, src + s, run);
-          s += run;
-        }
-      }
-      A eps4[4] = {0, 0, 0, 0};
-      for (int64_t i = 0; i < len; ++i) {
-        const int64_t e = e0 + i;
-        A eps = 0;
+        // The noise.
         if (noise) {
-          eps = static_cast<A>(noise[e]);
+          for (int64_t i = 0; i < len; ++i) eps[i] = static_cast<A>(noise[e0 + i]);
         } else if (p.draw_noise) {
-          if ((e & 3) == 0 || i == 0) PhiloxNormal::normal4<A>(seed, 0, e / 4, eps4);
-          eps = eps4[e & 3];
+          const int64_t first = e0 / 4;
+          draw_normals<A>(seed, first, (e0 + len + 3) / 4, eps);
+        } else {
+          std::fill(eps, eps + len, A(0));
         }
-        out[e] = static_cast<T>(
-            SgldMath::update<A>(static_cast<A>(x[e]), acc[i], eps, step, std_, lo, hi));
+        // x' = clamp(x - step a + std eps, lo, hi), as SgldMath::update.
+        const A* xs;
+        if constexpr (std::is_same_v<T, A>) {
+          xs = x + e0;
+        } else {
+          for (int64_t i = 0; i < len; ++i) conv[i] = static_cast<A>(x[e0 + i]);
+          xs = conv;
+        }
+        A* dst;
+        if constexpr (std::is_same_v<T, A>) {
+          dst = out + e0;
+        } else {
+          dst = conv;
+        }
+        const Vec vstep(step), vstd(std_), vlo(lo), vhi(hi);
+        int64_t i = 0;
+        for (; i + Vec::size() <= len; i += Vec::size()) {
+          const Vec v = Vec::loadu(xs + i) - vstep * Vec::loadu(acc + i) +
+              vstd * Vec::loadu(eps + i);
+          const Vec low = Vec::blendv(v, vlo, v < vlo);
+          Vec::blendv(low, vhi, v > vhi).store(dst + i);
+        }
+        for (; i < len; ++i) dst[i] = SgldMath::update<A>(xs[i], acc[i], eps[i], step, std_, lo, hi);
+        if constexpr (!std::is_same_v<T, A>) {
+          for (int64_t i2 = 0; i2 < len; ++i2) out[e0 + i2] = static_cast<T>(conv[i2]);
+        }
       }
     });
   }

@@ -28,9 +28,6 @@ using at::vec::Vectorized;
 
 constexpr int64_t kTile = 2048;    // elements per fp32 partial sum
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
-// Below this many elements in all, one thread does the work. Models are lists of many small
-// tensors, so the chunk count alone would start a team for a few thousand elements.
-constexpr int64_t kParallelMin = 4 * kChunk;
 
 // Adds each chunk's partials (width per chunk) into result[index[i] * width + j], in chunk order.
 void combine_partials(const SuperfedPlan& p, const std::vector<double>& partials, int width) {
@@ -62,8 +59,11 @@ struct SuperfedCpu {
     for (const auto n : p.numels) chunks += chunks_of(n, kChunk);
     std::vector<double> partials(reduce ? kSums * chunks : 0, 0.0);
 
-    const bool serial = total_numel(p.numels) < kParallelMin;
-    for_each_chunk(p.numels, kChunk, serial, [&](int64_t c, const ChunkRange& r) {
+    int64_t streams = 0;  // tensors read or written per element
+    for (int j = 0; j < 4; ++j) streams += has[j];
+    for (int j = 0; j < 3; ++j) streams += wants[j];
+    const int64_t bytes = total_numel(p.numels) * streams * int64_t(sizeof(T));
+    for_each_chunk(p.numels, kChunk, bytes, [&](int64_t c, const ChunkRange& r) {
       const T* in[4];
       T* out[3];
       for (int j = 0; j < 4; ++j) {

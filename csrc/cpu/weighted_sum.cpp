@@ -25,9 +25,6 @@ using at::vec::Vectorized;
 constexpr int64_t kTile = 2048;    // elements whose accumulators stay in L1 (8 KiB in fp32)
 constexpr int64_t kChunk = 65536;  // elements per parallel work item
 constexpr int kClientGroup = 4;    // clients whose loads are in flight together
-// Below this many elements read and written in all, one thread does the work: waking a thread
-// team costs more than such a pass (milliseconds on a busy machine).
-constexpr int64_t kParallelMinTraffic = int64_t(1) << 20;
 
 template <typename T, typename U>
 struct TileArgs {
@@ -79,6 +76,25 @@ void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc
   using A = acc_type<T>;
   using Vec = Vectorized<A>;
   constexpr int64_t step = 2 * Vec::size();
+  if (a.num_clients == 1) {
+    // One client (e.g. b += w x in place): one pass, the same arithmetic as the tile below.
+    const int64_t vec_len = a.len - a.len % step;
+    const Vec w(a.weights[0]), scale_v(scale), zero(A(0));
+    for (int64_t j = 0; j < vec_len; j += step) {
+      Vec b_lo(A(0)), b_hi(A(0)), x_lo, x_hi;
+      if (math.has_base) load2<U, A>(a.base + j, b_lo, b_hi);
+      load2<T, A>(a.src[0] + j, x_lo, x_hi);
+      const Vec lo = math.finish(math.accumulate(zero, w, x_lo, b_lo), scale_v, b_lo);
+      const Vec hi = math.finish(math.accumulate(zero, w, x_hi, b_hi), scale_v, b_hi);
+      store2<U, A>(a.out + j, lo, hi);
+    }
+    for (int64_t j = vec_len; j < a.len; ++j) {
+      const A b = math.has_base ? static_cast<A>(a.base[j]) : A(0);
+      const A acc = math.accumulate(A(0), a.weights[0], static_cast<A>(a.src[0][j]), b);
+      a.out[j] = static_cast<U>(math.finish(acc, scale, b));
+    }
+    return;
+  }
   alignas(64) A acc[kTile];
   int64_t k0 = 0;
   for (; k0 + kClientGroup <= a.num_clients; k0 += kClientGroup) {
@@ -116,8 +132,9 @@ struct WeightedSumCpu {
     for (int64_t k = 0; k < K; ++k) weights[k] = static_cast<A>(w[k]);
     const WeightedSumMath math{!p.bases.empty(), p.delta};
     const A scale = static_cast<A>(p.scale);
-    const bool serial = total_numel(p.numels) * (K + 1) < kParallelMinTraffic;
-    for_each_chunk(p.numels, kChunk, serial, [&](int64_t, const ChunkRange& r) {
+    const int64_t bytes = total_numel(p.numels) *
+        (K * int64_t(sizeof(T)) + int64_t(sizeof(U)) * (p.bases.empty() ? 1 : 2));
+    for_each_chunk(p.numels, kChunk, bytes, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       for (int64_t off = r.begin; off < r.end; off += kTile) {
