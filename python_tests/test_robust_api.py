@@ -115,7 +115,8 @@ def test_median_errors_name_the_fault():
     with pytest.raises(ValueError, match="client 1, tensor 0 is torch.float64"):
         coordinate_median(clients)
     clients = make_clients(3)
-    with pytest.raises(ValueError, match="out tensor 0 shares memory with client 1"):
+    with pytest.raises(ValueError, match="coordinate_median: out tensor 0 overlaps client 1, "
+                                         "tensor 0"):
         coordinate_median(clients, out=[clients[1][0]] + [torch.empty_like(t)
                                                            for t in clients[0][1:]])
     with pytest.raises(ValueError, match="K = 0"):
