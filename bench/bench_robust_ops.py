@@ -2,6 +2,7 @@
 clients per tensor and call ``torch.median`` / ``torch.sort`` / ``torch.cdist``.
 
     OMP_NUM_THREADS=2 python bench/bench_robust_ops.py [--device cuda] [--ks 10,50]
+    OMP_NUM_THREADS=1 python bench/bench_robust_ops.py --clock process   # on a shared machine
 
 On the ResNet-18 shape (62 float32 tensors, 11.69 M parameters), for each K:
 
@@ -12,7 +13,8 @@ On the ResNet-18 shape (62 float32 tensors, 11.69 M parameters), for each K:
 - trimmed mean (beta = 0.2): the op against ``torch.stack`` + ``torch.sort`` + a mean of the
   kept rows;
 - distances: the op (one pass, float64) against ``torch.cdist`` of the flattened clients in
-  float64 (one [K, P] concatenation) and the Gram form in float32;
+  float64 (one [K, P] concatenation, skipped above --max-fp64-bytes) and the Gram form in
+  float32;
 - norms + clipped noisy sum: ``update_norms`` then ``private_sum`` against ``torch._foreach``
   norms, a scaled sum and ``randn`` noise per tensor.
 
@@ -33,6 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
+    add_clock_argument,
     add_output_arguments,
     bandwidth_probes,
     check_output_arguments,
@@ -40,6 +43,7 @@ from common import (  # noqa: E402
     interleaved_medians,
     print_probes,
     resolve_device,
+    use_cpu_clock,
     write_results,
 )
 
@@ -104,9 +108,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
     parser.add_argument("--cases", default="median,trimmed,distances,private")
+    parser.add_argument("--max-fp64-bytes", type=int, default=2 << 30,
+                        help="skip the cdist baseline when its [K, P] float64 copy is larger")
     add_output_arguments(parser)
+    add_clock_argument(parser)
     args = parser.parse_args()
     check_output_arguments(args)
+    use_cpu_clock(args.clock)
     device = resolve_device(args.device)
     probes = bandwidth_probes(device, args.probe_bytes)
     print_probes(device, probes)
@@ -133,6 +141,8 @@ def main() -> None:
             "private": {"fedkernels": lambda: fused_private(clients, K, base, 1.0, 0.01, gen),
                         "foreach": lambda: foreach_private(clients, K, T, base, 1.0, 0.01, gen)},
         }
+        if K * P * 8 > args.max_fp64_bytes:  # the [K, P] float64 copy would not fit
+            del groups["distances"]["cdist fp64"]
         read_bytes = K * P * 4
         for case, fns in groups.items():
             if case not in cases:
@@ -148,7 +158,7 @@ def main() -> None:
                 print(f"{case:10s} K={K:3d} {name:13s} {seconds * 1e3:10.1f} ms  "
                       f"{gbps:7.2f} GB/s  ({row['fraction_of_read_probe']:.2f} of read probe)  "
                       f"fedkernels is {row['speedup_of_fedkernels']:.2f}x faster", flush=True)
-    payload = {"environment": environment(device), "probes": probes,
+    payload = {"environment": environment(device), "clock": args.clock, "probes": probes,
                "model": {"name": "resnet18", "tensors": T, "params": P}, "rows": rows}
     print(write_results("robust_ops", device, payload, save=args.save, out=args.out))
 

@@ -188,8 +188,8 @@ def pairwise_sq_distances(clients) -> Tensor:
     r"""``[K, K]`` float64 matrix of :math:`\lVert x_i - x_j\rVert_2^2` over all floating-point
     tensors of the clients, accumulated in float64 from the exact differences (Flower computes
     the same quantity in the models' dtype, float32 for float32 models, so its values differ in
-    the low bits). Symmetric with a zero diagonal; NaN/Inf in a client make its row and column
-    NaN/Inf."""
+    the low bits). Symmetric with a zero diagonal; NaN/Inf in a client make the other entries
+    of its row and column NaN/Inf."""
     return _distances(ClientSet(clients, "fedkernels.pairwise_sq_distances"))
 
 

@@ -438,7 +438,8 @@ def median_window_mean_reference(clients: Sequence[Tensor], num_clients: int,
 
 
 def pairwise_sq_distances_reference(clients: Sequence[Tensor], num_clients: int) -> Tensor:
-    """[K, K] float64 squared distances over all tensors, from float64 differences."""
+    """[K, K] float64 squared distances over all tensors, from float64 differences; the
+    diagonal is 0 (a client's distance to itself is not computed, even with NaN/Inf)."""
     K = num_clients
     device = clients[0].device if clients else torch.device("cpu")
     d = torch.zeros(K, K, dtype=torch.float64, device=device)
@@ -446,7 +447,7 @@ def pairwise_sq_distances_reference(clients: Sequence[Tensor], num_clients: int)
         x = torch.stack([t.reshape(-1) for t in tensors]).to(torch.float64)
         for i in range(K):
             d[i] += ((x - x[i]) ** 2).sum(dim=1)
-    return d
+    return d.fill_diagonal_(0.0)
 
 
 def update_norms_reference(clients: Sequence[Tensor], num_clients: int,
