@@ -32,7 +32,7 @@ def _with_base(clients, base: Model, api: str) -> tuple[ClientSet, list[Tensor],
     tensors = cs.layout.tensors(base, "base")
     if cs.is_flat and tensors[0].dim() != 1:
         raise ValueError(f"{api}: with [K, P] clients, base must be a 1-D [P] tensor")
-    first = cs._client0()
+    first = cs.client0()
     for i, (b, t) in enumerate(zip(tensors, first)):
         if b.shape != t.shape or b.dtype != t.dtype or b.device != t.device:
             raise ValueError(f"{api}: base tensor {cs.label(i)} is {b.dtype} {tuple(b.shape)} "

@@ -74,7 +74,7 @@ class ClientSet:
         if out is None:
             return None
         tensors = self.layout.tensors(out, "out")
-        for i, (o, t) in enumerate(zip(tensors, self._client0())):
+        for i, (o, t) in enumerate(zip(tensors, self.client0())):
             if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {t.dtype} "
@@ -113,7 +113,8 @@ class ClientSet:
             kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
             raise kind(message) from None
 
-    def _client0(self) -> list[Tensor]:
+    def client0(self) -> list[Tensor]:
+        """Client 0's tensors (float and integer) in layout order."""
         floats = iter(self.floats[0])
         return [next(floats) if f else self.ints[i][0]
                 for i, f in enumerate(self.layout.float_mask)]
