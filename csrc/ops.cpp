@@ -122,3 +122,43 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "str weighting, float step_size, float noise_std, float? grad_clip, float? clamp_min, "
       "float? clamp_max, Tensor? noise, Generator? generator) -> Tensor");
 }
+
+// ---------------------------------------------------------------- Robust aggregation and DP
+// The rules: docs/algorithms/robust_and_private.md. Host side: csrc/robust_host.h,
+// csrc/private_host.h; kernels: csrc/{cpu,cuda}/robust.*, csrc/{cpu,cuda}/private.*;
+// per-coordinate order statistics: csrc/order_stats.h.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Per coordinate over K clients (client-major lists, clients[k * T + t]), values sorted
+  // ascending with NaN last, sums in ascending order in fp32 (fp64 for fp64); result in the
+  // clients' dtype:
+  //   coordinate_median: middle value, or (v[K/2-1] + v[K/2]) / 2 for even K (np.median); NaN
+  //                      where any client is NaN;
+  //   trimmed_mean:      mean of ranks [cut, K - cut);
+  //   median_window_mean: mean of the `window` values closest to the median (Bulyan's last step).
+  m.def("coordinate_median(Tensor[] clients, int num_clients) -> Tensor[]");
+  m.def("coordinate_median.out(Tensor[] clients, int num_clients, *, Tensor(a!)[] out) -> ()");
+  m.def("trimmed_mean(Tensor[] clients, int num_clients, int cut) -> Tensor[]");
+  m.def(
+      "trimmed_mean.out(Tensor[] clients, int num_clients, int cut, *, Tensor(a!)[] out) -> ()");
+  m.def("median_window_mean(Tensor[] clients, int num_clients, int window) -> Tensor[]");
+  m.def(
+      "median_window_mean.out(Tensor[] clients, int num_clients, int window, *, "
+      "Tensor(a!)[] out) -> ()");
+  // D[i, j] = sum over all tensors of (x_i - x_j)^2, float64 [K, K], differences and sums in
+  // float64, one pass over the clients.
+  m.def("pairwise_sq_distances(Tensor[] clients, int num_clients) -> Tensor");
+  // n_k = ||x_k - base||_2 over all tensors, float64 [K], one pass.
+  m.def("update_norms(Tensor[] clients, int num_clients, Tensor[] base) -> Tensor");
+  // out_t = base_t + sum_k c_k (x_kt - base_t) + noise_std * eps, clients in order, in fp32
+  // (fp64 for fp64); eps as sgld_step's noise, element e counted over the whole list (one key
+  // per call; nothing drawn when noise_std = 0). K = coefficients.numel().
+  m.def(
+      "private_sum(Tensor[] clients, Tensor coefficients, Tensor[] base, float noise_std, "
+      "Generator? generator) -> Tensor[]");
+  m.def(
+      "private_sum.out(Tensor[] clients, Tensor coefficients, Tensor[] base, float noise_std, "
+      "Generator? generator, *, Tensor(a!)[] out) -> ()");
+  m.def(
+      "private_sum_(Tensor(a!)[] base, Tensor[] clients, Tensor coefficients, float noise_std, "
+      "Generator? generator) -> ()");
+}

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from .model_layout import Model, weights_and_values
-from .ops.sgld import sgld_step
-from .robust import ClientSet, shares_memory
+from .ops import private as private_ops
+from .robust import ClientSet
 
 __all__ = ["update_norms", "clip_factors", "private_aggregate", "adaptive_clip_norm",
            "adaptive_noise_params"]
@@ -30,9 +30,9 @@ def _with_base(clients, base: Model, api: str) -> tuple[ClientSet, list[Tensor],
     if base is None:
         raise ValueError(f"{api}: base (the current global model) is required")
     tensors = cs.layout.tensors(base, "base")
-    if cs.flat and tensors[0].dim() != 1:
+    if cs.is_flat and tensors[0].dim() != 1:
         raise ValueError(f"{api}: with [K, P] clients, base must be a 1-D [P] tensor")
-    first = cs._client0()
+    first = cs.client0()
     for i, (b, t) in enumerate(zip(tensors, first)):
         if b.shape != t.shape or b.dtype != t.dtype or b.device != t.device:
             raise ValueError(f"{api}: base tensor {cs.label(i)} is {b.dtype} {tuple(b.shape)} "
@@ -43,12 +43,7 @@ def _with_base(clients, base: Model, api: str) -> tuple[ClientSet, list[Tensor],
 
 
 def _norms(cs: ClientSet, base: list[Tensor]) -> Tensor:
-    dev = base[0].device if base else torch.device("cpu")
-    sq = torch.zeros(cs.K, dtype=torch.float64, device=dev)
-    for k, c in enumerate(cs.floats):
-        for x, b in zip(c, base):
-            sq[k] += ((x.to(torch.float64) - b.to(torch.float64)) ** 2).sum()
-    return sq.sqrt()
+    return cs.run(private_ops.update_norms, cs.flat(), cs.K, base)
 
 
 def update_norms(clients, base: Model) -> Tensor:
@@ -63,36 +58,6 @@ def clip_factors(norms: Tensor, clip_norm: float) -> list[float]:
     r""":math:`\min(1, C / \lVert u_k\rVert)` per client, as Flower's ``clip_inputs_inplace``
     computes it in Python floats (a zero update keeps factor 1, where Flower divides by zero)."""
     return [1.0 if n == 0 else min(1.0, clip_norm / n) for n in norms.tolist()]
-
-
-def _noise(floats: list[Tensor], noise_std: float,
-           generator: torch.Generator | None) -> list[Tensor]:
-    r""":math:`\sigma\varepsilon` for every element of ``floats`` in the accumulate type:
-    element e of the concatenation of all tensors takes normal e of the SGLD ops' Philox
-    stream, so one seed drawn from ``generator`` keys the whole model."""
-    device = floats[0].device
-    total = sum(t.numel() for t in floats)
-    acc_types = {torch.float64 if t.dtype == torch.float64 else torch.float32 for t in floats}
-    if generator is None:
-        generator = (torch.default_generator if device.type == "cpu"
-                     else torch.cuda.default_generators[device.index or 0])
-    state = generator.get_state()
-    flat = {}
-    for n, dtype in enumerate(sorted(acc_types, key=str)):
-        if n:  # the same seed for every accumulate type; the draw is consumed once
-            after = generator.get_state()
-            generator.set_state(state)
-        zeros = torch.zeros(total, dtype=dtype, device=device)
-        flat[dtype] = sgld_step(zeros, zeros, step_size=0.0, noise_std=noise_std,
-                                generator=generator)
-        if n:
-            generator.set_state(after)
-    out, start = [], 0
-    for t in floats:
-        dtype = torch.float64 if t.dtype == torch.float64 else torch.float32
-        out.append(flat[dtype][start:start + t.numel()].reshape(t.shape))
-        start += t.numel()
-    return out
 
 
 def private_aggregate(
@@ -150,11 +115,6 @@ def private_aggregate(
                 raise ValueError(f"{api}: out tensor {cs.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {b.dtype} "
                                  f"{tuple(b.shape)} on {b.device}")
-        for j, i in enumerate(cs.layout.float_index):
-            for k in range(cs.K):
-                if shares_memory(out_tensors[i], cs.floats[k][j]):
-                    raise ValueError(f"{api}: out tensor {cs.label(i)} shares memory with "
-                                     f"client {k}; the output must not alias a client")
 
     norms = _norms(cs, base_floats)
     values = norms.tolist()
@@ -163,29 +123,24 @@ def private_aggregate(
         raise ValueError(f"{api}: the update of client {bad[0]} has norm {values[bad[0]]} "
                          f"(NaN/Inf in clients {bad[:10]}); a non-finite update cannot be "
                          "clipped")
-    coef = [wk * fk for wk, fk in zip(w, clip_factors(norms, float(clip_norm)))]
-    noise = (_noise(base_floats, float(noise_std), generator)
-             if noise_std != 0 and base_floats else None)
-    results = []
-    for j, b in enumerate(base_floats):
-        acc_type = torch.float64 if b.dtype == torch.float64 else torch.float32
-        bb = b.to(acc_type)
-        acc = torch.zeros_like(bb)
-        for k in range(cs.K):
-            acc += coef[k] * (cs.floats[k][j].to(acc_type) - bb)
-        r = bb + acc
-        if noise is not None:
-            r += noise[j]
-        results.append(r.to(b.dtype))
-    merged, it = [], iter(results)
-    for i, f in enumerate(cs.layout.float_mask):
-        merged.append(next(it) if f else base_all[i])
+    coef = torch.tensor([wk * fk for wk, fk in zip(w, clip_factors(norms, float(clip_norm)))],
+                        dtype=torch.float64)
+    std = float(noise_std)
     if out_tensors is None:
-        return cs.layout.build([t if f else t.clone() for t, f in
-                                zip(merged, cs.layout.float_mask)]), norms
-    for o, r in zip(out_tensors, merged):
-        if o.data_ptr() != r.data_ptr():
-            o.copy_(r)
+        results = cs.run(private_ops.private_sum, cs.flat(), coef, base_floats, std, generator)
+        merged, it = [], iter(results)
+        for i, f in enumerate(cs.layout.float_mask):
+            merged.append(next(it) if f else base_all[i].clone())
+        return cs.layout.build(merged), norms
+    float_out = cs.float_out(out_tensors)
+    if all(o.data_ptr() == b.data_ptr() and o.stride() == b.stride()
+           for o, b in zip(float_out, base_floats)):
+        cs.run(private_ops.private_sum_, base_floats, cs.flat(), coef, std, generator)
+    else:
+        cs.run(private_ops.private_sum, cs.flat(), coef, base_floats, std, generator, float_out)
+    for i in cs.layout.int_index:
+        if out_tensors[i].data_ptr() != base_all[i].data_ptr():
+            out_tensors[i].copy_(base_all[i])
     return out, norms
 
 

@@ -24,6 +24,7 @@ mean also sums float16 in float32).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from .aggregate import aggregate
 from .model_layout import Model, ModelLayout, split_clients
+from .ops import robust as robust_ops
 
 __all__ = ["coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum_scores", "krum",
            "bulyan", "BULYAN_SELECTIONS"]
@@ -46,7 +48,7 @@ class ClientSet:
 
     def __init__(self, clients, api: str):
         self.api = api
-        models, self.flat = split_clients(clients)
+        models, self.is_flat = split_clients(clients)
         if not models:
             raise ValueError(f"{api}: no client models (K = 0)")
         self.layout = layout = ModelLayout.of(models[0], "client 0")
@@ -67,25 +69,52 @@ class ClientSet:
         return self.layout.label(self.layout.names[i])
 
     def out_tensors(self, out: Model | None) -> list[Tensor] | None:
-        """``out``'s tensors after checking each against client 0's (before any write)."""
+        """``out``'s tensors after checking each against client 0's (before any write); the
+        native ops check the memory of the floating-point entries, this the integer ones."""
         if out is None:
             return None
         tensors = self.layout.tensors(out, "out")
-        for i, (o, t) in enumerate(zip(tensors, self._client0())):
+        for i, (o, t) in enumerate(zip(tensors, self.client0())):
             if o.shape != t.shape or o.dtype != t.dtype or o.device != t.device:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
-            for k in range(self.K):
-                c = self.floats[k] if i in self.layout.float_index else None
-                src = (c[self.layout.float_index.index(i)] if c is not None
-                       else self.ints[i][k])
+            for k, src in enumerate(self.ints.get(i, ())):
                 if shares_memory(o, src):
                     raise ValueError(f"{self.api}: out tensor {self.label(i)} shares memory "
                                      f"with client {k}; the output must not alias a client")
         return tensors
 
-    def _client0(self) -> list[Tensor]:
+    def flat(self, who: Sequence[int] | None = None) -> list[Tensor]:
+        """The float tensors of clients ``who`` (all when None), client-major: the ops' input."""
+        who = range(self.K) if who is None else who
+        return [t for k in who for t in self.floats[k]]
+
+    def float_out(self, out_tensors: list[Tensor] | None) -> list[Tensor] | None:
+        if out_tensors is None:
+            return None
+        return [out_tensors[i] for i in self.layout.float_index]
+
+    def run(self, fn, *args):
+        """Calls op ``fn``, naming tensors as the user does (state_dict keys) in its errors."""
+        try:
+            return fn(*args)
+        except (RuntimeError, ValueError, TypeError) as err:
+            names = self.layout.float_names
+
+            def name(match: re.Match) -> str:
+                i = int(match.group(2))
+                if self.layout.kind == "tensor" or i >= len(names):
+                    return match.group(0)
+                return match.group(1) + self.layout.label(names[i])
+
+            message = _WHERE.sub(name, str(err).split("\nException raised from")[0])
+            message = re.sub(r"^fedkernels\.\w+:", f"{self.api}:", message)
+            kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
+            raise kind(message) from None
+
+    def client0(self) -> list[Tensor]:
+        """Client 0's tensors (float and integer) in layout order."""
         floats = iter(self.floats[0])
         return [next(floats) if f else self.ints[i][0]
                 for i, f in enumerate(self.layout.float_mask)]
@@ -108,53 +137,18 @@ class ClientSet:
         if out_tensors is None:
             return self.layout.build(merged)
         for o, r in zip(out_tensors, merged):
-            o.copy_(r)
+            if o.data_ptr() != r.data_ptr():
+                o.copy_(r)
         return out
+
+
+_WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor )(\d+)")
 
 
 def shares_memory(a: Tensor, b: Tensor) -> bool:
     if a.device != b.device or a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
         return False
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _sorted_stack(tensors: list[Tensor]) -> Tensor:
-    """The K values of each coordinate sorted ascending along dim 0 (NaN last), in the
-    accumulate type (exact: float16/bfloat16 convert to float32 without rounding)."""
-    stack = torch.stack([t.reshape(-1) for t in tensors]).to(_acc_dtype(tensors[0].dtype))
-    return torch.sort(stack, dim=0).values
-
-
-def _ascending_sum(rows: Tensor) -> Tensor:
-    """rows[0] + rows[1] + ... in that order (a fixed order, as the native kernels use)."""
-    acc = rows[0].clone()
-    for r in rows[1:]:
-        acc += r
-    return acc
-
-
-def _median_of(tensors: list[Tensor]) -> Tensor:
-    t0 = tensors[0]
-    K = len(tensors)
-    s = _sorted_stack(tensors)
-    if K % 2:
-        med = s[K // 2].clone()
-    else:
-        med = (s[K // 2 - 1] + s[K // 2]) / 2
-    med[torch.isnan(s).any(dim=0)] = math.nan
-    return med.to(t0.dtype).reshape(t0.shape)
-
-
-def _trimmed_of(tensors: list[Tensor], lowercut: int) -> Tensor:
-    t0 = tensors[0]
-    K = len(tensors)
-    s = _sorted_stack(tensors)
-    kept = s[lowercut:K - lowercut]
-    return (_ascending_sum(kept) / kept.shape[0]).to(t0.dtype).reshape(t0.shape)
 
 
 def coordinate_median(clients, *, out: Model | None = None) -> Model:
@@ -165,7 +159,7 @@ def coordinate_median(clients, *, out: Model | None = None) -> Model:
     and devices; must not alias a client)."""
     cs = ClientSet(clients, "fedkernels.coordinate_median")
     out_tensors = cs.out_tensors(out)
-    results = [_median_of([c[j] for c in cs.floats]) for j in range(len(cs.floats[0]))]
+    results = cs.run(robust_ops.coordinate_median, cs.flat(), cs.K, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
 
 
@@ -183,27 +177,20 @@ def trimmed_mean(clients, beta: float, *, out: Model | None = None) -> Model:
     cs = ClientSet(clients, api)
     out_tensors = cs.out_tensors(out)
     lowercut = int(beta * cs.K)  # Flower's (and SciPy's trim_mean's) cut
-    results = [_trimmed_of([c[j] for c in cs.floats], lowercut) for j in range(len(cs.floats[0]))]
+    results = cs.run(robust_ops.trimmed_mean, cs.flat(), cs.K, lowercut, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
 
 
 def _distances(cs: ClientSet) -> Tensor:
-    K = cs.K
-    dev = cs.floats[0][0].device if cs.floats[0] else torch.device("cpu")
-    d = torch.zeros(K, K, dtype=torch.float64, device=dev)
-    for j in range(len(cs.floats[0])):
-        x = torch.stack([c[j].reshape(-1) for c in cs.floats]).to(torch.float64)
-        for i in range(K):
-            d[i] += ((x - x[i]) ** 2).sum(dim=1)
-    return d
+    return cs.run(robust_ops.pairwise_sq_distances, cs.flat(), cs.K)
 
 
 def pairwise_sq_distances(clients) -> Tensor:
     r"""``[K, K]`` float64 matrix of :math:`\lVert x_i - x_j\rVert_2^2` over all floating-point
     tensors of the clients, accumulated in float64 from the exact differences (Flower computes
     the same quantity in the models' dtype, float32 for float32 models, so its values differ in
-    the low bits). Symmetric with a zero diagonal; NaN/Inf in a client make its row and column
-    NaN/Inf."""
+    the low bits). Symmetric with a zero diagonal; NaN/Inf in a client make the other entries
+    of its row and column NaN/Inf."""
     return _distances(ClientSet(clients, "fedkernels.pairwise_sq_distances"))
 
 
@@ -270,6 +257,9 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
     selected = _lowest(krum_scores(_distances(cs), f), m)
     if m == 1:
         results = [t.clone() for t in cs.floats[selected[0]]]
+        if out_tensors is not None:
+            for o, r in zip(cs.float_out(out_tensors), results):
+                o.copy_(r)
     else:
         sel_weights = [1.0] * m if weights is None else [w[k] for k in selected]
         if sum(sel_weights) == 0:
@@ -305,38 +295,6 @@ def _bulyan_select(d: Tensor, f: int, theta: int, selection: str) -> list[int]:
     return chosen
 
 
-def _closest_mean_of(tensors: list[Tensor], beta: int) -> Tensor:
-    """Per coordinate: the mean of the beta values closest to the median of the values. In the
-    sorted values they form a contiguous window around the middle, grown one value at a time
-    towards the closer side (the lower side on a tie)."""
-    t0 = tensors[0]
-    n = len(tensors)
-    s = _sorted_stack(tensors)
-    if n % 2:
-        med = s[n // 2]
-    else:
-        med = (s[n // 2 - 1] + s[n // 2]) / 2
-    cols = torch.arange(s.shape[1], device=s.device)
-    lo = torch.full((s.shape[1],), (n - 1) // 2, dtype=torch.long, device=s.device)
-    hi = lo.clone()  # the window is [lo, hi] inclusive; the first value is the lower middle one
-    for _ in range(beta - 1):
-        can_lo, can_hi = lo > 0, hi < n - 1
-        d_lo = torch.where(can_lo, (med - s[(lo - 1).clamp(min=0), cols]).abs(),
-                           torch.full_like(med, math.inf))
-        d_hi = torch.where(can_hi, (s[(hi + 1).clamp(max=n - 1), cols] - med).abs(),
-                           torch.full_like(med, math.inf))
-        take_lo = can_lo & ((d_lo <= d_hi) | ~can_hi)
-        lo = torch.where(take_lo, lo - 1, lo)
-        hi = torch.where(take_lo, hi, hi + 1)
-    total = torch.zeros_like(med)
-    for r in range(n):  # ascending order, window members only
-        inside = (lo <= r) & (r <= hi)
-        total = torch.where(inside, total + s[r], total)
-    result = total / beta
-    result[torch.isnan(s).any(dim=0)] = math.nan
-    return result.to(t0.dtype).reshape(t0.shape)
-
-
 def bulyan(clients, num_malicious: int, *, selection: str = "iterative",
            out: Model | None = None) -> Model:
     r"""Bulyan (El Mhamdi et al., 2018) with Flower's arithmetic.
@@ -368,6 +326,6 @@ def bulyan(clients, num_malicious: int, *, selection: str = "iterative",
     theta = cs.K - 2 * f
     beta = theta - 2 * f
     chosen = _bulyan_select(_distances(cs), f, theta, selection)
-    results = [_closest_mean_of([cs.floats[k][j] for k in chosen], beta)
-               for j in range(len(cs.floats[0]))]
+    results = cs.run(robust_ops.median_window_mean, cs.flat(chosen), theta, beta,
+                     cs.float_out(out_tensors))
     return cs.finish(results, chosen, out_tensors, out)

@@ -431,6 +431,92 @@ def check_sgld_compose_step_inplace(op, device, dtype):
             Comparison("weights", pi, want_pi, pi_tol)]
 
 
+# Robust rules and DP: the order statistics sum the same sorted values in the same order as
+# the reference (bitwise equal); distances and norms are float64 sums in another order.
+ROBUST_CLIENTS = 6
+F64_SUM_TOL = (1e-12, 1e-12)
+
+
+def _robust_clients(dtype, device):
+    return [_tensors(dtype, device, seed) for seed in range(ROBUST_CLIENTS)]
+
+
+def _order_stat_check(name, param):
+    reference = {"coordinate_median": R.coordinate_median_reference,
+                 "trimmed_mean": R.trimmed_mean_reference,
+                 "median_window_mean": R.median_window_mean_reference}[name]
+    extra = () if param is None else (param,)
+
+    def check(op, device, dtype):
+        clients = _flat(_robust_clients(dtype, device))
+        want = reference(clients, ROBUST_CLIENTS, *extra)
+        got = op(clients, ROBUST_CLIENTS, *extra)
+        return [Comparison(name, got, want, EXACT)]
+
+    def check_out(op, device, dtype):
+        clients = _flat(_robust_clients(dtype, device))
+        want = reference(clients, ROBUST_CLIENTS, *extra)
+        result = [torch.full_like(t, float("nan")) for t in want]
+        op(clients, ROBUST_CLIENTS, *extra, out=result)
+        return [Comparison(f"{name}, out=", result, want, EXACT)]
+
+    return check, check_out
+
+
+def check_pairwise_sq_distances(op, device, dtype):
+    clients = _flat(_robust_clients(dtype, device))
+    return [Comparison("distances", op(clients, ROBUST_CLIENTS),
+                       R.pairwise_sq_distances_reference(clients, ROBUST_CLIENTS), F64_SUM_TOL)]
+
+
+def check_update_norms(op, device, dtype):
+    clients = _flat(_robust_clients(dtype, device))
+    base = _tensors(dtype, device, 10)
+    return [Comparison("norms", op(clients, ROBUST_CLIENTS, base),
+                       R.update_norms_reference(clients, ROBUST_CLIENTS, base), F64_SUM_TOL)]
+
+
+def _private_inputs(dtype, device):
+    clients = _flat(_robust_clients(dtype, device))
+    coef = torch.linspace(0.05, 0.3, ROBUST_CLIENTS, dtype=torch.float64)
+    return clients, coef, _tensors(dtype, device, 10)
+
+
+def _private_tol(dtype):
+    rtol, atol = ELEMENTWISE_TOL[dtype]
+    return rtol, atol * math.sqrt(ROBUST_CLIENTS)
+
+
+def check_private_sum(op, device, dtype):
+    clients, coef, base = _private_inputs(dtype, device)
+    want = R.private_sum_reference(clients, coef, base, 0.0)
+    out = [Comparison("no noise", op(clients, coef, base, 0.0, None), want, _private_tol(dtype))]
+    out.append(_drawn_noise_is_reproducible(
+        lambda gen: op(clients, coef, base, 0.1, gen), base[0]))
+    return out
+
+
+def check_private_sum_out(op, device, dtype):
+    clients, coef, base = _private_inputs(dtype, device)
+    result = [torch.full_like(t, float("nan")) for t in base]
+    op(clients, coef, base, 0.0, None, out=result)
+    want = R.private_sum_reference(clients, coef, base, 0.0)
+    return [Comparison("no noise, out=", result, want, _private_tol(dtype))]
+
+
+def check_private_sum_inplace(op, device, dtype):
+    clients, coef, base = _private_inputs(dtype, device)
+    b = [t.clone() for t in base]
+    op(b, clients, coef, 0.0, None)
+    want = R.private_sum_reference(clients, coef, base, 0.0)
+    return [Comparison("no noise, in place", b, want, _private_tol(dtype))]
+
+
+_median = _order_stat_check("coordinate_median", None)
+_trimmed = _order_stat_check("trimmed_mean", 1)
+_window = _order_stat_check("median_window_mean", 3)
+
+
 CHECKS: dict[str, OpCheck] = {
     "weighted_sum": check_weighted_sum,
     "weighted_sum.out": check_weighted_sum_out,
@@ -448,6 +534,17 @@ CHECKS: dict[str, OpCheck] = {
     "sgld_step_": check_sgld_step_inplace,
     "sgld_compose_step": check_sgld_compose_step,
     "sgld_compose_step_": check_sgld_compose_step_inplace,
+    "coordinate_median": _median[0],
+    "coordinate_median.out": _median[1],
+    "trimmed_mean": _trimmed[0],
+    "trimmed_mean.out": _trimmed[1],
+    "median_window_mean": _window[0],
+    "median_window_mean.out": _window[1],
+    "pairwise_sq_distances": check_pairwise_sq_distances,
+    "update_norms": check_update_norms,
+    "private_sum": check_private_sum,
+    "private_sum.out": check_private_sum_out,
+    "private_sum_": check_private_sum_inplace,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

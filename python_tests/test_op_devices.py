@@ -120,6 +120,32 @@ def _compose_args():
                 generator=None)
 
 
+def _robust_args(extra=None):
+    K, shapes = 3, [(4, 3), (5,)]
+    args = dict(clients=[_randn(*s) for _ in range(K) for s in shapes], num_clients=K)
+    if extra:
+        args.update(extra)
+    return args
+
+
+def _private_sum_args():
+    K, shapes = 3, [(4, 3), (5,)]
+    return dict(clients=[_randn(*s) for _ in range(K) for s in shapes],
+                coefficients=torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64),
+                base=[_randn(*s) for s in shapes], noise_std=0.1, generator=None)
+
+
+def _private_sum_inplace_args():
+    args = _private_sum_args()
+    return {"base": args.pop("base"), **args}
+
+
+def _norms_args():
+    args = _robust_args()
+    args["base"] = [_randn(4, 3), _randn(5)]
+    return args
+
+
 # (op, builder, [(moved argument, words the error names)])
 CASES = [
     (OPS.weighted_sum.default, _weighted_sum_args, [
@@ -202,6 +228,34 @@ CASES = [
         ("log_weights", ["log_weights", "meta"]),
         ("noise", ["noise", "meta"]),
     ]),
+    (OPS.coordinate_median.default, _robust_args, [
+        (("clients", 0), ["client 1, tensor 0", "meta"]),
+        (("clients", 5), ["client 2, tensor 1", "meta"]),
+    ]),
+    (OPS.trimmed_mean.default, lambda: _robust_args({"cut": 1}), [
+        (("clients", 3), ["client 1, tensor 1", "meta"]),
+    ]),
+    (OPS.median_window_mean.default, lambda: _robust_args({"window": 2}), [
+        (("clients", 2), ["client 1, tensor 0", "meta"]),
+    ]),
+    (OPS.pairwise_sq_distances.default, _robust_args, [
+        (("clients", 1), ["client 0, tensor 1", "meta"]),
+        (("clients", 4), ["client 2, tensor 0", "meta"]),
+    ]),
+    (OPS.update_norms.default, _norms_args, [
+        (("clients", 2), ["client 1, tensor 0", "meta"]),
+        (("base", 1), ["base tensor 1", "meta"]),
+    ]),
+    (OPS.private_sum.default, _private_sum_args, [
+        (("clients", 3), ["client 1, tensor 1", "meta"]),
+        ("coefficients", ["coefficients", "meta"]),
+        (("base", 0), ["base tensor 0", "meta"]),
+    ]),
+    (OPS.private_sum_.default, _private_sum_inplace_args, [
+        (("base", 1), ["base tensor 1", "meta"]),
+        (("clients", 0), ["client 1, tensor 0", "meta"]),
+        ("coefficients", ["coefficients", "meta"]),
+    ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
         ("grads", ["grads", "meta"]),
@@ -255,8 +309,10 @@ def test_every_op_is_covered():
     """Each op overload of the library has a case here (a new op must add one)."""
     covered = {op.name() + ("." + op._overloadname if op._overloadname != "default" else "")
                for op, _, _ in CASES}
-    # weighted_sum.out is covered by its own test below.
-    covered.add("fedkernels::weighted_sum.out")
+    # The .out overloads are covered by their own tests below.
+    covered |= {f"fedkernels::{name}.out" for name in (
+        "weighted_sum", "coordinate_median", "trimmed_mean", "median_window_mean",
+        "private_sum")}
     schemas = {s.name + ("." + s.overload_name if s.overload_name else "")
                for s in torch._C._jit_get_all_schemas() if s.name.startswith("fedkernels::")}
     assert schemas == covered
@@ -292,6 +348,23 @@ def test_weighted_sum_out_on_meta_raises():
         OPS.weighted_sum.out(updates, *list(args.values())[1:], out=out)
 
 
+@pytest.mark.parametrize("op, build", [
+    (OPS.coordinate_median.out, _robust_args),
+    (OPS.trimmed_mean.out, lambda: _robust_args({"cut": 1})),
+    (OPS.median_window_mean.out, lambda: _robust_args({"window": 2})),
+    (OPS.private_sum.out, _private_sum_args),
+], ids=["coordinate_median", "trimmed_mean", "median_window_mean", "private_sum"])
+def test_robust_and_private_out_on_meta_raises(op, build):
+    args = build()
+    out = [torch.empty(4, 3), torch.empty(5)]
+    with pytest.raises(ValueError, match="out tensor 1 is on meta, expected cpu"):
+        op(*args.values(), out=[out[0], _meta(out[1])])
+    clients = list(args["clients"])
+    clients[4] = _meta(clients[4])
+    with pytest.raises(ValueError, match="client 2, tensor 0 is on meta"):
+        op(*{**args, "clients": clients}.values(), out=out)
+
+
 @pytest.mark.parametrize("op, build", [(op, build) for op, build, _ in CASES],
                          ids=[op.name().split("::")[1] for op, _, _ in CASES])
 def test_all_meta_gives_shapes(op, build):
@@ -320,6 +393,7 @@ def _assert_same_structure(got, expected):
     (OPS.weighted_sum.default, _weighted_sum_args, "weights"),
     (OPS.sgld_compose_step.default, _compose_args, "log_weights"),
     (OPS.ensemble_pseudo_labels.default, _pseudo_labels_args, "log_prior"),
+    (OPS.private_sum.default, _private_sum_args, "coefficients"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

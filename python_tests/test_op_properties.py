@@ -97,6 +97,48 @@ def test_weighted_sum(data):
 
 @SETTINGS
 @given(st.data())
+def test_robust_rules_and_distances(data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    k = data.draw(st.integers(1, 6))
+    layer_shapes = data.draw(st.lists(shapes, min_size=1, max_size=3))
+    flat = [data.draw(tensors(s, dtype)) for _ in range(k) for s in layer_shapes]
+    rule = data.draw(st.sampled_from(["median", "trimmed", "window", "distances"]))
+    param = data.draw(st.integers(0, k))
+    args, moved = _maybe_meta(data.draw, {"flat": flat})
+    calls = {
+        "median": (lambda: ops.coordinate_median(args["flat"], k),
+                   lambda: R.coordinate_median_reference(flat, k)),
+        "trimmed": (lambda: ops.trimmed_mean(args["flat"], k, param),
+                    lambda: R.trimmed_mean_reference(flat, k, param)),
+        "window": (lambda: ops.median_window_mean(args["flat"], k, param),
+                   lambda: R.median_window_mean_reference(flat, k, param)),
+        "distances": (lambda: ops.pairwise_sq_distances(args["flat"], k),
+                      lambda: R.pairwise_sq_distances_reference(flat, k)),
+    }
+    _outcome(*calls[rule], torch.float64 if rule == "distances" else dtype, moved)
+
+
+@SETTINGS
+@given(st.data())
+def test_norms_and_private_sum(data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    k = data.draw(st.integers(1, 4))
+    layer_shapes = data.draw(st.lists(shapes, min_size=1, max_size=3))
+    flat = [data.draw(tensors(s, dtype)) for _ in range(k) for s in layer_shapes]
+    base = [data.draw(tensors(s, dtype)) for s in layer_shapes]
+    coef = torch.tensor(data.draw(st.lists(st.floats(0, 1), min_size=k, max_size=k)),
+                        dtype=torch.float64)
+    args, moved = _maybe_meta(data.draw, {"flat": flat, "base": base})
+    if data.draw(st.booleans()):
+        _outcome(lambda: ops.update_norms(args["flat"], k, args["base"]),
+                 lambda: R.update_norms_reference(flat, k, base), torch.float64, moved)
+    else:
+        _outcome(lambda: ops.private_sum(args["flat"], coef, args["base"], 0.0),
+                 lambda: R.private_sum_reference(flat, coef, base, 0.0), dtype, moved)
+
+
+@SETTINGS
+@given(st.data())
 def test_mix_endpoints(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     layer_shapes = data.draw(st.lists(shapes, min_size=1, max_size=3))

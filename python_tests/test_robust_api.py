@@ -115,11 +115,18 @@ def test_median_errors_name_the_fault():
     with pytest.raises(ValueError, match="client 1, tensor 0 is torch.float64"):
         coordinate_median(clients)
     clients = make_clients(3)
-    with pytest.raises(ValueError, match="out tensor 0 shares memory with client 1"):
+    with pytest.raises(ValueError, match="coordinate_median: out tensor 0 overlaps client 1, "
+                                         "tensor 0"):
         coordinate_median(clients, out=[clients[1][0]] + [torch.empty_like(t)
                                                            for t in clients[0][1:]])
     with pytest.raises(ValueError, match="K = 0"):
         coordinate_median([])
+    # the native op's check of out, with the user's state_dict keys in the message
+    sds = [{"w": c[0], "b": c[1]} for c in make_clients(3)]
+    out = {"w": sds[2]["w"], "b": torch.empty(5)}
+    with pytest.raises(ValueError, match="coordinate_median: out tensor 'w' overlaps client 2, "
+                                         "tensor 'w'"):
+        coordinate_median(sds, out=out)
 
 
 # ---------------------------------------------------------------- trimmed mean

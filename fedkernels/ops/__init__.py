@@ -12,7 +12,7 @@ from . import native
 native.load()
 
 # The modules below register fake and autograd implementations, so the schemas must exist first.
-from . import distill, mixing, reference, sgld, summation  # noqa: E402
+from . import distill, mixing, private, reference, robust, sgld, summation  # noqa: E402
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
 from .mixing import (  # noqa: E402
     cosine_orthogonality,
@@ -22,6 +22,13 @@ from .mixing import (  # noqa: E402
     superfed_mix,
     superfed_regularizer,
     superfed_stats,
+)
+from .private import private_sum, private_sum_, update_norms  # noqa: E402
+from .robust import (  # noqa: E402
+    coordinate_median,
+    median_window_mean,
+    pairwise_sq_distances,
+    trimmed_mean,
 )
 from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402
 from .summation import weighted_sum, weighted_sum_, weighted_sum_out  # noqa: E402
@@ -33,4 +40,6 @@ __all__ = [
     "proximal_term", "superfed_regularizer", "superfed_mix",
     "ensemble_pseudo_labels", "distill_kl",
     "energy_from_logits", "sgld_step", "sgld_step_", "sgld_compose_step",
+    "robust", "private", "coordinate_median", "trimmed_mean", "median_window_mean",
+    "pairwise_sq_distances", "update_norms", "private_sum", "private_sum_",
 ]

@@ -357,3 +357,126 @@ def _step_from_direction(x, a, step_size, noise_std, noise, clamp):
     if lo is not None or hi is not None:
         v = v.clamp(lo, hi)
     return v.to(x.dtype)
+
+
+# ---------------------------------------------------------------- robust aggregation and DP
+# Client lists are client-major: clients[k * T + t] is tensor t of client k.
+
+
+def _by_tensor(clients: Sequence[Tensor], num_clients: int) -> list[list[Tensor]]:
+    T = len(clients) // num_clients
+    return [[clients[k * T + t] for k in range(num_clients)] for t in range(T)]
+
+
+def _sorted_values(tensors: list[Tensor]) -> Tensor:
+    """The K values of each coordinate sorted ascending along dim 0 (NaN last), in the
+    accumulate type (exact for float16/bfloat16)."""
+    stack = torch.stack([t.reshape(-1) for t in tensors]).to(_acc_dtype(tensors[0].dtype))
+    return torch.sort(stack, dim=0).values
+
+
+def _ascending_sum(rows: Tensor) -> Tensor:
+    acc = rows[0].clone()
+    for r in rows[1:]:
+        acc += r
+    return acc
+
+
+def _median_values(s: Tensor) -> Tensor:
+    n = s.shape[0]
+    return s[n // 2].clone() if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def coordinate_median_reference(clients: Sequence[Tensor], num_clients: int) -> list[Tensor]:
+    """``np.median`` over the clients, per tensor; NaN where any client is NaN."""
+    out = []
+    for tensors in _by_tensor(clients, num_clients):
+        s = _sorted_values(tensors)
+        med = _median_values(s)
+        med[torch.isnan(s).any(dim=0)] = float("nan")
+        out.append(med.to(tensors[0].dtype).reshape(tensors[0].shape))
+    return out
+
+
+def trimmed_mean_reference(clients: Sequence[Tensor], num_clients: int, cut: int) -> list[Tensor]:
+    """Mean of ranks [cut, K - cut) per coordinate (NaN sorts last), summed in ascending order."""
+    out = []
+    for tensors in _by_tensor(clients, num_clients):
+        kept = _sorted_values(tensors)[cut:num_clients - cut]
+        out.append((_ascending_sum(kept) / kept.shape[0]).to(tensors[0].dtype)
+                   .reshape(tensors[0].shape))
+    return out
+
+
+def median_window_mean_reference(clients: Sequence[Tensor], num_clients: int,
+                                 window: int) -> list[Tensor]:
+    """Mean of the ``window`` values closest to each coordinate's median: a contiguous range of
+    the sorted values grown from the lower middle one towards the closer side (lower on a tie)."""
+    out = []
+    n = num_clients
+    for tensors in _by_tensor(clients, num_clients):
+        s = _sorted_values(tensors)
+        med = _median_values(s)
+        cols = torch.arange(s.shape[1], device=s.device)
+        lo = torch.full((s.shape[1],), (n - 1) // 2, dtype=torch.long, device=s.device)
+        hi = lo.clone()
+        inf = torch.full_like(med, float("inf"))
+        for _ in range(window - 1):
+            can_lo, can_hi = lo > 0, hi < n - 1
+            d_lo = torch.where(can_lo, (med - s[(lo - 1).clamp(min=0), cols]).abs(), inf)
+            d_hi = torch.where(can_hi, (s[(hi + 1).clamp(max=n - 1), cols] - med).abs(), inf)
+            take_lo = can_lo & ((d_lo <= d_hi) | ~can_hi)
+            lo = torch.where(take_lo, lo - 1, lo)
+            hi = torch.where(take_lo, hi, hi + 1)
+        total = torch.zeros_like(med)
+        for r in range(n):
+            total = torch.where((lo <= r) & (r <= hi), total + s[r], total)
+        result = total / window
+        result[torch.isnan(s).any(dim=0)] = float("nan")
+        out.append(result.to(tensors[0].dtype).reshape(tensors[0].shape))
+    return out
+
+
+def pairwise_sq_distances_reference(clients: Sequence[Tensor], num_clients: int) -> Tensor:
+    """[K, K] float64 squared distances over all tensors, from float64 differences; the
+    diagonal is 0 (a client's distance to itself is not computed, even with NaN/Inf)."""
+    K = num_clients
+    device = clients[0].device if clients else torch.device("cpu")
+    d = torch.zeros(K, K, dtype=torch.float64, device=device)
+    for tensors in _by_tensor(clients, num_clients):
+        x = torch.stack([t.reshape(-1) for t in tensors]).to(torch.float64)
+        for i in range(K):
+            d[i] += ((x - x[i]) ** 2).sum(dim=1)
+    return d.fill_diagonal_(0.0)
+
+
+def update_norms_reference(clients: Sequence[Tensor], num_clients: int,
+                           base: Sequence[Tensor]) -> Tensor:
+    """[K] float64 norms of x_k - base over all tensors."""
+    device = clients[0].device if clients else torch.device("cpu")
+    sq = torch.zeros(num_clients, dtype=torch.float64, device=device)
+    for tensors, b in zip(_by_tensor(clients, num_clients), base):
+        for k, x in enumerate(tensors):
+            sq[k] += ((x.to(torch.float64) - b.to(torch.float64)) ** 2).sum()
+    return sq.sqrt()
+
+
+def private_sum_reference(clients: Sequence[Tensor], coefficients: Tensor,
+                          base: Sequence[Tensor], noise_std: float,
+                          noise: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """``base + sum_k c_k (x_k - base) + noise_std * noise`` per tensor, clients in order, in
+    the accumulate type; ``noise``: one standard-normal tensor per base tensor (None: none)."""
+    K = coefficients.numel()
+    coef = coefficients.tolist()
+    out = []
+    for t, (tensors, b) in enumerate(zip(_by_tensor(clients, K), base)):
+        acc_type = _acc_dtype(b.dtype)
+        bb = b.to(acc_type)
+        acc = torch.zeros_like(bb)
+        for c, x in zip(coef, tensors):
+            acc += torch.tensor(c, dtype=acc_type) * (x.to(acc_type) - bb)
+        r = bb + acc
+        if noise is not None and noise_std != 0:
+            r = r + torch.tensor(noise_std, dtype=acc_type) * noise[t].to(acc_type)
+        out.append(r.to(b.dtype))
+    return out

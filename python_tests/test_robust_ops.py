@@ -1,0 +1,252 @@
+"""The robust-aggregation and DP ops against their pure-PyTorch references (dtypes, odd and
+empty shapes, non-contiguous inputs, NaN/Inf, K from 1 up), opcheck, torch.compile, the noise
+stream, and the CUDA kernels against the CPU ones where a GPU is visible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES, FLOAT_DTYPES
+
+from fedkernels.ops import private as private_ops
+from fedkernels.ops import reference as ref
+from fedkernels.ops import robust as robust_ops
+from fedkernels.ops.sgld import sgld_step
+
+SHAPES = [(5, 3), (7,), (), (0,), (2, 1, 9)]
+
+
+def clients_of(K, dtype=torch.float32, device="cpu", seed=0, shapes=SHAPES, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(K):
+        for s in shapes:
+            if ties:
+                t = torch.randint(-2, 3, s, generator=g).to(torch.float64)
+            else:
+                t = torch.randn(s, generator=g, dtype=torch.float64)
+            out.append(t.to(dtype).to(device))
+    return out
+
+
+def exact(a, b):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert torch.equal(a.isnan(), b.isnan()), (a, b)
+    assert torch.equal(a.nan_to_num(0.25), b.nan_to_num(0.25)), (a, b)
+
+
+RULES = [
+    ("median", lambda c, K: robust_ops.coordinate_median(c, K),
+     lambda c, K: ref.coordinate_median_reference(c, K)),
+    ("trimmed", lambda c, K: robust_ops.trimmed_mean(c, K, (K - 1) // 3),
+     lambda c, K: ref.trimmed_mean_reference(c, K, (K - 1) // 3)),
+    ("window", lambda c, K: robust_ops.median_window_mean(c, K, max(1, K - 2)),
+     lambda c, K: ref.median_window_mean_reference(c, K, max(1, K - 2))),
+]
+
+
+@pytest.mark.parametrize("name,op,reference", RULES, ids=[r[0] for r in RULES])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("K", [1, 2, 3, 4, 7, 10, 33])
+def test_order_statistics_equal_reference(name, op, reference, dtype, K):
+    # same ascending-order sums in the same accumulate type: bitwise equal
+    for ties in (False, True):
+        c = clients_of(K, dtype, seed=K, ties=ties)
+        for a, b in zip(op(c, K), reference(c, K)):
+            exact(a, b)
+
+
+@pytest.mark.parametrize("name,op,reference", RULES, ids=[r[0] for r in RULES])
+def test_order_statistics_nan_inf_and_strided(name, op, reference):
+    K = 6
+    c = clients_of(K, torch.float32, seed=1)
+    T = len(SHAPES)
+    c[0 * T][0, 0] = float("nan")
+    c[1 * T][1, 1] = float("inf")
+    c[2 * T][1, 1] = float("-inf")
+    c[3 * T][2, 2] = float("inf")
+    c[4 * T][2, 2] = float("inf")
+    c[5 * T + 1][3] = float("nan")
+    c[4 * T + 1][3] = float("nan")
+    strided = [t.t() if t.dim() == 2 else t for t in c]  # non-contiguous views
+    for a, b in zip(op(strided, K), reference(strided, K)):
+        exact(a, b)
+
+
+def test_out_variants_and_errors():
+    K = 5
+    c = clients_of(K, torch.float64, seed=3)
+    out = [torch.empty(s, dtype=torch.float64) for s in SHAPES]
+    got = robust_ops.trimmed_mean(c, K, 1, out=out)
+    assert all(g is o for g, o in zip(got, out))
+    for a, b in zip(out, ref.trimmed_mean_reference(c, K, 1)):
+        exact(a, b)
+    strided_out = [torch.empty(3, 5, dtype=torch.float64).t()] + out[1:]
+    robust_ops.coordinate_median(c, K, out=strided_out)
+    exact(strided_out[0], ref.coordinate_median_reference(c, K)[0])
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 2, tensor 0"):
+        robust_ops.coordinate_median(c, K, out=[c[2 * len(SHAPES)]] + out[1:])
+    with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
+        robust_ops.trimmed_mean(c, K, 3)
+    with pytest.raises(ValueError, match=r"window must be in \[1, K\]"):
+        robust_ops.median_window_mean(c, K, 0)
+    bad = list(c)
+    bad[len(SHAPES) + 1] = torch.zeros(8, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"client 1, tensor 1 has shape \[8\], client 0 has \[7\]"):
+        robust_ops.coordinate_median(bad, K)
+    with pytest.raises(ValueError, match="expected K \\* T tensors"):
+        robust_ops.coordinate_median(c[:-1], K)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("K", [1, 2, 5, 12])
+def test_pairwise_distances_equal_reference(dtype, K):
+    c = clients_of(K, dtype, seed=K, shapes=[(300, 7), (5,), (), (70001,)])
+    d = robust_ops.pairwise_sq_distances(c, K)
+    assert d.dtype == torch.float64 and d.shape == (K, K)
+    torch.testing.assert_close(d, ref.pairwise_sq_distances_reference(c, K), rtol=1e-13, atol=0)
+    assert torch.equal(d, d.T) and torch.all(d.diagonal() == 0)
+    assert torch.equal(d, robust_ops.pairwise_sq_distances(c, K))  # run to run
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_update_norms_equal_reference(dtype):
+    K = 4
+    shapes = [(300, 7), (5,), (), (70001,)]
+    c = clients_of(K, dtype, seed=2, shapes=shapes)
+    base = clients_of(1, dtype, seed=9, shapes=shapes)
+    n = private_ops.update_norms(c, K, base)
+    torch.testing.assert_close(n, ref.update_norms_reference(c, K, base), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("K", [1, 3, 8])
+def test_private_sum_without_noise_equals_reference(dtype, K):
+    c = clients_of(K, dtype, seed=K)
+    base = clients_of(1, dtype, seed=99)
+    coef = torch.linspace(0.05, 0.4, K, dtype=torch.float64)
+    got = private_ops.private_sum(c, coef, base, 0.0)
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6}.get(dtype, 1e-2)
+    for a, b in zip(got, ref.private_sum_reference(c, coef, base, 0.0)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    # in place into base, and into a strided out
+    out = [torch.empty_like(b) for b in base]
+    private_ops.private_sum(c, coef, base, 0.0, out=out)
+    inplace = [b.clone() for b in base]
+    private_ops.private_sum_(inplace, c, coef, 0.0)
+    for a, b, g in zip(out, inplace, got):
+        assert torch.equal(a, g) and torch.equal(b, g)
+
+
+def test_private_sum_noise_is_the_sgld_stream():
+    # element e of the whole list gets normal e of sgld_step's stream for the same generator
+    shapes = [(3, 5), (7,), (), (0,), (1001,)]
+    c = clients_of(2, torch.float32, seed=4, shapes=shapes)
+    base = clients_of(1, torch.float32, seed=5, shapes=shapes)
+    coef = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    sigma = 0.7
+    noisy = private_ops.private_sum(c, coef, base, sigma, torch.Generator().manual_seed(11))
+    clean = private_ops.private_sum(c, coef, base, 0.0)
+    total = sum(b.numel() for b in base)
+    stream = sgld_step(torch.zeros(total), torch.zeros(total), step_size=0.0, noise_std=sigma,
+                       generator=torch.Generator().manual_seed(11))
+    got = torch.cat([(n - k).reshape(-1) for n, k in zip(noisy, clean)])
+    torch.testing.assert_close(got, stream, rtol=0, atol=2e-6)
+    # a float64 model draws the same normals in float64
+    c64 = [t.double() for t in c]
+    b64 = [t.double() for t in base]
+    n64 = private_ops.private_sum(c64, coef, b64, sigma, torch.Generator().manual_seed(11))
+    k64 = private_ops.private_sum(c64, coef, b64, 0.0)
+    got64 = torch.cat([(n - k).reshape(-1) for n, k in zip(n64, k64)])
+    torch.testing.assert_close(got64.float(), stream, rtol=0, atol=2e-6)
+
+
+def test_private_sum_errors_write_nothing():
+    c = clients_of(3, torch.float32, seed=1)
+    base = clients_of(1, torch.float32, seed=2)
+    before = [b.clone() for b in base]
+    with pytest.raises(ValueError, match="coefficient of client 1 is nan"):
+        private_ops.private_sum_(base, c, torch.tensor([0.1, float("nan"), 0.2]), 0.0)
+    with pytest.raises(ValueError, match="noise_std must be finite and >= 0"):
+        private_ops.private_sum_(base, c, torch.tensor([0.1, 0.1, 0.2]), -1.0)
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 0, tensor 0"):
+        private_ops.private_sum(c, torch.tensor([0.1, 0.1, 0.2]), base, 0.0,
+                                out=[c[0]] + [torch.empty_like(b) for b in base[1:]])
+    for a, b in zip(base, before):
+        assert torch.equal(a, b)
+
+
+def test_opcheck():
+    K = 4
+    c = clients_of(K, torch.float32, seed=6, shapes=[(3, 4), (5,)])
+    base = clients_of(1, torch.float32, seed=7, shapes=[(3, 4), (5,)])
+    coef = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    ops = torch.ops.fedkernels
+    cases = [
+        (ops.coordinate_median.default, (c, K)),
+        (ops.trimmed_mean.default, (c, K, 1)),
+        (ops.median_window_mean.default, (c, K, 2)),
+        (ops.pairwise_sq_distances.default, (c, K)),
+        (ops.update_norms.default, (c, K, base)),
+        (ops.private_sum.default, (c, coef, base, 0.0, None)),
+        (ops.private_sum_.default, ([b.clone() for b in base], c, coef, 0.0, None)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_compile_fullgraph():
+    K = 5
+    c = clients_of(K, torch.float32, seed=8, shapes=[(6, 2), (3,)])
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def rules(clients):
+        med = robust_ops.coordinate_median(clients, K)
+        trim = robust_ops.trimmed_mean(clients, K, 1)
+        d = robust_ops.pairwise_sq_distances(clients, K)
+        return med, trim, d
+
+    med, trim, d = rules(c)
+    for a, b in zip(med, ref.coordinate_median_reference(c, K)):
+        exact(a, b)
+    for a, b in zip(trim, ref.trimmed_mean_reference(c, K, 1)):
+        exact(a, b)
+    torch.testing.assert_close(d, ref.pairwise_sq_distances_reference(c, K), rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_devices_agree_with_reference(device, dtype):
+    K = 9
+    shapes = [(33, 65), (7,), (), (4097,)]
+    c = clients_of(K, dtype, device=device, seed=12, shapes=shapes)
+    base = clients_of(1, dtype, device=device, seed=13, shapes=shapes)
+    for _, op, reference in RULES:
+        for a, b in zip(op(c, K), reference(c, K)):
+            exact(a, b)
+    torch.testing.assert_close(robust_ops.pairwise_sq_distances(c, K),
+                               ref.pairwise_sq_distances_reference(c, K), rtol=1e-13, atol=0)
+    torch.testing.assert_close(private_ops.update_norms(c, K, base),
+                               ref.update_norms_reference(c, K, base), rtol=1e-13, atol=0)
+    coef = torch.linspace(0.1, 0.3, K, dtype=torch.float64)
+    tol = {torch.float64: 1e-14, torch.float32: 1e-6}.get(dtype, 1e-2)
+    for a, b in zip(private_ops.private_sum(c, coef, base, 0.0),
+                    ref.private_sum_reference(c, coef, base, 0.0)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.cuda
+def test_cuda_noise_matches_sgld_stream_on_cuda():
+    shapes = [(3, 5), (1001,)]
+    c = clients_of(2, torch.float32, device="cuda", seed=4, shapes=shapes)
+    base = clients_of(1, torch.float32, device="cuda", seed=5, shapes=shapes)
+    coef = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    g1 = torch.Generator(device="cuda").manual_seed(3)
+    g2 = torch.Generator(device="cuda").manual_seed(3)
+    noisy = private_ops.private_sum(c, coef, base, 0.5, g1)
+    clean = private_ops.private_sum(c, coef, base, 0.0)
+    total = sum(b.numel() for b in base)
+    z = torch.zeros(total, device="cuda")
+    stream = sgld_step(z, z, step_size=0.0, noise_std=0.5, generator=g2)
+    got = torch.cat([(n - k).reshape(-1) for n, k in zip(noisy, clean)])
+    torch.testing.assert_close(got, stream, rtol=0, atol=2e-6)
