@@ -41,13 +41,34 @@ def cell(values: list[float], scale: float, seeds: bool) -> str:
     return text
 
 
+def merged(paths: list[Path]) -> dict:
+    """One compare result from several (e.g. seeds run in separate batches): entries with the
+    same label pool their runs, in file order; a seed that appears twice for a label is an
+    error, not a silent duplicate."""
+    data = json.loads(paths[0].read_text())
+    by_label = {e["label"]: e for e in data["entries"]}
+    for path in paths[1:]:
+        for e in json.loads(path.read_text())["entries"]:
+            if e["label"] not in by_label:
+                by_label[e["label"]] = e
+                data["entries"].append(e)
+                continue
+            seen = {run["seed"] for run in by_label[e["label"]]["runs"]}
+            again = seen & {run["seed"] for run in e["runs"]}
+            if again:
+                raise SystemExit(f"{path}: {e['label']} seeds {sorted(again)} already given")
+            by_label[e["label"]]["runs"] += e["runs"]
+    return data
+
+
 def table(
-    path: Path, seeds_for: set[str], only_seeds: set[int] | None = None,
+    path: Path | list[Path], seeds_for: set[str], only_seeds: set[int] | None = None,
     labels: list[str] | None = None,
 ) -> str:
-    """The markdown table of one compare.json; per-seed values for the keys in ``seeds_for``;
-    only the runs with a seed in ``only_seeds`` and the methods in ``labels`` when given."""
-    data = json.loads(path.read_text())
+    """The markdown table of one compare.json (or of several pooled, see :func:`merged`);
+    per-seed values for the keys in ``seeds_for``; only the runs with a seed in ``only_seeds``
+    and the methods in ``labels`` when given."""
+    data = merged(path) if isinstance(path, list) else json.loads(path.read_text())
     if labels is not None:
         data["entries"] = [e for e in data["entries"] if e["label"] in labels]
     if only_seeds is not None:
@@ -83,9 +104,15 @@ def main() -> None:
                         help="comma-separated keys shown with per-seed values")
     parser.add_argument("--only-seeds", help="comma-separated seeds: leave the other runs out")
     parser.add_argument("--labels", help="comma-separated method labels: leave the others out")
+    parser.add_argument("--merge", action="store_true",
+                        help="one table: pool the runs of methods with the same label across files")
     args = parser.parse_args()
     only = None if args.only_seeds is None else {int(s) for s in args.only_seeds.split(",")}
     labels = None if args.labels is None else args.labels.split(",")
+    if args.merge:
+        names = " + ".join(str(p) for p in args.files)
+        print(f"{names}:\n\n{table(args.files, set(args.seeds.split(',')), only, labels)}\n")
+        return
     for path in args.files:
         print(f"{path}:\n\n{table(path, set(args.seeds.split(',')), only, labels)}\n")
 

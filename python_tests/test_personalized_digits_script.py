@@ -45,3 +45,25 @@ def test_table(tmp_path):
                         "50.0 ± 10.0 | 10 |")
     one = module.table(path, set(), {1}, ["MM"]).splitlines()
     assert len(one) == 3 and one[2].startswith("| MM | 60.0 ± 0.0 | 70.0 ± 0.0 | 0.75 ± 0.00")
+
+
+def test_merge_pools_seeds_across_files_and_refuses_a_seed_twice(tmp_path):
+    first = {"entries": [{"label": "L=0", "runs": [run(0, True, personalized_accuracy=0.5)]}]}
+    second = {"entries": [{"label": "L=0", "runs": [run(3, True, personalized_accuracy=0.7)]},
+                          {"label": "L=1", "runs": [run(3, True, personalized_accuracy=0.9)]}]}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(first))
+    b.write_text(json.dumps(second))
+    module = load()
+    pooled = module.merged([a, b])
+    assert [e["label"] for e in pooled["entries"]] == ["L=0", "L=1"]
+    assert [r["seed"] for r in pooled["entries"][0]["runs"]] == [0, 3]
+    row = next(line for line in module.table([a, b], {"personalized_accuracy"}).splitlines()
+               if line.startswith("| L=0 "))
+    assert "60.0 ± 10.0 [50.0, 70.0]" in row
+    try:
+        module.merged([a, a])
+    except SystemExit as e:
+        assert "seeds [0] already given" in str(e)
+    else:
+        raise AssertionError("a seed given twice must be refused")
