@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
     bandwidth_probes,
@@ -53,22 +54,6 @@ from common import (  # noqa: E402
 )
 
 STRATEGIES = ("FedAvg", "FedAdam", "QFedAvg")
-
-
-def resnet18_shapes() -> list[tuple[int, ...]]:
-    """The parameter shapes of torchvision's ResNet-18 (62 tensors, 11,689,512 values)."""
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    in_ch = 64
-    for out_ch, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-        for block in range(2):
-            first_in = in_ch if block == 0 else out_ch
-            shapes += [(out_ch, first_in, 3, 3), (out_ch,), (out_ch,),
-                       (out_ch, out_ch, 3, 3), (out_ch,), (out_ch,)]
-            if block == 0 and (stride != 1 or in_ch != out_ch):
-                shapes += [(out_ch, in_ch, 1, 1), (out_ch,), (out_ch,)]
-        in_ch = out_ch
-    shapes += [(1000, 512), (1000,)]
-    return shapes
 
 
 MODELS = {

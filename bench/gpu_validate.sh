@@ -168,6 +168,8 @@ plan() {
     --out "$OUTDIR/bench_sgld.json"
   step "bench_superfed" 60 bench_superfed.log "$pyname" bench/bench_superfed.py --device cuda \
     --out "$OUTDIR/bench_superfed.json"
+  step "bench_robust_ops" 45 bench_robust_ops.log "$pyname" bench/bench_robust_ops.py \
+    --device cuda --out "$OUTDIR/bench_robust_ops.json"
 }
 
 if [[ $DRY_RUN == 1 ]]; then
@@ -268,7 +270,7 @@ plan
       grep -E '^\|' "$OUTDIR/$log.log"
     fi
   done
-  for log in bench_distill bench_sgld bench_superfed; do
+  for log in bench_distill bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
       echo "## $log (last lines of the log)"
