@@ -1,4 +1,4 @@
-"""Every issue-4 strategy in a real (tiny) simulation: it trains, and a run resumed from a
+"""Every fairness and participation strategy in a real (tiny) simulation: it trains, and a run resumed from a
 checkpoint ends bitwise equal to an uninterrupted one (strategy state goes through
 state_dict/load_state_dict)."""
 
