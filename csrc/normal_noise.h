@@ -15,6 +15,14 @@
 
 #include "host_device.h"
 
+// Forced inline on the host as well: the CPU's vector instantiation passes values of several
+// registers, which a call would spill to memory.
+#if defined(__CUDACC__)
+#define FEDKERNELS_NOISE_FN FEDKERNELS_HD
+#else
+#define FEDKERNELS_NOISE_FN inline __attribute__((always_inline))
+#endif
+
 namespace fedkernels {
 
 // One fp32 lane: the operations BoxMullerF32 needs, on either device.
@@ -60,7 +68,7 @@ struct BoxMullerF32 {
 
   // ln x for a normal x in (0, 1]: x = 2^e m with m in [sqrt(1/2), sqrt(2)],
   // ln x = e ln 2 + ln(1 + f), f = m - 1 (exact), ln(1 + f) = f + f^2 q(f).
-  FEDKERNELS_HD static F log_unit(F x) {
+  FEDKERNELS_NOISE_FN static F log_unit(F x) {
     const U b = Ops::bits(x);
     U m = (b & 0x007fffffu) | 0x3f800000u;  // the mantissa as a float in [1, 2)
     const U big = (0x3fb504f3u - m) >> 31;  // 1 when m > sqrt(2)
@@ -85,7 +93,7 @@ struct BoxMullerF32 {
   // sin and cos of 2 pi t for t in [0, 1]: 4 t = q + d with q an integer and d in [-1/2, 1/2]
   // (both exact), polynomials in d for the angle pi d / 2, and the quadrant q mod 4 picks which
   // one and its sign.
-  FEDKERNELS_HD static void sincos_turns(F t, F& sin_out, F& cos_out) {
+  FEDKERNELS_NOISE_FN static void sincos_turns(F t, F& sin_out, F& cos_out) {
     const F magic = Ops::splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
     const F x = Ops::mul(t, Ops::splat(4.0f));
     const F shifted = Ops::add(x, magic);
@@ -112,7 +120,7 @@ struct BoxMullerF32 {
 
   // Two standard normals from two uint32: u1 = (r1 + 1) 2^-32 in (0, 1], u2 = r2 2^-32 in
   // [0, 1], n0 = sqrt(-2 ln u1) cos(2 pi u2), n1 = sqrt(-2 ln u1) sin(2 pi u2).
-  FEDKERNELS_HD static void pair(U r1, U r2, F& n0, F& n1) {
+  FEDKERNELS_NOISE_FN static void pair(U r1, U r2, F& n0, F& n1) {
     const F scale = Ops::splat(2.3283064365386963e-10f);  // 2^-32
     const F u1 = Ops::mul(Ops::add(Ops::to_float(r1), Ops::splat(1.0f)), scale);
     const F u2 = Ops::mul(Ops::to_float(r2), scale);
@@ -125,3 +133,5 @@ struct BoxMullerF32 {
 };
 
 }  // namespace fedkernels
+
+#undef FEDKERNELS_NOISE_FN

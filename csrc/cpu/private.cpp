@@ -24,6 +24,7 @@
 #include "../elementwise.h"
 #include "../private_host.h"
 #include "chunk_loop.h"
+#include "normal_lanes.h"
 
 namespace fedkernels {
 namespace {
@@ -108,15 +109,15 @@ struct PrivateCpu {
             base.data(), len);
       }
       const int64_t first = p.offsets[r.tensor] + r.begin;  // element index in the model
-      A eps4[4] = {0, 0, 0, 0};
-      for (int64_t i = 0; i < len; ++i) {
-        A v = base[i] + acc[i];
-        if (noise) {
-          const int64_t e = first + i;
-          if ((e & 3) == 0 || i == 0) PhiloxNormal::normal4<A>(seed, 0, e / 4, eps4);
-          v += std_ * eps4[e & 3];
-        }
-        out[i] = static_cast<T>(v);
+      if (noise) {
+        // The normals of the Philox groups the chunk overlaps; element e takes eps[e - 4 g0].
+        const int64_t g0 = first / 4, g1 = (first + len + 3) / 4;
+        std::vector<A> eps(static_cast<size_t>(4 * (g1 - g0)));
+        draw_normals<A>(seed, g0, g1, eps.data());
+        const A* e = eps.data() + (first - 4 * g0);
+        for (int64_t i = 0; i < len; ++i) out[i] = static_cast<T>(base[i] + acc[i] + std_ * e[i]);
+      } else {
+        for (int64_t i = 0; i < len; ++i) out[i] = static_cast<T>(base[i] + acc[i]);
       }
     });
   }

@@ -11,19 +11,13 @@
 // clamp. The result does not depend on the number of threads. The noise seed is drawn from the
 // CPU generator (one random64 per call), so a seeded torch.Generator reproduces a run.
 //
-// Noise: the AVX2 and AVX-512 builds run Philox-4x32-10 and BoxMullerF32 (csrc/normal_noise.h)
-// on 8 or 16 Philox blocks at once; the bits are those of the scalar PhiloxNormal, which the
-// default build and fp64 use.
+// Noise: draw_normals (csrc/cpu/normal_lanes.h), vectorized on the AVX2 and AVX-512 builds.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -33,8 +27,8 @@
 #include <type_traits>
 
 #include "../elementwise.h"
-#include "../normal_noise.h"
 #include "../sgld_host.h"
+#include "normal_lanes.h"
 #include "parallel.h"
 
 namespace fedkernels {
@@ -43,106 +37,7 @@ namespace {
 using at::vec::Vectorized;
 
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
-constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * 16)
-
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-// kLanes fp32 values and their uint32 bit patterns (GCC vector types: the same integer and
-// float operators as scalars, compiled to the build's vector instructions).
-typedef float VecF __attribute__((vector_size(4 * kLanes)));
-typedef uint32_t VecU __attribute__((vector_size(4 * kLanes)));
-typedef int32_t VecI __attribute__((vector_size(4 * kLanes)));
-typedef uint64_t VecU64 __attribute__((vector_size(4 * kLanes)));
-
-struct VecF32Ops {
-  using F = VecF;
-  using U = VecU;
-  static F splat(float v) { return F{} + v; }
-  static F add(F a, F b) { return a + b; }
-  static F sub(F a, F b) { return a - b; }
-  static F mul(F a, F b) { return a * b; }
-#if defined(CPU_CAPABILITY_AVX512)
-  static F sqrt(F a) { return (F)_mm512_sqrt_ps((__m512)a); }
-#else
-  static F sqrt(F a) { return (F)_mm256_sqrt_ps((__m256)a); }
-#endif
-  static U bits(F x) { return (U)x; }
-  static F from_bits(U u) { return (F)u; }
-  // Both halves convert exactly, so the one rounding is the sum's: the nearest float, as
-  // ScalarF32Ops::to_float.
-  static F to_float(U u) {
-    const F hi = __builtin_convertvector((VecI)(u >> 16), F);
-    const F lo = __builtin_convertvector((VecI)(u & 0xffffu), F);
-    return hi * 65536.0f + lo;
-  }
-};
-
-// hi and lo words of the 64-bit products m * x, lane by lane.
-inline void mulhilo(uint32_t m, VecU x, VecU& hi, VecU& lo) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512i mv = _mm512_set1_epi64(m);
-  const VecU64 even = (VecU64)_mm512_mul_epu32((__m512i)x, mv);
-  const VecU64 odd = (VecU64)_mm512_mul_epu32(_mm512_srli_epi64((__m512i)x, 32), mv);
-#else
-  const __m256i mv = _mm256_set1_epi64x(m);
-  const VecU64 even = (VecU64)_mm256_mul_epu32((__m256i)x, mv);
-  const VecU64 odd = (VecU64)_mm256_mul_epu32(_mm256_srli_epi64((__m256i)x, 32), mv);
-#endif
-  hi = (VecU)((even >> 32) | (odd & 0xffffffff00000000ull));
-  lo = (VecU)((even & 0xffffffffull) | (odd << 32));
-}
-
-// eps[4 i + j] = element j of Philox group g0 + i, i < kLanes: at::philox_engine's
-// Philox-4x32-10 with offset 0 (counter = {0, 0, group}, key = seed), one group per lane.
-inline void normal_lanes(uint64_t seed, uint64_t g0, float* eps) {
-  alignas(64) uint32_t words[2][kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    words[0][i] = static_cast<uint32_t>(g0 + i);
-    words[1][i] = static_cast<uint32_t>((g0 + i) >> 32);
-  }
-  VecU x0 = {}, x1 = {}, x2, x3;
-  std::memcpy(&x2, words[0], sizeof x2);
-  std::memcpy(&x3, words[1], sizeof x3);
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
-    VecU hi0, lo0, hi1, lo1;
-    mulhilo(0xD2511F53u, x0, hi0, lo0);
-    mulhilo(0xCD9E8D57u, x2, hi1, lo1);
-    x0 = hi1 ^ x1 ^ k0;
-    x1 = lo1;
-    x2 = hi0 ^ x3 ^ k1;
-    x3 = lo0;
-  }
-  alignas(64) float n[4][kLanes];
-  VecF v[4];
-  BoxMullerF32<VecF32Ops>::pair(x0, x1, v[0], v[1]);
-  BoxMullerF32<VecF32Ops>::pair(x2, x3, v[2], v[3]);
-  for (int j = 0; j < 4; ++j) std::memcpy(n[j], &v[j], sizeof v[j]);
-  for (int i = 0; i < kLanes; ++i) {
-    for (int j = 0; j < 4; ++j) eps[4 * i + j] = n[j][i];
-  }
-}
-#endif
-
-// eps[0, 4 * (g1 - g0)) = the noise of Philox groups [g0, g1).
-template <typename A>
-void draw_normals(uint64_t seed, int64_t g0, int64_t g1, A* eps) {
-  int64_t g = g0;
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<A, float>) {
-    for (; g + kLanes <= g1; g += kLanes) normal_lanes(seed, g, eps + 4 * (g - g0));
-  }
-#endif
-  for (; g < g1; ++g) PhiloxNormal::normal4<A>(seed, 0, g, eps + 4 * (g - g0));
-}
+constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * kLanes)
 
 // pi[:, j] = softmax_k(log_w_k + phi(-E_kj)), stable (max subtracted).
 template <typename A>
@@ -279,8 +174,7 @@ struct SgldCpu {
         if (noise) {
           for (int64_t i = 0; i < len; ++i) eps[i] = static_cast<A>(noise[e0 + i]);
         } else if (p.draw_noise) {
-          const int64_t first = e0 / 4;
-          draw_normals<A>(seed, first, (e0 + len + 3) / 4, eps);
+          draw_normals<A>(seed, e0 / 4, (e0 + len + 3) / 4, eps);
         } else {
           std::fill(eps, eps + len, A(0));
         }
