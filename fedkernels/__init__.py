@@ -22,7 +22,14 @@ from .ops.mixing import (
 )
 from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
 from .private import adaptive_clip_norm, adaptive_noise_params, private_aggregate, update_norms
-from .robust import bulyan, coordinate_median, krum, pairwise_sq_distances, trimmed_mean
+from .robust import (
+    bulyan,
+    coordinate_median,
+    krum,
+    nearest_to_median_mean,
+    pairwise_sq_distances,
+    trimmed_mean,
+)
 from .selfcheck import check
 
 __version__ = "0.1.0"
@@ -32,5 +39,6 @@ __all__ = [
     "superfed_regularizer", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
     "sgld_step", "sgld_step_", "sgld_compose_step", "check",
     "coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum", "bulyan",
+    "nearest_to_median_mean",
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
 ]

@@ -181,6 +181,21 @@ def trimmed_mean(clients, beta: float, *, out: Model | None = None) -> Model:
     return cs.finish(results, None, out_tensors, out)
 
 
+def nearest_to_median_mean(clients, window: int, *, out: Model | None = None) -> Model:
+    r"""Bulyan's coordinate step on its own: per coordinate, the mean of the ``window`` values
+    (1 to K) nearest to the clients' coordinate-wise median (:func:`coordinate_median` rules),
+    summed in the accumulate type. On an exact distance tie the lower value is taken; a
+    coordinate where any client is NaN is NaN. :func:`bulyan` runs it over the clients its
+    Krum step selected."""
+    api = "fedkernels.nearest_to_median_mean"
+    cs = ClientSet(clients, api)
+    window = _check_count(api, "window", window, 1, cs.K)
+    out_tensors = cs.out_tensors(out)
+    results = cs.run(robust_ops.median_window_mean, cs.flat(), cs.K, window,
+                     cs.float_out(out_tensors))
+    return cs.finish(results, None, out_tensors, out)
+
+
 def _distances(cs: ClientSet) -> Tensor:
     return cs.run(robust_ops.pairwise_sq_distances, cs.flat(), cs.K)
 

@@ -307,7 +307,8 @@ def test_constructor_and_summary_are_flowers():
                                       ("FedTrimmedAvg", "trimmed_mean"),
                                       ("Krum", "pairwise_sq_distances"),
                                       ("MultiKrum", "pairwise_sq_distances"),
-                                      ("Bulyan", "pairwise_sq_distances")])
+                                      ("Bulyan", "pairwise_sq_distances"),
+                                      ("Bulyan", "nearest_to_median_mean")])
 def test_float_replies_take_the_fedkernels_op(monkeypatch, name, op):
     """The arithmetic really is fedkernels': one call of the op for all float arrays."""
     calls = []

@@ -20,6 +20,7 @@ from fedkernels.robust import (
     coordinate_median,
     krum,
     krum_scores,
+    nearest_to_median_mean,
     pairwise_sq_distances,
     trimmed_mean,
 )
@@ -293,3 +294,30 @@ def test_bulyan_integer_data_exact_and_errors():
         bulyan(make_clients(6), 1)
     with pytest.raises(ValueError, match="selection must be one of"):
         bulyan(make_clients(7), 1, selection="krum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("K,window", [(1, 1), (4, 2), (5, 3), (6, 6), (9, 5)])
+def test_nearest_to_median_mean_equals_flower(dtype, K, window):
+    clients = make_clients(K, dtype, seed=40 + K)
+    layers = np_layers(clients)
+    median = [np.median(np.stack(layer), axis=0) for layer in zip(*layers)]
+    expected = aggregate_n_closest_weights(median, layers, window)
+    tol = 1e-6 if dtype == torch.float32 else 1e-14
+    assert_same(nearest_to_median_mean(clients, window), expected, exact=False, rtol=tol,
+                atol=tol)
+
+
+def test_nearest_to_median_mean_state_dict_out_and_errors():
+    sds = [{"w": c[0], "b": c[1], "n": torch.tensor(k)} for k, c in enumerate(make_clients(5))]
+    out = {"w": torch.empty(3, 4), "b": torch.empty(5), "n": torch.tensor(0)}
+    got = nearest_to_median_mean(sds, 3, out=out)
+    assert got is out and int(out["n"]) == 4  # integer entries: the maximum, as in bulyan
+    expected = nearest_to_median_mean([[c["w"], c["b"]] for c in sds], 3)
+    assert torch.equal(out["w"], expected[0]) and torch.equal(out["b"], expected[1])
+    with pytest.raises(ValueError, match=r"window must be in \[1, 5\], got 6"):
+        nearest_to_median_mean(sds, 6)
+    with pytest.raises(ValueError, match=r"window must be in \[1, 5\], got 0"):
+        nearest_to_median_mean(sds, 0)
+    with pytest.raises(TypeError, match="window must be an int"):
+        nearest_to_median_mean(sds, 2.0)

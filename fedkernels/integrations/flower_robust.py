@@ -18,8 +18,9 @@ the exceptions and the wrapped strategy of the DP wrappers are Flower's. Swap th
                                        selection rule on them, the fused weighted mean of the
                                        selected replies
 :class:`Bulyan`                        the same selection (θ = K − 2f replies), then the
-                                       coordinate-wise median and the mean of the β = θ − 2f
-                                       values nearest to it, tensor by tensor
+                                       mean of the β = θ − 2f values nearest to the
+                                       coordinate-wise median, in one fused pass
+                                       (:func:`fedkernels.robust.nearest_to_median_mean`)
 :class:`DifferentialPrivacyServer\     :math:`x_t + \sum_k \bar w_k \min(1, C/\|x_k - x_t\|)
 SideFixedClipping`                     (x_k - x_t) + \mathcal N(0, (\sigma C/m)^2)` in
                                        :func:`fedkernels.private.private_aggregate` when the
@@ -104,7 +105,13 @@ from fedkernels.integrations.flower import (
 )
 from fedkernels.ops.sgld import sgld_step
 from fedkernels.private import adaptive_clip_norm, private_aggregate, update_norms
-from fedkernels.robust import coordinate_median, krum_scores, pairwise_sq_distances, trimmed_mean
+from fedkernels.robust import (
+    coordinate_median,
+    krum_scores,
+    nearest_to_median_mean,
+    pairwise_sq_distances,
+    trimmed_mean,
+)
 
 __all__ = [
     "Bulyan",
@@ -290,24 +297,13 @@ class Krum(_MultiKrumTrain, _flwr.Krum):
     (integer arrays become float64)."""
 
 
-def _nearest_to_median_mean(column: list[Tensor], beta: int) -> Tensor:
-    r"""Bulyan's coordinate step over the θ selected replies' tensors: per coordinate, the
-    mean of the ``beta`` values nearest to the coordinate-wise median (ties: the earlier
-    reply), accumulated in float32 (float64 for float64)."""
-    median = coordinate_median(column)
-    stack = torch.stack(column)
-    nearest = (stack - median).abs_().argsort(dim=0, stable=True)[:beta]
-    acc = torch.float64 if stack.dtype == torch.float64 else torch.float32
-    return stack.gather(0, nearest).to(acc).mean(dim=0).to(stack.dtype)
-
-
 class Bulyan(_flwr.Bulyan):
     r"""Flower's ``Bulyan``: θ = K − 2f replies chosen by ``selection_rule`` (Flower's
     default, Multi-Krum, runs as :func:`select_multikrum`; another rule is called as Flower
     calls it), then per coordinate the mean of the β = θ − 2f selected values nearest to
-    their median (:func:`fedkernels.robust.coordinate_median`, then a selection over the θ
-    values, one tensor at a time). Arrays pair by position and the selected replies'
-    ArrayRecords are emptied, as in Flower."""
+    their median (:func:`fedkernels.robust.nearest_to_median_mean`: one pass over all float
+    arrays; on an exact distance tie the lower value). Arrays pair by position and the
+    selected replies' ArrayRecords are emptied, as in Flower."""
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -333,9 +329,7 @@ class Bulyan(_flwr.Bulyan):
             medians = [np.median(a, axis=0) for a in zip(*arrays, strict=True)]
             result = _flwr_bulyan.aggregate_n_closest_weights(medians, arrays, beta)
         else:
-            tensors = _promoted(columns)
-            result = [_nearest_to_median_mean([c[t] for c in tensors], beta).numpy()
-                      for t in range(len(names))]
+            result = [t.numpy() for t in nearest_to_median_mean(_promoted(columns), beta)]
         record = ArrayRecord(dict(zip(names, (ndarray_to_array(np.asarray(a)) for a in result),
                                       strict=True)))
         for c in selected:  # Flower reads them with keep_input=False
