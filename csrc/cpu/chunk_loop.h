@@ -1,7 +1,7 @@
 // The parallel loop of the CPU multi-tensor kernels: every chunk of every tensor of a list
 // (layout in csrc/multi_tensor.h) is one work item of at::parallel_for, or the whole list runs
-// on the calling thread when the pass touches few bytes (csrc/cpu/parallel.h). A chunk's result never depends on which thread ran it,
-// so the output is the same for any number of threads.
+// on the calling thread when the pass touches few bytes (csrc/cpu/parallel.h). A chunk's result
+// never depends on which thread ran it, so the output is the same for any number of threads.
 #pragma once
 
 #include <algorithm>
@@ -35,6 +35,10 @@ void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, int64_t b
   };
   parallel_for_bytes(0, total, 1, bytes, body);
 }
+
+// A flag is not a byte count: it would turn every pass serial.
+template <typename Fn>
+void for_each_chunk(const std::vector<int64_t>&, int64_t, bool, Fn) = delete;
 
 inline int64_t total_numel(const std::vector<int64_t>& numels) {
   int64_t total = 0;

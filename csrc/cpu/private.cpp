@@ -33,7 +33,6 @@ using at::vec::Vectorized;
 
 constexpr int64_t kNormChunk = 1 << 16;
 constexpr int64_t kSumChunk = 1 << 14;
-constexpr int64_t kSerialBelow = 1 << 15;
 
 struct PrivateCpu {
   using Key = uint64_t;
@@ -52,8 +51,8 @@ struct PrivateCpu {
     std::vector<int64_t> prefix(n + 1);
     const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, kNormChunk, prefix.data());
     std::vector<double> partial(static_cast<size_t>(chunks * K), 0.0);
-    const bool serial = total_numel(p.numels) * K < kSerialBelow;
-    for_each_chunk(p.numels, kNormChunk, serial, [&](int64_t c, const ChunkRange& r) {
+    const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
+    for_each_chunk(p.numels, kNormChunk, bytes, [&](int64_t c, const ChunkRange& r) {
       const T* b = static_cast<const T*>(p.bases[r.tensor]);
       for (int64_t k = 0; k < K; ++k) {
         const T* x = static_cast<const T*>(p.inputs[k * n + r.tensor]);
@@ -86,8 +85,8 @@ struct PrivateCpu {
     const double* coef = p.coefficients.const_data_ptr<double>();
     const A std_ = static_cast<A>(p.noise_std);
     const bool noise = p.noise_std != 0;
-    const bool serial = total_numel(p.numels) * (K + 1) < kSerialBelow;
-    for_each_chunk(p.numels, kSumChunk, serial, [&](int64_t, const ChunkRange& r) {
+    const int64_t bytes = (K + 2) * total_numel(p.numels) * int64_t(sizeof(T));
+    for_each_chunk(p.numels, kSumChunk, bytes, [&](int64_t, const ChunkRange& r) {
       const int64_t len = r.end - r.begin;
       const T* b = static_cast<const T*>(p.bases[r.tensor]) + r.begin;
       T* out = static_cast<T*>(p.outs[r.tensor]) + r.begin;

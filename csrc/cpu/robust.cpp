@@ -32,7 +32,6 @@ using at::vec::Vectorized;
 constexpr int64_t kRobustChunk = 4096;     // coordinates per work item
 constexpr int64_t kDistChunk = 1 << 16;    // elements per distance work item (a partial row)
 constexpr int64_t kDistBlock = 256;        // elements converted to float64 at a time
-constexpr int64_t kSerialBelow = 1 << 15;  // elements: smaller lists run on the calling thread
 
 // Sorts W coordinates at once: v[k] holds client k's values of the W coordinates (no NaN).
 // Odd-even transposition sort with vector min/max: branch-free, and for numbers it leaves
@@ -55,8 +54,8 @@ struct RobustCpu {
     using Vec = Vectorized<A>;
     constexpr int64_t W = Vec::size();
     const int64_t K = p.K, n = p.num_tensors();
-    const bool serial = total_numel(p.numels) * K < kSerialBelow;
-    for_each_chunk(p.numels, kRobustChunk, serial, [&](int64_t, const ChunkRange& r) {
+    const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
+    for_each_chunk(p.numels, kRobustChunk, bytes, [&](int64_t, const ChunkRange& r) {
       std::vector<A> v(K), lanes(K * W);
       std::vector<Vec> cols(K);
       std::vector<const T*> x(K);
@@ -111,8 +110,8 @@ struct RobustCpu {
     std::vector<int64_t> prefix(n + 1);
     const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, kDistChunk, prefix.data());
     std::vector<double> partial(static_cast<size_t>(chunks * pairs), 0.0);
-    const bool serial = total_numel(p.numels) * K < kSerialBelow;
-    for_each_chunk(p.numels, kDistChunk, serial, [&](int64_t c, const ChunkRange& r) {
+    const int64_t bytes = K * total_numel(p.numels) * int64_t(sizeof(T));
+    for_each_chunk(p.numels, kDistChunk, bytes, [&](int64_t c, const ChunkRange& r) {
       double* row = partial.data() + c * pairs;
       std::vector<double> buf(static_cast<size_t>(K * kDistBlock));
       for (int64_t b0 = r.begin; b0 < r.end; b0 += kDistBlock) {
