@@ -106,7 +106,17 @@ def private_aggregate(
     if weights is None:
         w = [1.0 / cs.K] * cs.K
     else:
-        w = weights_and_values(weights, cs.K, True)[0].tolist()
+        try:
+            normalized, raw = weights_and_values(weights, cs.K, True)
+        except (TypeError, ValueError) as err:  # raised in aggregate's words
+            message = str(err).replace("fedkernels.aggregate:", f"{api}:", 1)
+            message = message.replace("normalize=True but the weights", "the weights")
+            raise type(err)(message) from None
+        w = normalized.tolist()
+        negative = [k for k, x in enumerate(raw if raw is not None else w) if x < 0]
+        if negative:
+            raise ValueError(f"{api}: weights must be >= 0 (sample counts); client "
+                             f"{negative[0]} has a negative weight (clients {negative[:10]})")
     out_tensors = None
     if out is not None:
         out_tensors = cs.layout.tensors(out, "out")

@@ -214,3 +214,17 @@ def test_adaptive_noise_params_as_flower(z, n, stddev):
             adaptive_noise_params(z, n, stddev)
         return
     assert adaptive_noise_params(z, n, stddev) == pytest.approx(expected, rel=1e-15)
+
+
+def test_weight_errors_name_private_aggregate():
+    base = [torch.zeros(3)]
+    clients = [[torch.randn(3)] for _ in range(3)]
+    cases = [([1, 2], ValueError, r"private_aggregate: got 3 clients but weights of shape"),
+             ([1, -1, 2], ValueError, r"private_aggregate: weights must be >= 0 .* client 1"),
+             (torch.tensor([1.0, -2.0, 3.0]), ValueError, r"weights must be >= 0"),
+             ([float("nan"), 1, 1], ValueError, r"private_aggregate: weight of client 0 is nan"),
+             ([0, 0, 0], ValueError, r"private_aggregate: the weights sum to 0"),
+             ("abc", TypeError, r"private_aggregate: weights must be K numbers")]
+    for weights, kind, pattern in cases:
+        with pytest.raises(kind, match=pattern):
+            private_aggregate(clients, weights, base=base, clip_norm=1.0, noise_std=0.0)
