@@ -146,10 +146,30 @@ void z_scores(A* s, const A* z, int64_t rows, Weighting weighting, bool double_s
   } else if (!sigmoid) {
     std::copy(z, z + rows, s);
   } else {
+    // The last vector is partial, so that every row gets the same exp.
     const Vec one(A(1));
-    int64_t r = 0;
-    for (; r + W <= rows; r += W) (one / (one + (-Vec::loadu(z + r)).exp())).store(s + r);
-    for (; r < rows; ++r) s[r] = DistillMath::sigmoid(z[r]);
+    for (int64_t r = 0; r < rows; r += W) {
+      const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r));
+      (one / (one + (-Vec::loadu(z + r, cnt)).exp())).store(s + r, cnt);
+    }
+  }
+}
+
+// Entropy scores -H / tau of rows [0, rows) from m = max x, s = sum e^(x - m) and
+// t = sum e^(x - m) x, which st
+// holds on entry, vectorised across rows: the vector form of DistillMath::entropy and score.
+template <typename A>
+void entropy_scores(A* st, const A* m, const A* s, int64_t rows, A tau) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  // The last vector is partial (its unused lanes load as 0 and are not stored), so that every
+  // row gets the same log.
+  const Vec tv(tau);
+  for (int64_t r = 0; r < rows; r += W) {
+    const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r));
+    const Vec sv = Vec::loadu(s + r, cnt);
+    const Vec ent = Vec::loadu(m + r, cnt) + sv.log() - Vec::loadu(st + r, cnt) / sv;
+    (ent.neg() / tv).store(st + r, cnt);
   }
 }
 
@@ -196,6 +216,89 @@ void block_weights(
   }
 }
 
+// Short rows (C < 2 W, where the row helpers are mostly scalar): W rows at a time, one per vector
+// lane. The W x C tile is transposed to columns (col[c * W + l] = x[l * C + c]; W x W tiles, the
+// last one overlapping), so the per-row maxima and sums become vertical vector operations. They
+// run in class order like the scalar loops of the row helpers, so a row gets the same bits
+// either way.
+template <typename A>
+struct RowLanes {
+  using Vec = Vectorized<A>;
+  static constexpr int64_t W = Vec::size();
+
+  static bool applies(int64_t C) { return C < 2 * W; }
+
+  explicit RowLanes(int64_t C) : C(C) {}
+
+  // col[c * W + l] = x[l * C + c].
+  void transpose(const A* x, A* col) const {
+    if (C < W) {
+      at::vec::transpose_mxn<A>(x, C, col, W, W, static_cast<int>(C));
+      return;
+    }
+    for (int64_t c = 0; c < C; c += W) {
+      const int64_t c0 = std::min(c, C - W);
+      at::vec::transpose_mxn<A, W, W>(x + c0, C, col + c0 * W, W);
+    }
+  }
+
+  // m = max x, s = sum e^(x - m) and t = sum e^(x - m) x of the W rows at x, through col (C * W
+  // scratch values). False, with nothing stored, when a row's max is not finite: those rows need
+  // the full exp (see the row path).
+  bool entropy_stats(const A* x, A* col, A* m, A* s, A* t) const {
+    transpose(x, col);
+    Vec mv = Vec::loadu(col);
+    for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
+    alignas(64) A lanes[W];
+    mv.store(lanes);
+    for (int64_t l = 0; l < W; ++l) {
+      if (!std::isfinite(lanes[l])) return false;
+    }
+    Vec sv(A(0)), tv(A(0));
+    for (int64_t c = 0; c < C; ++c) {
+      const Vec v = Vec::loadu(col + c * W);
+      const Vec e = (v - mv).exp_u20();
+      sv = sv + e;
+      tv = tv + e * v;
+    }
+    mv.store(m);
+    sv.store(s);
+    tv.store(t);
+    return true;
+  }
+
+  // acc[c * W + l] += w[l] x[l * C + c]: the combination of the W rows at x, kept by column.
+  void axpy(A* acc, const A* x, const A* w, A* col) const {
+    transpose(x, col);
+    const Vec wv = Vec::loadu(w);
+    for (int64_t c = 0; c < C; ++c) {
+      (Vec::loadu(acc + c * W) + wv * Vec::loadu(col + c * W)).store(acc + c * W);
+    }
+  }
+
+  // y[l * C + c] = softmax(acc / T) of the W rows whose columns acc holds, through col.
+  template <typename T>
+  void softmax(const A* acc, A inv_t, A* col, T* y) const {
+    const Vec it(inv_t);
+    Vec m = Vec::loadu(acc);
+    for (int64_t c = 1; c < C; ++c) m = at::vec::maximum(m, Vec::loadu(acc + c * W));
+    m = m * it;
+    Vec s(A(0));
+    for (int64_t c = 0; c < C; ++c) {
+      const Vec e = (Vec::loadu(acc + c * W) * it - m).exp();
+      e.store(col + c * W);
+      s = s + e;
+    }
+    const Vec inv = Vec(A(1)) / s;
+    for (int64_t c = 0; c < C; ++c) (Vec::loadu(col + c * W) * inv).store(col + c * W);
+    for (int64_t l = 0; l < W; ++l) {
+      for (int64_t c = 0; c < C; ++c) y[l * C + c] = static_cast<T>(col[c * W + l]);
+    }
+  }
+
+  int64_t C;
+};
+
 struct DistillCpu {
   template <typename T>
   static void pseudo_labels(const PseudoLabelPlan& p) {
@@ -210,17 +313,23 @@ struct DistillCpu {
     const A tau = static_cast<A>(p.tau);
     const bool entropy = p.weighting == Weighting::kEntropy;
     const bool variance = p.weighting == Weighting::kVariance;
-    const int64_t R = block_rows(C, N);
+    using Lanes = RowLanes<A>;
+    constexpr int64_t W = Lanes::W;
+    const bool lanes = Lanes::applies(C) && !p.probs;
+    int64_t R = block_rows(C, N);
+    if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
     const int64_t blocks = (N + R - 1) / R;
 
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+      const Lanes lane(C);
       const int64_t E = R * C;
+      std::vector<A> col(lanes ? C * W : 0);
       std::vector<A> xk(std::is_same_v<T, A> ? 0 : E);  // teacher k's block in A (fp16/bf16)
       std::vector<A> tmp(E), acc(E);
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
-      std::vector<A> row_m(R);
+      std::vector<A> row_m(R), row_s(R);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
         auto block = [&](int64_t k) -> const A* {
@@ -241,25 +350,35 @@ struct DistillCpu {
           }
           if (!entropy && !variance && !p.probs) continue;  // the rows are not needed yet
           const A* x = block(k);
-          if (entropy || p.probs) {
-            for (int64_t r = 0; r < rows; ++r) row_m[r] = row_max(x + r * C, C);
-          }
           if (entropy) {
-            // s = sum e^(x - m), t = sum e^(x - m) x. With a finite max every exponent is <= 0
-            // or -inf, where exp_u20 is exact enough for a weight; rows with a NaN or infinite
-            // max are redone with the full exp, which carries NaN and inf through.
-            for (int64_t r = 0; r < rows; ++r) scale_sub(tmp.data() + r * C, x + r * C, A(1), row_m[r], C);
-            exp_inplace<true>(tmp.data(), n);
-            for (int64_t r = 0; r < rows; ++r) {
-              A* e = tmp.data() + r * C;
-              if (!std::isfinite(row_m[r])) {
-                scale_sub(e, x + r * C, A(1), row_m[r], C);
-                exp_inplace<false>(e, C);
+            // s = sum e^(x - m), t = sum e^(x - m) x (t in sk until entropy_scores). With a finite
+            // max every exponent is <= 0 or -inf, where exp_u20 is exact enough for a weight; rows
+            // with a NaN or infinite max are redone with the full exp, which carries NaN and inf
+            // through.
+            auto by_rows = [&](int64_t ra, int64_t rb) {
+              for (int64_t r = ra; r < rb; ++r) row_m[r] = row_max(x + r * C, C);
+              for (int64_t r = ra; r < rb; ++r) {
+                scale_sub(tmp.data() + r * C, x + r * C, A(1), row_m[r], C);
               }
-              const A s = row_sum<A>(e, nullptr, C), t = row_sum<A>(e, x + r * C, C);
-              sk[r] = DistillMath::score<A>(
-                  p.weighting, 0, DistillMath::entropy(row_m[r], s, t), 0, tau, p.double_sigmoid);
+              exp_inplace<true>(tmp.data() + ra * C, (rb - ra) * C);
+              for (int64_t r = ra; r < rb; ++r) {
+                A* e = tmp.data() + r * C;
+                if (!std::isfinite(row_m[r])) {
+                  scale_sub(e, x + r * C, A(1), row_m[r], C);
+                  exp_inplace<false>(e, C);
+                }
+                row_s[r] = row_sum<A>(e, nullptr, C);
+                sk[r] = row_sum<A>(e, x + r * C, C);
+              }
+            };
+            int64_t r = 0;
+            for (; lanes && r + W <= rows; r += W) {
+              if (!lane.entropy_stats(x + r * C, col.data(), &row_m[r], &row_s[r], sk + r)) {
+                by_rows(r, r + W);
+              }
             }
+            by_rows(r, rows);
+            entropy_scores<A>(sk, row_m.data(), row_s.data(), rows, tau);
           } else if (variance) {
             for (int64_t r = 0; r < rows; ++r) {
               const A* xr = x + r * C;
@@ -271,6 +390,9 @@ struct DistillCpu {
             }
           }
           if (p.probs) {
+            if (!entropy) {
+              for (int64_t r = 0; r < rows; ++r) row_m[r] = row_max(x + r * C, C);
+            }
             A* mk = max_t.data() + k * R;
             for (int64_t r = 0; r < rows; ++r) {
               mk[r] = row_m[r] * inv_t;
@@ -290,7 +412,9 @@ struct DistillCpu {
         for (int64_t k = 0; k < K; ++k) {
           const A* x = block(k);
           if (!p.probs) {
-            for (int64_t r = 0; r < rows; ++r) axpy(acc.data() + r * C, x + r * C, w[k * R + r], C);
+            int64_t r = 0;
+            for (; lanes && r + W <= rows; r += W) lane.axpy(&acc[r * C], x + r * C, &w[k * R + r], col.data());
+            for (; r < rows; ++r) axpy(acc.data() + r * C, x + r * C, w[k * R + r], C);
           } else {
             for (int64_t r = 0; r < rows; ++r) {
               scale_sub(tmp.data() + r * C, x + r * C, inv_t, max_t[k * R + r], C);
@@ -307,12 +431,14 @@ struct DistillCpu {
           continue;
         }
         // y = softmax(acc / T).
-        for (int64_t r = 0; r < rows; ++r) {
+        int64_t r0 = 0;
+        for (; lanes && r0 + W <= rows; r0 += W) lane.softmax(&acc[r0 * C], inv_t, col.data(), y + r0 * C);
+        for (int64_t r = r0; r < rows; ++r) {
           const A m = row_max(acc.data() + r * C, C) * inv_t;
           scale_sub(tmp.data() + r * C, acc.data() + r * C, inv_t, m, C);
         }
-        exp_inplace<false>(tmp.data(), n);
-        for (int64_t r = 0; r < rows; ++r) {
+        exp_inplace<false>(tmp.data() + r0 * C, n - r0 * C);
+        for (int64_t r = r0; r < rows; ++r) {
           const A* e = tmp.data() + r * C;
           const A inv_sum = A(1) / row_sum<A>(e, nullptr, C);
           for (int64_t c = 0; c < C; ++c) y[r * C + c] = static_cast<T>(e[c] * inv_sum);
