@@ -117,6 +117,43 @@ C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
   for (; c < n; ++c) y[c] += a * x[c];
 }
 
+// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (rows of at
+// least 2 W elements; the last vector is partial). kFast: exp_u20, as in exp_inplace.
+template <bool kFast, typename A>
+C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const auto ex = [](Vec v) {
+    if constexpr (kFast) {
+      return v.exp_u20();
+    } else {
+      return v.exp();
+    }
+  };
+  const Vec mv(m);
+  Vec s0(A(0)), s1(A(0)), t0(A(0)), t1(A(0));
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    const Vec v0 = Vec::loadu(x + c), v1 = Vec::loadu(x + c + W);
+    const Vec e0 = ex(v0 - mv), e1 = ex(v1 - mv);
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+    t0 = t0 + e0 * v0;
+    t1 = t1 + e1 * v1;
+  }
+  // The rest one vector at a time: the missing lanes of the last one load as 0 and their e is
+  // set to 0, so they add nothing.
+  for (; c < n; c += W) {
+    const int64_t cnt = std::min<int64_t>(W, n - c);
+    const Vec v = Vec::loadu(x + c, cnt);
+    const Vec e = Vec::set(Vec(A(0)), ex(v - mv), cnt);
+    s0 = s0 + e;
+    t0 = t0 + e * v;
+  }
+  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, s0 + s1);
+  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, t0 + t1);
+}
+
 // x = e^x over a whole block. kFast: exp_u20 (a few more ulps; it does not carry NaN or +inf
 // through), for arguments known to be <= 0 or -inf.
 template <bool kFast, typename A>
@@ -357,6 +394,16 @@ struct DistillCpu {
             // through.
             auto by_rows = [&](int64_t ra, int64_t rb) {
               for (int64_t r = ra; r < rb; ++r) row_m[r] = row_max(x + r * C, C);
+              if (C >= 2 * W) {  // long rows: the exps and both sums in one read of the row
+                for (int64_t r = ra; r < rb; ++r) {
+                  if (std::isfinite(row_m[r])) {
+                    exp_sums<true>(x + r * C, C, row_m[r], row_s[r], sk[r]);
+                  } else {
+                    exp_sums<false>(x + r * C, C, row_m[r], row_s[r], sk[r]);
+                  }
+                }
+                return;
+              }
               for (int64_t r = ra; r < rb; ++r) {
                 scale_sub(tmp.data() + r * C, x + r * C, A(1), row_m[r], C);
               }
