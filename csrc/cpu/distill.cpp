@@ -154,6 +154,19 @@ C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t) {
   t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, t0 + t1);
 }
 
+// lq = y (log y - lq) where y > 0, else 0, over a whole block: the vector form of
+// DistillMath::kl_term (a NaN y gives 0 there too).
+template <typename A>
+void kl_terms(A* lq, const A* y, int64_t n) {
+  using Vec = Vectorized<A>;
+  at::vec::map2<A>(
+      [](Vec l, Vec yv) {
+        const Vec zero(A(0));
+        return Vec::blendv(zero, yv * (yv.log() - l), yv > zero);
+      },
+      lq, lq, y, n);
+}
+
 // x = e^x over a whole block. kFast: exp_u20 (a few more ulps; it does not carry NaN or +inf
 // through), for arguments known to be <= 0 or -inf.
 template <bool kFast, typename A>
@@ -510,7 +523,7 @@ struct DistillCpu {
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
-      std::vector<A> z(R * C), e(R * C), row_m(R);
+      std::vector<A> z(R * C), e(R * C), yv(R * C), row_m(R), inv_sum(R);
       for (int64_t b = b0; b < b1; ++b) {
         double block_loss = 0;
         const int64_t end = std::min(N, (b + 1) * kRowBlock);
@@ -519,29 +532,29 @@ struct DistillCpu {
           const T* s = student + i0 * C;
           const T* y = target + i0 * C;
           for (int64_t j = 0; j < n; ++j) z[j] = static_cast<A>(s[j]) * inv_t;
+          for (int64_t j = 0; j < n; ++j) yv[j] = static_cast<A>(y[j]);
           for (int64_t r = 0; r < rows; ++r) {
             row_m[r] = row_max(z.data() + r * C, C);
             scale_sub(e.data() + r * C, z.data() + r * C, A(1), row_m[r], C);
           }
           exp_inplace<false>(e.data(), n);
+          // z becomes log q = z - (m + log sum e), then the loss terms.
           for (int64_t r = 0; r < rows; ++r) {
-            const A* zr = z.data() + r * C;
-            const A* er = e.data() + r * C;
-            const T* yr = y + r * C;
-            const A sum = row_sum<A>(er, nullptr, C);
-            const A shift = row_m[r] + std::log(sum);
-            A row_loss = 0, y_sum = 0;
-            for (int64_t c = 0; c < C; ++c) {
-              const A yc = static_cast<A>(yr[c]);
-              row_loss += DistillMath::kl_term<A>(yc, zr[c] - shift);
-              y_sum += yc;
-            }
+            const A sum = row_sum<A>(e.data() + r * C, nullptr, C);
+            inv_sum[r] = A(1) / sum;
+            scale_sub(z.data() + r * C, z.data() + r * C, A(1), row_m[r] + std::log(sum), C);
+          }
+          kl_terms(z.data(), yv.data(), n);
+          for (int64_t r = 0; r < rows; ++r) {
+            const A* yr = yv.data() + r * C;
+            const A row_loss = row_sum<A>(z.data() + r * C, nullptr, C);
             if (grad) {
-              const A inv_sum = A(1) / sum;
+              const A y_sum = row_sum<A>(yr, nullptr, C);
+              const A* er = e.data() + r * C;
               T* g = grad + (i0 + r) * C;
               for (int64_t c = 0; c < C; ++c) {
-                g[c] = static_cast<T>(DistillMath::kl_grad<A>(
-                    er[c] * inv_sum, static_cast<A>(yr[c]), y_sum, scale_over_t));
+                g[c] = static_cast<T>(
+                    DistillMath::kl_grad<A>(er[c] * inv_sum[r], yr[c], y_sum, scale_over_t));
               }
             }
             block_loss += static_cast<double>(row_loss);
