@@ -4,12 +4,13 @@
 //
 // Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit.
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
-// elements: the per-row maxima and sums are short loops (scalar when C is small), the exps run
-// over the whole block at once, and the per-row constants are kept in small per-block arrays.
-// The weights are computed for a block of rows at once, vectorised across rows. Every value of
-// a row is computed from that row alone, in client order, with the lane layout fixed by C, so
-// the results do not depend on the blocking or the number of threads. The KL loss is summed per
-// block of kRowBlock rows in float64 and the blocks are added in order after the parallel loop.
+// elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
+// block at once, and per-row constants sit in small per-block arrays. Short rows (C < 2 vector
+// widths) go a vector's width of rows at a time, one row per lane (RowLanes). Scores and weights
+// are computed for a block of rows at once, vectorised across rows. Every value of a row is
+// computed from that row alone, in client order, with the lane layout fixed by C, so the results
+// do not depend on the blocking or the number of threads. The KL loss is summed per block of
+// kRowBlock rows in float64 and the blocks are added in order after the parallel loop.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -117,8 +118,8 @@ C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
   for (; c < n; ++c) y[c] += a * x[c];
 }
 
-// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (rows of at
-// least 2 W elements; the last vector is partial). kFast: exp_u20, as in exp_inplace.
+// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (for long
+// rows: the last vector is partial). kFast: exp_u20, as in exp_inplace.
 template <bool kFast, typename A>
 C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t) {
   using Vec = Vectorized<A>;
@@ -206,8 +207,8 @@ void z_scores(A* s, const A* z, int64_t rows, Weighting weighting, bool double_s
 }
 
 // Entropy scores -H / tau of rows [0, rows) from m = max x, s = sum e^(x - m) and
-// t = sum e^(x - m) x, which st
-// holds on entry, vectorised across rows: the vector form of DistillMath::entropy and score.
+// t = sum e^(x - m) x (st holds t on entry), vectorised across rows: the vector form of
+// DistillMath::entropy and score.
 template <typename A>
 void entropy_scores(A* st, const A* m, const A* s, int64_t rows, A tau) {
   using Vec = Vectorized<A>;
