@@ -35,6 +35,7 @@ using at::vec::Vectorized;
 
 constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
+constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 
 // Rows per block for rows of C elements: about kBlockElems elements, at least one row.
 inline int64_t block_rows(int64_t C, int64_t N) {
@@ -367,7 +368,7 @@ struct DistillCpu {
     using Lanes = RowLanes<A>;
     constexpr int64_t W = Lanes::W;
     const bool lanes = Lanes::applies(C) && !p.probs;
-    int64_t R = block_rows(C, N);
+    int64_t R = std::min(block_rows(C, N), std::max<int64_t>(1, kBlockScores / K));
     if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
     const int64_t blocks = (N + R - 1) / R;
 
