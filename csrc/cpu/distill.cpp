@@ -2,11 +2,15 @@
 // csrc/distill_host.h; per-row math: DistillMath in csrc/elementwise.h). Like every csrc/cpu/*.cpp
 // this file is compiled once per instruction set (see setup.py) into a library of its own.
 //
-// Work: samples (rows i) are the parallel unit. A row's K teacher rows L[k, i, :] are read once
-// (converted to the accumulate type when the input is fp16/bf16), their statistics, the
-// weights, the combination and the final softmax are computed from that copy, in client order.
-// The KL loss is summed per block of kRowBlock rows in float64 and the blocks are added in
-// order after the parallel loop, so the result does not depend on the number of threads.
+// Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit.
+// Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
+// elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
+// block at once, and per-row constants sit in small per-block arrays. Short rows (C < 2 vector
+// widths) go a vector's width of rows at a time, one row per lane (RowLanes). Scores and weights
+// are computed for a block of rows at once, vectorised across rows. Every value of a row is
+// computed from that row alone, in client order, with the lane layout fixed by C, so the results
+// do not depend on the blocking or the number of threads. The KL loss is summed per block of
+// kRowBlock rows in float64 and the blocks are added in order after the parallel loop.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -23,129 +27,334 @@
 #include "../distill_host.h"
 #include "../elementwise.h"
 #include "parallel.h"
-#include "vec_io.h"
 
 namespace fedkernels {
 namespace {
 
 using at::vec::Vectorized;
 
-constexpr int64_t kRowBlock = 64;  // rows per parallel work item (and per loss partial)
+constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
+constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
+constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 
-template <typename A>
-A row_max(const A* x, int64_t n) {
-  using Vec = Vectorized<A>;
-  return at::vec::reduce_all<A>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, n);
+// Rows per block for rows of C elements: about kBlockElems elements, at least one row.
+inline int64_t block_rows(int64_t C, int64_t N) {
+  return std::max<int64_t>(1, std::min<int64_t>(N, kBlockElems / C));
 }
 
-template <typename A>
-A row_sum(const A* x, int64_t n) {
-  using Vec = Vectorized<A>;
-  return at::vec::reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, x, n);
-}
+// The helpers below run over one row x[0..n): full vectors and a scalar tail, never a partial
+// vector (ATen loads and stores those through a temporary buffer, which dominates short rows).
+// They are small and called once per row, so they are always inlined.
 
-// Per-client statistics of one row x[0..C), as the weighting and the combine need them.
+// max_c x_c, NaN if any x_c is NaN (like at::vec::maximum). Branch-free: the comparisons of
+// random data would mispredict.
 template <typename A>
-struct RowStats {
-  A score = 0;     // DistillMath::score (before log_prior / n_k)
-  A max_t = 0;     // max_c x_c / T          (probs)
-  A sum_t = 1;     // sum_c e^(x_c/T - max_t) (probs)
-};
-
-template <typename A>
-RowStats<A> row_stats(const A* x, int64_t C, const PseudoLabelPlan& p, A z) {
+C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
   using Vec = Vectorized<A>;
-  RowStats<A> st;
-  const A inv_t = static_cast<A>(1.0 / p.temperature);
-  A ent = 0, var = 0;
-  if (p.weighting == Weighting::kEntropy || p.probs) {
-    const A m = row_max(x, C);
-    if (p.weighting == Weighting::kEntropy) {
-      // s = sum e^(x - m) and t = sum e^(x - m) x in one pass: one exp per element. With a
-      // finite max every exponent is <= 0 or -inf, where the faster exp_u20 (a few more ulps;
-      // it does not carry NaN through) is exact enough for a weight; otherwise the NaN/inf
-      // cases take the full exp.
-      const Vec mv(m);
-      const bool fast = std::isfinite(m);
-      Vec s_lo(A(0)), s_hi(A(0)), t_lo(A(0)), t_hi(A(0));
-      constexpr int64_t step = 2 * Vec::size();
-      int64_t c = 0;
-      for (; c + step <= C; c += step) {
-        const Vec v_lo = Vec::loadu(x + c), v_hi = Vec::loadu(x + c + Vec::size());
-        const Vec e_lo = fast ? (v_lo - mv).exp_u20() : (v_lo - mv).exp();
-        const Vec e_hi = fast ? (v_hi - mv).exp_u20() : (v_hi - mv).exp();
-        s_lo = s_lo + e_lo;
-        s_hi = s_hi + e_hi;
-        t_lo = t_lo + e_lo * v_lo;
-        t_hi = t_hi + e_hi * v_hi;
-      }
-      // The rest (fewer than `step`) one vector at a time, the last one partial: its missing
-      // lanes load as 0 and their e is set to 0, so they add nothing to s or t.
-      for (; c < C; c += Vec::size()) {
-        const int64_t count = std::min<int64_t>(Vec::size(), C - c);
-        const Vec v = Vec::loadu(x + c, count);
-        const Vec e = Vec::set(Vec(A(0)), fast ? (v - mv).exp_u20() : (v - mv).exp(), count);
-        s_lo = s_lo + e;
-        t_lo = t_lo + e * v;
-      }
-      const A s = static_cast<A>(horizontal_sum(s_lo, s_hi));
-      const A t = static_cast<A>(horizontal_sum(t_lo, t_hi));
-      ent = DistillMath::entropy(m, s, t);
+  constexpr int64_t W = Vec::size();
+  if (n < W) {
+    A m = x[0];
+    bool nan = x[0] != x[0];
+    for (int64_t c = 1; c < n; ++c) {
+      m = std::max(m, x[c]);
+      nan |= x[c] != x[c];
     }
-    if (p.probs) {
-      st.max_t = m * inv_t;
-      const Vec mt(st.max_t), it(inv_t);
-      st.sum_t = at::vec::map_reduce_all<A>(
-          [mt, it](Vec v) { return (v * it - mt).exp(); }, [](Vec a, Vec b) { return a + b; }, x,
-          C);
-    }
+    return nan ? std::numeric_limits<A>::quiet_NaN() : m;
   }
-  if (p.weighting == Weighting::kVariance) {
-    const A mean = row_sum(x, C) / static_cast<A>(C);
-    const Vec mv(mean);
-    const A m2 = at::vec::map_reduce_all<A>(
-        [mv](Vec v) { return (v - mv) * (v - mv); }, [](Vec a, Vec b) { return a + b; }, x, C);
-    var = m2 / static_cast<A>(C);
-  }
-  st.score = DistillMath::score<A>(
-      p.weighting, z, ent, var, static_cast<A>(p.tau), p.double_sigmoid);
-  return st;
+  Vec v = Vec::loadu(x);
+  int64_t c = W;
+  for (; c + W <= n; c += W) v = at::vec::maximum(v, Vec::loadu(x + c));
+  // The last partial vector as an overlapping full one: max is idempotent.
+  if (c < n) v = at::vec::maximum(v, Vec::loadu(x + n - W));
+  return at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
 }
 
-// w[k] from the per-client scores (docs/algorithms/distillation.md, "Client weightings"):
-// softmax of score + log_prior, or the linear
-// normalisation of n_k * score (uniform when every mass is 0).
+// sum_c x_c (y == nullptr) or sum_c x_c y_c.
 template <typename A>
-void client_weights(
-    const std::vector<RowStats<A>>& st, const A* log_prior, Weighting weighting, A* w) {
-  const int64_t K = static_cast<int64_t>(st.size());
-  if (DistillMath::softmax_kind(weighting)) {
-    A m = -std::numeric_limits<A>::infinity();
-    for (int64_t k = 0; k < K; ++k) {
-      w[k] = st[k].score + (log_prior ? log_prior[k] : A(0));
-      m = std::max(m, w[k]);
+C10_ALWAYS_INLINE A row_sum(const A* x, const A* y, int64_t n) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  int64_t c = 0;
+  A s = 0;
+  if (n >= 2 * W) {
+    Vec a(A(0)), b(A(0));
+    for (; c + 2 * W <= n; c += 2 * W) {
+      if (y) {
+        a = a + Vec::loadu(x + c) * Vec::loadu(y + c);
+        b = b + Vec::loadu(x + c + W) * Vec::loadu(y + c + W);
+      } else {
+        a = a + Vec::loadu(x + c);
+        b = b + Vec::loadu(x + c + W);
+      }
     }
-    A sum = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      w[k] = std::exp(w[k] - m);
-      sum += w[k];
-    }
-    for (int64_t k = 0; k < K; ++k) w[k] /= sum;
+    s = at::vec::vec_reduce_all<A>([](Vec& u, Vec& v) { return u + v; }, a + b);
+  }
+  if (y) {
+    for (; c < n; ++c) s += x[c] * y[c];
   } else {
-    A sum = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      w[k] = st[k].score * (log_prior ? std::exp(log_prior[k]) : A(1));
-      sum += w[k];
+    for (; c < n; ++c) s += x[c];
+  }
+  return s;
+}
+
+// d_c = x_c * a - b.
+template <typename A>
+C10_ALWAYS_INLINE void scale_sub(A* d, const A* x, A a, A b, int64_t n) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const Vec av(a), bv(b);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) (Vec::loadu(x + c) * av - bv).store(d + c);
+  for (; c < n; ++c) d[c] = x[c] * a - b;
+}
+
+// y_c += a * x_c.
+template <typename A>
+C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const Vec av(a);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) (Vec::loadu(y + c) + av * Vec::loadu(x + c)).store(y + c);
+  for (; c < n; ++c) y[c] += a * x[c];
+}
+
+// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (for long
+// rows: the last vector is partial). kFast: exp_u20, as in exp_inplace.
+template <bool kFast, typename A>
+C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const auto ex = [](Vec v) {
+    if constexpr (kFast) {
+      return v.exp_u20();
+    } else {
+      return v.exp();
     }
-    for (int64_t k = 0; k < K; ++k) w[k] = sum > A(0) ? w[k] / sum : A(1) / static_cast<A>(K);
+  };
+  const Vec mv(m);
+  Vec s0(A(0)), s1(A(0)), t0(A(0)), t1(A(0));
+  int64_t c = 0;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    const Vec v0 = Vec::loadu(x + c), v1 = Vec::loadu(x + c + W);
+    const Vec e0 = ex(v0 - mv), e1 = ex(v1 - mv);
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+    t0 = t0 + e0 * v0;
+    t1 = t1 + e1 * v1;
+  }
+  // The rest one vector at a time: the missing lanes of the last one load as 0 and their e is
+  // set to 0, so they add nothing.
+  for (; c < n; c += W) {
+    const int64_t cnt = std::min<int64_t>(W, n - c);
+    const Vec v = Vec::loadu(x + c, cnt);
+    const Vec e = Vec::set(Vec(A(0)), ex(v - mv), cnt);
+    s0 = s0 + e;
+    t0 = t0 + e * v;
+  }
+  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, s0 + s1);
+  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, t0 + t1);
+}
+
+// lq = y (log y - lq) where y > 0, else 0, over a whole block: the vector form of
+// DistillMath::kl_term (a NaN y gives 0 there too).
+template <typename A>
+void kl_terms(A* lq, const A* y, int64_t n) {
+  using Vec = Vectorized<A>;
+  at::vec::map2<A>(
+      [](Vec l, Vec yv) {
+        const Vec zero(A(0));
+        return Vec::blendv(zero, yv * (yv.log() - l), yv > zero);
+      },
+      lq, lq, y, n);
+}
+
+// x = e^x over a whole block. kFast: exp_u20 (a few more ulps; it does not carry NaN or +inf
+// through), for arguments known to be <= 0 or -inf.
+template <bool kFast, typename A>
+void exp_inplace(A* x, int64_t n) {
+  using Vec = Vectorized<A>;
+  at::vec::map<A>(
+      [](Vec v) {
+        if constexpr (kFast) {
+          return v.exp_u20();
+        } else {
+          return v.exp();
+        }
+      },
+      x, x, n);
+}
+
+// Scores from the discriminator logits z[0..rows) into s (fedgo, domain, uniform), vectorised
+// across rows: the vector form of DistillMath::score for these weightings.
+template <typename A>
+void z_scores(A* s, const A* z, int64_t rows, Weighting weighting, bool double_sigmoid) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const bool sigmoid = weighting == Weighting::kDomain ||
+      (weighting == Weighting::kFedgo && double_sigmoid);
+  if (!z || weighting == Weighting::kUniform) {
+    std::fill(s, s + rows, A(0));
+  } else if (!sigmoid) {
+    std::copy(z, z + rows, s);
+  } else {
+    // The last vector is partial, so that every row gets the same exp.
+    const Vec one(A(1));
+    for (int64_t r = 0; r < rows; r += W) {
+      const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r));
+      (one / (one + (-Vec::loadu(z + r, cnt)).exp())).store(s + r, cnt);
+    }
   }
 }
+
+// Entropy scores -H / tau of rows [0, rows) from m = max x, s = sum e^(x - m) and
+// t = sum e^(x - m) x (st holds t on entry), vectorised across rows: the vector form of
+// DistillMath::entropy and score.
+template <typename A>
+void entropy_scores(A* st, const A* m, const A* s, int64_t rows, A tau) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  // The last vector is partial (its unused lanes load as 0 and are not stored), so that every
+  // row gets the same log.
+  const Vec tv(tau);
+  for (int64_t r = 0; r < rows; r += W) {
+    const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r));
+    const Vec sv = Vec::loadu(s + r, cnt);
+    const Vec ent = Vec::loadu(m + r, cnt) + sv.log() - Vec::loadu(st + r, cnt) / sv;
+    (ent.neg() / tv).store(st + r, cnt);
+  }
+}
+
+// Scores w[k * R + r] (k < K, r < rows) into the weights of those rows
+// (docs/algorithms/distillation.md, "Client weightings"): softmax over clients of
+// score + log_prior (vectorised across rows), or the linear normalisation of n_k * score
+// (uniform when every mass is 0). `sum` holds R scratch values.
+template <typename A>
+void block_weights(
+    A* w, int64_t K, int64_t R, int64_t rows, const A* log_prior, Weighting weighting, A* sum) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  if (DistillMath::softmax_kind(weighting)) {
+    for (int64_t r0 = 0; r0 < rows; r0 += W) {
+      const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r0));
+      auto load = [&](int64_t k) {
+        const Vec v = Vec::loadu(w + k * R + r0, cnt);
+        return log_prior ? v + Vec(log_prior[k]) : v;
+      };
+      Vec m = load(0);
+      for (int64_t k = 1; k < K; ++k) m = at::vec::maximum(m, load(k));
+      Vec s(A(0));
+      for (int64_t k = 0; k < K; ++k) {
+        const Vec e = (load(k) - m).exp();
+        e.store(w + k * R + r0, cnt);
+        s = s + e;
+      }
+      for (int64_t k = 0; k < K; ++k) (Vec::loadu(w + k * R + r0, cnt) / s).store(w + k * R + r0, cnt);
+    }
+  } else {
+    std::fill(sum, sum + rows, A(0));
+    for (int64_t k = 0; k < K; ++k) {
+      const A n_k = log_prior ? std::exp(log_prior[k]) : A(1);
+      for (int64_t r = 0; r < rows; ++r) {
+        w[k * R + r] *= n_k;
+        sum[r] += w[k * R + r];
+      }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t r = 0; r < rows; ++r) {
+        w[k * R + r] = sum[r] > A(0) ? w[k * R + r] / sum[r] : A(1) / static_cast<A>(K);
+      }
+    }
+  }
+}
+
+// Short rows (C < 2 W, where the row helpers are mostly scalar): W rows at a time, one per vector
+// lane. The W x C tile is transposed to columns (col[c * W + l] = x[l * C + c]; W x W tiles, the
+// last one overlapping), so the per-row maxima and sums become vertical vector operations. They
+// run in class order like the scalar loops of the row helpers, so a row gets the same bits
+// either way.
+template <typename A>
+struct RowLanes {
+  using Vec = Vectorized<A>;
+  static constexpr int64_t W = Vec::size();
+
+  static bool applies(int64_t C) { return C < 2 * W; }
+
+  explicit RowLanes(int64_t C) : C(C) {}
+
+  // col[c * W + l] = x[l * C + c].
+  void transpose(const A* x, A* col) const {
+    if (C < W) {
+      at::vec::transpose_mxn<A>(x, C, col, W, W, static_cast<int>(C));
+      return;
+    }
+    for (int64_t c = 0; c < C; c += W) {
+      const int64_t c0 = std::min(c, C - W);
+      at::vec::transpose_mxn<A, W, W>(x + c0, C, col + c0 * W, W);
+    }
+  }
+
+  // m = max x, s = sum e^(x - m) and t = sum e^(x - m) x of the W rows at x, through col (C * W
+  // scratch values). False, with nothing stored, when a row's max is not finite: those rows need
+  // the full exp (see the row path).
+  bool entropy_stats(const A* x, A* col, A* m, A* s, A* t) const {
+    transpose(x, col);
+    Vec mv = Vec::loadu(col);
+    for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
+    alignas(64) A lanes[W];
+    mv.store(lanes);
+    for (int64_t l = 0; l < W; ++l) {
+      if (!std::isfinite(lanes[l])) return false;
+    }
+    Vec sv(A(0)), tv(A(0));
+    for (int64_t c = 0; c < C; ++c) {
+      const Vec v = Vec::loadu(col + c * W);
+      const Vec e = (v - mv).exp_u20();
+      sv = sv + e;
+      tv = tv + e * v;
+    }
+    mv.store(m);
+    sv.store(s);
+    tv.store(t);
+    return true;
+  }
+
+  // acc[c * W + l] += w[l] x[l * C + c]: the combination of the W rows at x, kept by column.
+  void axpy(A* acc, const A* x, const A* w, A* col) const {
+    transpose(x, col);
+    const Vec wv = Vec::loadu(w);
+    for (int64_t c = 0; c < C; ++c) {
+      (Vec::loadu(acc + c * W) + wv * Vec::loadu(col + c * W)).store(acc + c * W);
+    }
+  }
+
+  // y[l * C + c] = softmax(acc / T) of the W rows whose columns acc holds, through col.
+  template <typename T>
+  void softmax(const A* acc, A inv_t, A* col, T* y) const {
+    const Vec it(inv_t);
+    Vec m = Vec::loadu(acc);
+    for (int64_t c = 1; c < C; ++c) m = at::vec::maximum(m, Vec::loadu(acc + c * W));
+    m = m * it;
+    Vec s(A(0));
+    for (int64_t c = 0; c < C; ++c) {
+      const Vec e = (Vec::loadu(acc + c * W) * it - m).exp();
+      e.store(col + c * W);
+      s = s + e;
+    }
+    const Vec inv = Vec(A(1)) / s;
+    for (int64_t c = 0; c < C; ++c) (Vec::loadu(col + c * W) * inv).store(col + c * W);
+    for (int64_t l = 0; l < W; ++l) {
+      for (int64_t c = 0; c < C; ++c) y[l * C + c] = static_cast<T>(col[c * W + l]);
+    }
+  }
+
+  int64_t C;
+};
 
 struct DistillCpu {
   template <typename T>
   static void pseudo_labels(const PseudoLabelPlan& p) {
     using A = acc_type<T>;
-    using Vec = Vectorized<A>;
     const int64_t K = p.K, N = p.N, C = p.C;
     const T* logits = static_cast<const T*>(p.logits);
     const A* scores = static_cast<const A*>(p.scores);
@@ -153,61 +362,149 @@ struct DistillCpu {
     T* out_y = static_cast<T*>(p.out_labels);
     T* out_w = static_cast<T*>(p.out_weights);
     const A inv_t = static_cast<A>(1.0 / p.temperature);
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K * C));
+    const A tau = static_cast<A>(p.tau);
+    const bool entropy = p.weighting == Weighting::kEntropy;
+    const bool variance = p.weighting == Weighting::kVariance;
+    using Lanes = RowLanes<A>;
+    constexpr int64_t W = Lanes::W;
+    const bool lanes = Lanes::applies(C) && !p.probs;
+    int64_t R = std::min(block_rows(C, N), std::max<int64_t>(1, kBlockScores / K));
+    if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
+    const int64_t blocks = (N + R - 1) / R;
 
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
-    parallel_for_bytes(0, N, grain, bytes, [&](int64_t i0, int64_t i1) {
-      std::vector<A> rows;  // the row's K teacher rows in A (only for fp16/bf16 inputs)
-      if constexpr (!std::is_same_v<T, A>) rows.resize(K * C);
-      std::vector<A> acc(C);
-      std::vector<A> w(K);
-      std::vector<RowStats<A>> st(K);
-      for (int64_t i = i0; i < i1; ++i) {
-        auto row = [&](int64_t k) -> const A* {
+    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+      const Lanes lane(C);
+      const int64_t E = R * C;
+      std::vector<A> col(lanes ? C * W : 0);
+      std::vector<A> xk(std::is_same_v<T, A> ? 0 : E);  // teacher k's block in A (fp16/bf16)
+      std::vector<A> tmp(E), acc(E);
+      std::vector<A> w(K * R);  // [K][R]: scores, then weights
+      std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
+      std::vector<A> row_m(R), row_s(R);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
+        auto block = [&](int64_t k) -> const A* {
+          const T* src = logits + (k * N + i0) * C;
           if constexpr (std::is_same_v<T, A>) {
-            return logits + (k * N + i) * C;
+            return src;
           } else {
-            return rows.data() + k * C;
+            for (int64_t e = 0; e < n; ++e) xk[e] = static_cast<A>(src[e]);
+            return xk.data();
           }
         };
+
+        // Per-client scores, and the softmax statistics for combine = "probs".
         for (int64_t k = 0; k < K; ++k) {
-          if constexpr (!std::is_same_v<T, A>) {
-            const T* src = logits + (k * N + i) * C;
-            A* dst = rows.data() + k * C;
-            for (int64_t c = 0; c < C; ++c) dst[c] = static_cast<A>(src[c]);
+          A* sk = w.data() + k * R;
+          if (!entropy && !variance) {
+            z_scores<A>(sk, scores ? scores + k * N + i0 : nullptr, rows, p.weighting, p.double_sigmoid);
           }
-          const A z = scores ? scores[k * N + i] : A(0);
-          st[k] = row_stats<A>(row(k), C, p, z);
+          if (!entropy && !variance && !p.probs) continue;  // the rows are not needed yet
+          const A* x = block(k);
+          if (entropy) {
+            // s = sum e^(x - m), t = sum e^(x - m) x (t in sk until entropy_scores). With a finite
+            // max every exponent is <= 0 or -inf, where exp_u20 is exact enough for a weight; rows
+            // with a NaN or infinite max are redone with the full exp, which carries NaN and inf
+            // through.
+            auto by_rows = [&](int64_t ra, int64_t rb) {
+              for (int64_t r = ra; r < rb; ++r) row_m[r] = row_max(x + r * C, C);
+              if (C >= 2 * W) {  // long rows: the exps and both sums in one read of the row
+                for (int64_t r = ra; r < rb; ++r) {
+                  if (std::isfinite(row_m[r])) {
+                    exp_sums<true>(x + r * C, C, row_m[r], row_s[r], sk[r]);
+                  } else {
+                    exp_sums<false>(x + r * C, C, row_m[r], row_s[r], sk[r]);
+                  }
+                }
+                return;
+              }
+              for (int64_t r = ra; r < rb; ++r) {
+                scale_sub(tmp.data() + r * C, x + r * C, A(1), row_m[r], C);
+              }
+              exp_inplace<true>(tmp.data() + ra * C, (rb - ra) * C);
+              for (int64_t r = ra; r < rb; ++r) {
+                A* e = tmp.data() + r * C;
+                if (!std::isfinite(row_m[r])) {
+                  scale_sub(e, x + r * C, A(1), row_m[r], C);
+                  exp_inplace<false>(e, C);
+                }
+                row_s[r] = row_sum<A>(e, nullptr, C);
+                sk[r] = row_sum<A>(e, x + r * C, C);
+              }
+            };
+            int64_t r = 0;
+            for (; lanes && r + W <= rows; r += W) {
+              if (!lane.entropy_stats(x + r * C, col.data(), &row_m[r], &row_s[r], sk + r)) {
+                by_rows(r, r + W);
+              }
+            }
+            by_rows(r, rows);
+            entropy_scores<A>(sk, row_m.data(), row_s.data(), rows, tau);
+          } else if (variance) {
+            for (int64_t r = 0; r < rows; ++r) {
+              const A* xr = x + r * C;
+              const A mean = row_sum<A>(xr, nullptr, C) / static_cast<A>(C);
+              A* d = tmp.data() + r * C;
+              scale_sub(d, xr, A(1), mean, C);
+              const A var = row_sum<A>(d, d, C) / static_cast<A>(C);
+              sk[r] = DistillMath::score<A>(p.weighting, 0, 0, var, tau, p.double_sigmoid);
+            }
+          }
+          if (p.probs) {
+            if (!entropy) {
+              for (int64_t r = 0; r < rows; ++r) row_m[r] = row_max(x + r * C, C);
+            }
+            A* mk = max_t.data() + k * R;
+            for (int64_t r = 0; r < rows; ++r) {
+              mk[r] = row_m[r] * inv_t;
+              scale_sub(tmp.data() + r * C, x + r * C, inv_t, mk[r], C);
+            }
+            exp_inplace<false>(tmp.data(), n);
+            for (int64_t r = 0; r < rows; ++r) sum_t[k * R + r] = row_sum<A>(tmp.data() + r * C, nullptr, C);
+          }
         }
-        client_weights<A>(st, log_prior, p.weighting, w.data());
-        for (int64_t k = 0; k < K; ++k) out_w[k * N + i] = static_cast<T>(w[k]);
+        block_weights<A>(w.data(), K, R, rows, log_prior, p.weighting, row_m.data());
+        for (int64_t k = 0; k < K; ++k) {
+          for (int64_t r = 0; r < rows; ++r) out_w[k * N + i0 + r] = static_cast<T>(w[k * R + r]);
+        }
 
         // Combination in client order.
-        std::fill(acc.begin(), acc.end(), A(0));
+        std::fill(acc.begin(), acc.begin() + n, A(0));
         for (int64_t k = 0; k < K; ++k) {
-          const A* x = row(k);
+          const A* x = block(k);
           if (!p.probs) {
-            const Vec wv(w[k]);
-            at::vec::map2<A>(
-                [wv](Vec a, Vec v) { return a + wv * v; }, acc.data(), acc.data(), x, C);
+            int64_t r = 0;
+            for (; lanes && r + W <= rows; r += W) lane.axpy(&acc[r * C], x + r * C, &w[k * R + r], col.data());
+            for (; r < rows; ++r) axpy(acc.data() + r * C, x + r * C, w[k * R + r], C);
           } else {
-            const Vec coef(w[k] / st[k].sum_t), mt(st[k].max_t), it(inv_t);
-            at::vec::map2<A>(
-                [coef, mt, it](Vec a, Vec v) { return a + coef * (v * it - mt).exp(); },
-                acc.data(), acc.data(), x, C);
+            for (int64_t r = 0; r < rows; ++r) {
+              scale_sub(tmp.data() + r * C, x + r * C, inv_t, max_t[k * R + r], C);
+            }
+            exp_inplace<false>(tmp.data(), n);
+            for (int64_t r = 0; r < rows; ++r) {
+              axpy(acc.data() + r * C, tmp.data() + r * C, w[k * R + r] / sum_t[k * R + r], C);
+            }
           }
         }
-        T* y = out_y + i * C;
+        T* y = out_y + i0 * C;
         if (p.probs) {
-          for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c]);
+          for (int64_t e = 0; e < n; ++e) y[e] = static_cast<T>(acc[e]);
           continue;
         }
         // y = softmax(acc / T).
-        const A m = row_max(acc.data(), C) * inv_t;
-        const Vec mv(m), it(inv_t);
-        at::vec::map<A>([mv, it](Vec a) { return (a * it - mv).exp(); }, acc.data(), acc.data(), C);
-        const A inv_sum = A(1) / row_sum(acc.data(), C);
-        for (int64_t c = 0; c < C; ++c) y[c] = static_cast<T>(acc[c] * inv_sum);
+        int64_t r0 = 0;
+        for (; lanes && r0 + W <= rows; r0 += W) lane.softmax(&acc[r0 * C], inv_t, col.data(), y + r0 * C);
+        for (int64_t r = r0; r < rows; ++r) {
+          const A m = row_max(acc.data() + r * C, C) * inv_t;
+          scale_sub(tmp.data() + r * C, acc.data() + r * C, inv_t, m, C);
+        }
+        exp_inplace<false>(tmp.data() + r0 * C, n - r0 * C);
+        for (int64_t r = r0; r < rows; ++r) {
+          const A* e = tmp.data() + r * C;
+          const A inv_sum = A(1) / row_sum<A>(e, nullptr, C);
+          for (int64_t c = 0; c < C; ++c) y[r * C + c] = static_cast<T>(e[c] * inv_sum);
+        }
       }
     });
   }
@@ -215,7 +512,6 @@ struct DistillCpu {
   template <typename T>
   static void distill_kl(const DistillKLPlan& p) {
     using A = acc_type<T>;
-    using Vec = Vectorized<A>;
     const int64_t N = p.N, C = p.C;
     const T* student = static_cast<const T*>(p.student);
     const T* target = static_cast<const T*>(p.target);
@@ -223,38 +519,48 @@ struct DistillCpu {
     const A inv_t = static_cast<A>(1.0 / p.temperature);
     const A scale_over_t = static_cast<A>(p.scale / p.temperature);
     const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+    // Each loss block runs in chunks of R rows, about kBlockElems elements.
+    const int64_t R = std::min(kRowBlock, block_rows(C, N));
     std::vector<double> partial(blocks, 0.0);
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
-      std::vector<A> z(C);
-      std::vector<A> e(C);
+      std::vector<A> z(R * C), e(R * C), yv(R * C), row_m(R), inv_sum(R);
       for (int64_t b = b0; b < b1; ++b) {
         double block_loss = 0;
         const int64_t end = std::min(N, (b + 1) * kRowBlock);
-        for (int64_t i = b * kRowBlock; i < end; ++i) {
-          const T* s = student + i * C;
-          const T* y = target + i * C;
-          for (int64_t c = 0; c < C; ++c) z[c] = static_cast<A>(s[c]) * inv_t;
-          const A m = row_max(z.data(), C);
-          const Vec mv(m);
-          at::vec::map<A>([mv](Vec v) { return (v - mv).exp(); }, e.data(), z.data(), C);
-          const A sum = row_sum(e.data(), C);
-          const A log_sum = std::log(sum);
-          const A inv_sum = A(1) / sum;
-          A row_loss = 0, y_sum = 0;
-          for (int64_t c = 0; c < C; ++c) {
-            const A yc = static_cast<A>(y[c]);
-            row_loss += DistillMath::kl_term<A>(yc, z[c] - m - log_sum);
-            y_sum += yc;
+        for (int64_t i0 = b * kRowBlock; i0 < end; i0 += R) {
+          const int64_t rows = std::min(R, end - i0), n = rows * C;
+          const T* s = student + i0 * C;
+          const T* y = target + i0 * C;
+          for (int64_t j = 0; j < n; ++j) z[j] = static_cast<A>(s[j]) * inv_t;
+          for (int64_t j = 0; j < n; ++j) yv[j] = static_cast<A>(y[j]);
+          for (int64_t r = 0; r < rows; ++r) {
+            row_m[r] = row_max(z.data() + r * C, C);
+            scale_sub(e.data() + r * C, z.data() + r * C, A(1), row_m[r], C);
           }
-          if (grad) {
-            for (int64_t c = 0; c < C; ++c) {
-              grad[i * C + c] = static_cast<T>(DistillMath::kl_grad<A>(
-                  e[c] * inv_sum, static_cast<A>(y[c]), y_sum, scale_over_t));
+          exp_inplace<false>(e.data(), n);
+          // z becomes log q = z - (m + log sum e), then the loss terms.
+          for (int64_t r = 0; r < rows; ++r) {
+            const A sum = row_sum<A>(e.data() + r * C, nullptr, C);
+            inv_sum[r] = A(1) / sum;
+            scale_sub(z.data() + r * C, z.data() + r * C, A(1), row_m[r] + std::log(sum), C);
+          }
+          kl_terms(z.data(), yv.data(), n);
+          for (int64_t r = 0; r < rows; ++r) {
+            const A* yr = yv.data() + r * C;
+            const A row_loss = row_sum<A>(z.data() + r * C, nullptr, C);
+            if (grad) {
+              const A y_sum = row_sum<A>(yr, nullptr, C);
+              const A* er = e.data() + r * C;
+              T* g = grad + (i0 + r) * C;
+              for (int64_t c = 0; c < C; ++c) {
+                g[c] = static_cast<T>(
+                    DistillMath::kl_grad<A>(er[c] * inv_sum[r], yr[c], y_sum, scale_over_t));
+              }
             }
+            block_loss += static_cast<double>(row_loss);
           }
-          block_loss += static_cast<double>(row_loss);
         }
         partial[b] = block_loss;
       }
