@@ -4,8 +4,8 @@
 
 For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} classes (fp32):
 
-- ``fused``: ``fedkernels.ensemble_pseudo_labels`` (one pass per sample: weights, combination,
-  softmax);
+- ``fused``: ``fedkernels.ensemble_pseudo_labels`` (weights, combination and softmax on blocks
+  of samples held in cache: the logits are read from memory once);
 - ``torch``: the composition a user writes (``fedkernels.ops.reference.ensemble_pseudo_labels_reference``:
   sigmoid/softmax over clients for the weights, broadcast multiply, sum over K, softmax), eager.
 
