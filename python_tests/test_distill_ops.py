@@ -126,6 +126,36 @@ def test_pseudo_labels_empty_noncontiguous_deterministic(device):
                for _ in range(3))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("K,N,C", [(3, 300, 10), (5, 133, 7), (4, 50, 1), (3, 120, 16),
+                                   (7, 90, 100), (40, 200, 10)])
+def test_rows_do_not_depend_on_their_position(dtype, K, N, C):
+    """The CPU kernels work on blocks of rows (several rows per vector when C is small): a row's
+    outputs must be the same bits wherever it sits in the call (block, lane, tail)."""
+    g = torch.Generator().manual_seed(K * N + C)
+    L = (3 * torch.randn(K, N, C, generator=g, dtype=torch.float64)).to(dtype)
+    L[0, 5, 0] = float("inf")
+    L[1, 17, :] = float("-inf")
+    L[2, 30, C // 2] = float("nan")
+    z = torch.randn(K, N, generator=g, dtype=torch.float64)
+    for weighting in ("uniform", "entropy", "fedgo", "variance"):
+        for combine in ("logits", "probs"):
+            s = z if weighting == "fedgo" else None
+            kw = dict(weighting=weighting, combine=combine, temperature=1.3, return_weights=True)
+            y, w = fedkernels.ensemble_pseudo_labels(L, s, **kw)
+            for a, b in [(1, N), (3, 37), (N // 3, N), (N - 1, N)]:
+                ys, ws = fedkernels.ensemble_pseudo_labels(
+                    L[:, a:b], None if s is None else s[:, a:b], **kw)
+                assert bitwise_equal(ys, y[a:b]), (weighting, combine, a, b)
+                assert bitwise_equal(ws, w[:, a:b]), (weighting, combine, a, b)
+    S = (3 * torch.randn(N, C, generator=g, dtype=torch.float64)).to(dtype)
+    Y = torch.softmax(torch.randn(N, C, generator=g, dtype=torch.float64), -1).to(dtype)
+    _, grad = torch.ops.fedkernels.distill_kl(S, Y, 2.0, 1.0, True)
+    for a, b in [(1, N), (N // 3, N)]:
+        _, part = torch.ops.fedkernels.distill_kl(S[a:b], Y[a:b], 2.0, 1.0, True)
+        assert bitwise_equal(part, grad[a:b]), (a, b)
+
+
 def test_pseudo_labels_errors():
     L = torch.randn(3, 4, 5)
     z = torch.randn(3, 4)
