@@ -91,6 +91,7 @@ from fedkernels.algorithms.fairness import (
 from fedkernels.algorithms.participation import IntervalWeightEstimator
 from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
 from fedkernels.model_layout import INT_POLICIES
+from fedkernels.private import update_norms
 from fedkernels.sim import server as _server
 from fedkernels.sim.strategy import SetupInfo
 
@@ -653,7 +654,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     ``client_learning_rate``, :math:`f_k` the reply's ``train_loss_key`` metric,
     :math:`h_k = q (f_k+\epsilon)^{q-1} L^2\|x_t - x_k\|^2 + L (f_k+\epsilon)^q` and
     :math:`x_{t+1} = x_t + \sum_k c_k (x_k - x_t)`, :math:`c_k = L (f_k+\epsilon)^q / \sum_j
-    h_j`: one fused delta-mode pass, with the squared norms taken one reply at a time. As in
+    h_j`: the squared norms of all replies from one fused read pass
+    (:func:`fedkernels.private.update_norms`), then one fused delta-mode pass. As in
     Flower, the result is float64, ``current_arrays`` and the replies' ArrayRecords are
     emptied by the aggregation (Flower reads them with ``keep_input=False``), and arrays pair
     with the global ones by position. Replies Flower's arithmetic would treat differently
@@ -688,9 +690,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         clients = [{names[t]: _to_tensor(x[t], dtypes[t]) for t in floats} for x in local]
         q = self.q
         eps = 1e-10
-        scratch = {n: torch.empty_like(b) for n, b in base.items()}  # one model, reused
-        sq_norms = [_sq_distance(c, base, scratch) for c in clients]
-        del scratch
+        # ||x_k - x_t||^2 of every reply from one fused read pass (differences in float64).
+        sq_norms = (update_norms(clients, base) ** 2).tolist() if base else [0.0] * len(clients)
         loss_pow_q = [np.float_power(f + eps, q) for f in losses]
         sum_h = 0.0
         for f, lpq, sq in zip(losses, loss_pow_q, sq_norms):
@@ -739,22 +740,6 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                                               _FUSED_FLOAT_DTYPES):
                 return True
         return False
-
-
-_DIFFERENCE = torch.tensor([1.0, -1.0], dtype=torch.float64)
-
-
-def _sq_distance(client: Mapping[str, Tensor], base: Mapping[str, Tensor],
-                 scratch: dict[str, Tensor]) -> float:
-    r""":math:`\|x_k - x_t\|^2` over the entries of one reply. :math:`x_k - x_t` is the fused
-    op with weights (1, -1), written into ``scratch``, one model-sized buffer reused for every
-    reply (fresh temporaries would cost a page fault per page each time; the op's threading
-    suits layer-sized tensors better than one elementwise op per tensor)."""
-    if not base:
-        return 0.0
-    aggregate([dict(client), dict(base)], _DIFFERENCE, out=scratch)
-    norms = torch._foreach_norm(list(scratch.values()))
-    return float(sum(float(n.double()) ** 2 for n in norms))
 
 
 # ---------------------------------------------------------------- fedkernels' own strategies
