@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from .devices import check_device
-from .robust import check_client_list, check_out_list, lazy_message
+from .robust import check_client_list, check_like_client_tensors
 
 _ops = torch.ops.fedkernels
 
@@ -54,20 +54,10 @@ def private_sum_(base: Sequence[Tensor], clients: Sequence[Tensor], coefficients
 # ---------------------------------------------------------------- fake implementations
 
 
-def _base_checks(op: str, clients, T: int, base) -> None:
-    torch._check(len(base) == T, lambda: f"fedkernels.{op}: base has {len(base)} tensors, "
-                                         f"clients have {T}")
-    for t in range(T):
-        check_device(op, base[t], clients[t].device, f"base tensor {t}")
-        torch._check(base[t].shape == clients[t].shape,
-                     lazy_message(f"fedkernels.{op}: base tensor {t} has shape "
-                           f"{tuple(base[t].shape)}, clients have {tuple(clients[t].shape)}"))
-
-
 @torch.library.register_fake("fedkernels::update_norms")
 def _norms_fake(clients, num_clients, base):
     T = check_client_list("update_norms", clients, num_clients)
-    _base_checks("update_norms", clients, T, base)
+    check_like_client_tensors("update_norms", clients, T, base, "base")
     device = clients[0].device if T else torch.device("cpu")
     return torch.empty((num_clients,), dtype=torch.float64, device=device)
 
@@ -78,7 +68,7 @@ def _sum_checks(op: str, clients, coefficients, base) -> int:
     T = check_client_list(op, clients, coefficients.shape[0])
     if T:  # host-side: the native op reads them on the CPU
         check_device(op, coefficients, clients[0].device, "coefficients", allow_cpu=True)
-    _base_checks(op, clients, T, base)
+    check_like_client_tensors(op, clients, T, base, "base")
     return T
 
 
@@ -92,7 +82,7 @@ def _sum_fake(clients, coefficients, base, noise_std, generator):
 @torch.library.register_fake("fedkernels::private_sum.out")
 def _sum_out_fake(clients, coefficients, base, noise_std, generator, *, out):
     T = _sum_checks("private_sum", clients, coefficients, base)
-    check_out_list("private_sum", clients, T, out)
+    check_like_client_tensors("private_sum", clients, T, out)
 
 
 @torch.library.register_fake("fedkernels::private_sum_")

@@ -86,13 +86,16 @@ def check_client_list(op: str, clients, num_clients: int) -> int:
     return T
 
 
-def check_out_list(op: str, clients, T: int, out) -> None:
-    torch._check(len(out) == T, lambda: f"fedkernels.{op}: out has {len(out)} tensors, "
-                                        f"clients have {T}")
+def check_like_client_tensors(op: str, clients, T: int, tensors, name: str = "out") -> None:
+    """``tensors`` (``out``, ``base``) are T tensors on the clients' device, shaped like them."""
+    torch._check(len(tensors) == T, lambda: f"fedkernels.{op}: {name} has {len(tensors)} "
+                                            f"tensors, clients have {T}")
     for t in range(T):
-        check_device(op, out[t], clients[t].device, f"out tensor {t}")
-        torch._check(out[t].shape == clients[t].shape,
-                     lazy_message(f"fedkernels.{op}: out tensor {t} has shape {tuple(out[t].shape)}"))
+        check_device(op, tensors[t], clients[t].device, f"{name} tensor {t}")
+        torch._check(tensors[t].shape == clients[t].shape,
+                     lazy_message(f"fedkernels.{op}: {name} tensor {t} has shape "
+                                  f"{tuple(tensors[t].shape)}, clients have "
+                                  f"{tuple(clients[t].shape)}"))
 
 
 def _register_order_stat(op: str, extra: bool) -> None:
@@ -105,7 +108,7 @@ def _register_order_stat(op: str, extra: bool) -> None:
 
         @torch.library.register_fake(f"fedkernels::{op}.out")
         def _fake_out(clients, num_clients, param, *, out):
-            check_out_list(op, clients, check_client_list(op, clients, num_clients), out)
+            check_like_client_tensors(op, clients, check_client_list(op, clients, num_clients), out)
     else:
         @torch.library.register_fake(f"fedkernels::{op}")
         def _fake(clients, num_clients):
@@ -115,7 +118,7 @@ def _register_order_stat(op: str, extra: bool) -> None:
 
         @torch.library.register_fake(f"fedkernels::{op}.out")
         def _fake_out(clients, num_clients, *, out):
-            check_out_list(op, clients, check_client_list(op, clients, num_clients), out)
+            check_like_client_tensors(op, clients, check_client_list(op, clients, num_clients), out)
 
 
 _register_order_stat("coordinate_median", extra=False)
