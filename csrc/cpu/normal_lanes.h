@@ -192,14 +192,20 @@ FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps) {
 }  // namespace normal_lanes_detail
 #endif
 
-// eps[0, 4 (g1 - g0)) = the noise of Philox groups [g0, g1) under `seed`.
-template <typename A>
-void draw_normals(uint64_t seed, int64_t g0, int64_t g1, A* eps) {
+// eps[0, 4 (g1 - g0)) = the noise of Philox groups [g0, g1) under `seed`. `between()` runs
+// after every block of kLanes groups: the caller's chance to start memory traffic that the
+// block's arithmetic then hides.
+struct NoWork {
+  void operator()() const {}
+};
+template <typename A, typename Between = NoWork>
+void draw_normals(uint64_t seed, int64_t g0, int64_t g1, A* eps, Between between = {}) {
   int64_t g = g0;
 #if defined(FEDKERNELS_NORMAL_LANES)
   if constexpr (std::is_same_v<A, float>) {
     constexpr int64_t lanes = normal_lanes_detail::kLanes;
     for (; g + lanes <= g1; g += lanes) {
+      between();
       normal_lanes_detail::normal_block(seed, static_cast<uint64_t>(g), eps + 4 * (g - g0));
     }
   }

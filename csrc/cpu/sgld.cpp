@@ -5,10 +5,11 @@
 //
 // sgld_compose_step: the K x M weights pi first (one sample per item), then ranges of the M*D
 // elements (multiples of 4, the noise's Philox blocks) are the parallel unit, each walked in
-// tiles of kTile elements whose accumulators stay in L1: a tile's accumulator takes the K
-// clipped client gradients in client order (vectorized over runs of one sample, whose weight is
-// constant), then the tile's noise is drawn and one vector pass adds the step, the noise and the
-// clamp. The result does not depend on the number of threads. The noise seed is drawn from the
+// tiles of kTile elements whose accumulators stay in L1. A tile's noise is drawn first, and
+// while its arithmetic runs the tile's gradients are prefetched into L2 a few lines per block of
+// normals (drawn after the sum, the noise left memory idle: K = 10 took ~10 % longer); then the
+// accumulator takes the K clipped client gradients in client order (vectorized over runs of one
+// sample, whose weight is constant), and one vector pass adds the step, the noise and the clamp. The result does not depend on the number of threads. The noise seed is drawn from the
 // CPU generator (one random64 per call), so a seeded torch.Generator reproduces a run.
 //
 // Noise: draw_normals (csrc/cpu/normal_lanes.h), vectorized on the AVX2 and AVX-512 builds.
@@ -38,6 +39,7 @@ using at::vec::Vectorized;
 
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
 constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * kLanes)
+constexpr int kPrefetchLines = 24;  // gradient cache lines prefetched per block of normals
 
 // pi[:, j] = softmax_k(log_w_k + phi(-E_kj)), stable (max subtracted).
 template <typename A>
@@ -137,6 +139,26 @@ struct SgldCpu {
       const int64_t stop = std::min(n, g1 * 4);
       for (int64_t e0 = g0 * 4; e0 < stop; e0 += kTile) {
         const int64_t len = std::min(kTile, stop - e0);
+        // The noise, first: drawing it is arithmetic, during which the tile's gradients are
+        // prefetched (kPrefetchLines cache lines per block of normals), client by client.
+        if (noise) {
+          for (int64_t i = 0; i < len; ++i) eps[i] = static_cast<A>(noise[e0 + i]);
+        } else if (p.draw_noise) {
+          const int64_t tile_bytes = len * int64_t(sizeof(T));
+          int64_t pk = 0, poff = 0;
+          draw_normals<A>(seed, e0 / 4, (e0 + len + 3) / 4, eps, [&] {
+            for (int line = 0; line < kPrefetchLines && pk < clients; ++line) {
+              __builtin_prefetch(reinterpret_cast<const char*>(grads + pk * n + e0) + poff, 0, 2);
+              poff += 64;
+              if (poff >= tile_bytes) {
+                poff = 0;
+                ++pk;
+              }
+            }
+          });
+        } else {
+          std::fill(eps, eps + len, A(0));
+        }
         // The step direction: clipped client gradients in client order.
         for (int64_t k = 0; k < clients; ++k) {
           const T* gk = grads + k * n + e0;
@@ -169,14 +191,6 @@ struct SgldCpu {
             }
             s += run;
           }
-        }
-        // The noise.
-        if (noise) {
-          for (int64_t i = 0; i < len; ++i) eps[i] = static_cast<A>(noise[e0 + i]);
-        } else if (p.draw_noise) {
-          draw_normals<A>(seed, e0 / 4, (e0 + len + 3) / 4, eps);
-        } else {
-          std::fill(eps, eps + len, A(0));
         }
         // x' = clamp(x - step a + std eps, lo, hi), as SgldMath::update.
         const A* xs;
