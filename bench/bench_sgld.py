@@ -8,6 +8,9 @@ weighting, tau = 3, clamp [0, 1], drawn noise):
 
 - ``fused``: ``fedkernels.sgld_compose_step`` (weights, clipped weighted sum over K, step, noise,
   clamp in one pass over grads);
+- ``fused_inplace``: the same with ``inplace=True``, as FedEvg's server loop calls it (the
+  out-of-place op writes a freshly allocated ``x'``, whose first-touch page faults the operating
+  system serves inside the timed call);
 - ``torch``: what a user writes: ``softmax`` over clients, ``clamp`` of G, ``einsum``, ``randn``,
   ``clamp``, eager.
 
@@ -83,11 +86,15 @@ def main() -> None:
             x = torch.rand(M, D, device=device, generator=g)
             energies = torch.randn(K, M, device=device, generator=g)
             log_w = torch.log(torch.rand(K, device=device, generator=g) + 0.1)
+            x_inplace = x.clone()
             gen = torch.Generator(device=device).manual_seed(1)
             fns = {
                 "fused": lambda: fedkernels.sgld_compose_step(
                     x, grads, energies, log_w, mode="signed", step_size=10.0, noise_std=0.01,
                     grad_clip=3.0, clamp=(0.0, 1.0), generator=gen),
+                "fused_inplace": lambda: fedkernels.sgld_compose_step(
+                    x_inplace, grads, energies, log_w, mode="signed", step_size=10.0,
+                    noise_std=0.01, grad_clip=3.0, clamp=(0.0, 1.0), generator=gen, inplace=True),
                 "torch": lambda: torch_compose(x, grads, energies, log_w, 10.0, 0.01, gen),
             }
             for fn in fns.values():
@@ -100,10 +107,13 @@ def main() -> None:
             grads_bytes = 4 * K * M * D
             nbytes = grads_bytes + 4 * (2 * M * D + 2 * K * M)
             fused = statistics.median(times["fused"])
+            inplace = statistics.median(times["fused_inplace"])
             ref = statistics.median(times["torch"])
             ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
             row = {
                 "K": K, "M": M, "D": D, "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
+                "fused_inplace_ms": 1e3 * inplace,
+                "inplace_fraction_of_read_probe": nbytes / inplace / 1e9 / probes["read_GBps"],
                 "speedup_median_of_ratios": ratio, "grads_bytes": grads_bytes,
                 "min_traffic_bytes": nbytes, "fused_GBps": nbytes / fused / 1e9,
                 "fused_fraction_of_read_probe": nbytes / fused / 1e9 / probes["read_GBps"],
@@ -113,7 +123,8 @@ def main() -> None:
             rows.append(row)
             print(f"K={K:3d} M={M:5d} fused {1e3*fused:9.3f} ms torch {1e3*ref:9.3f} ms x{ratio:5.2f} "
                   f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read; "
-                  f"grads alone {100*row['grads_fraction_of_read_probe']:.0f}%)")
+                  f"grads alone {100*row['grads_fraction_of_read_probe']:.0f}%); inplace {1e3*inplace:.3f} ms "
+                  f"({100*row['inplace_fraction_of_read_probe']:.0f}%)")
             grads = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}

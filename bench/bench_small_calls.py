@@ -1,0 +1,168 @@
+"""Per-call time of every CPU op on small inputs (~0.1-2 MiB touched), on a quiet machine and
+with the cores kept busy: the check that small calls never wait for the thread team
+(csrc/cpu/parallel.h).
+
+    python bench/bench_small_calls.py [--repeats 200] [--busy 2] [--tiny]
+
+Each case is timed ``--repeats`` times, one call per sample, cases interleaved in rounds; the
+median and the 90th percentile per call are printed in microseconds. With ``--busy N`` the same
+cases are timed again while N spinning processes hold the cores (N = number of cores: every
+core busy), next to ``torch.add`` on 1 MiB with torch's threads, the kind of call that waits a
+scheduler quantum for a busy core. ``python_tests/test_cpu_threads.py`` runs the same cases and
+checks that none of them starts the thread team. Results: bench/results/<device>.json under
+``small_calls``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    add_output_arguments,
+    check_output_arguments,
+    environment,
+    write_results,
+)
+
+
+def small_op_cases() -> dict:
+    """name -> call of one fedkernels CPU op on inputs touching ~0.3-2 MiB (under the 4 MiB
+    threshold of csrc/cpu/parallel.h)."""
+    import fedkernels  # noqa: F401
+
+    ops = torch.ops.fedkernels
+    g = torch.Generator().manual_seed(0)
+
+    def rn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    P = [rn(60000), rn(300, 200)]
+    Q = [rn(60000), rn(300, 200)]
+    R = [rn(60000), rn(300, 200)]
+    lam = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    H = torch.rand(2, 4, dtype=torch.float64)
+    logits = rn(4, 512, 100)
+    scores = rn(4, 512)
+    student, target = rn(1024, 100), torch.softmax(rn(1024, 100), 1)
+    x, grads = torch.rand(4, 16384), rn(2, 4, 16384)
+    energies, log_w = rn(2, 4), torch.zeros(2)
+    w2 = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    outs, bases = [torch.empty_like(t) for t in P], [t.clone() for t in P]
+    clients = [[rn(60000), rn(300, 200)] for _ in range(5)]
+    w5 = torch.full((5,), 0.2, dtype=torch.float64)
+    cases = {
+        "weighted_sum": lambda: ops.weighted_sum(P + Q, w2, [], 1.0, False),
+        "weighted_sum.out": lambda: ops.weighted_sum.out(P + Q, w2, [], 1.0, False, out=outs),
+        "weighted_sum_": lambda: ops.weighted_sum_(bases, Q, w2[:1], 1.0, True),
+        "mix_endpoints": lambda: ops.mix_endpoints(P, Q, lam),
+        "mix_endpoints_backward": lambda: ops.mix_endpoints_backward(
+            R, P, Q, lam, [True, True, True]),
+        "superfed_stats": lambda: ops.superfed_stats(P, Q, R),
+        "superfed_stats_backward": lambda: ops.superfed_stats_backward(
+            H, P, Q, R, [True, True, True]),
+        "mix_endpoints_with_stats": lambda: ops.mix_endpoints_with_stats(P, Q, lam, R),
+        "mix_endpoints_with_stats_backward": lambda: ops.mix_endpoints_with_stats_backward(
+            R, H, P, Q, lam, R, [True, True, True, True]),
+        "energy_from_logits": lambda: ops.energy_from_logits(student, None),
+        "sgld_step": lambda: ops.sgld_step(x, x, 0.1, 1.0, 3.0, 0.0, 1.0, None, None),
+        "sgld_compose_step": lambda: ops.sgld_compose_step(
+            x, grads, energies, log_w, "signed", 0.1, 1.0, 3.0, 0.0, 1.0, None, None),
+        "distill_kl": lambda: ops.distill_kl(student, target, 2.0, 1.0, True),
+    }
+    for weighting in ("uniform", "entropy", "fedgo", "variance", "domain"):
+        for combine in ("logits", "probs"):
+            cases[f"ensemble_pseudo_labels[{weighting},{combine}]"] = (
+                lambda w=weighting, c=combine: ops.ensemble_pseudo_labels(
+                    logits, scores if w in ("fedgo", "domain") else None, None, w, c, 2.0,
+                    1.0, True))
+    # The robust and private aggregations, through their public functions.
+    from fedkernels import private, robust
+
+    cases.update({
+        "coordinate_median": lambda: robust.coordinate_median(clients),
+        "trimmed_mean": lambda: robust.trimmed_mean(clients, 0.2),
+        "nearest_to_median_mean": lambda: robust.nearest_to_median_mean(clients, 3),
+        "pairwise_sq_distances": lambda: robust.pairwise_sq_distances(clients),
+        "update_norms": lambda: private.update_norms(clients, P),
+        "private_aggregate": lambda: private.private_aggregate(
+            clients, w5, base=P, clip_norm=1.0, noise_std=0.1, generator=g),
+    })
+    return cases
+
+
+def time_cases(cases: dict, repeats: int) -> dict[str, list[float]]:
+    for fn in cases.values():  # warm-up
+        fn()
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(repeats):
+        for name, fn in cases.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    return samples
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"median_us": 1e6 * statistics.median(ordered),
+            "p90_us": 1e6 * ordered[int(0.9 * (len(ordered) - 1))]}
+
+
+def busy_processes(n: int) -> list[subprocess.Popen]:
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 3600: pass\n"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--busy", type=int, default=0, metavar="N",
+                        help="also time every case while N spinning processes hold the cores")
+    parser.add_argument("--tiny", action="store_true", help="5 repeats: checks the script runs")
+    add_output_arguments(parser)
+    args = parser.parse_args()
+    check_output_arguments(args)
+    if args.tiny:
+        args.repeats = 5
+    device = torch.device("cpu")
+    cases = small_op_cases()
+    n = (1 << 20) // 12  # torch.add on 1 MiB touched, with torch's threads
+    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
+    cases["torch.add (1 MiB, reference)"] = lambda: torch.add(a, b, out=c)
+    print(f"# {environment(device)['device']}  torch threads {torch.get_num_threads()}  "
+          f"{len(cases)} cases x {args.repeats} calls", flush=True)
+    phases = {"quiet": 0} | ({"busy": args.busy} if args.busy else {})
+    rows = {name: {} for name in cases}
+    for phase, spinners in phases.items():
+        procs = busy_processes(spinners)
+        try:
+            if procs:
+                time.sleep(0.5)  # let the spinners start
+            samples = time_cases(cases, args.repeats)
+        finally:
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+        for name, s in samples.items():
+            rows[name][phase] = summary(s)
+    header = "".join(f"  {p} median / p90 (us)" for p in phases)
+    print(f"{'case':44s}{header}")
+    for name, row in rows.items():
+        cols = "".join(f"  {row[p]['median_us']:9.1f} / {row[p]['p90_us']:9.1f}   " for p in phases)
+        print(f"{name:44s}{cols}")
+    payload = {"environment": environment(device), "threads": torch.get_num_threads(),
+               "busy_processes": args.busy, "repeats": args.repeats,
+               "rows": [{"case": name} | row for name, row in rows.items()]}
+    print("wrote", write_results("small_calls", device, payload, save=args.save, out=args.out))
+
+
+if __name__ == "__main__":
+    main()
