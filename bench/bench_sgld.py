@@ -123,8 +123,8 @@ def main() -> None:
             rows.append(row)
             print(f"K={K:3d} M={M:5d} fused {1e3*fused:9.3f} ms torch {1e3*ref:9.3f} ms x{ratio:5.2f} "
                   f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read; "
-                  f"grads alone {100*row['grads_fraction_of_read_probe']:.0f}%); inplace {1e3*inplace:.3f} ms "
-                  f"({100*row['inplace_fraction_of_read_probe']:.0f}%)")
+                  f"grads alone {100*row['grads_fraction_of_read_probe']:.0f}%); "
+                  f"inplace {1e3*inplace:.3f} ms ({100*row['inplace_fraction_of_read_probe']:.0f}%)")
             grads = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}
