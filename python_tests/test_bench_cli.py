@@ -111,7 +111,8 @@ def test_out_writes_exactly_there(bench_copy, tmp_path):
 
 
 @pytest.mark.parametrize("script,key", [("bench_distill.py", "ensemble_pseudo_labels"),
-                                        ("bench_sgld.py", "sgld_compose_step")])
+                                        ("bench_sgld.py", "sgld_compose_step"),
+                                        ("bench_small_calls.py", "small_calls")])
 def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, key):
     committed = bench_copy / "results" / f"{_cpu_name()}.json"
     before = committed.read_text()
@@ -120,6 +121,29 @@ def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, 
     (run,) = _runs(bench_copy)
     assert json.loads(run.read_text())[key]["rows"]
     assert committed.read_text() == before
+
+
+def test_small_calls_busy_phase_times_every_case_and_stops_its_spinners(bench_copy):
+    proc = _run(bench_copy / "bench_small_calls.py", "--tiny", "--busy", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = _runs(bench_copy)
+    rows = json.loads(run.read_text())["small_calls"]["rows"]
+    assert len(rows) == 30 and all({"quiet", "busy"} <= set(r) for r in rows)
+    assert all(r[p]["median_us"] > 0 for r in rows for p in ("quiet", "busy"))
+    assert not _spinners(), "a spinning process outlived the benchmark"
+
+
+def _spinners() -> list[str]:
+    """Command lines of running processes that look like bench_small_calls' spinners."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            cmdline = entry.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "while time.time() - t < 3600" in cmdline:
+            found.append(cmdline)
+    return found
 
 
 # ---------------------------------------------------------------- bench/gpu_validate.sh
