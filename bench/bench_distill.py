@@ -1,6 +1,7 @@
 """The fused pseudo-label op against its PyTorch composition (docs/algorithms/distillation.md).
 
     OMP_NUM_THREADS=2 python bench/bench_distill.py [--device cuda] [--repeats 7]
+    python bench/bench_distill.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
 
 For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} classes (fp32):
 
@@ -29,8 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_check_arguments,
     add_output_arguments,
     bandwidth_probes,
+    check_against_committed,
     check_output_arguments,
     environment,
     resolve_device,
@@ -58,6 +61,17 @@ def interleaved(fns: dict, device, repeats: int) -> dict:
     return times
 
 
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's ratios for --check, each higher-is-better: the PyTorch composition's time over
+    the fused op's, and the fused op's bandwidth over the read probe."""
+    found = {}
+    for r in payload.get("rows", []):
+        case = f"K={r['K']} N={r['N']} C={r['C']} {r['weighting']}"
+        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
+        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -66,6 +80,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="K=2, N=8, C=5, 1 repeat, small probe: checks the script runs")
     add_output_arguments(parser)
+    add_check_arguments(parser)
     args = parser.parse_args()
     device = resolve_device(args.device)
     check_output_arguments(args)
@@ -116,6 +131,9 @@ def main() -> None:
                "dtype": "float32", "repeats": args.repeats}
     print("wrote", write_results("ensemble_pseudo_labels", device, payload, save=args.save,
                                  out=args.out))
+    if args.check:
+        sys.exit(check_against_committed("ensemble_pseudo_labels", device, payload, ratios,
+                                         args.tolerance))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 section 5).
 
     OMP_NUM_THREADS=2 python bench/bench_sgld.py [--device cuda] [--repeats 7] [--max-elements N]
+    python bench/bench_sgld.py --check     # exit 1 if a ratio regressed > 20 % (bench/common.py)
 
 For K in {10, 100} clients, M in {100, 1000} synthetic samples, D = 3*32*32 (fp32, signed
 weighting, tau = 3, clamp [0, 1], drawn noise):
@@ -33,8 +34,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    add_check_arguments,
     add_output_arguments,
     bandwidth_probes,
+    check_against_committed,
     check_output_arguments,
     environment,
     resolve_device,
@@ -56,6 +59,19 @@ def torch_compose(x, grads, energies, log_w, beta, delta, gen):
     return (x - beta * a + delta * noise).clamp(0.0, 1.0)
 
 
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's ratios for --check, each higher-is-better: the PyTorch composition's time over
+    the fused op's, and the fused op's bandwidth (out of place and in place) over the read
+    probe."""
+    found = {}
+    for r in payload.get("rows", []):
+        case = f"K={r['K']} M={r['M']}"
+        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
+        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+        found[f"{case}: in-place GB/s / read probe"] = r.get("inplace_fraction_of_read_probe")
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
@@ -66,6 +82,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true",
                         help="K=2, M=3, 1 repeat, small probe: checks the script runs")
     add_output_arguments(parser)
+    add_check_arguments(parser)
     args = parser.parse_args()
     device = resolve_device(args.device)
     check_output_arguments(args)
@@ -130,6 +147,9 @@ def main() -> None:
                "dtype": "float32", "repeats": args.repeats}
     print("wrote", write_results("sgld_compose_step", device, payload, save=args.save,
                                  out=args.out))
+    if args.check:
+        sys.exit(check_against_committed("sgld_compose_step", device, payload, ratios,
+                                         args.tolerance))
 
 
 if __name__ == "__main__":

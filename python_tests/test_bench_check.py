@@ -200,3 +200,45 @@ def test_check_exit_status_of_the_script(tmp_path, common):
                              env=_env(), cwd=folder)
     assert refused.returncode == 2 and "--check" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("script,key,row,flagged", [
+    ("bench_sgld.py", "sgld_compose_step",
+     {"K": 2, "M": 3, "speedup_median_of_ratios": 1e9, "fused_fraction_of_read_probe": 1e9,
+      "inplace_fraction_of_read_probe": 1e9},
+     ["K=2 M=3: torch time / fused time", "K=2 M=3: fused GB/s / read probe",
+      "K=2 M=3: in-place GB/s / read probe"]),
+    ("bench_distill.py", "ensemble_pseudo_labels",
+     {"K": 2, "N": 8, "C": 5, "weighting": "entropy", "speedup_median_of_ratios": 1e9,
+      "fused_fraction_of_read_probe": 1e9},
+     ["K=2 N=8 C=5 entropy: torch time / fused time",
+      "K=2 N=8 C=5 entropy: fused GB/s / read probe"]),
+])
+def test_check_of_the_op_benchmarks(tmp_path, common, script, key, row, flagged):
+    """bench_sgld.py and bench_distill.py --tiny --check against a committed case with ratios
+    no run can reach: exit 1 and every ratio of that case named; against a committed run with
+    no case in common: exit 2."""
+    import torch
+
+    folder = tmp_path / "bench"
+    folder.mkdir()
+    for path in BENCH.glob("*.py"):
+        shutil.copy(path, folder)
+    (folder / "results").mkdir()
+    committed = folder / "results" / f"{common.device_name(torch.device('cpu'))}.json"
+
+    def check() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(folder / script), "--tiny", "--check",
+                               "--out", str(tmp_path / "fresh.json")], capture_output=True,
+                              text=True, timeout=300, env=_env(), cwd=folder)
+
+    committed.write_text(json.dumps({key: {"rows": [row]}}))
+    run = check()
+    assert run.returncode == 1, run.stdout + run.stderr
+    for name in flagged:
+        assert f"REGRESSED  {name}" in run.stdout, run.stdout
+
+    other = dict(row, K=99)
+    committed.write_text(json.dumps({key: {"rows": [other]}}))
+    run = check()
+    assert run.returncode == 2 and "no case in common" in run.stderr, run.stdout + run.stderr
