@@ -15,11 +15,11 @@ weighting, tau = 3, clamp [0, 1], drawn noise):
 - ``torch``: what a user writes: ``softmax`` over clients, ``clamp`` of G, ``einsum``, ``randn``,
   ``clamp``, eager.
 
-Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M energies and
-weights: every client gradient read once, ``x`` read once, ``x'`` written once (the convention
-of bench_aggregate.py and bench_distill.py), and is compared with the read-bandwidth probe
-measured in the same run; ``grads_fraction_of_read_probe`` counts ``grads`` alone. The two variants are timed
-interleaved; the speedup is the median over rounds of the per-round ratio. Results:
+Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M
+energies and weights: every client gradient read once, ``x`` read once, ``x'`` written once (the
+convention of bench_aggregate.py and bench_distill.py), and is compared with the read-bandwidth
+probe measured in the same run; ``grads_fraction_of_read_probe`` counts ``grads`` alone. The
+variants are timed interleaved; the speedup is the median over rounds of the per-round ratio. Results:
 bench/results/<device>.json under ``sgld_compose_step``.
 """
 

@@ -29,6 +29,7 @@ from common import (  # noqa: E402
     add_output_arguments,
     check_output_arguments,
     environment,
+    fail,
     write_results,
 )
 
@@ -132,6 +133,10 @@ def main() -> None:
     check_output_arguments(args)
     if args.tiny:
         args.repeats = 5
+    if args.repeats < 1:
+        fail(f"--repeats must be at least 1, got {args.repeats}")
+    if args.busy < 0:
+        fail(f"--busy must be 0 or more spinning processes, got {args.busy}")
     device = torch.device("cpu")
     cases = small_op_cases()
     n = (1 << 20) // 12  # torch.add on 1 MiB touched, with torch's threads

@@ -8,7 +8,9 @@ and compare the CUDA op with the pure-PyTorch reference and with the CPU op.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +179,15 @@ def cuda_device():
     if not HAS_CUDA:
         pytest.skip("no CUDA GPU visible")
     return torch.device("cuda")
+
+
+def copy_bench(tmp_path) -> Path:
+    """bench/*.py copied into tmp_path/bench with an empty results/ folder, so that a benchmark
+    script run there writes its results there, never into the repository's bench/results/."""
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    folder = Path(tmp_path) / "bench"
+    folder.mkdir()
+    for script in bench.glob("*.py"):
+        shutil.copy(script, folder)
+    (folder / "results").mkdir()
+    return folder

@@ -8,12 +8,12 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import copy_bench
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -176,11 +176,7 @@ def test_check_exit_status_of_the_script(tmp_path, common):
     naming the ratios; --check with --save is refused (exit 2) before any work."""
     import torch
 
-    folder = tmp_path / "bench"
-    folder.mkdir()
-    for script in BENCH.glob("*.py"):
-        shutil.copy(script, folder)
-    (folder / "results").mkdir()
+    folder = copy_bench(tmp_path)
     committed = {"rows": [
         {"model": "tiny", "dtype": "float32", "K": 2, "method": m, "median_ms": 1.0,
          "time_vs_fused": 1e9 if m != "fused" else 1.0, "pct_read_probe": 1e9}
@@ -220,11 +216,7 @@ def test_check_of_the_op_benchmarks(tmp_path, common, script, key, row, flagged)
     no case in common: exit 2."""
     import torch
 
-    folder = tmp_path / "bench"
-    folder.mkdir()
-    for path in BENCH.glob("*.py"):
-        shutil.copy(path, folder)
-    (folder / "results").mkdir()
+    folder = copy_bench(tmp_path)
     committed = folder / "results" / f"{common.device_name(torch.device('cpu'))}.json"
 
     def check() -> subprocess.CompletedProcess:

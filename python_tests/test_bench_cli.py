@@ -10,13 +10,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_bench
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 DEVICE_SCRIPTS = ["bench_aggregate.py", "bench_distill.py", "bench_sgld.py", "bench_superfed.py"]
@@ -44,11 +44,7 @@ def _cpu_name() -> str:
 @pytest.fixture
 def bench_copy(tmp_path) -> Path:
     """bench/*.py in a fresh folder, with a committed results file holding a sentinel."""
-    folder = tmp_path / "bench"
-    folder.mkdir()
-    for script in BENCH.glob("*.py"):
-        shutil.copy(script, folder)
-    (folder / "results").mkdir()
+    folder = copy_bench(tmp_path)
     committed = folder / "results" / f"{_cpu_name()}.json"
     committed.write_text(json.dumps({"aggregate": "committed table", "other": [1, 2]}) + "\n")
     return folder
@@ -131,6 +127,14 @@ def test_small_calls_busy_phase_times_every_case_and_stops_its_spinners(bench_co
     assert len(rows) == 30 and all({"quiet", "busy"} <= set(r) for r in rows)
     assert all(r[p]["median_us"] > 0 for r in rows for p in ("quiet", "busy"))
     assert not _spinners(), "a spinning process outlived the benchmark"
+
+
+@pytest.mark.parametrize("args,message", [(["--repeats", "0"], "--repeats must be at least 1"),
+                                          (["--busy", "-1"], "--busy must be 0 or more")])
+def test_small_calls_refuses_bad_counts(args, message):
+    proc = _run(BENCH / "bench_small_calls.py", *args, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
 def _spinners() -> list[str]:

@@ -9,8 +9,8 @@
 // widths) go a vector's width of rows at a time, one row per lane (RowLanes). Scores and weights
 // are computed for a block of rows at once, vectorised across rows. The weighted combination
 // takes four teachers per pass over a row's accumulator (a third of the loads and stores of one
-// pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to ~27 ms). Every value of a row is
-// computed from that row alone, in client order, with the lane layout fixed by C, so the results
+// pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to ~27 ms). Every value
+// of a row is computed from that row alone, in client order, with the lane layout fixed by C, so the results
 // do not depend on the blocking or the number of threads. The KL loss is summed per block of
 // kRowBlock rows in float64 and the blocks are added in order after the parallel loop.
 #include <ATen/Parallel.h>
@@ -111,15 +111,31 @@ C10_ALWAYS_INLINE void scale_sub(A* d, const A* x, A a, A b, int64_t n) {
   for (; c < n; ++c) d[c] = x[c] * a - b;
 }
 
+// y_c += a_0 x0_c, then += a_1 x1_c, ... for G rows x_g: G passes of y += a x in one read and
+// write of y, every product and sum rounded as in G separate passes, so the result is the same.
+template <int G, typename A>
+C10_ALWAYS_INLINE void axpy_group(A* y, const A* const* x, const A* a, int64_t n) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  Vec av[G];
+  for (int g = 0; g < G; ++g) av[g] = Vec(a[g]);
+  int64_t c = 0;
+  for (; c + W <= n; c += W) {
+    Vec acc = Vec::loadu(y + c);
+    for (int g = 0; g < G; ++g) acc = acc + av[g] * Vec::loadu(x[g] + c);
+    acc.store(y + c);
+  }
+  for (; c < n; ++c) {
+    A acc = y[c];
+    for (int g = 0; g < G; ++g) acc += a[g] * x[g][c];
+    y[c] = acc;
+  }
+}
+
 // y_c += a * x_c.
 template <typename A>
 C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
-  using Vec = Vectorized<A>;
-  constexpr int64_t W = Vec::size();
-  const Vec av(a);
-  int64_t c = 0;
-  for (; c + W <= n; c += W) (Vec::loadu(y + c) + av * Vec::loadu(x + c)).store(y + c);
-  for (; c < n; ++c) y[c] += a * x[c];
+  axpy_group<1>(y, &x, &a, n);
 }
 
 // s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (for long
@@ -157,27 +173,6 @@ C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t) {
   }
   s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, s0 + s1);
   t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, t0 + t1);
-}
-
-// y_c += a_0 x0_c, then += a_1 x1_c, ... for G rows x_g: G axpy passes in one read and write
-// of y, with every product and sum rounded as in axpy, so the result is the same.
-template <int G, typename A>
-C10_ALWAYS_INLINE void axpy_group(A* y, const A* const* x, const A* a, int64_t n) {
-  using Vec = Vectorized<A>;
-  constexpr int64_t W = Vec::size();
-  Vec av[G];
-  for (int g = 0; g < G; ++g) av[g] = Vec(a[g]);
-  int64_t c = 0;
-  for (; c + W <= n; c += W) {
-    Vec acc = Vec::loadu(y + c);
-    for (int g = 0; g < G; ++g) acc = acc + av[g] * Vec::loadu(x[g] + c);
-    acc.store(y + c);
-  }
-  for (; c < n; ++c) {
-    A acc = y[c];
-    for (int g = 0; g < G; ++g) acc += a[g] * x[g][c];
-    y[c] = acc;
-  }
 }
 
 // acc[r] += sum_k w[k * R + r] x_k[r] for rows r < rows of C elements, teacher k's rows at

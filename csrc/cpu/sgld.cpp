@@ -9,7 +9,8 @@
 // while its arithmetic runs the tile's gradients are prefetched into L2 a few lines per block of
 // normals (drawn after the sum, the noise left memory idle: K = 10 took ~10 % longer); then the
 // accumulator takes the K clipped client gradients in client order (vectorized over runs of one
-// sample, whose weight is constant), and one vector pass adds the step, the noise and the clamp. The result does not depend on the number of threads. The noise seed is drawn from the
+// sample, whose weight is constant), and one vector pass adds the step, the noise and the
+// clamp. The result does not depend on the number of threads. The noise seed is drawn from the
 // CPU generator (one random64 per call), so a seeded torch.Generator reproduces a run.
 //
 // Noise: draw_normals (csrc/cpu/normal_lanes.h), vectorized on the AVX2 and AVX-512 builds.
