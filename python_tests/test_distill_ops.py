@@ -111,6 +111,25 @@ def test_pseudo_labels_properties():
     torch.testing.assert_close(y, torch.softmax(logits[0], -1))
 
 
+@pytest.mark.parametrize("spread", [0.01, 1.0, 10.0, 100.0, 1e4])
+@pytest.mark.parametrize("K,N,C", [(4, 33, 10), (3, 20, 100), (2, 9, 17), (5, 8, 1000)])
+def test_entropy_weights_over_the_exp_range(spread, K, N, C):
+    """The CPU entropy pass takes its exps with a polynomial of its own: from spreads where
+    every exponent is near 0 to ones where most underflow, float32 weights and labels match
+    the float64 reference to float32 tolerance (short rows by lanes, long rows, tails)."""
+    g = torch.Generator().manual_seed(C)
+    L64 = spread * torch.randn(K, N, C, generator=g, dtype=torch.float64)
+    L = L64.float()
+    y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
+    y_ref, w_ref = R.ensemble_pseudo_labels_reference(L.double(), weighting="entropy",
+                                                      return_weights=True)
+    # H = max + log S - T / S rounds at the size of the logits, so the float32 error of the
+    # weights and labels grows with the spread (as it does in the PyTorch composition).
+    scale = max(1.0, spread)
+    torch.testing.assert_close(w.double(), w_ref, rtol=min(3e-6 * scale, 1e-3), atol=1e-6)
+    torch.testing.assert_close(y.double(), y_ref, rtol=2e-5, atol=2e-6 * scale)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_pseudo_labels_empty_noncontiguous_deterministic(device):
     y, w = fedkernels.ensemble_pseudo_labels(torch.zeros(3, 0, 4, device=device),
