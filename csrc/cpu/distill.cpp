@@ -180,9 +180,9 @@ C10_ALWAYS_INLINE Vectorized<A> exp_of(Vectorized<A> v) {
 }
 
 // s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (for long
-// rows: the last vector is partial). kFast: exp_nonpositive, as in exp_inplace. The exps are compute
-// bound, so while they run the same span of the next block to be read (pf, if not null) is
-// prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// rows: the last vector is partial). kFast: exp_nonpositive, as in exp_inplace. The exps are
+// compute bound, so while they run the same span of the next block to be read (pf, if not
+// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
 template <bool kFast, typename A>
 C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t, const A* pf) {
   using Vec = Vectorized<A>;
@@ -194,7 +194,9 @@ C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t, const A*
   for (; c + 2 * W <= n; c += 2 * W) {
     if (pf) {
       const char* p = reinterpret_cast<const char*>(pf + c);
-      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(A)); o += kLine) __builtin_prefetch(p + o, 0, 3);
+      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(A)); o += kLine) {
+        __builtin_prefetch(p + o, 0, 3);
+      }
     }
     const Vec v0 = Vec::loadu(x + c), v1 = Vec::loadu(x + c + W);
     const Vec e0 = exp_of<kFast>(v0 - mv), e1 = exp_of<kFast>(v1 - mv);
@@ -255,8 +257,8 @@ void kl_terms(A* lq, const A* y, int64_t n) {
       lq, lq, y, n);
 }
 
-// x = e^x over a whole block. kFast: exp_nonpositive (a few more ulps; it does not carry NaN or +inf
-// through), for arguments known to be <= 0 or -inf.
+// x = e^x over a whole block. kFast: exp_nonpositive (it does not carry NaN or +inf through),
+// for arguments known to be <= 0 or -inf.
 template <bool kFast, typename A>
 void exp_inplace(A* x, int64_t n) {
   using Vec = Vectorized<A>;
@@ -488,7 +490,8 @@ struct DistillCpu {
             // max every exponent is <= 0 or -inf, where exp_nonpositive applies; rows
             // with a NaN or infinite max are redone with the full exp, which carries NaN and inf
             // through.
-            // The next block this thread reads: teacher k + 1's rows, or teacher 0's of block b + 1.
+            // The next block this thread reads: teacher k + 1's rows, or teacher 0's of the next
+            // block.
             const T* next = k + 1 < K ? logits + ((k + 1) * N + i0) * C
                 : b + 1 < b1            ? logits + (i0 + R) * C
                                         : nullptr;
@@ -502,7 +505,8 @@ struct DistillCpu {
                     exp_sums<true>(x + r * C, C, row_m[r], row_s[r], sk[r],
                                    pf && r < next_rows ? pf + r * C : nullptr);
                   } else {
-                    exp_sums<false>(x + r * C, C, row_m[r], row_s[r], sk[r], static_cast<const A*>(nullptr));
+                    exp_sums<false>(x + r * C, C, row_m[r], row_s[r], sk[r],
+                                    static_cast<const A*>(nullptr));
                   }
                 }
                 return;
