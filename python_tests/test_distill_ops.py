@@ -118,8 +118,7 @@ def test_entropy_weights_over_the_exp_range(spread, K, N, C):
     every exponent is near 0 to ones where most underflow, float32 weights and labels match
     the float64 reference to float32 tolerance (short rows by lanes, long rows, tails)."""
     g = torch.Generator().manual_seed(C)
-    L64 = spread * torch.randn(K, N, C, generator=g, dtype=torch.float64)
-    L = L64.float()
+    L = (spread * torch.randn(K, N, C, generator=g, dtype=torch.float64)).float()
     y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
     y_ref, w_ref = R.ensemble_pseudo_labels_reference(L.double(), weighting="entropy",
                                                       return_weights=True)
