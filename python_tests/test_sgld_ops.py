@@ -226,6 +226,54 @@ def test_compose_matches_reference(device, dtype, mode, K, M, feat):
     assert bitwise_equal(y, got) and bitwise_equal(pi_, pi)
 
 
+def _compose_in_client_order(x, grads, pi, step, std, noise, tau, lo, hi):
+    """The composed step as the CPU kernel rounds it, one elementwise op at a time in the
+    accumulate dtype: acc = pi_0 clip(g_0), then acc + pi_k clip(g_k) for k = 1.., then
+    clamp(x - step acc + std eps) (PyTorch's elementwise ops round each result once)."""
+    acc_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = grads.to(acc_dtype).clamp(-tau, tau)
+    w = pi.to(acc_dtype).reshape(pi.shape + (1,) * (x.dim() - 1))
+    acc = w[0] * g[0]
+    for k in range(1, grads.shape[0]):
+        acc = acc + w[k] * g[k]
+    v = x.to(acc_dtype) - step * acc + std * noise.to(acc_dtype)
+    return v.clamp(lo, hi).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=dtype_id)
+@pytest.mark.parametrize("K", [1, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("M,D", [(7, 3), (5, 37), (3, 2500)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_compose_bits_match_a_client_order_rendering(dtype, K, M, D, threads):
+    """The CPU kernel adds the clients four at a time over runs of one sample, vector lanes and
+    scalar tails, and finishes the step in the last group's pass: every element must still
+    round exactly as the client-order sum (NaN, infinities and -0.0 among the gradients, runs
+    that cross tiles and vectors)."""
+    g = _gen(K * 1000 + M)
+    x = torch.rand(M, D, generator=g).to(dtype)
+    grads = (torch.randn(K, M, D, generator=g) * 4).to(dtype)
+    grads[0, 0, 1] = float("nan")
+    grads[K - 1, M - 1, D - 1] = float("-inf")
+    grads[K // 2, M // 2, D // 2] = -0.0
+    energies = torch.randn(K, M, generator=g)
+    log_w = torch.randn(K, generator=g) * 0.3
+    if dtype == torch.float64:
+        energies, log_w = energies.double(), log_w.double()
+    noise = torch.randn(M, D, generator=g).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, pi = fedkernels.sgld_compose_step(
+            x, grads, energies, log_w, mode="exact", step_size=0.3, noise_std=0.1,
+            grad_clip=2.5, clamp=(0.0, 1.0), noise=noise, return_weights=True,
+        )
+    finally:
+        torch.set_num_threads(before)
+    want = _compose_in_client_order(x, grads, pi, 0.3, 0.1, noise, 2.5, 0.0, 1.0)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert bitwise_equal(got.nan_to_num(), want.nan_to_num())
+
+
 def test_compose_weight_formulas():
     """Signed weights are w_i e^{sgn(f)} / sum_k w_k e^{sgn(f)}, the exact
     ones w_i e^{-E_i} / sum_k w_k e^{-E_k}; K = 1 is the plain step."""
