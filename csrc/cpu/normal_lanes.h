@@ -138,13 +138,38 @@ FEDKERNELS_INLINE void mulhilo(uint32_t m, const VecU& x, VecU& hi, VecU& lo) {
     const __m512i even = _mm512_mul_epu32(xv, mv);
     const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(xv, 32), mv);
     hi.r[w] = (RegU)_mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
-    lo.r[w] = (RegU)_mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
 #else
     const __m256i mv = _mm256_set1_epi64x(m), xv = (__m256i)x.r[w];
     const __m256i even = _mm256_mul_epu32(xv, mv);
     const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(xv, 32), mv);
-    hi.r[w] = (RegU)_mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
-    lo.r[w] = (RegU)_mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+    // movehdup moves each even product's high word down (a shuffle, beside the shifts).
+    hi.r[w] = (RegU)_mm256_blend_epi32((__m256i)_mm256_movehdup_ps((__m256)even), odd, 0xAA);
+#endif
+    lo.r[w] = x.r[w] * m;  // one vpmulld instead of a shift and a blend of the products
+  }
+}
+
+// eps[4 i + j] = v[j] lane i, for i < kLanes: the four values of each group side by side.
+FEDKERNELS_INLINE void store_groups(const VecF (&v)[4], float* eps) {
+  for (int w = 0; w < kWays; ++w) {
+    float* o = eps + 4 * w * kNative;
+#if defined(CPU_CAPABILITY_AVX512)
+    for (int i = 0; i < kNative; ++i) {
+      for (int j = 0; j < 4; ++j) o[4 * i + j] = v[j].r[w][i];
+    }
+#else
+    // A 4 x 8 transpose in 12 shuffles (GCC's rendering of the loop above took ~10 % of the
+    // noise's time): pairs interleaved, then quadruples, then 128-bit halves.
+    const __m256 v0 = (__m256)v[0].r[w], v1 = (__m256)v[1].r[w];
+    const __m256 v2 = (__m256)v[2].r[w], v3 = (__m256)v[3].r[w];
+    const __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
+    const __m256 t2 = _mm256_unpacklo_ps(v2, v3), t3 = _mm256_unpackhi_ps(v2, v3);
+    const __m256 q0 = _mm256_shuffle_ps(t0, t2, 0x44), q1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 q2 = _mm256_shuffle_ps(t1, t3, 0x44), q3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(q0, q1, 0x20));       // groups 0, 1
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(q2, q3, 0x20));   // 2, 3
+    _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(q0, q1, 0x31));  // 4, 5
+    _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(q2, q3, 0x31));  // 6, 7
 #endif
   }
 }
@@ -181,11 +206,7 @@ FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps) {
   VecF v[4];
   BoxMullerF32<VecF32Ops>::pair(x0, x1, v[0], v[1]);
   BoxMullerF32<VecF32Ops>::pair(x2, x3, v[2], v[3]);
-  for (int w = 0; w < kWays; ++w) {
-    for (int i = 0; i < kNative; ++i) {
-      for (int j = 0; j < 4; ++j) eps[4 * (w * kNative + i) + j] = v[j].r[w][i];
-    }
-  }
+  store_groups(v, eps);
 }
 
 #undef FEDKERNELS_INLINE
