@@ -13,10 +13,10 @@ For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} cl
 Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once) and
 ``entropy`` (a per-teacher softmax and entropy first: the composition materialises several
 [K, N, C] intermediates). Effective bandwidth counts the minimum traffic (read L and the scores,
-write y and w) and is compared with a read-bandwidth probe measured in the same run. The
-machine may be shared: the two variants are timed interleaved, and the ratio is the median
-over rounds of the per-round ratio. Results: bench/results/<device>.json under
-``ensemble_pseudo_labels``.
+write y and w) and is compared with the read-bandwidth probe timed in the same rounds as the
+case (``read_probe_GBps``; common.ReadProbe). The machine may be shared: the variants are
+timed interleaved, and the ratio is the median over rounds of the per-round ratio. Results:
+bench/results/<device>.json under ``ensemble_pseudo_labels``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    ReadProbe,
     add_check_arguments,
     add_output_arguments,
     bandwidth_probes,
@@ -90,6 +91,7 @@ def main() -> None:
         args.probe_bytes = min(args.probe_bytes, 1 << 23)
     probes = bandwidth_probes(device, args.probe_bytes)
     print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    probe = ReadProbe(device, args.probe_bytes)
     rows = []
     g = torch.Generator().manual_seed(0)
     for K in ks:
@@ -105,6 +107,7 @@ def main() -> None:
                     fns = {
                         "fused": lambda: fedkernels.ensemble_pseudo_labels(L, s, **kw),
                         "torch": lambda: R.ensemble_pseudo_labels_reference(L, s, **kw),
+                        "read_probe": probe,
                     }
                     big = K * N * C >= 40 * 4096 * 100
                     times = interleaved(fns, device, max(3, args.repeats // 2) if big else args.repeats)
@@ -112,20 +115,23 @@ def main() -> None:
                     fused = statistics.median(times["fused"])
                     ref = statistics.median(times["torch"])
                     ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
+                    read = probe.gbps(statistics.median(times["read_probe"]))
                     row = {
                         "K": K, "N": N, "C": C, "weighting": weighting,
                         "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
                         "speedup_median_of_ratios": ratio,
                         "min_traffic_bytes": nbytes,
                         "fused_GBps": nbytes / fused / 1e9,
-                        "fused_fraction_of_read_probe": nbytes / fused / 1e9 / probes["read_GBps"],
+                        "read_probe_GBps": read,
+                        "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
                         "torch_GBps": nbytes / ref / 1e9,
                     }
                     rows.append(row)
                     print(f"K={K:3d} N={N:5d} C={C:5d} {weighting:8s} fused {1e3*fused:9.3f} ms "
                           f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
                           f"{row['fused_GBps']:6.1f} GB/s "
-                          f"({100*row['fused_fraction_of_read_probe']:.0f}% of read)")
+                          f"({100*row['fused_fraction_of_read_probe']:.0f}% of read at "
+                          f"{read:.1f} GB/s)")
                 L = z = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}

@@ -249,6 +249,24 @@ def bandwidth_probes(device: torch.device, nbytes: int = 1 << 30) -> dict[str, f
             "probe_bytes": nbytes}
 
 
+class ReadProbe:
+    """The read probe as one more function of a case's timing loop: ``sum`` over a buffer
+    larger than any cache, timed in the same rounds as the case and its baselines. The host
+    of a shared machine speeds up and slows down within a run (the probe measured at the
+    start read 24-33 GB/s between runs minutes apart on the CI-class machine), so a case's
+    fraction of the probe is taken against the probe timed beside it."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        return self.src.sum()
+
+    def gbps(self, seconds: float) -> float:
+        return self.nbytes / seconds / 1e9
+
+
 def print_probes(device: torch.device, probes: dict[str, float]) -> None:
     """The machine and its bandwidth probes, first thing in every run's output."""
     env = environment(device)
