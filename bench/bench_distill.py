@@ -123,7 +123,8 @@ def main() -> None:
                         "min_traffic_bytes": nbytes,
                         "fused_GBps": nbytes / fused / 1e9,
                         "read_probe_GBps": read,
-                        "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
+                        "fused_fraction_of_read_probe": probe.fraction(
+                            nbytes, times["fused"], times["read_probe"]),
                         "torch_GBps": nbytes / ref / 1e9,
                     }
                     rows.append(row)

@@ -18,7 +18,7 @@ weighting, tau = 3, clamp [0, 1], drawn noise):
 Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M
 energies and weights: every client gradient read once, ``x`` read once, ``x'`` written once (the
 convention of bench_aggregate.py and bench_distill.py), and is compared with the read-bandwidth
-probe timed in the same rounds as the case (``read_probe_GBps``; common.ReadProbe);
+probe timed in the same rounds as the case, round by round (``read_probe_GBps``; common.ReadProbe);
 ``grads_fraction_of_read_probe`` counts ``grads`` alone. The variants are timed interleaved; the
 speedup is the median over rounds of the per-round ratio. Results: bench/results/<device>.json
 under ``sgld_compose_step``.
@@ -136,11 +136,14 @@ def main() -> None:
                 "K": K, "M": M, "D": D, "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
                 "fused_inplace_ms": 1e3 * inplace,
                 "read_probe_GBps": read,
-                "inplace_fraction_of_read_probe": nbytes / inplace / 1e9 / read,
+                "inplace_fraction_of_read_probe": probe.fraction(
+                    nbytes, times["fused_inplace"], times["read_probe"]),
                 "speedup_median_of_ratios": ratio, "grads_bytes": grads_bytes,
                 "min_traffic_bytes": nbytes, "fused_GBps": nbytes / fused / 1e9,
-                "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
-                "grads_fraction_of_read_probe": grads_bytes / fused / 1e9 / read,
+                "fused_fraction_of_read_probe": probe.fraction(
+                    nbytes, times["fused"], times["read_probe"]),
+                "grads_fraction_of_read_probe": probe.fraction(
+                    grads_bytes, times["fused"], times["read_probe"]),
                 "torch_GBps": nbytes / ref / 1e9,
             }
             rows.append(row)

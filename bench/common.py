@@ -266,6 +266,12 @@ class ReadProbe:
     def gbps(self, seconds: float) -> float:
         return self.nbytes / seconds / 1e9
 
+    def fraction(self, nbytes: int, seconds: list[float], probe_seconds: list[float]) -> float:
+        """Bandwidth of a case moving ``nbytes`` per call over the probe's, as the median over
+        rounds of the per-round ratio (round r's case time against round r's probe time)."""
+        return statistics.median(
+            (nbytes / t) / (self.nbytes / p) for t, p in zip(seconds, probe_seconds))
+
 
 def print_probes(device: torch.device, probes: dict[str, float]) -> None:
     """The machine and its bandwidth probes, first thing in every run's output."""
