@@ -18,7 +18,7 @@ weighting, tau = 3, clamp [0, 1], drawn noise):
 Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M
 energies and weights: every client gradient read once, ``x`` read once, ``x'`` written once (the
 convention of bench_aggregate.py and bench_distill.py), and is compared with the read-bandwidth
-probe timed in the same rounds as the case, round by round (``read_probe_GBps``; common.ReadProbe);
+probe measured again right before the case (``read_probe_GBps``; common.ReadProbe);
 ``grads_fraction_of_read_probe`` counts ``grads`` alone. The variants are timed interleaved; the
 speedup is the median over rounds of the per-round ratio. Results: bench/results/<device>.json
 under ``sgld_compose_step``.
@@ -116,8 +116,8 @@ def main() -> None:
                     x_inplace, grads, energies, log_w, mode="signed", step_size=10.0,
                     noise_std=0.01, grad_clip=3.0, clamp=(0.0, 1.0), generator=gen, inplace=True),
                 "torch": lambda: torch_compose(x, grads, energies, log_w, 10.0, 0.01, gen),
-                "read_probe": probe,
             }
+            read = probe.read_gbps()
             for fn in fns.values():
                 fn()
             times = {k: [] for k in fns}
@@ -131,19 +131,15 @@ def main() -> None:
             inplace = statistics.median(times["fused_inplace"])
             ref = statistics.median(times["torch"])
             ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
-            read = probe.gbps(statistics.median(times["read_probe"]))
             row = {
                 "K": K, "M": M, "D": D, "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
                 "fused_inplace_ms": 1e3 * inplace,
                 "read_probe_GBps": read,
-                "inplace_fraction_of_read_probe": probe.fraction(
-                    nbytes, times["fused_inplace"], times["read_probe"]),
+                "inplace_fraction_of_read_probe": nbytes / inplace / 1e9 / read,
                 "speedup_median_of_ratios": ratio, "grads_bytes": grads_bytes,
                 "min_traffic_bytes": nbytes, "fused_GBps": nbytes / fused / 1e9,
-                "fused_fraction_of_read_probe": probe.fraction(
-                    nbytes, times["fused"], times["read_probe"]),
-                "grads_fraction_of_read_probe": probe.fraction(
-                    grads_bytes, times["fused"], times["read_probe"]),
+                "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
+                "grads_fraction_of_read_probe": grads_bytes / fused / 1e9 / read,
                 "torch_GBps": nbytes / ref / 1e9,
             }
             rows.append(row)
@@ -151,7 +147,7 @@ def main() -> None:
                   f"{row['fused_GBps']:6.1f} GB/s ({100*row['fused_fraction_of_read_probe']:.0f}% of read; "
                   f"grads alone {100*row['grads_fraction_of_read_probe']:.0f}%); "
                   f"inplace {1e3*inplace:.3f} ms ({100*row['inplace_fraction_of_read_probe']:.0f}%); "
-                  f"read probe beside it {read:.1f} GB/s")
+                  f"read probe {read:.1f} GB/s")
             grads = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}

@@ -250,27 +250,20 @@ def bandwidth_probes(device: torch.device, nbytes: int = 1 << 30) -> dict[str, f
 
 
 class ReadProbe:
-    """The read probe as one more function of a case's timing loop: ``sum`` over a buffer
-    larger than any cache, timed in the same rounds as the case and its baselines. The host
-    of a shared machine speeds up and slows down within a run (the probe measured at the
-    start read 24-33 GB/s between runs minutes apart on the CI-class machine), so a case's
-    fraction of the probe is taken against the probe timed beside it."""
+    """The read probe again right before each case: ``sum`` over a buffer larger than any
+    cache, the median of a few calls. The host of a shared machine speeds up and slows down
+    within a run (the probe measured at the start read 24-33 GB/s between runs minutes apart
+    on the CI-class machine), so a case's fraction of the probe is taken against the probe
+    measured next to it. Not between the case's own calls: a probe there flushes the caches,
+    and small cases would then be timed cold while the benches time every op warm."""
 
     def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device = device
         self.nbytes = nbytes
         self.src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
 
-    def __call__(self) -> torch.Tensor:
-        return self.src.sum()
-
-    def gbps(self, seconds: float) -> float:
-        return self.nbytes / seconds / 1e9
-
-    def fraction(self, nbytes: int, seconds: list[float], probe_seconds: list[float]) -> float:
-        """Bandwidth of a case moving ``nbytes`` per call over the probe's, as the median over
-        rounds of the per-round ratio (round r's case time against round r's probe time)."""
-        return statistics.median(
-            (nbytes / t) / (self.nbytes / p) for t, p in zip(seconds, probe_seconds))
+    def read_gbps(self, repeats: int = 5) -> float:
+        return self.nbytes / median_time(lambda: self.src.sum(), self.device, repeats) / 1e9
 
 
 def print_probes(device: torch.device, probes: dict[str, float]) -> None:
