@@ -249,6 +249,31 @@ def test_pseudo_labels_compile():
         f(logits, scores), 2 * R.ensemble_pseudo_labels_reference(logits, scores, weighting="fedgo"))
 
 
+def test_wrappers_keep_autograd_exactly_when_a_gradient_can_flow():
+    """Without a tensor that requires grad (or under no_grad) the wrappers call the kernel below
+    the autograd layer: the same bits as the op through autograd, and no graph; with one, the
+    graph is there and the gradient matches the op's."""
+    logits, scores = make_inputs((5, 7, 6), torch.float32, "fedgo")
+    args = (logits, scores, None, "fedgo", "logits", 1.0, 1.0, True)
+    y = fedkernels.ensemble_pseudo_labels(logits, scores, weighting="fedgo")
+    assert y.grad_fn is None and bitwise_equal(y, ops.ensemble_pseudo_labels(*args)[0])
+    with_grad = logits.clone().requires_grad_(True)
+    y2 = fedkernels.ensemble_pseudo_labels(with_grad, scores, weighting="fedgo")
+    assert y2.grad_fn is not None and bitwise_equal(y2.detach(), y)
+    with torch.no_grad():
+        assert fedkernels.ensemble_pseudo_labels(with_grad, scores, weighting="fedgo").grad_fn is None
+    s = torch.randn(7, 6)
+    loss = fedkernels.distill_kl(s, y)
+    assert loss.grad_fn is None and bitwise_equal(loss, ops.distill_kl(s, y, 1.0, 1.0 / 7, False)[0])
+    s_grad = s.clone().requires_grad_(True)
+    loss2 = fedkernels.distill_kl(s_grad, y)
+    loss2.backward()
+    s_ref = s.clone().requires_grad_(True)
+    R.distill_kl_reference(s_ref, y).backward()
+    assert bitwise_equal(loss2.detach(), loss)
+    torch.testing.assert_close(s_grad.grad, s_ref.grad)
+
+
 # ---------------------------------------------------------------- distill_kl
 
 
