@@ -33,8 +33,8 @@
 #include "../elementwise.h"
 #include "../sgld_host.h"
 #include "normal_lanes.h"
-#include "vec_io.h"
 #include "parallel.h"
+#include "vec_io.h"
 
 namespace fedkernels {
 namespace {

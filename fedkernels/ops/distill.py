@@ -35,12 +35,12 @@ Two native ops, each with a fake (``torch.compile``) and an autograd formula:
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from .autograd_bypass import below_autograd_unless_needed
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -62,20 +62,6 @@ __all__ = [
 
 
 # ---------------------------------------------------------------- public API
-
-
-def _below_autograd(*tensors: Tensor | None):
-    """A context that runs the op straight on its kernel when no gradient can flow: the Python
-    autograd formula registered below otherwise wraps every call, ~15 µs on the CPU machines
-    here (a tiny call took 26 µs against 11 µs below autograd), which is most of a small
-    pseudo-label call. The same switch PyTorch's own wrapper takes when nothing requires grad;
-    not under torch.compile, which traces the plain call."""
-    if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    ):
-        return contextlib.nullcontext()
-    return torch._C._AutoDispatchBelowAutograd()
-
 
 
 def ensemble_pseudo_labels(
@@ -100,7 +86,7 @@ def ensemble_pseudo_labels(
     if sample_sizes is not None:
         # log n_k in float64 on the CPU; the op checks it is finite (n_k > 0) and moves it.
         log_prior = torch.as_tensor(sample_sizes, dtype=torch.float64).log()
-    with _below_autograd(logits, scores, log_prior):
+    with below_autograd_unless_needed(logits, scores, log_prior):
         y, w = _ops.ensemble_pseudo_labels(
             logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
             odds == "double_sigmoid",
@@ -138,7 +124,7 @@ def distill_kl(
     with_grad = torch.is_grad_enabled() and (
         student_logits.requires_grad or pseudo_labels.requires_grad
     )
-    with _below_autograd(student_logits, pseudo_labels):
+    with below_autograd_unless_needed(student_logits, pseudo_labels):
         loss, _ = _ops.distill_kl(
             student_logits, pseudo_labels, float(temperature), scale, with_grad
         )

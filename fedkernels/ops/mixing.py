@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .autograd_bypass import below_autograd_unless_needed
 from .devices import check_device, check_list_device
 
 _ops = torch.ops.fedkernels
@@ -77,7 +78,9 @@ def mix_endpoints(
     """
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64)
-    return _ops.mix_endpoints(list(global_params), list(local_params), lam)
+    g, l = list(global_params), list(local_params)
+    with below_autograd_unless_needed(g, l, lam):
+        return _ops.mix_endpoints(g, l, lam)
 
 
 def superfed_stats(
@@ -91,7 +94,8 @@ def superfed_stats(
     g, l, a = list(global_params), list(local_params), list(anchor)
     if not (g or l or a):  # no tensor to dispatch on: the native op cannot be called
         return torch.zeros((0, 4), dtype=torch.float64)
-    return _ops.superfed_stats(g, l, a)
+    with below_autograd_unless_needed(g, l, a):
+        return _ops.superfed_stats(g, l, a)
 
 
 def orthogonality_from_stats(
@@ -201,9 +205,9 @@ def mix_endpoints_with_stats(
     parameters and the float64 ``[T, 4]`` statistics rows."""
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64)
-    theta, stats = _ops.mix_endpoints_with_stats(
-        list(global_params), list(local_params), lam, list(anchor)
-    )
+    g, l, a = list(global_params), list(local_params), list(anchor)
+    with below_autograd_unless_needed(g, l, lam, a):
+        theta, stats = _ops.mix_endpoints_with_stats(g, l, lam, a)
     return theta, stats
 
 

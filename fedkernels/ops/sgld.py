@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .autograd_bypass import below_autograd_unless_needed
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -49,7 +50,8 @@ def _opt(v: float | None) -> float | None:
 def energy_from_logits(logits: Tensor, labels: Tensor | None = None) -> Tensor:
     r"""Energies ``[N]`` of ``logits[N, C]``: :math:`-f_i[y_i]` with ``labels`` (int64 ``[N]``),
     :math:`-\mathrm{logsumexp}_c f_{ic}` without; in ``logits``' dtype."""
-    return _ops.energy_from_logits(logits, labels)
+    with below_autograd_unless_needed(logits):
+        return _ops.energy_from_logits(logits, labels)
 
 
 def sgld_step(

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .autograd_bypass import below_autograd_unless_needed
 from .devices import check_device, check_list_device
 
 _ops = torch.ops.fedkernels
@@ -30,7 +31,9 @@ def weighted_sum(
     plain: ``scale * Σ_k w_k x_k``; with base and ``delta``: ``b + scale * Σ_k w_k (x_k - b)``;
     with base and not ``delta``: ``b + scale * Σ_k w_k x_k``.
     """
-    return _ops.weighted_sum(list(updates), weights, list(base), float(scale), bool(delta))
+    updates, base = list(updates), list(base)
+    with below_autograd_unless_needed(updates, weights, base):
+        return _ops.weighted_sum(updates, weights, base, float(scale), bool(delta))
 
 
 def weighted_sum_out(

@@ -1,0 +1,63 @@
+"""The op wrappers call the kernel below the autograd layer only when no gradient can flow
+(fedkernels/ops/autograd_bypass.py): the same bits either way, a graph exactly when an input
+requires grad and grad mode is on, and gradients that match the op's autograd formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import bitwise_equal
+
+import fedkernels
+from fedkernels.ops import mix_endpoints, superfed_stats, weighted_sum
+
+ops = torch.ops.fedkernels
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g)]
+    b = [torch.randn(5, 3, generator=g), torch.randn(4, generator=g)]
+    lam = torch.tensor(0.3, dtype=torch.float64)
+    w = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    logits = torch.randn(6, 4, generator=g)
+    return {
+        # name: (wrapper, the op through autograd, the inputs that may require grad)
+        "mix_endpoints": (lambda x, y: mix_endpoints(x, y, lam),
+                          lambda x, y: ops.mix_endpoints(x, y, lam), (a, b)),
+        "superfed_stats": (lambda x, y: superfed_stats(x, y),
+                           lambda x, y: ops.superfed_stats(x, y, []), (a, b)),
+        "weighted_sum": (lambda x, y: weighted_sum(x + y, w),
+                         lambda x, y: ops.weighted_sum(x + y, w, [], 1.0, False), (a, b)),
+        "energy_from_logits": (lambda x: fedkernels.energy_from_logits(x),
+                               lambda x: ops.energy_from_logits(x, None), (logits,)),
+    }
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _with_grad(inputs):
+    return tuple([t.clone().requires_grad_(True) for t in x] if isinstance(x, list)
+                 else x.clone().requires_grad_(True) for x in inputs)
+
+
+@pytest.mark.parametrize("name", list(_cases()))
+def test_graph_exactly_when_a_gradient_can_flow(name):
+    wrapper, through_autograd, inputs = _cases()[name]
+    plain = _flat(wrapper(*inputs))
+    assert all(t.grad_fn is None for t in plain)
+    assert bitwise_equal(plain, _flat(through_autograd(*inputs)))
+    grad_inputs = _with_grad(inputs)
+    with torch.no_grad():
+        assert all(t.grad_fn is None for t in _flat(wrapper(*grad_inputs)))
+    tracked = _flat(wrapper(*grad_inputs))
+    assert all(t.grad_fn is not None for t in tracked)
+    assert bitwise_equal([t.detach() for t in tracked], plain)
+    sum(t.sum() for t in tracked).backward()
+    ref_inputs = _with_grad(inputs)
+    sum(t.sum() for t in _flat(through_autograd(*ref_inputs))).backward()
+    leaves = lambda xs: [t for x in xs for t in (x if isinstance(x, list) else [x])]  # noqa: E731
+    for got, want in zip(leaves(grad_inputs), leaves(ref_inputs)):
+        assert bitwise_equal(got.grad, want.grad)
