@@ -3,9 +3,10 @@
 The ops with an autograd formula register it from Python (``torch.library.register_autograd``),
 and PyTorch then routes every call through that Python layer, which checks for gradients and
 redispatches: 4-8 µs a call on the quiet 2-core CI machine (a tiny ``ensemble_pseudo_labels``
-call 18 µs against 10 µs below it; ~15 µs more on a busy one), most of a small call. When nothing requires grad, or grad
-mode is off, the wrappers take the same switch PyTorch's layer would take, without the layer.
-Under ``torch.compile`` they make the plain call, which it traces.
+call 18 µs against 10 µs below it; ~15 µs more on a busy one), most of a small call. When
+nothing requires grad, or grad mode is off, the wrappers take the same switch PyTorch's layer
+would take, without the layer. Under ``torch.compile`` they make the plain call, which it
+traces.
 """
 
 from __future__ import annotations
