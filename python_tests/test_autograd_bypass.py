@@ -4,6 +4,7 @@ requires grad and grad mode is on, and gradients that match the op's autograd fo
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import bitwise_equal
@@ -21,6 +22,8 @@ def _cases():
     lam = torch.tensor(0.3, dtype=torch.float64)
     w = torch.tensor([0.25, 0.75], dtype=torch.float64)
     logits = torch.randn(6, 4, generator=g)
+    teachers = torch.randn(3, 6, 4, generator=g)
+    target = torch.softmax(torch.randn(6, 4, generator=g), -1)
     return {
         # name: (wrapper, the op through autograd, the inputs that may require grad)
         "mix_endpoints": (lambda x, y: mix_endpoints(x, y, lam),
@@ -31,6 +34,13 @@ def _cases():
                          lambda x, y: ops.weighted_sum(x + y, w, [], 1.0, False), (a, b)),
         "energy_from_logits": (lambda x: fedkernels.energy_from_logits(x),
                                lambda x: ops.energy_from_logits(x, None), (logits,)),
+        "ensemble_pseudo_labels": (
+            lambda x: fedkernels.ensemble_pseudo_labels(x, weighting="entropy"),
+            lambda x: ops.ensemble_pseudo_labels(x, None, None, "entropy", "logits", 1.0, 1.0,
+                                                 True)[0], (teachers,)),
+        "distill_kl": (lambda x: fedkernels.distill_kl(x, target),
+                       lambda x: ops.distill_kl(x, target, 1.0, 1.0 / 6, x.requires_grad)[0],
+                       (logits,)),
     }
 
 
@@ -61,3 +71,21 @@ def test_graph_exactly_when_a_gradient_can_flow(name):
     leaves = lambda xs: [t for x in xs for t in (x if isinstance(x, list) else [x])]  # noqa: E731
     for got, want in zip(leaves(grad_inputs), leaves(ref_inputs)):
         assert bitwise_equal(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("call", [
+    lambda: weighted_sum([torch.ones(2), torch.ones(2)], [0.5, 0.5]),
+    lambda: weighted_sum([np.ones(2), torch.ones(2)], torch.tensor([0.5, 0.5], dtype=torch.float64)),
+    lambda: mix_endpoints([np.ones(2)], [np.ones(2)], 0.5),
+    lambda: superfed_stats([np.ones(2)]),
+    lambda: fedkernels.ensemble_pseudo_labels(np.ones((2, 2, 2))),
+    lambda: fedkernels.ensemble_pseudo_labels(3),
+    lambda: fedkernels.energy_from_logits([[1.0, 2.0]]),
+], ids=["weights list", "numpy update", "numpy mix", "numpy stats", "numpy logits", "int logits",
+        "list logits"])
+def test_a_wrong_argument_reaches_the_op_check(call):
+    """The bypass looks only at tensors: anything else goes to the op, whose dispatcher names
+    the argument and the type it expected (not an AttributeError from the bypass)."""
+    with pytest.raises((TypeError, RuntimeError)) as info:
+        call()
+    assert "requires_grad" not in str(info.value) and "not iterable" not in str(info.value)

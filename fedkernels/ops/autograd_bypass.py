@@ -12,29 +12,32 @@ traces.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["below_autograd_unless_needed"]
+__all__ = ["below_autograd_unless_needed", "grad_can_flow"]
 
 
-def _requires_grad(item: Tensor | Sequence[Tensor] | None) -> bool:
-    if item is None:
-        return False
+def _requires_grad(item: object) -> bool:
+    # Anything but a tensor or a list/tuple of them counts as not requiring grad, so that a
+    # wrong argument reaches the op, whose check names it.
     if isinstance(item, Tensor):
         return item.requires_grad
-    return any(t.requires_grad for t in item)
+    if isinstance(item, (list, tuple)):
+        return any(isinstance(t, Tensor) and t.requires_grad for t in item)
+    return False
 
 
-def below_autograd_unless_needed(
-    *inputs: Tensor | Sequence[Tensor] | None,
-) -> contextlib.AbstractContextManager:
+def grad_can_flow(*inputs: object) -> bool:
+    """Grad mode is on and one of ``inputs`` (tensors, lists of tensors, anything else ignored)
+    requires grad."""
+    return torch.is_grad_enabled() and any(_requires_grad(x) for x in inputs)
+
+
+def below_autograd_unless_needed(*inputs: object) -> contextlib.AbstractContextManager:
     """A context for one op call: below the autograd layer when no gradient can flow to or from
-    ``inputs`` (tensors, lists of tensors or None), a no-op context otherwise."""
-    if torch.compiler.is_compiling() or (
-        torch.is_grad_enabled() and any(_requires_grad(x) for x in inputs)
-    ):
+    ``inputs``, a no-op context otherwise (and under ``torch.compile``)."""
+    if torch.compiler.is_compiling() or grad_can_flow(*inputs):
         return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()

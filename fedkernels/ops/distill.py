@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import below_autograd_unless_needed
+from .autograd_bypass import below_autograd_unless_needed, grad_can_flow
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -121,9 +121,7 @@ def distill_kl(
     0-d float32 tensor (float64 for float64 inputs)."""
     n, c = (student_logits.shape[0], student_logits.shape[1]) if student_logits.dim() == 2 else (1, 1)
     scale = kl_scale(reduction, n, c, float(temperature))
-    with_grad = torch.is_grad_enabled() and (
-        student_logits.requires_grad or pseudo_labels.requires_grad
-    )
+    with_grad = grad_can_flow(student_logits, pseudo_labels)
     with below_autograd_unless_needed(student_logits, pseudo_labels):
         loss, _ = _ops.distill_kl(
             student_logits, pseudo_labels, float(temperature), scale, with_grad
