@@ -275,20 +275,22 @@ struct SgldCpu {
           const StepFinish<T, A> f{x + e0, eps, dst, step, std_, lo, hi};
           add_clients<1, true>(grads + e0, n, static_cast<const A*>(nullptr), 0, acc, len, tau,
                                true, f);
-        }
-        for (int64_t s = 0; s < len && K > 0;) {
-          const int64_t j = (e0 + s) / D;
-          const int64_t run = std::min(len, (j + 1) * D - e0) - s;
-          const T* g = grads + e0 + s;
-          const A* w = pi + j;
-          const StepFinish<T, A> f{x + e0 + s, eps + s, dst + s, step, std_, lo, hi};
-          int64_t k = 0;
-          for (; k + kClientGroup < K; k += kClientGroup) {
-            add_clients<kClientGroup, false>(
-                g + k * n, n, w + k * M, M, acc + s, run, tau, k == 0, f);
+        } else {
+          for (int64_t s = 0; s < len;) {
+            const int64_t j = (e0 + s) / D;
+            const int64_t run = std::min(len, (j + 1) * D - e0) - s;
+            const T* g = grads + e0 + s;
+            const A* w = pi + j;
+            const StepFinish<T, A> f{x + e0 + s, eps + s, dst + s, step, std_, lo, hi};
+            int64_t k = 0;
+            for (; k + kClientGroup < K; k += kClientGroup) {
+              add_clients<kClientGroup, false>(
+                  g + k * n, n, w + k * M, M, acc + s, run, tau, k == 0, f);
+            }
+            add_some_clients<true>(
+                K - k, g + k * n, n, w + k * M, M, acc + s, run, tau, k == 0, f);
+            s += run;
           }
-          add_some_clients<true>(K - k, g + k * n, n, w + k * M, M, acc + s, run, tau, k == 0, f);
-          s += run;
         }
         if constexpr (!std::is_same_v<T, A>) {
           for (int64_t i = 0; i < len; ++i) out[e0 + i] = static_cast<T>(conv[i]);
