@@ -3,7 +3,14 @@
 // their implementations in libraries of their own, each through its family's registration
 // template (register_weighted_sum, register_superfed, register_distill, register_sgld in the
 // csrc/*_host.h headers), so a backend file holds only kernels.
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
+
+#include <string>
+#include <vector>
 
 TORCH_LIBRARY(fedkernels, m) {
   // Weighted sum of K client models, each a list of T tensors, given client-major:
@@ -161,4 +168,94 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   m.def(
       "private_sum_(Tensor(a!)[] base, Tensor[] clients, Tensor coefficients, float noise_std, "
       "Generator? generator) -> ()");
+}
+
+// ---------------------------------------------------------------- autograd of the mutating ops
+// The in-place and out= overloads have no derivative formula (the functional ops carry them,
+// registered from Python). The two kernels below give them what PyTorch's own in-place ops
+// have. ADInplaceOrView: the written tensors' version counters advance, so a graph that saved one
+// of them refuses to run backward on the overwritten values (PyTorch's stock kernel for this key
+// counts only written returns; these ops write their arguments). Autograd: with grad mode on, a
+// tensor that requires grad is refused, since the op cannot carry its gradient (without the
+// check the result would silently leave the graph).
+namespace {
+
+constexpr const char* kMutatingOps[] = {
+    "weighted_sum.out", "weighted_sum_", "sgld_step_", "sgld_compose_step_",
+    "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
+    "private_sum_",
+};
+
+// Calls f(t, i, where) for every defined tensor argument: i its argument's index, where its name
+// ("x", "out[2]").
+template <typename F>
+void for_each_tensor_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
+                              F&& f) {
+  const size_t n = schema.arguments().size();
+  const size_t start = stack.size() - n;
+  for (size_t i = 0; i < n; ++i) {
+    const c10::IValue& v = stack[start + i];
+    const std::string& name = schema.arguments()[i].name();
+    if (v.isTensor()) {
+      if (v.toTensor().defined()) f(v.toTensor(), i, name);
+    } else if (v.isTensorList()) {
+      const auto list = v.toTensorVector();
+      for (size_t j = 0; j < list.size(); ++j) {
+        if (list[j].defined()) f(list[j], i, c10::str(name, "[", j, "]"));
+      }
+    }
+  }
+}
+
+void bump_written_versions(
+    const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& schema = op.schema();
+  std::vector<at::Tensor> written;
+  for_each_tensor_argument(schema, *stack, [&](const at::Tensor& t, size_t i, const std::string&) {
+    if (schema.is_mutable({c10::SchemaArgType::input, i})) written.push_back(t);
+  });
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
+  }
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
+void refuse_gradients(
+    const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (c10::GradMode::is_enabled()) {
+    const auto& schema = op.schema();
+    const std::string name = c10::str(
+        "fedkernels.", schema.name().substr(schema.name().find("::") + 2),
+        schema.overload_name().empty() ? "" : ".", schema.overload_name());
+    for_each_tensor_argument(
+        schema, *stack, [&](const at::Tensor& t, size_t i, const std::string& where) {
+          if (!t.requires_grad()) return;
+          const bool written = schema.is_mutable({c10::SchemaArgType::input, i});
+          TORCH_CHECK(
+              !(written && t.is_leaf()), name, ": ", where,
+              " is a leaf tensor that requires grad, and the op writes it in place (as "
+              "PyTorch's in-place ops, this needs torch.no_grad())");
+          TORCH_CHECK(
+              false, name, ": ", where,
+              " requires grad, but this op writes its result in place or into out= and has no "
+              "derivative; use the functional form for gradients, or torch.no_grad()");
+        });
+  }
+  at::AutoDispatchBelowAutograd guard;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fedkernels, ADInplaceOrView, m) {
+  for (const char* op : kMutatingOps) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
+  }
+}
+
+TORCH_LIBRARY_IMPL(fedkernels, Autograd, m) {
+  for (const char* op : kMutatingOps) {
+    m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_gradients>());
+  }
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
 
 #include "common.h"
 #include "elementwise.h"
@@ -159,11 +161,21 @@ inline void check_noise(
 }
 
 // Writes into x in place when inplace (through a contiguous temporary when x is not
-// contiguous), else into a new tensor; returns the tensor holding x'.
+// contiguous), else into a new tensor; returns the tensor holding x'. `read` names the tensors
+// the kernel reads: writing x directly, none may share only part of x's memory (the kernel would
+// read values it has already overwritten); the same memory, element for element, is fine.
 inline at::Tensor finish_into(
-    const at::Tensor& x, bool inplace, SgldPlan& p, SgldRunner runner) {
+    const char* op, const at::Tensor& x, bool inplace,
+    std::initializer_list<std::pair<const char*, const at::Tensor*>> read, SgldPlan& p,
+    SgldRunner runner) {
   at::Tensor out;
   const bool direct = inplace && x.is_contiguous();
+  for (const auto& [name, t] : read) {
+    TORCH_CHECK_VALUE(
+        !direct || !t->defined() || at::get_overlap_status(x, *t) != at::MemOverlapStatus::Partial,
+        op, name, " shares part of x's memory, which the op writes in place; pass a copy (",
+        name, ".clone())");
+  }
   out = direct ? x : at::empty_like(x, at::MemoryFormat::Contiguous);
   p.out = out.mutable_data_ptr();
   if (p.M * p.D > 0 || p.K > 0) runner(p);
@@ -203,7 +215,7 @@ inline at::Tensor sgld_step_host(
   p.noise = noise_c.defined() ? noise_c.const_data_ptr() : nullptr;
   p.device = x.device();
   if (x.numel() == 0) return inplace ? x : at::empty_like(x);
-  return finish_into(x, inplace, p, runner);
+  return finish_into(op, x, inplace, {{"grad", &gc}, {"noise", &noise_c}}, p, runner);
 }
 
 inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
@@ -274,7 +286,9 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   p.signed_mode = mode == "signed";
   p.device = x.device();
   if (M == 0) return {inplace ? x : at::empty_like(x), pi};
-  at::Tensor out = finish_into(x, inplace, p, runner);
+  at::Tensor out = finish_into(
+      op, x, inplace, {{"grads", &gc}, {"energies", &e}, {"log_weights", &lw}, {"noise", &noise_c}},
+      p, runner);
   return {out, pi};
 }
 

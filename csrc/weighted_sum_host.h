@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <type_traits>
 #include <utility>
@@ -109,7 +110,17 @@ inline void check_no_overlap(
 struct WeightedSumShape {
   int64_t num_clients;
   int64_t num_tensors;
+  bool narrow;  // some tensor accumulates in float32 (it is not float64)
 };
+
+// scale is cast to the accumulate dtype like the weights.
+inline void check_scale(double scale, const WeightedSumShape& shape) {
+  TORCH_CHECK_VALUE(std::isfinite(scale), "fedkernels.weighted_sum: scale is ", scale);
+  TORCH_CHECK_VALUE(
+      !shape.narrow || std::abs(scale) <= std::numeric_limits<float>::max(),
+      "fedkernels.weighted_sum: scale is ", scale,
+      ", beyond the float32 range in which tensors that are not float64 accumulate");
+}
 
 // Checks everything about the inputs that does not depend on the output.
 inline WeightedSumShape check_inputs(
@@ -134,12 +145,20 @@ inline WeightedSumShape check_inputs(
       base.size(), " tensors, clients have ", T);
   const at::Device device = T > 0 ? updates[0].device() : weights.device();
   check_device(op, weights, device, /*allow_cpu=*/true, "weights");
+  // Weights are cast to the accumulate dtype: one finite in float64 but beyond float32's range
+  // would become inf for any tensor that is not float64.
+  bool narrow = false;
+  for (const auto t : c10::irange(T)) narrow = narrow || updates[t].scalar_type() != at::kDouble;
   if (weights.device().is_cpu()) {
     const auto w = weights.to(at::kDouble).contiguous();
     const double* wp = w.const_data_ptr<double>();
     for (const auto k : c10::irange(K)) {
       TORCH_CHECK_VALUE(
           std::isfinite(wp[k]), "fedkernels.weighted_sum: weight of client ", k, " is ", wp[k]);
+      TORCH_CHECK_VALUE(
+          !narrow || std::abs(wp[k]) <= std::numeric_limits<float>::max(),
+          "fedkernels.weighted_sum: weight of client ", k, " is ", wp[k],
+          ", beyond the float32 range in which tensors that are not float64 accumulate");
     }
   }
   for (const auto t : c10::irange(T)) {
@@ -167,7 +186,7 @@ inline WeightedSumShape check_inputs(
           " updates; expected the same dtype (or float32 for half-precision updates)");
     }
   }
-  return {K, T};
+  return {K, T, narrow};
 }
 
 inline at::ScalarType result_dtype(
@@ -282,6 +301,7 @@ inline std::vector<at::Tensor> weighted_sum_functional(
     at::TensorList updates, const at::Tensor& weights,
     at::TensorList base, double scale, bool delta, WeightedSumRunner runner) {
   const auto shape = check_inputs(updates, weights, base);
+  check_scale(scale, shape);
   std::vector<at::Tensor> out;
   out.reserve(shape.num_tensors);
   for (const auto t : c10::irange(shape.num_tensors)) {
@@ -297,6 +317,7 @@ inline void weighted_sum_out(
     at::TensorList base, double scale, bool delta,
     at::TensorList out, WeightedSumRunner runner) {
   const auto shape = check_inputs(updates, weights, base);
+  check_scale(scale, shape);
   check_outputs(updates, base, out, shape, /*out_is_base=*/false);
   run_weighted_sum(updates, weights, base, scale, delta, out, shape, runner);
 }
@@ -305,6 +326,7 @@ inline void weighted_sum_inplace(
     at::TensorList base, at::TensorList updates,
     const at::Tensor& weights, double scale, bool delta, WeightedSumRunner runner) {
   const auto shape = check_inputs(updates, weights, base);
+  check_scale(scale, shape);
   TORCH_CHECK_VALUE(
       static_cast<int64_t>(base.size()) == shape.num_tensors,
       "fedkernels.weighted_sum_: base has ", base.size(), " tensors, clients have ",

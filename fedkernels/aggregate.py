@@ -11,9 +11,11 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import numbers
 import re
 from collections.abc import Hashable, Iterable, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,7 +24,6 @@ from .model_layout import (
     Model,
     ModelLayout,
     split_clients,
-    weight_vector,
     weights_and_values,
 )
 from .ops import summation
@@ -195,6 +196,31 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _refuse_gradients_into_out(layout: ModelLayout, names: list, floats: list[list[Tensor]],
+                               float_base: list[Tensor], float_out: list[Tensor]) -> None:
+    """With grad mode on, ``out=`` takes no input that requires grad: the result is written into
+    existing tensors and carries no graph (PyTorch's own ``out=`` functions refuse the same;
+    the call without ``out`` is differentiable). Nor may it write a leaf that requires grad,
+    as no in-place op may."""
+    if not torch.is_grad_enabled():
+        return
+    api = "fedkernels.aggregate"
+    for name, o in zip(names, float_out):
+        if o.requires_grad and o.is_leaf:
+            raise RuntimeError(f"{api}: out tensor {layout.label(name)} is a leaf that requires "
+                               "grad; write it under torch.no_grad(), as PyTorch's in-place ops "
+                               "require")
+    sources = [(f"client {k}, tensor ", c) for k, c in enumerate(floats)]
+    sources.append(("base tensor ", float_base))
+    for who, tensors in sources:
+        for name, t in zip(names, tensors):
+            if t.requires_grad:
+                raise RuntimeError(
+                    f"{api}: {who}{layout.label(name)} requires grad, but out= writes the result "
+                    "into existing tensors, which carry no gradient; call aggregate without out= "
+                    "for a differentiable result, or under torch.no_grad()")
+
+
 def _check_weight_range(values: list[float] | None, scale, normalize: bool,
                         named_floats: Iterable[tuple[object, Tensor]], layout: ModelLayout,
                         api: str = "fedkernels.aggregate", who: str = "client") -> None:
@@ -317,6 +343,8 @@ def aggregate(
                         layout)
     if out_tensors is not None:
         _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
+        _refuse_gradients_into_out(layout, float_names, floats, float_base,
+                                   [t for t, f in zip(out_tensors, is_float) if f])
 
     flat_updates = [t for c in floats for t in c]
     delta = base is not None
@@ -356,6 +384,32 @@ def aggregate(
 # ---------------------------------------------------------------- streaming
 
 
+def _one_weight(weight, what: str) -> Tensor:
+    """Accumulator.add's weight: one real, finite number (a Python or NumPy scalar, or a
+    one-element tensor), as a float64 tensor of one element."""
+    api = "fedkernels.Accumulator"
+    if isinstance(weight, Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"{api}: the weight of {what} must be one number, got a tensor of "
+                             f"shape {tuple(weight.shape)}")
+        if weight.is_complex() or weight.dtype == torch.bool:
+            raise TypeError(f"{api}: the weight of {what} must be a real number, got {weight.dtype}")
+        w = weight.detach().reshape(1).to(torch.float64)
+        value = float(w[0]) if w.device.type == "cpu" else None
+    else:
+        if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"{api}: the weight of {what} must be a real number, got "
+                            f"{type(weight).__name__}")
+        try:
+            value = float(weight)
+        except OverflowError:
+            raise ValueError(f"{api}: the weight of {what} is beyond the float64 range") from None
+        w = torch.tensor([value], dtype=torch.float64)
+    if value is not None and not math.isfinite(value):
+        raise ValueError(f"{api}: the weight of {what} is {value}")
+    return w
+
+
 class Accumulator:
     r"""Streaming weighted sum for servers that receive clients one at a time.
 
@@ -363,7 +417,8 @@ class Accumulator:
     the number of clients. Each :meth:`add` is one fused pass ``acc += w·x``.
     :meth:`result` returns what :func:`aggregate` would for the same clients and weights, up
     to float rounding: :math:`\mathrm{scale}\sum_k w_k x_k`, or with ``base``
-    :math:`b + \mathrm{scale}\,(\sum_k w_k x_k - (\sum_k w_k)\, b)`.
+    :math:`b + \mathrm{scale}\,(\sum_k w_k x_k - (\sum_k w_k)\, b)`. Updates are read as
+    values: the result carries no gradient (call :func:`aggregate` for a differentiable one).
 
     >>> acc = Accumulator()
     >>> for sd, n in incoming:        # doctest: +SKIP
@@ -391,11 +446,7 @@ class Accumulator:
     def add(self, update: Model, weight: float) -> None:
         """Adds ``weight · update``. ``update`` has the structure of the first one added."""
         what = f"update {self.count}"
-        try:
-            w = weight_vector([weight] if not isinstance(weight, Tensor) else weight.reshape(1), 1,
-                         False)
-        except (ValueError, TypeError) as err:
-            raise type(err)(str(err).replace("client 0", what)) from None
+        w = _one_weight(weight, what)
         if self._layout is None:
             layout = ModelLayout.of(update, "update")
             tensors = layout.tensors(update, "update")
@@ -418,7 +469,8 @@ class Accumulator:
                     raise TypeError(f"fedkernels.Accumulator: update {self.count}, tensor "
                                     f"{layout.label(name)} has dtype {t.dtype}, the first "
                                     f"update had {dtype}")
-        floats = [t for t, f in zip(tensors, layout.float_mask) if f]
+        # Read as values: the running sum is a buffer, not a graph (the class docstring).
+        floats = [t.detach() for t, f in zip(tensors, layout.float_mask) if f]
         float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
         narrow = next((n for n, t in zip(float_names, floats) if t.dtype != torch.float64), None)
         if narrow is not None and w.device.type == "cpu" and abs(float(w[0])) > FLOAT32_MAX:

@@ -182,7 +182,8 @@ class ModelLayout:
         return out
 
     def label(self, name) -> str:
-        return repr(name) if self.kind == "dict" else str(name)
+        # A bare tensor is the model's one tensor: number 0, as in a list of one.
+        return repr(name) if self.kind == "dict" else str(0 if name is None else name)
 
     def build(self, tensors: list[Tensor]) -> Model:
         if self.kind == "tensor":
@@ -245,6 +246,16 @@ def _plain_finite_floats(weights, num_clients: int) -> list[float] | None:
     return values if all(map(math.isfinite, values)) else None
 
 
+def _fits_float64(x) -> bool:
+    try:
+        float(x)
+    except OverflowError:
+        return False
+    except (TypeError, ValueError):
+        pass
+    return True
+
+
 def weights_and_values(weights, num_clients: int,
                        normalize: bool) -> tuple[Tensor, list[float] | None]:
     """:func:`weight_vector`, and the same weights as Python floats where they can be read on
@@ -264,6 +275,10 @@ def weights_and_values(weights, num_clients: int,
         else:
             try:
                 w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
+            except OverflowError:
+                big = next(k for k, x in enumerate(weights) if not _fits_float64(x))
+                raise ValueError(f"fedkernels.aggregate: weight of client {big} is an integer "
+                                 "beyond the float64 range") from None
             except (TypeError, ValueError) as err:
                 raise TypeError(f"fedkernels.aggregate: weights must be K numbers: {err}") from None
         if w.dim() != 1 or w.numel() != num_clients:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .aggregate import aggregate
+from .aggregate import _byte_span, _Footprints, aggregate
 from .model_layout import Model, ModelLayout, split_clients
 from .ops import robust as robust_ops
 
@@ -51,8 +51,11 @@ class ClientSet:
         models, self.is_flat = split_clients(clients)
         if not models:
             raise ValueError(f"{api}: no client models (K = 0)")
-        self.layout = layout = ModelLayout.of(models[0], "client 0")
-        tensors = layout.client_tensors(models)
+        try:
+            self.layout = layout = ModelLayout.of(models[0], "client 0")
+            tensors = layout.client_tensors(models)
+        except (TypeError, ValueError) as err:  # the layout's checks speak as aggregate's
+            raise type(err)(re.sub(r"^fedkernels\.\w+:", f"{api}:", str(err))) from None
         first = tensors[0]
         for k, c in enumerate(tensors[1:], start=1):
             for i, (t, t0) in enumerate(zip(c, first)):
@@ -84,6 +87,21 @@ class ClientSet:
                     raise ValueError(f"{self.api}: out tensor {self.label(i)} shares memory "
                                      f"with client {k}; the output must not alias a client")
         return tensors
+
+    def refuse_aliased_floats(self, out_tensors: list[Tensor] | None) -> None:
+        """For the rules that write ``out``'s float entries themselves (Krum copies the
+        selected client), the check the native ops make: no output entry overlaps a client."""
+        if out_tensors is None:
+            return
+        float_index = self.layout.float_index
+        clients = _Footprints([(_byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
+                               for i, t in zip(float_index, c)])
+        for i in float_index:
+            hit = clients.overlap(_byte_span(out_tensors[i]), out_tensors[i])
+            if hit is not None:
+                raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps client "
+                                 f"{hit[0]}, tensor {self.label(hit[1])}; the output must not "
+                                 "alias a client")
 
     def flat(self, who: Sequence[int] | None = None) -> list[Tensor]:
         """The float tensors of clients ``who`` (all when None), client-major: the ops' input."""
@@ -267,6 +285,7 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
     f = _check_count(api, "num_malicious", num_malicious, 0)
     m = _check_count(api, "num_to_keep", num_to_keep, 1, cs.K)
     out_tensors = cs.out_tensors(out)
+    cs.refuse_aliased_floats(out_tensors)
     if weights is not None:
         w = _checked_weights(api, weights, cs.K)
     selected = _lowest(krum_scores(_distances(cs), f), m)

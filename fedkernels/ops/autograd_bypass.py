@@ -1,4 +1,5 @@
-"""Calling a differentiable op straight on its kernel when no gradient can flow.
+"""Autograd plumbing of the differentiable ops: calling an op straight on its kernel when no
+gradient can flow, and a differentiable backward for second derivatives.
 
 The ops with an autograd formula register it from Python (``torch.library.register_autograd``),
 and PyTorch then routes every call through that Python layer, which checks for gradients and
@@ -7,6 +8,11 @@ call 18 µs against 10 µs below it; ~15 µs more on a busy one), most of a smal
 nothing requires grad, or grad mode is off, the wrappers take the same switch PyTorch's layer
 would take, without the layer. Under ``torch.compile`` they make the plain call, which it
 traces.
+
+The native backward kernels compute a first derivative and leave no graph, so with
+``create_graph=True`` (grad mode on inside backward) a second derivative through them would be
+silently zero or missing. :func:`backward_through_reference` then recomputes the op with its
+PyTorch reference on the saved inputs and differentiates that, so higher derivatives are exact.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["below_autograd_unless_needed", "grad_can_flow"]
+__all__ = ["backward_through_reference", "below_autograd_unless_needed", "grad_can_flow"]
 
 
 def _requires_grad(item: object) -> bool:
@@ -41,3 +47,37 @@ def below_autograd_unless_needed(*inputs: object) -> contextlib.AbstractContextM
     if torch.compiler.is_compiling() or grad_can_flow(*inputs):
         return contextlib.nullcontext()
     return torch._C._AutoDispatchBelowAutograd()
+
+
+def _flat(items) -> list:
+    out = []
+    for x in items:
+        out.extend(x if isinstance(x, (list, tuple)) else [x])
+    return out
+
+
+def backward_through_reference(reference, inputs: tuple, needs: tuple, grad_outputs: tuple):
+    """The gradients of ``reference(*inputs)`` (the op's outputs, in the same structure) with
+    respect to the inputs flagged in ``needs`` (``ctx.needs_input_grad``), given the outputs'
+    gradients, with a graph for the next derivative. Returns one entry per input: a list for a
+    list argument, a tensor or None otherwise, as a ``register_autograd`` backward does."""
+    wanted = [t for x, need in zip(inputs, needs) if need
+              for t in (x if isinstance(x, (list, tuple)) else [x])
+              if isinstance(t, Tensor) and t.requires_grad]
+    with torch.enable_grad():
+        outputs = reference(*inputs)
+    if not isinstance(outputs, tuple):
+        outputs = (outputs,)
+    pairs = [(o, g) for o, g in zip(_flat(outputs), _flat(grad_outputs))
+             if g is not None and isinstance(o, Tensor) and o.requires_grad]
+    found = iter(torch.autograd.grad(
+        [o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+        allow_unused=True) if pairs and wanted else [None] * len(wanted))
+    by_id = {id(t): g for t, g in zip(wanted, found)}
+    result = []
+    for x, need in zip(inputs, needs):
+        if isinstance(x, (list, tuple)):
+            result.append([by_id.get(id(t)) if need else None for t in x])
+        else:
+            result.append(by_id.get(id(x)) if need and isinstance(x, Tensor) else None)
+    return tuple(result)

@@ -271,9 +271,11 @@ def _kl_backward(ctx, grad_loss, _grad_of_grad):
     if grad_loss is None:
         grad_loss = torch.zeros((), dtype=torch.float32, device=student.device)
     if need_s:
-        if ctx.with_grad:
+        # The kernel's gradient is a constant to autograd: with create_graph (grad mode on in
+        # backward) the formula below, which PyTorch can differentiate again, is used instead.
+        if ctx.with_grad and not torch.is_grad_enabled():
             grad_s = (grad.to(grad_loss.dtype) * grad_loss).to(student.dtype)
-        else:  # the forward ran without a gradient (e.g. under no_grad, then re-entered)
+        else:  # or the forward ran without a gradient (e.g. under no_grad, then re-entered)
             q = torch.softmax(student.to(grad_loss.dtype) / ctx.temperature, dim=-1)
             y = target.to(q.dtype)
             grad_s = (ctx.scale / ctx.temperature * (q * y.sum(-1, keepdim=True) - y) * grad_loss

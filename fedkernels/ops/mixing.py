@@ -39,7 +39,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import below_autograd_unless_needed
+from . import reference
+from .autograd_bypass import backward_through_reference, below_autograd_unless_needed
 from .devices import check_device, check_list_device
 
 _ops = torch.ops.fedkernels
@@ -370,6 +371,9 @@ def _mix_backward(ctx, grads):
     n = ctx.num_tensors
     saved = ctx.saved_tensors
     g, l, lam = list(saved[:n]), list(saved[n : 2 * n]), saved[2 * n]
+    if torch.is_grad_enabled():  # create_graph: a backward that can be differentiated again
+        return backward_through_reference(
+            reference.mix_endpoints_reference, (g, l, lam), ctx.needs_input_grad, (grads,))
     need_g, need_l, need_lam = ctx.needs_input_grad
     mask = [any(need_g), any(need_l), bool(need_lam)]
     grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, g)]
@@ -396,6 +400,9 @@ def _stats_backward(ctx, grad_stats):
     ng, nl, na = ctx.sizes
     saved = ctx.saved_tensors
     g, l, a = list(saved[:ng]), list(saved[ng : ng + nl]), list(saved[ng + nl :])
+    if torch.is_grad_enabled():
+        return backward_through_reference(
+            reference.superfed_stats_reference, (g, l, a), ctx.needs_input_grad, (grad_stats,))
     need_g, need_l, need_a = ctx.needs_input_grad
     mask = [any(need_g), any(need_l), any(need_a)]
     grad_g, grad_l, grad_a = _ops.superfed_stats_backward(grad_stats, g, l, a, mask)
@@ -411,6 +418,11 @@ torch.library.register_autograd(
 )
 
 
+def _mix_with_stats_reference(g, l, lam, a):
+    return (reference.mix_endpoints_reference(g, l, lam),
+            reference.superfed_stats_reference(g, l, a))
+
+
 def _mix_stats_setup(ctx, inputs, output):
     global_params, local_params, lam, anchor = inputs
     ctx.sizes = (len(global_params), len(anchor))
@@ -421,6 +433,9 @@ def _mix_stats_backward(ctx, grads, grad_stats):
     n, na = ctx.sizes
     saved = ctx.saved_tensors
     g, l, lam, a = list(saved[:n]), list(saved[n : 2 * n]), saved[2 * n], list(saved[2 * n + 1 :])
+    if torch.is_grad_enabled():
+        return backward_through_reference(
+            _mix_with_stats_reference, (g, l, lam, a), ctx.needs_input_grad, (grads, grad_stats))
     need_g, need_l, need_lam, need_a = ctx.needs_input_grad
     mask = [any(need_g), any(need_l), bool(need_lam), any(need_a)]
     grads = [torch.zeros_like(x) if gr is None else gr for gr, x in zip(grads, g)]
