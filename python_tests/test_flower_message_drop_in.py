@@ -5,6 +5,7 @@ where Flower defines the behaviour."""
 from __future__ import annotations
 
 import inspect
+import logging
 
 import numpy as np
 import pytest
@@ -16,13 +17,17 @@ from flower_message_helpers import (  # noqa: E402
     arrayrecord,
     as_numpy,
     assert_arrays_equal,
+    assert_metrics_equal,
+    error_reply,
     mock_reply,
     real_reply,
     task_identity,  # noqa: F401 - fixture
 )
-from flwr.app import ConfigRecord  # noqa: E402
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict  # noqa: E402
+from flwr.common.logger import FLOWER_LOGGER  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 from flwr.serverapp.exception import AggregationError  # noqa: E402
+from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords  # noqa: E402
 
 from fedkernels.integrations import flower as fkf  # noqa: E402
 
@@ -336,14 +341,144 @@ def test_check_finite_names_the_reply():
 
 
 def test_aggregate_arrayrecords_equals_flowers_utility():
-    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
-
     rng = np.random.default_rng(10)
     contents = [m.content for m in replies(clients(rng, {"a": np.zeros((7, 3)),
                                                          "z": np.asarray(1.0)}, np.float32))]
     ours = fkf.aggregate_arrayrecords(contents, "num-examples")
     theirs = aggregate_arrayrecords(contents, "num-examples")
     assert_arrays_equal(ours, theirs, 1e-6, 1e-7)
+
+
+def _record(arrays=None, weight=1.0, **more):
+    """A reply's RecordDict: an ArrayRecord "arrays" (unless None), more ArrayRecords by
+    name, and a MetricRecord with the weight."""
+    records = {} if arrays is None else {"arrays": arrayrecord(arrays)}
+    records.update({name: arrayrecord(a) for name, a in more.items()})
+    records["metrics"] = MetricRecord({"weight": weight})
+    return RecordDict(records)
+
+
+def _f32(*shape, value=1.0):
+    return np.full(shape, value, np.float32)
+
+
+AGGREGATE_CASES = {
+    "extra key later": lambda: [_record({"a": _f32(2)}), _record({"a": _f32(2), "b": _f32(3)}, 3.0)],
+    "key missing later": lambda: [_record({"a": _f32(2), "b": _f32(3, value=2)}), _record({"a": _f32(2)}, 3)],
+    "keys in another order": lambda: [_record({"a": _f32(2), "b": _f32(3)}),
+                                      _record({"b": _f32(3, value=4), "a": _f32(2, value=5)}, 2.0)],
+    "two ArrayRecords": lambda: [_record({"a": _f32(2)}, 1.0, more={"c": _f32(1)}),
+                                 _record({"a": _f32(2, value=3)}, 3.0, more={"c": _f32(1, value=3)})],
+    "same key in two ArrayRecords": lambda: [_record({"a": _f32(2)}, 1.0, more={"a": _f32(2, value=2)}),
+                                             _record({"a": _f32(2, value=3)}, 1.0)],
+    "ArrayRecord names differ": lambda: [
+        RecordDict({"x": arrayrecord({"a": _f32(2)}), "m": MetricRecord({"weight": 1.0})}),
+        RecordDict({"y": arrayrecord({"a": _f32(2, value=3)}), "m": MetricRecord({"weight": 1.0})})],
+    "empty list": lambda: [],
+    "no ArrayRecord": lambda: [_record(None)],
+    "some without ArrayRecord": lambda: [_record(None, 2.0), _record({"a": _f32(2, value=4)}, 2.0)],
+    "empty ArrayRecord": lambda: [_record({})],
+    "dtypes and 0-d, extra key": lambda: [
+        _record({"w": np.arange(3.0), "n": np.array(4, np.int64), "h": _f32(2).astype(np.float16)}, 1),
+        _record({"w": np.arange(3.0) * 2, "n": np.array(6, np.int64), "h": _f32(2).astype(np.float16),
+                 "i": np.array([3, 5], np.int32), "z": np.asarray(np.float32(2.0))}, 3)],
+    "int first then float, key missing": lambda: [
+        _record({"a": np.array([1, 2], np.int64), "b": _f32(2)}, 1.0),
+        _record({"a": np.array([0.5, 0.25], np.float32)}, 1.0)],
+    "shapes that broadcast, extra key": lambda: [_record({"a": _f32(2, 3), "b": _f32(1)}),
+                                                 _record({"a": _f32(3), "c": _f32(1)})],
+    "shapes that do not broadcast, extra key": lambda: [_record({"a": _f32(2)}),
+                                                        _record({"a": _f32(3), "c": _f32(1)})],
+    "all weights 0, extra key": lambda: [_record({"a": _f32(2)}, 0.0), _record({"b": _f32(2)}, 0.0)],
+    "common case": lambda: [_record({"a": _f32(2, 2, value=k), "b": np.arange(3.0) * k}, k + 1)
+                            for k in range(4)],
+}
+
+
+@pytest.mark.parametrize("case", list(AGGREGATE_CASES))
+def test_aggregate_arrayrecords_side_by_side_with_flowers(case):
+    """Replies the built-in strategies would refuse (keys that differ, several or no
+    ArrayRecords, no replies) take Flower's own semantics: its keys, values, dtypes, errors."""
+    outcomes = []
+    for fn in (fkf.aggregate_arrayrecords, aggregate_arrayrecords):
+        try:
+            outcomes.append(fn(AGGREGATE_CASES[case](), "weight"))
+        except Exception as err:  # noqa: BLE001 - the exception is what is compared
+            outcomes.append(err)
+    ours, theirs = outcomes
+    if isinstance(theirs, Exception):
+        assert type(ours) is type(theirs), f"ours: {ours!r}, Flower's: {theirs!r}"
+        return
+    assert isinstance(ours, ArrayRecord), ours
+    assert_arrays_equal(ours, theirs, 1e-6, 1e-7)
+
+
+def test_aggregate_arrayrecords_options_on_flowers_path():
+    """check_finite checks every array; int_policy other than "mean" needs aligned replies."""
+    records = [_record({"a": _f32(2)}), _record({"a": np.array([1.0, np.nan]), "b": _f32(1)})]
+    with pytest.raises(ValueError, match="record 1 carries NaN/Inf in array 'a'"):
+        fkf.aggregate_arrayrecords(records, "weight", check_finite=True)
+    out = fkf.aggregate_arrayrecords(records, "weight")  # Flower's: NaN propagates
+    assert np.isnan(out["a"].numpy()[1])
+    records = [_record({"n": np.array([1, 2])}), _record({"n": np.array([3, 4]), "b": _f32(1)})]
+    with pytest.raises(ValueError, match="integer array 'n' in record 0 and int_policy='max'"):
+        fkf.aggregate_arrayrecords(records, "weight", int_policy="max")
+    with pytest.raises(TypeError, match="int_policy='error'"):
+        fkf.aggregate_arrayrecords(records, "weight", int_policy="error")
+
+
+class _FlowerLog:
+    """The messages Flower's logger emits inside the block."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def __enter__(self):
+        self.handler = logging.Handler()
+        self.handler.emit = lambda record: self.lines.append(record.getMessage())
+        FLOWER_LOGGER.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        FLOWER_LOGGER.removeHandler(self.handler)
+
+
+@pytest.mark.parametrize("name", DROP_INS)
+def test_summary_logs_exactly_flowers_lines(name):
+    ours, theirs = make(fkf, name, int_policy="max"), make(flower, name)
+    with _FlowerLog() as log_ours:
+        ours.summary()
+    with _FlowerLog() as log_theirs:
+        theirs.summary()
+    assert log_ours.lines == log_theirs.lines and log_theirs.lines
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # Flower's inf / inf
+@pytest.mark.parametrize("why", ["big-endian arrays", "non-finite coefficients"])
+def test_qfedavg_on_flowers_path_logs_the_replies_once(why):
+    """Where QFedAvg hands over to Flower's aggregate_train, "Received N results and M
+    failures" and the failures are logged once, as by Flower's class."""
+    if why == "big-endian arrays":
+        start = {"w": np.zeros(3, np.float32), "x": np.zeros(2, ">f4")}
+        losses, q = [0.3, 1.3], 0.2
+    else:  # (f + eps)^q overflows: inf / inf
+        start = {"w": np.zeros(3, np.float32)}
+        losses, q = [1e300, 1e300], 5.0
+    states = [{k: np.asarray(v + k_ + 1, v.dtype) for k, v in start.items()} for k_ in range(2)]
+    strategies = [fkf.QFedAvg(client_learning_rate=0.1, q=q),
+                  flower.QFedAvg(client_learning_rate=0.1, q=q)]
+    results = []
+    for strategy in strategies:
+        strategy.current_arrays = arrayrecord(start)
+        with _FlowerLog() as log:
+            out = strategy.aggregate_train(1, [error_reply(9)] + replies(states, losses=losses))
+        results.append((out, [line for line in log.lines if "eceived" in line]))
+    (ours, lines_ours), (theirs, lines_theirs) = results
+    assert lines_ours == lines_theirs == ["aggregate_train: Received 2 results and 1 failures",
+                                          "\t> Received error in reply from node 9: client failed"]
+    assert_arrays_equal(ours[0], theirs[0], 1e-12, 1e-12)
+    assert_metrics_equal(ours[1], theirs[1])
+    assert vars(strategies[0]).keys() - vars(strategies[1]).keys() == {"int_policy", "check_finite"}
 
 
 # ---------------------------------------------------------------- fedkernels' own strategies

@@ -143,6 +143,39 @@ def test_side_by_side(name, scenario):
             np.testing.assert_allclose(a, b, **_tolerance(scenario))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("nan_client, layer", [(0, 0), (3, 2), (6, 3)])
+def test_bulyan_nan_client_raises_like_flower(dtype, nan_client, layer):
+    """Flower's legacy Krum selection picks the NaN client first (its score is NaN) and then
+    cannot find it among the clients: ValueError. Ours raises one too, naming the client."""
+    rng = np.random.default_rng(nan_client)
+    clients = [_client(rng, k, 1, dtype) for k in range(7)]
+    clients[nan_client][layer].flat[0] = np.nan
+    outcomes = []
+    for cls in (flower.Bulyan, ours_module.Bulyan):
+        results = [fit([a.copy() for a in c], 5) for c in clients]
+        outcomes.append(_outcome(cls(num_malicious_clients=1, to_keep=0).aggregate_fit, 1,
+                                 results, [])[1])
+    theirs, ours = outcomes
+    assert isinstance(theirs, ValueError) and "reference weights not found" in str(theirs)
+    assert type(ours) is ValueError and f"client {nan_client}'s parameters contain NaN" in str(ours)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # Flower's inf - inf
+def test_bulyan_inf_without_nan_gives_flowers_result():
+    """Only NaN is refused: a client with an Inf value (a sum that is not finite, but no NaN)
+    is aggregated, and left out, as by Flower."""
+    rng = np.random.default_rng(1)
+    clients = [_client(rng, k, 1, np.float32) for k in range(7)]
+    clients[2][0].flat[0] = np.inf
+    want, got = (cls(num_malicious_clients=1, to_keep=0).aggregate_fit(
+        1, [fit([a.copy() for a in c], 5) for c in clients], [])[0]
+        for cls in (flower.Bulyan, ours_module.Bulyan))
+    for a, b in zip(parameters_to_ndarrays(got), parameters_to_ndarrays(want), strict=True):
+        assert np.isfinite(b).all()
+        np.testing.assert_allclose(a, b, **_tolerance("float32"))
+
+
 def test_krum_keeps_the_inlier():
     results = [fit([np.array([0.1 * k, -0.1 * k], np.float32)], k + 1) for k in range(4)]
     results.append(fit([np.array([100.0, 100.0], np.float32)], 1))

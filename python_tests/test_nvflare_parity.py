@@ -546,6 +546,155 @@ def test_helper_bad_weight_names_the_contributor():
     assert helper.get_len() == 0 and not helper.total
 
 
+
+# NumPy semantics of the helper: the running total and the result have the dtype NumPy gives
+# NVFlare's `v * w`, `total + ...` and `total * (1.0 / sum)`; integer and bool arrays keep
+# NumPy's integer arithmetic (wrap-around, logical OR) before the division.
+GRID_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.int64, bool]
+GRID_WEIGHTS = {
+    "float": [2.5, 0.5, 1.0], "int": [3, 1, 2], "bool": [True, True, True],
+    "np.float64": [np.float64(2.5), np.float64(0.5), np.float64(1.0)],
+    "np.float32": [np.float32(2.5), np.float32(0.5), np.float32(1.0)],
+    "np.float16": [np.float16(2.5), np.float16(0.5), np.float16(1.0)],
+    "np.int64": [np.int64(3), np.int64(1), np.int64(2)],
+    "np.int16": [np.int16(3), np.int16(1), np.int16(2)],
+    "mixed": [2.5, np.float64(0.5), np.int16(2)],
+}
+
+
+def _grid_arrays(dtype, seed):
+    rng = np.random.default_rng(seed)
+    if dtype is bool:
+        return [rng.random(6) > 0.5 for _ in range(3)]
+    if np.dtype(dtype).kind in "iu":
+        hi = np.iinfo(dtype).max  # values near the top, so that NumPy's sums wrap around
+        return [(hi - rng.integers(0, 40, 6)).astype(dtype) for _ in range(3)]
+    return [(rng.random(6) * 10).astype(dtype) for _ in range(3)]
+
+
+def _same_as_nvflare(ours, theirs, float16_tol):
+    assert list(ours) == list(theirs)
+    for k in theirs:
+        a, b = ours[k], theirs[k]
+        assert type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape, k
+        # NVFlare sums float16 in float16, the fused op in fp32
+        tol = dict(rtol=5e-3, atol=5e-3) if float16_tol else dict(rtol=1e-6, atol=0)
+        np.testing.assert_allclose(a, b, err_msg=k, **tol)
+
+
+@pytest.mark.parametrize("weigh", [True, False])
+@pytest.mark.parametrize("weights", sorted(GRID_WEIGHTS))
+@pytest.mark.parametrize("dtype", GRID_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_helper_numpy_dtype_and_weight_grid(dtype, weights, weigh):
+    arrays = _grid_arrays(dtype, 3)
+    theirs = flare_helper.WeightedAggregationHelper(weigh_by_local_iter=weigh)
+    ours = fk.WeightedAggregationHelper(weigh_by_local_iter=weigh)
+    for i, (a, w) in enumerate(zip(arrays, GRID_WEIGHTS[weights])):
+        theirs.add({"x": a, "y": a[:2].copy()}, w, f"s{i}", 0)
+        ours.add({"x": a, "y": a[:2].copy()}, w, f"s{i}", 0)
+    assert ours.counts == theirs.counts
+    result_t, result_o = theirs.get_result(), ours.get_result()
+    float16 = result_t["x"].dtype == np.float16 or np.dtype(dtype) == np.float16
+    _same_as_nvflare(result_o, result_t, float16)
+    if np.dtype(dtype).kind in "biu":  # NVFlare's own NumPy formula: bitwise equal
+        for k in result_t:
+            np.testing.assert_array_equal(result_o[k], result_t[k])
+
+
+@pytest.mark.parametrize("dtypes", [(np.float32, np.int64, np.float32), (np.int64, np.float32, np.float64),
+                                    (np.float16, np.uint8, np.float16), (bool, np.float32, bool),
+                                    (np.float32, np.float32, np.float64)],
+                         ids=lambda ds: "-".join(np.dtype(d).name for d in ds))
+@pytest.mark.parametrize("weigh", [True, False])
+def test_helper_numpy_dtypes_that_change_between_contributions(dtypes, weigh):
+    """One key whose dtype changes from contribution to contribution: NumPy's promotion of
+    the running total, step by step, as in NVFlare."""
+    theirs = flare_helper.WeightedAggregationHelper(weigh_by_local_iter=weigh)
+    ours = fk.WeightedAggregationHelper(weigh_by_local_iter=weigh)
+    for i, (dtype, w) in enumerate(zip(dtypes, [2.0, np.float32(1.5), 3])):
+        a = _grid_arrays(dtype, i)[0]
+        theirs.add({"x": a}, w, f"s{i}", 0)
+        ours.add({"x": a}, w, f"s{i}", 0)
+    _same_as_nvflare(ours.get_result(), theirs.get_result(), np.dtype(np.float16) in map(np.dtype, dtypes))
+
+
+def test_helper_numpy_float32_then_numpy_float64_weight_accumulates_in_float64():
+    """A float64 weight turns NumPy's running total float64; ours follows from then on."""
+    big = np.full(4, 1e8, np.float32)
+    theirs = flare_helper.WeightedAggregationHelper()
+    ours = fk.WeightedAggregationHelper()
+    for i, (a, w) in enumerate([(big, 1.0), (np.full(4, 1.0, np.float32), np.float64(1.0))]):
+        theirs.add({"x": a}, w, f"s{i}", 0)
+        ours.add({"x": a}, w, f"s{i}", 0)
+    result_t, result_o = theirs.get_result()["x"], ours.get_result()["x"]
+    assert result_o.dtype == result_t.dtype == np.float64
+    np.testing.assert_array_equal(result_o, result_t)  # 1e8 + 1 is exact in float64 only
+
+
+# ---------------------------------------------------------------- zero total weight
+
+
+ZERO_TOTAL = {"all steps 0": ([0, 0], None),
+              "aggregation_weights 0": ([10, 10], {"site-1": 0.0, "site-2": 0.0}),
+              "weights cancel": ([1, 1], {"site-1": 1.0, "site-2": -1.0})}
+
+
+def _zero_total_round(cls, steps, weights, kind):
+    contributions = []
+    for i, n in enumerate(steps):
+        x = np.full((2, 2), float(i + 1), np.float32)
+        data = {"w": x if kind == "numpy" else torch.from_numpy(x)}
+        contributions.append((f"site-{i + 1}", 0, weights_dxo(data, n_iter=n, kind=DataKind.WEIGHTS)))
+    return run(cls, contributions, aggregation_weights=weights, expected_data_kind=DataKind.WEIGHTS)
+
+
+@pytest.mark.parametrize("case", sorted(ZERO_TOTAL))
+def test_zero_total_weight_numpy_raises_like_nvflare(case):
+    steps, weights = ZERO_TOTAL[case]
+    with pytest.raises(ZeroDivisionError):
+        _zero_total_round(Theirs, steps, weights, "numpy")
+    with pytest.raises(ZeroDivisionError, match="key 'w': the weights of its 2 contribution"):
+        _zero_total_round(Ours, steps, weights, "numpy")
+
+
+@pytest.mark.parametrize("case", sorted(ZERO_TOTAL))
+def test_zero_total_weight_torch_gives_nvflares_nan_or_inf(case):
+    steps, weights = ZERO_TOTAL[case]
+    _, r_t, _, _ = _zero_total_round(Theirs, steps, weights, "torch")
+    _, r_o, _, _ = _zero_total_round(Ours, steps, weights, "torch")
+    assert not torch.isfinite(r_t.data["w"]).any()
+    same_dxo(r_o, r_t)
+
+
+@pytest.mark.parametrize("data", [{"acc": 0.5}, {"x": np.ones(3, np.int64)}, {"x": np.ones(3)}],
+                         ids=["python scalar", "int array", "float array"])
+def test_helper_zero_total_weight_raises_where_nvflare_does(data):
+    """NVFlare's ``1.0 / sum`` raises for a Python 0 only: NumPy-scalar weights that sum to 0
+    give Inf/NaN in both, with NumPy's warning."""
+    theirs = flare_helper.WeightedAggregationHelper()
+    ours = fk.WeightedAggregationHelper()
+    for h in (theirs, ours):
+        h.add(data, 1.0, "a", 0)
+        h.add(data, -1.0, "b", 0)
+    with pytest.raises(ZeroDivisionError):
+        theirs.get_result()
+    name = next(iter(data))
+    with pytest.raises(ZeroDivisionError, match=f"key '{name}'"):
+        ours.get_result()
+    assert ours.get_len() == 2  # nothing reset: the round can be inspected
+
+    theirs = flare_helper.WeightedAggregationHelper()
+    ours = fk.WeightedAggregationHelper()
+    for h in (theirs, ours):
+        h.add(data, np.float64(1.0), "a", 0)
+        h.add(data, np.float64(-1.0), "b", 0)
+    with pytest.warns(RuntimeWarning):
+        result_t = theirs.get_result()
+    with pytest.warns(RuntimeWarning):
+        result_o = ours.get_result()
+    same_values(result_o, result_t)
+
+
 # ---------------------------------------------------------------- FedAvg controller
 
 
@@ -605,6 +754,16 @@ def test_fedavg_controller_builtin_vs_weighted_model_aggregator(metrics, kwargs)
     assert info_o == info_t
     assert ours.meta == theirs.meta
     assert stats_o == stats_t
+
+
+def test_fedavg_controller_zero_aggregation_weights_raise_like_builtin():
+    """All-zero aggregation_weights: the controller's built-in helper and ours both divide by 0."""
+    results = fl_results(np.random.default_rng(2), metrics=False)
+    kwargs = {"aggregation_weights": {f"site-{i + 1}": 0.0 for i in range(4)}}
+    with pytest.raises(ZeroDivisionError):
+        run_controller(FedAvg(num_clients=4, **kwargs), results)
+    with pytest.raises(ZeroDivisionError, match="key 'conv.weight'"):
+        run_controller(FedAvg(num_clients=4, aggregator=fk.WeightedModelAggregator(**kwargs)), results)
 
 
 def test_weighted_model_aggregator_in_a_recipe():

@@ -61,7 +61,6 @@ import io
 import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from logging import INFO
 from typing import Any
 
 import numpy as np
@@ -70,7 +69,6 @@ from torch import Tensor
 
 try:
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.common.logger import log as flwr_log
     from flwr.serverapp import Grid
     from flwr.serverapp import strategy as _flwr
     from flwr.serverapp.exception import AggregationError
@@ -361,13 +359,51 @@ def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str
                            int_policy: str = "mean", check_finite: bool = False) -> ArrayRecord:
     """Flower's ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` (the
     weighted mean of the replies' ArrayRecords, weighted by the ``weighting_metric_name``
-    metric) computed by :func:`fused_weighted_mean`, for custom strategies."""
-    _check_int_policy("aggregate_arrayrecords", int_policy)
+    metric), for custom strategies.
+
+    Records that each carry one ArrayRecord with the same keys (what Flower's strategies
+    validate replies to be) go through :func:`fused_weighted_mean`. Anything else takes
+    Flower's own semantics, array by array: every ArrayRecord of every record is summed with
+    its record's weight into the entry of its key, in the order keys are first seen (a key some
+    records lack is summed over those that carry it, with the weights normalized over all
+    records); no records, or records without ArrayRecords, give an empty ArrayRecord. There
+    an integer array with an ``int_policy`` other than ``"mean"`` raises (those policies need
+    aligned replies), and ``check_finite`` checks every array."""
+    policy = _check_int_policy("aggregate_arrayrecords", int_policy)
     factors = _weights_from_records(records, weighting_metric_name)
-    arrays = [next(iter(r.array_records.values())) for r in records]
-    means, _ = fused_weighted_mean(arrays, factors, int_policy=int_policy,
-                                   check_finite=check_finite)
-    return _to_arrayrecord(means, consume=True)
+    if records and all(len(r.array_records) == 1 for r in records):
+        arrays = [next(iter(r.array_records.values())) for r in records]
+        names = set(arrays[0].keys())
+        if all(set(a.keys()) == names for a in arrays[1:]):
+            means, _ = fused_weighted_mean(arrays, factors, int_policy=policy,
+                                           check_finite=check_finite)
+            return _to_arrayrecord(means, consume=True)
+    return _to_arrayrecord(_flower_aggregate_arrayrecords(records, factors, policy,
+                                                          check_finite), consume=True)
+
+
+def _flower_aggregate_arrayrecords(records: Sequence[RecordDict], factors: Sequence[float],
+                                   int_policy: str, check_finite: bool) -> dict[str, np.ndarray]:
+    """Flower's ``aggregate_arrayrecords`` loop (each array times its record's factor, added
+    in place into the first product of its key), on views of the replies' bytes."""
+    out: dict[str, np.ndarray] = {}
+    for k, (record, factor) in enumerate(zip(records, factors)):
+        for array_record in record.array_records.values():
+            for name, value in array_record.items():
+                a = _ndarray_view(value)
+                if int_policy != "mean" and a.dtype.kind in "biu":
+                    error = TypeError if int_policy == "error" else ValueError
+                    raise error(f"aggregate_arrayrecords: integer array '{name}' in record {k} "
+                                f"and int_policy={int_policy!r}, which needs every record to "
+                                "carry one ArrayRecord with the same keys; these do not")
+                if check_finite and a.dtype.kind in "fc" and not np.isfinite(a).all():
+                    raise ValueError(f"aggregate_arrayrecords: record {k} carries NaN/Inf in "
+                                     f"array '{name}'")
+                if name in out:
+                    out[name] += a * factor
+                else:
+                    out[name] = a * factor
+    return out
 
 
 def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
@@ -404,11 +440,6 @@ class _FusedAggregation:
 
     int_policy: str = "mean"
     check_finite: bool = False
-
-    def summary(self) -> None:
-        flwr_log(INFO, "\t├──> fedkernels: fused weighted sum (int_policy=%r, "
-                 "check_finite=%s)", self.int_policy, self.check_finite)
-        super().summary()
 
     def _fused_mean(self, replies: Iterable[Message], base: Mapping[str, np.ndarray] | None
                     = None) -> tuple[list[Any] | None, dict[str, np.ndarray] | None, set[str]]:
@@ -665,7 +696,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         policy = _check_int_policy(type(self).__name__, self.int_policy)
-        valid, _ = self._check_and_log_replies(replies, is_train=True)
+        valid, failed = self._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None
         lipschitz = 1.0 / self.client_learning_rate
@@ -679,7 +710,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         local = [[_ndarray_view(v) for v in r.values()] for r in records]
         losses = [_train_loss(m, self.train_loss_key) for m in valid]
         if self._needs_flower_path(global_arrays, local, policy):
-            return super().aggregate_train(server_round, valid)
+            return self._flower_aggregate_train(server_round, valid, failed)
         ints = [t for t in range(len(names)) if all(x[t].dtype.kind in "biu" for x in local)]
         if policy == "error" and ints:
             raise TypeError(f"QFedAvg: integer arrays {[names[t] for t in ints][:5]} and "
@@ -699,7 +730,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                 + lipschitz * lpq
         coefficients = [lipschitz * lpq / sum_h for lpq in loss_pow_q]
         if not all(np.isfinite(c) for c in coefficients):
-            return super().aggregate_train(server_round, valid)
+            return self._flower_aggregate_train(server_round, valid, failed)
         result: dict[str, Tensor] = {}
         if floats:
             weights = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
@@ -719,6 +750,24 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             for k in list(r.keys()):
                 r.pop(k)
         return record, metrics
+
+    def _check_and_log_replies(self, replies: Iterable[Message], is_train: bool,
+                               validate: bool = True) -> tuple[list[Message], list[Message]]:
+        # Where aggregate_train hands over to Flower's, the replies were checked and logged
+        # already: Flower's code gets that outcome instead of logging them a second time.
+        checked = self.__dict__.pop("_checked_replies", None)
+        if checked is not None:
+            return checked
+        return super()._check_and_log_replies(replies, is_train, validate)
+
+    def _flower_aggregate_train(self, server_round: int, valid: list[Message],
+                                failed: list[Message]
+                                ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        self._checked_replies = (valid, failed)
+        try:
+            return super().aggregate_train(server_round, valid)
+        finally:
+            self.__dict__.pop("_checked_replies", None)
 
     @staticmethod
     def _needs_flower_path(global_arrays: list[np.ndarray], local: list[list[np.ndarray]],

@@ -200,13 +200,24 @@ class Krum(_RobustFit, _flower.Krum):
         return [np.array(a) for a in clients[int(np.argmin(scores))]]
 
 
+def _first_nan_client(clients: Clients) -> int | None:
+    """The first client with a NaN in its float arrays, or None. A plain sum is finite
+    unless a value is NaN or Inf (or the sum overflows): only those arrays are searched."""
+    for k, client in enumerate(clients):
+        for a in client:
+            if not np.isfinite(a.sum()) and np.isnan(a).any():
+                return k
+    return None
+
+
 class Bulyan(_RobustFit, _flower.Bulyan):
     r"""Flower's legacy ``Bulyan`` (θ = K − 2f clients chosen by Krum one at a time, then per
     coordinate the mean of the β = θ − 2f values nearest to the median) by
     :func:`fedkernels.robust.bulyan` (``selection="iterative"``). As in Flower, the Krum rule
     needs ``to_keep=0`` among the keyword arguments (``Bulyan(num_malicious_clients=f,
     to_keep=0)``); without it, or with another ``first_aggregation_rule``, Flower's
-    ``aggregate_bulyan`` runs (and raises what it raises)."""
+    ``aggregate_bulyan`` runs (and raises what it raises). A client whose parameters contain
+    NaN raises a ``ValueError`` naming it, where Flower raises one from its Krum selection."""
 
     def _combine(self, clients, examples):
         f = self.num_malicious_clients
@@ -219,6 +230,13 @@ class Bulyan(_RobustFit, _flower.Bulyan):
         if dtypes is None or flower_rule or len(clients) < 4 * f + 3:
             return _flower_aggregate.aggregate_bulyan(list(zip(clients, examples)), f,
                                                       self.first_aggregation_rule, **kwargs)
+        nan_client = _first_nan_client(clients)
+        if nan_client is not None:
+            # Flower's Krum scores this client NaN, np.argmin selects it first, and Flower
+            # then fails to find it among the clients (NaN != NaN): a ValueError either way.
+            raise ValueError(f"Bulyan: client {nan_client}'s parameters contain NaN, which "
+                             "Flower's Krum selection cannot handle (Flower raises 'The reference "
+                             "weights not found in list_of_weights.')")
         result = bulyan([_as_tensors(c, dtypes) for c in clients], f, selection="iterative")
         return [t.numpy() for t in result]
 

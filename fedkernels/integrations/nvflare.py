@@ -13,7 +13,8 @@ carry key :math:`j`). With ``weigh_by_local_iter=False`` the numerator is :math:
 the denominator unchanged. NVFlare computes this with one multiply and one add per array and
 contribution (``v * w`` then ``total + ...`` in NumPy); here each contribution is folded in as it
 arrives by one fused ``weighted_sum_`` pass over all of its arrays into fp32 accumulators
-(fp64 for fp64 arrays): O(model) memory whatever the number of clients.
+(fp64 from where NumPy's running total turns float64, as with float64 arrays or
+``np.float64`` weights): O(model) memory whatever the number of clients.
 
 Drop-ins (same names as NVFlare's, so a job config changes the module path only):
 
@@ -28,9 +29,13 @@ Drop-ins (same names as NVFlare's, so a job config changes the module path only)
   and ``FedAvgRecipe`` (``aggregator=WeightedModelAggregator()``) that gives the result of the
   controller's built-in aggregation; :func:`aggregate_fn` replaces ``BaseFedAvg.aggregate_fn``.
 
-Values that are not arrays of at least one dimension (Python or NumPy scalars, 0-d tensors,
-complex arrays, encrypted tensors, metrics) go through NVFlare's own formula, so they give
-NVFlare's result exactly. Where this module differs on purpose: a contribution whose array for
+Integer and bool NumPy arrays and values that are not arrays of at least one dimension
+(Python or NumPy scalars, 0-d tensors, complex arrays, encrypted tensors, metrics) go through
+NVFlare's own formula, so they give NVFlare's result exactly (NumPy's integer wrap-around, the
+logical OR of a bool sum). Result dtypes are NumPy's for NVFlare's products, sums and final
+``total * (1.0 / sum)``, NumPy-scalar weights included. Weights that sum to a Python 0 raise
+NVFlare's ``ZeroDivisionError`` (naming the key) for NumPy and Python values; torch tensors
+give NVFlare's NaN/Inf. Where this module differs on purpose: a contribution whose array for
 a key has another shape (or device, or kind) than the earlier ones is refused with a
 ``ValueError`` naming the contributor and key, before anything is accumulated (NVFlare
 broadcasts shapes that broadcast and raises half-way otherwise); a non-finite weight is refused
@@ -82,7 +87,7 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
-_NUMPY_REAL = "biuf"  # bool, signed and unsigned integers, floats
+_NUMPY_FUSED = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class ContributionError(ValueError):
@@ -102,26 +107,24 @@ def _tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
 
 
 class _ArrayEntry:
-    """One key's array as the fused pass takes it, and the type NVFlare's result would have."""
+    """One key's array as the fused pass takes it. ``dtype``: a NumPy array's own dtype (the
+    running total's dtype follows from it and the weight), a torch tensor's result dtype."""
 
-    __slots__ = ("tensor", "kind", "result_dtype")
+    __slots__ = ("tensor", "kind", "dtype")
 
-    def __init__(self, tensor: torch.Tensor, kind: str, result_dtype):
-        self.tensor, self.kind, self.result_dtype = tensor, kind, result_dtype
+    def __init__(self, tensor: torch.Tensor, kind: str, dtype):
+        self.tensor, self.kind, self.dtype = tensor, kind, dtype
 
 
 def _array_entry(v: Any) -> _ArrayEntry | None:
-    """The fused path takes real arrays of at least one dimension; None sends ``v`` to NVFlare's
-    formula. The result dtype follows NVFlare's arithmetic: NumPy promotes ``v * w`` (a Python
-    float) to float64 for integer arrays; torch gives the default float dtype."""
+    """The fused path takes floating-point NumPy arrays and real torch tensors of at least one
+    dimension; None sends ``v`` to NVFlare's formula. Integer and bool NumPy arrays go there
+    too: NumPy's integer arithmetic (wrap-around, logical OR of bools) is part of NVFlare's
+    result. Torch gives NVFlare's result the default float dtype for integer tensors."""
     if isinstance(v, np.ndarray):
-        if v.ndim == 0 or v.dtype.kind not in _NUMPY_REAL:
+        if v.ndim == 0 or v.dtype not in _NUMPY_FUSED:
             return None
-        result = np.result_type(v.dtype, 1.0)
-        t = _tensor_from_numpy(v)
-        if v.dtype.kind != "f":
-            t = t.to(torch.float64)
-        return _ArrayEntry(t, "numpy", result)
+        return _ArrayEntry(_tensor_from_numpy(v), "numpy", v.dtype)
     if isinstance(v, torch.Tensor):
         if v.dim() == 0 or v.is_complex() or v.dtype not in (
             torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
@@ -140,16 +143,21 @@ def _describe(entry: _ArrayEntry) -> str:
     return f"{name} of shape {tuple(entry.tensor.shape)} on {entry.tensor.device}"
 
 
+def _is_nd_array(v: Any) -> bool:
+    return isinstance(v, np.ndarray) and v.ndim > 0
+
+
 class WeightedAggregationHelper:
     r"""Streaming weighted mean per key, NVFlare's ``WeightedAggregationHelper`` on the fused op.
 
     :meth:`add` folds one contribution in: for every key :math:`j` of ``data`` (but those
     matching ``exclude_vars``) :math:`S_j \mathrel{+}= w\,x_j` (or :math:`x_j` with
     ``weigh_by_local_iter=False``) and :math:`W_j \mathrel{+}= w`; :meth:`get_result` returns
-    :math:`S_j / W_j` and resets. All arrays of a contribution go through one fused pass into
-    fp32 accumulators (fp64 for fp64 or integer NumPy arrays); the results have NVFlare's types
-    and dtypes (NumPy in, NumPy out; torch in, torch out on the same device). Thread-safe like
-    NVFlare's (one lock).
+    :math:`S_j \cdot (1 / W_j)` and resets. All float arrays of a contribution go through one
+    fused pass into fp32 accumulators (fp64 where NumPy's total would be float64); the results
+    have NVFlare's types and dtypes (NumPy in, NumPy out, with NumPy's promotion of the arrays
+    and the weights; torch in, torch out on the same device). Integer and bool NumPy arrays
+    take NVFlare's NumPy formula. Thread-safe like NVFlare's (one lock).
 
     Same public attributes as NVFlare's: ``lock``, ``exclude_vars`` (compiled regex or None),
     ``weigh_by_local_iter``, ``total`` (key -> running sum), ``counts`` (key -> :math:`W_j`),
@@ -169,8 +177,18 @@ class WeightedAggregationHelper:
         self.history = []
         self.key_contribution_counts = {}
         self.skipped_keys = set()
-        # key -> ("numpy" | "torch", result dtype) for keys summed by the fused op
+        # Keys summed by the fused op: key -> ("numpy", dtype of NVFlare's running total) or
+        # ("torch", result dtype).
         self._array_keys: dict[str, tuple[str, Any]] = {}
+
+    def _total_dtype(self, total: np.dtype | None, dtype: np.dtype, weight) -> np.dtype:
+        """The dtype of NVFlare's running total once ``v * weight`` (or ``v``), ``v`` an array
+        of ``dtype``, is added to a total of dtype ``total`` (None: the key's first value).
+        NumPy's promotion: a Python number takes the array's dtype, a NumPy scalar counts
+        with its own."""
+        if self.weigh_by_local_iter and type(weight) not in (float, int, bool):
+            dtype = (np.empty(0, dtype) * weight).dtype
+        return dtype if total is None or total == dtype else np.result_type(total, dtype)
 
     def add(self, data: dict, weight: float, contributor_name: str, contribution_round) -> None:
         """Folds ``weight`` × ``data`` into the running sums (see the class docstring).
@@ -195,6 +213,7 @@ class WeightedAggregationHelper:
             new_arrays: dict[str, torch.Tensor] = {}
             new_types: dict[str, tuple[str, Any]] = {}
             new_values: dict[str, Any] = {}
+            demoted: set[str] = set()
             contributed, skipped = [], []
             narrow = None
             for k, v in data.items():
@@ -207,33 +226,24 @@ class WeightedAggregationHelper:
                     v = materialize()
                 entry = _array_entry(v)
                 known = self._array_keys.get(k)
-                if entry is None:
-                    if known is not None:
-                        raise ContributionError(
-                            f"{who}, key {k!r}: got a {type(v).__name__}"
-                            + (f" of shape {tuple(np.shape(v))}" if hasattr(v, "shape") else "")
-                            + f"; earlier contributions sent a {known[0]} array of shape "
-                            f"{tuple(self.total[k].shape)}")
-                    new_values[k] = self._fallback_sum(k, v, weight)
-                    continue
-                t = entry.tensor
-                if k in self.total:
-                    acc = self.total[k]
-                    if known is None:
-                        raise ContributionError(
-                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
-                            f"sent a {type(acc).__name__}")
-                    if entry.kind != known[0] or t.shape != acc.shape or t.device != acc.device:
-                        raise ContributionError(
-                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
-                            f"sent a {'NumPy array' if known[0] == 'numpy' else 'torch tensor'} "
-                            f"of shape {tuple(acc.shape)} on {acc.device}")
-                    result_dtype = known[1]
+                current = self.total.get(k)
+                if known is None:
+                    if current is not None:
+                        self._check_formula_key(who, k, v, entry, current)
+                    if entry is None or current is not None:
+                        new_values[k] = self._fallback_sum(current, v, weight)
+                        continue
+                    t = entry.tensor
                     if entry.kind == "numpy":
-                        result_dtype = np.result_type(result_dtype, entry.result_dtype)
-                    new_types[k] = (entry.kind, result_dtype)
-                else:
-                    new_types[k] = (entry.kind, entry.result_dtype)
+                        total_dtype = self._total_dtype(None, entry.dtype, weight)
+                        if total_dtype not in _NUMPY_FUSED:  # a long double weight
+                            new_values[k] = self._fallback_sum(None, v, weight)
+                            continue
+                        new_types[k] = ("numpy", total_dtype)
+                        if total_dtype == np.float64:  # also for float32 data with np.float64
+                            t = t.to(torch.float64)
+                    else:
+                        new_types[k] = ("torch", entry.dtype)
                     if t.dtype in (torch.float32, torch.float64):
                         # A new key: its accumulator is the op's output w·x (no zero fill).
                         if narrow is None and t.dtype == torch.float32:
@@ -244,6 +254,38 @@ class WeightedAggregationHelper:
                         continue
                     acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
                     new_arrays[k] = acc
+                else:
+                    acc = current
+                    total_dtype = None
+                    if known[0] == "numpy" and entry is not None and entry.kind == "numpy":
+                        total_dtype = self._total_dtype(known[1], entry.dtype, weight)
+                    fusable = total_dtype is not None and total_dtype in _NUMPY_FUSED
+                    if known[0] == "numpy" and _is_nd_array(v) and not fusable \
+                            and tuple(v.shape) == tuple(acc.shape):
+                        # An integer array (or a long double weight) for a key summed so far by
+                        # the op: from here on NVFlare's formula, from the total in its dtype.
+                        numpy_total = acc.to(_torch_dtype(known[1])).numpy()
+                        new_values[k] = self._fallback_sum(numpy_total, v, weight)
+                        demoted.add(k)
+                        continue
+                    if entry is None:
+                        raise ContributionError(
+                            f"{who}, key {k!r}: got a {type(v).__name__}"
+                            + (f" of shape {tuple(np.shape(v))}" if hasattr(v, "shape") else "")
+                            + f"; earlier contributions sent a {known[0]} array of shape "
+                            f"{tuple(acc.shape)}")
+                    t = entry.tensor
+                    if entry.kind != known[0] or t.shape != acc.shape or t.device != acc.device:
+                        raise ContributionError(
+                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
+                            f"sent a {'NumPy array' if known[0] == 'numpy' else 'torch tensor'} "
+                            f"of shape {tuple(acc.shape)} on {acc.device}")
+                    if entry.kind == "numpy":
+                        new_types[k] = ("numpy", total_dtype)
+                        if total_dtype == np.float64 and acc.dtype != torch.float64:
+                            # NumPy's total turns float64 here (a float64 array or weight).
+                            acc = acc.to(torch.float64)
+                            new_arrays[k] = acc
                 if t.dtype != acc.dtype and not (acc.dtype == torch.float32 and t.dtype in _HALF):
                     t = t.to(acc.dtype)
                 if acc.dtype == torch.float32 and narrow is None:
@@ -274,17 +316,34 @@ class WeightedAggregationHelper:
                     self.total[k] = new_values[k]
                 if k in new_types:
                     self._array_keys[k] = new_types[k]
+                elif k in demoted:
+                    del self._array_keys[k]
                 self.counts[k] = self.counts[k] + weight if k in self.counts else weight
             self.skipped_keys.update(skipped)
             self.history.append(
                 {"contributor_name": contributor_name, "round": contribution_round, "weight": weight}
             )
 
-    def _fallback_sum(self, k: str, v: Any, w) -> Any:
-        """NVFlare's arithmetic for a value the fused op does not take, computed without
-        changing the stored total (torch values are cloned before the in-place add)."""
+    @staticmethod
+    def _check_formula_key(who: str, k: str, v: Any, entry: _ArrayEntry | None, current) -> None:
+        """A key summed by NVFlare's formula takes what that formula takes, but arrays of
+        another shape (NumPy would broadcast them) and arrays where it holds a scalar."""
+        if _is_nd_array(v) and _is_nd_array(current):
+            if v.shape != current.shape:
+                raise ContributionError(
+                    f"{who}, key {k!r}: got a NumPy array of shape {v.shape}; earlier "
+                    f"contributions sent a NumPy array of shape {current.shape}")
+        elif entry is not None:
+            raise ContributionError(
+                f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
+                f"sent a {type(current).__name__}")
+
+    def _fallback_sum(self, current: Any, v: Any, w) -> Any:
+        """NVFlare's arithmetic for a value the fused op does not take, added to ``current``
+        (None for a key's first value) without changing it (torch values are cloned before
+        the in-place add)."""
         is_torch = WeightedAggregationHelper._is_pytorch_tensor
-        if k not in self.total:
+        if current is None:
             if is_torch(v):
                 return v.mul(w) if self.weigh_by_local_iter else v.clone()
             if self.weigh_by_local_iter:
@@ -293,7 +352,6 @@ class WeightedAggregationHelper:
                 return v.copy() if hasattr(v, "copy") else v
             except (ValueError, RuntimeError):  # encrypted values cannot be copied
                 return v
-        current = self.total[k]
         if is_torch(v) and is_torch(current):
             out = current.clone()
             return out.add_(v, alpha=w) if self.weigh_by_local_iter else out.add_(v)
@@ -304,27 +362,50 @@ class WeightedAggregationHelper:
         return hasattr(tensor, "add_") and hasattr(tensor, "mul_") and hasattr(tensor, "clone")
 
     def get_result(self) -> dict:
-        """:math:`S_j / W_j` for every key, in the order keys were first seen; then resets."""
+        """:math:`S_j \\cdot (1 / W_j)` for every key, in the order keys were first seen; then
+        resets.
+
+        Raises ``ZeroDivisionError`` naming the key, as NVFlare does (its ``1.0 / W_j``), where
+        the weights of a NumPy or Python value sum to a Python 0; nothing is reset then. Torch
+        tensors divide in place as in NVFlare, giving NaN/Inf for a zero sum.
+        """
         with self.lock:
+            reciprocals = {}
+            for k, v in self.total.items():
+                known = self._array_keys.get(k)
+                torch_value = known[0] == "torch" if known else self._is_pytorch_tensor(v)
+                if torch_value:
+                    continue  # torch divides in place: NaN/Inf for a zero sum, as in NVFlare
+                try:
+                    reciprocals[k] = 1.0 / self.counts[k]
+                except ZeroDivisionError:
+                    raise ZeroDivisionError(
+                        f"key {k!r}: the weights of its {self.key_contribution_counts[k]} "
+                        f"contribution(s) sum to {self.counts[k]!r}; the weighted mean "
+                        "divides by that sum (1.0 / sum in NVFlare)") from None
             result = {}
             for k, v in self.total.items():
                 known = self._array_keys.get(k)
                 if known is None:
-                    if self._is_pytorch_tensor(v):
+                    if k in reciprocals:
+                        result[k] = v * reciprocals[k]
+                    else:
                         # In place as NVFlare does; an integer 0-d tensor (summed unweighted)
                         # cannot hold its mean, so it gets a new floating-point one.
                         integral = isinstance(v, torch.Tensor) and not (
                             v.is_floating_point() or v.is_complex())
                         result[k] = v / self.counts[k] if integral else v.div_(self.counts[k])
-                    else:
-                        result[k] = v * (1.0 / self.counts[k])
                     continue
                 kind, dtype = known
-                mean = v.div_(self.counts[k])  # the accumulator is dropped below
-                if kind == "numpy":
-                    result[k] = mean.to(_torch_dtype(dtype)).numpy()
-                else:
-                    result[k] = mean.to(dtype)
+                if kind == "torch":
+                    result[k] = v.div_(self.counts[k]).to(dtype)  # the accumulator is dropped
+                    continue
+                # NVFlare's total (dtype) times its reciprocal: NumPy's dtype for the product.
+                scale = reciprocals[k]
+                out = (np.empty(0, dtype) * scale).dtype
+                if out == np.float64 and v.dtype != torch.float64:
+                    v = v.to(torch.float64)
+                result[k] = v.mul_(float(scale)).numpy().astype(out, copy=False)
             self.last_aggregation_stats = self._compute_aggregation_stats()
             self.reset_stats()
             return result
