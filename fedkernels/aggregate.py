@@ -196,6 +196,41 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
+                    floats: list[list[Tensor]], float_base: list[Tensor]) -> list[int] | None:
+    """The float entries to compute when some ``out`` entries are one tensor under several
+    keys (a model with tied weights, e.g. an embedding shared with the output layer: its
+    state_dict holds the parameter twice), or None when none is. Each tied tensor is written
+    once, through its first key; so that this is the result under every key, the base's and
+    each client's entries under the tied keys must agree (the same memory, or equal values)."""
+    seen: dict[int, list[int]] = {}
+    repeats = []
+    for j, o in enumerate(float_out):
+        if o.numel() == 0:
+            continue
+        same = [i for i in seen.get(o.data_ptr(), ()) if _same_memory(float_out[i], o)]
+        if same:
+            repeats.append((same[0], j))
+        else:
+            seen.setdefault(o.data_ptr(), []).append(j)
+    if not repeats:
+        return None
+    sources = ([("base", float_base)] if float_base else []) + [
+        (f"client {k}", c) for k, c in enumerate(floats)]
+    for i, j in repeats:
+        for who, tensors in sources:
+            a, b = tensors[i], tensors[j]
+            if not (_same_memory(a, b) or torch.equal(a, b)
+                    or (a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0,
+                                                              equal_nan=True))):
+                raise ValueError(
+                    f"fedkernels.aggregate: out tensors {layout.label(names[i])} and "
+                    f"{layout.label(names[j])} are one tensor (tied weights), but {who} has "
+                    "different values under the two keys; the result could not be both")
+    dropped = {j for _, j in repeats}
+    return [j for j in range(len(float_out)) if j not in dropped]
+
+
 def _refuse_gradients_into_out(layout: ModelLayout, names: list, floats: list[list[Tensor]],
                                float_base: list[Tensor], float_out: list[Tensor]) -> None:
     """With grad mode on, ``out=`` takes no input that requires grad: the result is written into
@@ -285,6 +320,8 @@ def aggregate(
             methods (FedAU) divide by the number of clients instead.
         out: where to write the result (same structure, dtype and device as the result); may
             be ``base`` itself to update the global model in place. Must not alias a client.
+            Entries that are one tensor under two keys (tied weights) are written once; the
+            clients and ``base`` must then agree under those keys.
         int_policy: what integer/bool tensors (BatchNorm's ``num_batches_tracked``) become:
             ``"max"`` (default: elementwise max over clients, right for counters),
             ``"first"`` (client 0's), ``"skip"`` (base's, or client 0's without a base), or
@@ -343,8 +380,15 @@ def aggregate(
                         layout)
     if out_tensors is not None:
         _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
-        _refuse_gradients_into_out(layout, float_names, floats, float_base,
-                                   [t for t, f in zip(out_tensors, is_float) if f])
+        float_out = [t for t, f in zip(out_tensors, is_float) if f]
+        _refuse_gradients_into_out(layout, float_names, floats, float_base, float_out)
+        op_out = float_out
+        keep = _untied_entries(layout, float_names, float_out, floats, float_base)
+        if keep is not None:  # tied entries: computed once, through their first key
+            float_names = [float_names[j] for j in keep]
+            floats = [[c[j] for j in keep] for c in floats]
+            float_base = [float_base[j] for j in keep] if float_base else float_base
+            op_out = [float_out[j] for j in keep]
 
     flat_updates = [t for c in floats for t in c]
     delta = base is not None
@@ -352,14 +396,13 @@ def aggregate(
         if out_tensors is None:
             results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
-            float_out = [t for t, f in zip(out_tensors, is_float) if f]
             in_place = bool(float_base) and all(
-                _same_memory(o, b) for o, b in zip(float_out, float_base)
+                _same_memory(o, b) for o, b in zip(op_out, float_base)
             )
             if in_place:
                 summation.weighted_sum_(float_base, flat_updates, w, scale, delta)
             else:
-                summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, float_out)
+                summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, op_out)
             results = float_out
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None

@@ -233,3 +233,57 @@ def test_accumulator_weight_errors_name_the_accumulator_and_the_update(weight, k
 def test_robust_rules_name_themselves_in_layout_errors():
     with pytest.raises(TypeError, match="^fedkernels.coordinate_median: client 0 has unsupported"):
         fk.coordinate_median([torch.randn(2, dtype=torch.cfloat)] * 2)
+
+
+# ---------------------------------------------------------------- tied weights
+
+
+class _Tied(torch.nn.Module):
+    """An embedding shared with the output layer: the state_dict holds it under two keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, 4)
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def _tied_clients(tie: str):
+    torch.manual_seed(0)
+    clients = []
+    for _ in range(3):
+        sd = {n: t.clone() for n, t in _Tied().state_dict().items()}
+        if tie == "shared":
+            sd["head.weight"] = sd["emb.weight"]
+        elif tie == "copied":  # as after serialisation: equal values, separate memory
+            sd["head.weight"] = sd["emb.weight"].clone()
+        clients.append(sd)
+    return clients
+
+
+@pytest.mark.parametrize("tie", ["shared", "copied"])
+def test_in_place_aggregation_of_a_model_with_tied_weights(tie):
+    model = _Tied()
+    sd = model.state_dict()
+    clients = _tied_clients(tie)
+    expected = fk.aggregate(clients, [1.0, 2.0, 3.0], base=sd)
+    fk.aggregate(clients, [1.0, 2.0, 3.0], base=sd, out=sd)
+    assert model.head.weight is model.emb.weight
+    for name, t in sd.items():
+        assert torch.equal(t, expected[name]), name
+    out = {n: torch.empty_like(t) for n, t in expected.items()}
+    out["head.weight"] = out["emb.weight"]
+    fk.aggregate(clients, [1.0, 2.0, 3.0], out=out)
+    assert torch.equal(out["head.weight"], fk.aggregate(clients, [1.0, 2.0, 3.0])["emb.weight"])
+
+
+def test_tied_outputs_refuse_clients_that_disagree_under_the_tied_keys():
+    model = _Tied()
+    sd = model.state_dict()
+    before = {n: t.clone() for n, t in sd.items()}
+    clients = _tied_clients("copied")
+    clients[2]["head.weight"] = clients[2]["head.weight"] + 1.0
+    with pytest.raises(ValueError, match="'emb.weight' and 'head.weight' are one tensor.*client 2"):
+        fk.aggregate(clients, [1.0, 2.0, 3.0], base=sd, out=sd)
+    assert all(torch.equal(sd[n], before[n]) for n in sd)
