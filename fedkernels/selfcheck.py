@@ -21,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -904,6 +905,17 @@ def _validate_json_path(json_path: str | os.PathLike | None) -> Path | None:
     if not path.parent.is_dir():
         raise ValueError(f"cannot write the JSON report to {str(path)!r}: folder "
                          f"{str(path.parent)!r} does not exist")
+    # try it now rather than after the checks; permission bits say yes to root even in /sys
+    try:
+        if path.exists():
+            with path.open("a"):
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=path.parent):
+                pass
+    except OSError as err:
+        raise ValueError(f"cannot write the JSON report to {str(path)!r}: "
+                         f"{err.strerror or err}") from None
     return path
 
 
@@ -969,5 +981,9 @@ def check(
             text += "\n" + "\n".join(f"problem: {p}" for p in problems)
         print(text, file=file or sys.stdout, flush=True)
     if path is not None:
-        path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        try:
+            path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+        except OSError as err:
+            raise ValueError(f"cannot write the JSON report to {str(path)!r}: "
+                             f"{err.strerror or err}") from None
     return report

@@ -3,6 +3,9 @@ text columns, gaps, and bad input that must be reported by row and column."""
 
 from __future__ import annotations
 
+import re
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -277,3 +280,113 @@ def test_config_fields_from_the_command_line_and_yaml(tmp_path):
                                        "positive_labels": [1, 2, 3, 4],
                                        "label_map": None, "client_column": "site"})
     assert load_dataset(yaml_like, 2, 0).y.tolist() == [0, 1, 1, 0]
+
+
+# ---------------------------------------------------------------- audit regressions
+
+
+def test_large_numeric_ids_stay_distinct(tmp_path):
+    """Values are compared exactly: 17+ digit identifiers that one float cannot tell apart
+    stay distinct clients, and each keeps its own spelling; 1, 1.0, 01, +1 are still one."""
+    ids = ["9007199254740992", "9007199254740993", "123456789012345678", "123456789012345679"]
+    rows = [f"{i},{ids[i % 4]},{i % 2}" for i in range(8)]
+    d = load_csv(write(tmp_path, "x,site,label\n" + "\n".join(rows) + "\n"), client_column="site")
+    assert list(d.info["clients"]["mapping"]) == sorted(ids, key=int)
+    assert len(set(d.groups.tolist())) == 4
+    same = write(tmp_path, "x,site,label\n1,1,0\n2,1.0,1\n3,01,0\n4,+1,1\n5,2.50,0\n6,2.5,1\n",
+                 "same.csv")
+    assert load_csv(same, client_column="site").info["clients"]["mapping"] == {"1": 0, "2.5": 1}
+    labels = write(tmp_path, "x,label\n1,9007199254740992\n2,9007199254740993\n", "l.csv")
+    assert load_csv(labels, client_column=None).num_classes == 2
+
+
+@pytest.mark.parametrize("text, row", [
+    ('"item 5,5,1\n"item 6",6,0\n"item 7",7,1\n', 3),  # unclosed: would swallow a row
+    ('"pizza 12" large",5,1\n', 3),  # a quote inside a quoted field not doubled
+    ('"open,5,1\n', 3),  # the file ends inside the quotes
+])
+def test_malformed_quoting_is_refused_naming_the_row(tmp_path, text, row):
+    path = write(tmp_path, 'name,x,label\n"a",1,0\n' + text)
+    fails(path, f"row {row}", "quoted field is not closed")
+
+
+def test_quoted_fields_spanning_lines_keep_spreadsheet_row_numbers(tmp_path):
+    path = write(tmp_path, 'note,x,label\n"multi\nline ""quoted""",1,0\n"a",2,1\n"b",13O,0\n')
+    fails(path, "row 4", "'13O'")  # row 4 in a spreadsheet, line 5 of the file
+    d = load_csv(write(tmp_path, 'note,x,label\n"multi\nline ""q""",1,0\n"b",2,1\n', "ok.csv"),
+                 client_column=None)
+    assert d.info["features"]["one_hot"]["note"]["levels"] == ["b", 'multi\nline "q"']
+
+
+def test_semicolons_with_decimal_commas_say_only_commas_separate(tmp_path):
+    fails(write(tmp_path, "age;bp;label\n71;118,7;0\n22;121,0;1\n"), "row 2", "2 fields",
+          "only commas separate fields")
+
+
+def test_not_utf8_names_the_file_offset_and_row(tmp_path):
+    rows = "".join(f"{i},{i % 2}\n" for i in range(5000))  # past the decoder's first chunk
+    path = tmp_path / "late.csv"
+    data = ("a,label\n" + rows).encode() + "M\xfcnchen,0\n".encode("latin-1")
+    path.write_bytes(data)
+    offset = data.index(b"\xfc")
+    fails(path, "row 5002", f"byte {offset}", "not UTF-8")
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbfa,label\n1,0\n\xfc,1\n")
+    fails(bom, "row 3", "byte 15")  # the byte-order mark counted
+    utf16 = tmp_path / "utf16.csv"
+    utf16.write_bytes("a,label\n1,0\n".encode("utf-16"))
+    fails(utf16, "UTF-16")
+
+
+def test_gzip_compressed_file_is_read(tmp_path):
+    import gzip
+
+    path = tmp_path / "data.csv.gz"
+    path.write_bytes(gzip.compress(b"a,label\n1,0\n2,1\n3,0\n"))
+    assert load_csv(path, client_column=None).y.tolist() == [0, 1, 0]
+    path.write_bytes(gzip.compress(b"a,label\n1,0\n")[:-4])
+    fails(path, "gzip")
+
+
+def test_unreadable_path_and_folder(tmp_path):
+    fails(tmp_path, "is a folder")
+    fails(tmp_path / "nope.csv", "no such file")
+    fails("/proc/self/mem", "cannot read", "/proc/self/mem")
+
+
+def test_label_map_with_one_class_is_refused(tmp_path):
+    path = write(tmp_path, "x,label\n1,yes\n2,no\n3,yes\n")
+    fails(path, "two classes", label_map="no=0,yes=0")
+
+
+def test_labels_differing_only_in_case_are_kept_but_warned_about(tmp_path):
+    from fedkernels.sim.tabular import DataWarning
+
+    path = write(tmp_path, "x,label\n0, yes\n1,Yes\n2,YES\n3,no\n4,no\n")
+    with pytest.warns(DataWarning, match="differ only in letter case.*'YES', 'Yes', 'yes'"):
+        d = load_csv(path, client_column=None)
+    assert d.num_classes == 4 and d.info["labels"]["case_variants"] == [["YES", "Yes", "yes"]]
+    assert "data.label_map" in d.info["labels"]["warning"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a label_map settles it: no warning
+        load_csv(path, client_column=None, label_map="yes=1,Yes=1,YES=1,no=0")
+
+
+@pytest.mark.parametrize("values, kind", [
+    (["1,000", "1,137", "2,274", "12,411"], "thousands separators"),
+    (["0,5", "1,5", "2,5", "3,5"], "a decimal comma"),
+    (["0%", "5%", "10 %", "15%"], "a % sign"),
+])
+def test_numbers_written_for_a_locale_are_flagged(tmp_path, values, kind):
+    from fedkernels.sim.tabular import DataWarning
+
+    rows = "".join(f'"{v}",{i % 2}\n' for i, v in enumerate(values * 3))
+    with pytest.warns(DataWarning, match=f"numbers written with {re.escape(kind)}"):
+        d = load_csv(write(tmp_path, "v,label\n" + rows), client_column=None)
+    assert "clean the column" in d.info["features"]["one_hot"]["v"]["warning"]
+    many = "".join(f'"{i},{i % 1000:03d}",{i % 2}\n' for i in range(1, 201))
+    message = fails(write(tmp_path, "v,label\n" + many, "many.csv"), "thousands separators",
+                    "clean the column")
+    assert "identifier" not in message
+    few = write(tmp_path, 'v,label\n0.5,0\n1.5,1\n"3,5",0\n', "few.csv")
+    fails(few, "row 4", "'3,5'", "decimal comma")

@@ -44,7 +44,15 @@ import numpy as np
 from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_dotted
 
 from .config_file import load_config_file
-from .parsing import Parser, missing_extra, one_line, require_extra
+from .parsing import (
+    Parser,
+    algorithm_name,
+    check_writable,
+    data_warnings,
+    missing_extra,
+    one_line,
+    require_extra,
+)
 
 METRICS = [  # the accuracy table
     ("test_accuracy", "pooled acc"),
@@ -406,19 +414,27 @@ def compare(
 ) -> list[dict[str, Any]]:
     """Runs every algorithm on every seed and writes ``compare.{json,md,png}`` into ``out``.
     ``reference`` (a label or algorithm name among ``algorithms``) adds the client-by-client
-    comparison with that method (:func:`add_reference_comparison`). Every algorithm and the
-    reference are checked before the first run."""
+    comparison with that method (:func:`add_reference_comparison`). Every algorithm, the
+    reference and the output folder are checked (and the folder created) before the first
+    run."""
     from fedkernels.algorithms import build_strategy
 
-    specs = [parse_algorithm(text) for text in algorithms]
+    specs = [(algorithm_name(name), params, label)
+             for name, params, label in map(parse_algorithm, algorithms)]
     if not specs:
         raise ConfigError("--algorithms: no algorithm given")
+    if not seeds:
+        raise ConfigError("--seeds: no seed given")
     for name, params, _ in specs:
         build_strategy(name, params)  # an unknown name or parameter fails now, not hours later
     if reference_split not in REFERENCE_SPLITS:
         raise ConfigError(f"--reference-split: expected one of {', '.join(REFERENCE_SPLITS)}, "
                           f"got {reference_split!r}")
     reference_index = None if reference is None else find_reference(specs, reference)
+    try:  # now, not after hours of runs
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
     entries = []
     for name, params, label in specs:
         runs = []
@@ -441,7 +457,6 @@ def compare(
         })
     if reference_index is not None:
         add_reference_comparison(entries, entries[reference_index], reference_split)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"title": title, "seeds": seeds, "config": tree, "reference": reference,
             "reference_split": reference_split, "entries": entries}
     (out / "compare.json").write_text(json.dumps(meta, indent=1) + "\n")
@@ -494,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
             args = build_parser().parse_strict(argv)
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
-        if args.threads:
+        if args.threads is not None:
+            if args.threads < 1:
+                raise ConfigError("--threads must be >= 1")
             import torch
 
             torch.set_num_threads(args.threads)
@@ -504,13 +521,22 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--seeds: expected comma-separated integers, got {args.seeds!r}"
             ) from None
+        if not seeds:
+            raise ConfigError(f"--seeds: no seed given ({args.seeds!r})")
         out = Path(args.out)
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--out {out}: exists and is not a folder")
+        for path in (out, *out.parents):
+            if path.exists() and not path.is_dir():
+                what = "" if path == out else f": {path}"
+                raise ConfigError(f"--out {out}{what} exists and is not a folder")
+        check_writable(out)
         require_extra("matplotlib", "plotting")
         tree = base_tree(args.config, args.set)
-        entries = compare(split_algorithms(args.algorithms), seeds, tree, out, args.title,
-                          reference=args.reference, reference_split=args.reference_split)
+        with data_warnings("fedkernels compare"):
+            entries = compare(split_algorithms(args.algorithms), seeds, tree, out, args.title,
+                              reference=args.reference, reference_split=args.reference_split)
+    except KeyboardInterrupt:
+        print("\ninterrupted; no table was written", file=sys.stderr)
+        return 130
     except ConfigError as err:
         print(f"fedkernels compare: error: {one_line(err)}", file=sys.stderr)
         return 2

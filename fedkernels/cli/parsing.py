@@ -4,11 +4,18 @@ one-line error reports, and the check that the optional ``sim`` extra is install
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
-from collections.abc import Sequence
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
+from fedkernels.algorithms.registry import available, is_import_path
 from fedkernels.sim.config import ConfigError
+from fedkernels.sim.tabular import DataWarning
 
 SIM_EXTRA_INSTALL = 'pip install "fedkernels[sim]"'
 # import names of the packages of the ``sim`` extra (pyproject.toml)
@@ -70,3 +77,45 @@ def require_extra(module: str, purpose: str, instead: str | None = None) -> None
         raise ConfigError(
             f"{purpose} needs {module}, from the sim extra: {SIM_EXTRA_INSTALL}{alternative}"
         ) from None
+
+
+@contextlib.contextmanager
+def data_warnings(prog: str) -> Iterator[None]:
+    """Prints each :class:`DataWarning` (a likely mistake in the data file) once, as one line
+    ``prog: warning: ...``, instead of Python's two-line warning."""
+    def show(message, *_args, **_kwargs) -> None:
+        print(f"{prog}: warning: {one_line(message)}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default", DataWarning)  # once per message
+        warnings.showwarning = show
+        yield
+
+
+def algorithm_name(name: str) -> str:
+    """``name`` as registered, matched regardless of letter case when that is unambiguous
+    (``FedAvg`` -> ``fedavg``); an unknown name close to a known one is refused with it."""
+    names = available()
+    if is_import_path(name) or name in names:
+        return name
+    same = [n for n in names if n.lower() == name.lower()]
+    if len(same) == 1:
+        return same[0]
+    close = difflib.get_close_matches(name.lower(), names, n=1, cutoff=0.6)
+    if close:
+        raise ConfigError(f"unknown algorithm {name!r}; did you mean {close[0]}? (available: "
+                          f"{', '.join(names)})")
+    return name  # the registry refuses it with the list of names
+
+
+def check_writable(out: Path, flag: str = "--out") -> None:
+    """Refuses an output folder this process cannot write into, before any work is done. It
+    tries a file rather than trusting permission bits, which say yes to root even in /sys."""
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        where = "it" if existing == out else f"{existing}"
+        raise ConfigError(f"{flag} {out}: cannot write into {where} "
+                          f"({err.strerror or err})") from None

@@ -14,16 +14,22 @@ chosen algorithm's flags must exist before the command line is parsed, :func:`ma
 for the algorithm alone (flag, then ``--config`` file, then the saved run on ``--resume``).
 
 Every error (flag, value, file) is one line, ``fedkernels run: error: ...``, and exit status 2.
+A run holds an exclusive lock on its folder (``run.lock`` there) while it runs, so that a second
+run into the same folder is refused instead of overwriting the first one's files.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
 import shlex
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -38,13 +44,23 @@ from fedkernels.algorithms.registry import (
 from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
 
 from .config_file import load_config_file
-from .parsing import Parser, UsageError, missing_extra, one_line, require_extra
+from .parsing import (
+    Parser,
+    UsageError,
+    algorithm_name,
+    check_writable,
+    data_warnings,
+    missing_extra,
+    one_line,
+    require_extra,
+)
 
 CONFIG_NAME = "config.json"
 CHECKPOINT_NAME = "checkpoint.pt"
 RESULTS_NAME = "results.json"
 CURVES_NAME = "curves.png"
 CLIENTS_NAME = "client_accuracy.png"
+LOCK_NAME = "run.lock"
 # what a run writes into its folder (``--overwrite`` removes these and nothing else)
 OUTPUT_NAMES = (
     CONFIG_NAME,
@@ -192,6 +208,7 @@ def resolve_config(
     algorithm = tree.get("algorithm", DEFAULT_ALGORITHM)
     if not isinstance(algorithm, str):
         raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
+    algorithm = tree["algorithm"] = algorithm_name(algorithm)
     name = strategy_class(algorithm).name
     for flag, value in given.items():
         head, _, param = flag.partition(".")
@@ -201,7 +218,40 @@ def resolve_config(
                     f"--{flag} is a parameter of {head}, but the algorithm is {algorithm}"
                 )
             tree.setdefault("algorithm_params", {})[param] = value
-    return from_dict(ExperimentConfig, tree)
+    config = from_dict(ExperimentConfig, tree)
+    if config.data.path is not None:
+        # absolute, so that --resume from another working folder reads the same file
+        data = dataclasses.replace(config.data, path=os.path.abspath(config.data.path))
+        config = dataclasses.replace(config, data=data)
+    return config
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Holds an exclusive lock on the run folder ``out`` (the file ``run.lock``, removed when
+    the run ends); refuses a folder another run holds."""
+    path = out / LOCK_NAME
+    busy = ConfigError(f"--out {out}: another run is using this folder (it holds {path}); wait "
+                       "for it to end or choose another --out")
+    try:
+        handle = path.open("a")
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot write into it ({err.strerror or err})") from None
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy from None
+        try:
+            current = path.stat().st_ino
+        except FileNotFoundError:
+            current = None
+        if current != os.fstat(handle.fileno()).st_ino:
+            raise busy  # the run that just ended removed the file we locked
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)  # while locked: a later taker of this file sees it gone
 
 
 def run_experiment(
@@ -216,20 +266,31 @@ def run_experiment(
     """Runs ``config`` with its algorithm, writing the outputs into ``out``; returns the
     ``results.json`` content. ``overwrite`` removes a previous run's files from ``out`` once
     the experiment has been set up (and so checked)."""
-    from fedkernels.sim.plots import plot_client_accuracy, plot_curves
     from fedkernels.sim.run import Simulation
 
     strategy = build_strategy(config.algorithm, config.algorithm_params)
     simulation = Simulation(config, strategy, checkpoint=out / CHECKPOINT_NAME)
-    if resume:
-        simulation.load_checkpoint()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
+    with _locked(out):
+        return _run_locked(simulation, config, out, resume=resume, overwrite=overwrite,
+                           progress=progress, plots=plots)
+
+
+def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool,
+                overwrite: bool, progress: bool, plots: bool) -> dict[str, Any]:
+    """:func:`run_experiment` once the folder is locked."""
+    from fedkernels.sim.plots import plot_client_accuracy, plot_curves
+
+    if resume:
+        simulation.load_checkpoint()
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
+        for partial in out.glob(CHECKPOINT_NAME + ".*.partial"):  # left by a killed run
+            partial.unlink(missing_ok=True)
     saved = simulation.config.to_dict()
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
@@ -278,7 +339,7 @@ def _chosen_algorithm(argv: list[str]) -> str:
     except UsageError:
         return DEFAULT_ALGORITHM
     if known.algorithm:
-        return known.algorithm
+        return algorithm_name(known.algorithm)
     trees = []
     if known.config:
         trees.append(lambda: load_config_file(known.config))
@@ -290,7 +351,7 @@ def _chosen_algorithm(argv: list[str]) -> str:
         except (ConfigError, OSError, ValueError):
             continue
         if isinstance(tree, dict) and isinstance(tree.get("algorithm"), str):
-            return tree["algorithm"]
+            return algorithm_name(tree["algorithm"])
     return DEFAULT_ALGORITHM
 
 
@@ -379,15 +440,17 @@ def main(argv: list[str] | None = None) -> int:
         config = resolve_config(args, saved)
         out = Path(args.out) if args.out else _default_out(config)
         _check_out(out, resume=args.resume, overwrite=args.overwrite)
+        check_writable(out)
         _check_extras(config, progress=not args.no_progress, plots=not args.no_plots)
-        results = run_experiment(
-            config,
-            out,
-            resume=args.resume,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-            plots=not args.no_plots,
-        )
+        with data_warnings("fedkernels run"):
+            results = run_experiment(
+                config,
+                out,
+                resume=args.resume,
+                overwrite=args.overwrite,
+                progress=not args.no_progress,
+                plots=not args.no_plots,
+            )
     except ConfigError as err:
         return _error(err)
     except ModuleNotFoundError as err:

@@ -436,7 +436,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item,) = get_args(tp)
         if isinstance(value, str):
-            value = [v for v in value.replace(" ", "").split(",") if v]
+            # spaces inside a value belong to it ("heart disease"), only those around it go
+            value = [v.strip() for v in value.split(",") if v.strip()]
         _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:

@@ -17,20 +17,23 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import os
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from .attacks import build_attack
 from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
-from .config import AttackConfig, ConfigError, ExperimentConfig, PrivacyConfig
+from .config import AttackConfig, ConfigError, ExperimentConfig, PartitionConfig, PrivacyConfig
 from .data import Dataset, load_dataset
 from .federation import build_federation
 from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
@@ -70,9 +73,14 @@ class Simulation:
         params = dataclasses.asdict(strategy_config) if strategy_config is not None else {}
         self.config = dataclasses.replace(config, algorithm=strategy.name, algorithm_params=params)
         seed = config.seed
+        # the CSV file's size and hash, so that a resumed run refuses a file that has changed
+        self.data_file: dict[str, Any] | None = None
         if dataset is None:
             dataset = load_dataset(config.data, config.partition.num_clients, seed)
+            if config.data.name == "csv":
+                self.data_file = file_fingerprint(config.data.path)
         self.dataset_name = dataset.name
+        _check_client_sizes(dataset, config.partition)
         self.federation = build_federation(
             dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
@@ -245,7 +253,7 @@ class Simulation:
             list(self.records),
             clients,
             summary,
-            data_preparation=self.federation.data_info,
+            data_preparation={**self.federation.data_info, **(self.data_file or {})},
         )
 
     # ------------------------------------------------------------------ checkpoints
@@ -262,10 +270,20 @@ class Simulation:
             "history": self.history.state_dict(),
             "records": self.records,
         }
+        if self.data_file is not None:
+            state["data_file"] = self.data_file
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        partial = self.checkpoint.with_name(self.checkpoint.name + ".partial")
-        torch.save(state, partial)
-        os.replace(partial, self.checkpoint)
+        # a name of its own, so that two writers never write into one temporary file
+        partial = self.checkpoint.with_name(
+            f"{self.checkpoint.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
+        )
+        try:
+            with open(partial, "xb") as handle:
+                torch.save(state, handle)
+            os.replace(partial, self.checkpoint)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
     def load_checkpoint(self) -> None:
         """Restores the state saved by :meth:`save_checkpoint`. The saved config must equal
@@ -305,6 +323,15 @@ class Simulation:
             raise ConfigError(
                 f"cannot resume: the configuration differs from the checkpoint's in {keys}"
             )
+        saved_file = state.get("data_file")  # absent in checkpoints of built-in data sets
+        if saved_file is not None and self.data_file is not None and saved_file != self.data_file:
+            raise ConfigError(
+                f"cannot resume: the data file {self.config.data.path} has changed since the "
+                f"checkpoint was written ({saved_file.get('file_size')} bytes, SHA-256 "
+                f"{str(saved_file.get('file_sha256'))[:12]}... then; {self.data_file['file_size']} "
+                f"bytes, {self.data_file['file_sha256'][:12]}... now); resume with the same file "
+                "or start a new run"
+            )
         if state["next_round"] > self.config.rounds:
             raise ConfigError(
                 f"cannot resume: the checkpoint is at round {state['next_round']}, "
@@ -322,6 +349,34 @@ class Simulation:
 
 
 _CHECKPOINT_KEYS = ("config", "next_round", "server", "strategy", "sampler", "history", "records")
+
+
+def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
+    """``{"file_size": bytes, "file_sha256": hex digest}`` of the file at ``path``."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            size += len(block)
+    return {"file_size": size, "file_sha256": digest.hexdigest()}
+
+
+def _check_client_sizes(dataset: Dataset, partition: PartitionConfig) -> None:
+    """The natural partition of a CSV file: a client with too few rows is named by its value
+    in the client column (the partition only knows clients by index)."""
+    clients = dataset.info.get("clients")
+    if partition.kind != "natural" or clients is None or dataset.groups is None:
+        return
+    counts = np.bincount(dataset.groups, minlength=len(clients["mapping"]))
+    small = [(value, int(counts[k])) for value, k in clients["mapping"].items()
+             if counts[k] < partition.min_samples]
+    if small:
+        value, count = small[0]
+        raise ConfigError(
+            f"{len(small)} clients have fewer than partition.min_samples={partition.min_samples} "
+            f"rows (client {value!r} of column {clients['column']!r} has {count})"
+        )
 
 
 def _first_sentence(err: BaseException) -> str:

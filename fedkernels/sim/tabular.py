@@ -10,8 +10,8 @@ told are training rows, so that no test row leaks into the features.
 Rules (documented in ``docs/data.md``):
 
 - a field is missing when, stripped of spaces, it is one of ``MISSING_MARKERS`` (any case);
-- a field is a number when ``float()`` reads it and it is finite; ``1``, ``1.0`` and ``01``
-  are the same value;
+- a field is a number when ``float()`` reads it and it is finite; ``1``, ``1.0``, ``01`` and
+  ``+1`` are the same value, compared exactly (so 17-digit identifiers stay distinct);
 - a feature column is numeric when every present value is a number, categorical when every
   present value is text or when it is listed in ``categorical_columns``; a column with both
   is an error naming a row and the column;
@@ -22,9 +22,14 @@ Rules (documented in ``docs/data.md``):
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import math
+import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -52,29 +57,73 @@ def as_number(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def exact_number(text: str) -> Decimal | None:
+    """The number ``text`` spells, exactly (a float would merge 9007199254740992 and
+    9007199254740993), or None when it is not a number by :func:`as_number`'s rule."""
+    if as_number(text) is None:
+        return None
+    return Decimal(text.strip())
+
+
 def canonical(text: str) -> str:
     """One spelling per value: numbers as ``1`` or ``0.5`` (so ``1``, ``1.0``, ``01`` and
-    ``+1`` are one value), text stripped of surrounding spaces."""
+    ``+1`` are one value, and distinct numbers always stay distinct), text stripped of
+    surrounding spaces."""
     text = text.strip()
-    value = as_number(text)
+    value = exact_number(text)
     if value is None:
         return text
-    return str(int(value)) if value.is_integer() else repr(value)
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
 
 
 def _sort_key(value: str) -> tuple:
-    number = as_number(value)
-    return (0, number, "") if number is not None else (1, 0.0, value)
+    number = exact_number(value)
+    return (0, number, "") if number is not None else (1, 0, value)
+
+
+# Numbers as spreadsheets in some locales write them, which float() does not read:
+# 1,234 or 1.234.567 (thousands separators), 3,5 (decimal comma), 12% or 12,5 %.
+_LOCALE_NUMBERS = (
+    ("thousands separators", re.compile(r"[+-]?\d{1,3}(?:([,.' ])\d{3})(?:\1\d{3})*(?:[.,]\d+)?")),
+    ("a decimal comma", re.compile(r"[+-]?\d*,\d+")),
+    ("a % sign", re.compile(r"[+-]?(?:\d+(?:[.,]\d*)?|[.,]\d+)\s*%")),
+)
+
+
+def locale_number(text: str) -> str | None:
+    """How ``text`` writes a number that float() does not read (``"a decimal comma"``), or
+    None when it does not look like a number."""
+    for what, pattern in _LOCALE_NUMBERS:
+        if pattern.fullmatch(text.strip()):
+            return what
+    return None
+
+
+def _locale_hint(texts: Sequence[str]) -> str:
+    """A note for a text column most of whose values look like numbers written with
+    thousands separators, decimal commas or a % sign (empty otherwise)."""
+    kinds = [locale_number(t) for t in texts]
+    found = [(k, t) for k, t in zip(kinds, texts) if k is not None]
+    if len(found) * 2 <= len(texts):
+        return ""
+    kind = max({k for k, _ in found}, key=[k for k, _ in found].count)
+    example = next(t for k, t in found if k == kind)
+    return (f"its values look like numbers written with {kind} (e.g. {example!r}), which are "
+            "read as text; clean the column (plain digits, '.' as the decimal point, no "
+            "separators or % sign) to read it as numbers")
 
 
 @dataclass
 class Table:
-    """A CSV file's header and rows (fields stripped), with each row's line in the file."""
+    """A CSV file's header and rows (fields stripped), with each row's number as a spreadsheet
+    shows it (the header is row 1; a quoted field spanning lines is still one row)."""
 
     path: Path
     header: list[str]
     rows: list[list[str]]
-    lines: list[int]
+    row_numbers: list[int]
 
     def column(self, name: str) -> list[str]:
         j = self.header.index(name)
@@ -82,33 +131,80 @@ class Table:
 
     def where(self, r: int) -> str:
         """``path, row N``: row numbers count the header as row 1, as a spreadsheet does."""
-        return f"{self.path}, row {self.lines[r]}"
+        return f"{self.path}, row {self.row_numbers[r]}"
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _read_text(path: Path) -> str:
+    """The file as text: UTF-8 with or without a byte-order mark, gzip-compressed or not."""
+    if path.is_dir():
+        raise ConfigError(f"data.path: {path} is a folder, not a file")
+    if not path.exists():
+        raise ConfigError(f"data.path: no such file: {path}")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"data.path: cannot read {path}: {err.strerror or err}") from None
+    where = "byte"
+    if data.startswith(GZIP_MAGIC):
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise ConfigError(f"{path}: a damaged gzip file ({err})") from None
+        where = "byte of the decompressed data"
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{path}: UTF-16 text; save it as UTF-8 (CSV UTF-8 in a spreadsheet)")
+    skip = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        offset = skip + err.start
+        prefix = data[skip:offset].decode("utf-8")
+        complete = list(csv.reader(io.StringIO(prefix, newline="")))
+        # the bad byte is in the last, unfinished record, or starts the next one
+        row = len(complete) + (not prefix or prefix.endswith(("\n", "\r")))
+        raise ConfigError(f"{path}, row {row}: not UTF-8 text ({err.reason} at {where} "
+                          f"{offset}: {data[offset:offset + 1]!r}); save the file as UTF-8"
+                          ) from None
+
+
+def _csv_problem(err: csv.Error) -> str:
+    text = str(err)
+    if "expected after" in text or "unexpected end of data" in text:
+        return ("a quoted field is not closed where it should be: it must end with '\"' right "
+                "before a comma or the end of the line, and a '\"' inside it is written twice "
+                "('\"\"')")
+    return f"cannot be read as CSV ({text})"
+
+
+def _separator_hint(header: list[str]) -> str:
+    if len(header) == 1 and any(s in header[0] for s in ";\t|"):
+        return " (the header reads as one column: only commas separate fields)"
+    return ""
 
 
 def read_table(path: str | Path) -> Table:
     """Reads a comma-separated file with a header row; every problem is a :class:`ConfigError`
-    naming the row (and column) at fault."""
+    naming the row (and column) at fault. Malformed quoting is refused rather than read as a
+    field that swallows the following rows."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data.path: no such file: {path}")
-    rows, lines = [], []
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    rows, numbers = [], []
+    number = 0  # the spreadsheet row of the record being read
     try:
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.reader(handle)
-            start = 1
-            for record in reader:
-                if record and not (len(record) == 1 and not record[0].strip()):
-                    rows.append([field.strip() for field in record])
-                    lines.append(start)
-                start = reader.line_num + 1
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        for number, record in enumerate(reader, start=1):
+            if record and not (len(record) == 1 and not record[0].strip()):
+                rows.append([field.strip() for field in record])
+                numbers.append(number)
     except csv.Error as err:
-        raise ConfigError(f"{path}, row {start}: cannot be read as CSV ({err})") from None
+        raise ConfigError(f"{path}, row {number + 1}: {_csv_problem(err)}") from None
     if not rows:
         raise ConfigError(f"{path}: the file is empty; it needs a header row and at least one "
                           "data row")
-    header, body, body_lines = rows[0], rows[1:], lines[1:]
+    header, body, body_numbers = rows[0], rows[1:], numbers[1:]
     for j, name in enumerate(header, start=1):
         if not name:
             raise ConfigError(f"{path}: column {j} of the header has no name")
@@ -120,22 +216,19 @@ def read_table(path: str | Path) -> Table:
         seen[name] = j
     if not body:
         raise ConfigError(f"{path}: needs a header row and at least one data row")
-    for row, line in zip(body, body_lines):
+    for row, number in zip(body, body_numbers):
         if len(row) != len(header):
-            raise ConfigError(f"{path}, row {line}: {len(row)} fields, the header has "
-                              f"{len(header)}")
-    return Table(path, header, body, body_lines)
+            raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
+                              f"{len(header)}{_separator_hint(header)}")
+    return Table(path, header, body, body_numbers)
 
 
 def require_columns(table: Table, names: dict[str, str | None]) -> None:
     """Each ``names[option] = column`` must be in the header."""
     for option, column in names.items():
         if column is not None and column not in table.header:
-            hint = ""
-            if len(table.header) == 1 and any(s in table.header[0] for s in ";\t|"):
-                hint = " (the header reads as one column: only commas separate fields)"
             raise ConfigError(f"{table.path}: no column {column!r} for {option} (columns: "
-                              f"{', '.join(table.header)}){hint}")
+                              f"{', '.join(table.header)}){_separator_hint(table.header)}")
 
 
 # ---------------------------------------------------------------- labels and clients
@@ -193,6 +286,9 @@ def map_labels(
                 raise ConfigError(f"{table.where(r)}: label {raw[r]!r} (column {column!r}) is "
                                   f"not in data.label_map (values: {', '.join(mapping)})")
         y = np.array([mapping[v] for v in values], dtype=np.int64)
+        if len(set(y.tolist())) < 2:
+            raise ConfigError(f"data.label_map puts every row of column {column!r} in class "
+                              f"{y[0]}; two classes are needed")
         info.update(rule="label_map", mapping=mapping)
         num_classes = max(mapping.values()) + 1
     else:
@@ -204,7 +300,7 @@ def map_labels(
             kind, rest = ("a number", "text") if numeric[r] else ("text", "numbers")
             raise ConfigError(
                 f"{table.where(r)}: label {raw[r]!r} (column {column!r}) is {kind}, but other "
-                f"labels are {rest} (e.g. row {table.lines[other]}: "
+                f"labels are {rest} (e.g. row {table.row_numbers[other]}: "
                 f"{raw[other]!r}); give data.label_map to say which class each value is "
                 "(e.g. 'no=0,0=0,yes=1,1=1')")
         if positive_labels is not None:
@@ -237,8 +333,32 @@ def map_labels(
             y = np.array([mapping[v] for v in values], dtype=np.int64)
             info.update(rule="sorted values", mapping=mapping)
             num_classes = len(distinct)
+    if label_map is None:
+        _warn_case_variants(values, mapping, column, info)
     info["class_counts"] = np.bincount(y, minlength=num_classes).tolist()
     return y, num_classes, info
+
+
+class DataWarning(UserWarning):
+    """Something in the file that is read as it is written but is likely a mistake."""
+
+
+def _warn_case_variants(values: list[str], mapping: dict[str, int], column: str,
+                        info: dict[str, Any]) -> None:
+    """Labels spelled alike but for letter case (``yes``, ``Yes``) in different classes are
+    kept apart (guessing is not ours), but recorded in ``info`` and warned about."""
+    spellings: dict[str, list[str]] = {}
+    for v in sorted(set(values)):
+        spellings.setdefault(v.casefold(), []).append(v)
+    groups = [g for g in spellings.values() if len({mapping[v] for v in g}) > 1]
+    if not groups:
+        return
+    shown = "; ".join(", ".join(repr(v) for v in g) for g in groups)
+    example = ",".join(f"{v}={mapping[groups[0][0]]}" for v in groups[0])
+    message = (f"labels of column {column!r} that differ only in letter case are different "
+               f"classes ({shown}); give data.label_map to merge them (e.g. '{example},...')")
+    info.update(case_variants=groups, warning=message)
+    warnings.warn(DataWarning(message), stacklevel=3)
 
 
 def client_codes(table: Table, column: str) -> tuple[np.ndarray, dict[str, int]]:
@@ -266,6 +386,7 @@ class Column:
     numbers: np.ndarray | None = None
     levels: list[str | None] | None = None
     forced: bool = False  # categorical because the user listed it
+    note: str = ""  # a warning about the column, recorded in the encoding's info
 
     @property
     def missing(self) -> np.ndarray:
@@ -310,25 +431,35 @@ def feature_columns(
                                   "not a finite number")
             if len(text_rows) <= len(number_rows):
                 r, e = text_rows[0], number_rows[0]
+                kind = locale_number(raw[r])
+                written = f" (a number written with {kind}?)" if kind else ""
                 raise ConfigError(
-                    f"{table.where(r)}: column {name!r} value {raw[r]!r} is not a number, but "
-                    f"the column's other values are numbers (e.g. row {table.lines[e]}: "
-                    f"{raw[e]!r}); correct the value, leave it empty or write '?' for a "
-                    "missing one, or list the column in data.categorical_columns")
+                    f"{table.where(r)}: column {name!r} value {raw[r]!r} is not a number"
+                    f"{written}, but the column's other values are numbers (e.g. row "
+                    f"{table.row_numbers[e]}: {raw[e]!r}); correct the value, leave it empty or "
+                    "write '?' for a missing one, or list the column in data.categorical_columns")
             r, e = number_rows[0], text_rows[0]
             raise ConfigError(
                 f"{table.where(r)}: column {name!r} value {raw[r]!r} is a number, but the "
-                f"column's other values are text (e.g. row {table.lines[e]}: {raw[e]!r}); "
+                f"column's other values are text (e.g. row {table.row_numbers[e]}: {raw[e]!r}); "
                 "list the column in data.categorical_columns to read every value as a category")
         levels = [None if is_missing(text) else canonical(text) for text in raw]
         distinct = len(set(levels) - {None})
+        hint = _locale_hint([raw[r] for r in present])
         if distinct > MAX_AUTO_LEVELS and distinct * 2 > len(present):
+            if hint:
+                raise ConfigError(f"{table.path}: column {name!r} is text with {distinct} "
+                                  f"different values in {len(present)} rows: {hint}")
             raise ConfigError(
                 f"{table.path}: column {name!r} is text with {distinct} different values in "
                 f"{len(present)} rows, an identifier or free text rather than a category; list "
                 "it in data.ignore_columns (or in data.categorical_columns to one-hot encode it "
                 "anyway)")
-        columns.append(Column(name, "categorical", levels=levels))
+        note = ""
+        if hint:
+            note = f"column {name!r} is one-hot encoded as text, but {hint}"
+            warnings.warn(DataWarning(note), stacklevel=2)
+        columns.append(Column(name, "categorical", levels=levels, note=note))
     return columns, dropped
 
 
@@ -408,6 +539,8 @@ class TableEncoder:
                     "values_unseen_in_fit_rows": unseen,
                     "why": "listed in data.categorical_columns" if col.forced else "text values",
                 }
+                if col.note:
+                    info["one_hot"][col.name]["warning"] = col.note
         if not blocks:
             raise ConfigError("no feature columns left (every feature column is empty or "
                               "ignored)")

@@ -1,0 +1,213 @@
+"""The commands against what goes wrong around them: output folders they cannot write, two runs
+into one folder, Ctrl-C in ``compare``, a data file changed under a resumed run, list flags with
+spaces, misspelled algorithm names. Each case is one line on stderr, never a traceback."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from cli_process import FAST, SCRIPT, TIMEOUT_S, assert_one_line_error, assert_success, child_env, fedkernels
+
+from fedkernels.algorithms import build_strategy
+from fedkernels.sim import ExperimentConfig, Simulation
+from fedkernels.sim.config import DataConfig, from_dict
+
+UNWRITABLE = Path("/sys/kernel")  # exists, and not even root can create a file in it
+needs_sysfs = pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux's /sys")
+
+
+def write_csv(path: Path, rows: int = 40, extra: str = "") -> Path:
+    """A small two-site table whose labels and sites have spaces in them."""
+    lines = ["blood pressure,x,diagnosis,site"]
+    for i in range(rows):
+        label = ("heart disease", "mild disease", "healthy", "healthy")[i % 4]
+        lines.append(f"{100 + i},{i % 7},{label},{'north' if i % 2 else 'south'} site")
+    path.write_text("\n".join(lines) + "\n" + extra)
+    return path
+
+
+CSV_FLAGS = ["--data.name", "csv", "--data.label_column", "diagnosis",
+             "--data.client_column", "site", "--partition.kind", "natural"]
+
+
+# ---------------------------------------------------------------- list flags
+
+
+def test_list_values_keep_their_inner_spaces(tmp_path):
+    config = from_dict(DataConfig, {"positive_labels": " heart disease , mild disease,",
+                                    "ignore_columns": "blood pressure"})
+    assert config.positive_labels == ["heart disease", "mild disease"]
+    assert config.ignore_columns == ["blood pressure"]
+    data = write_csv(tmp_path / "d.csv")
+    out = tmp_path / "run"
+    done = fedkernels("run", *CSV_FLAGS, "--data.path", str(data), "--rounds", "1",
+                      "--data.positive_labels", "heart disease,mild disease",
+                      "--data.ignore_columns", "blood pressure", "--out", str(out), *FAST)
+    assert_success(done)
+    prep = json.loads((out / "results.json").read_text())["data_preparation"]
+    assert prep["labels"]["mapping"] == {"healthy": 0, "heart disease": 1, "mild disease": 1}
+    assert prep["ignored_columns"] == ["blood pressure"]
+
+
+# ---------------------------------------------------------------- output folders
+
+
+@needs_sysfs
+def test_run_into_an_unwritable_folder_is_a_one_line_error():
+    assert_one_line_error(fedkernels("run", "--rounds", "1", "--out", str(UNWRITABLE), *FAST),
+                          f"--out {UNWRITABLE}", "cannot write")
+
+
+@needs_sysfs
+def test_check_json_into_an_unwritable_folder_is_refused_before_the_checks():
+    start = time.monotonic()
+    done = fedkernels("check", "--quick", "--device", "cpu", "--json", str(UNWRITABLE / "x.json"))
+    assert_one_line_error(done, "cannot write the JSON report", "x.json", command="check")
+    assert not done.stdout  # no check ran
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+def test_compare_refuses_an_unusable_out_before_any_run(tmp_path):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    start = time.monotonic()
+    done = fedkernels("compare", "--algorithms", "fedavg", "--seeds", "0", "--set",
+                      "rounds=200", "--out", str(blocker / "sub"))
+    assert_one_line_error(done, f"--out {blocker / 'sub'}: {blocker}", "not a folder",
+                          command="compare")
+    if UNWRITABLE.is_dir():
+        done = fedkernels("compare", "--algorithms", "fedavg", "--seeds", "0", "--set",
+                          "rounds=200", "--out", str(UNWRITABLE / "cmp"))
+        assert_one_line_error(done, "cannot write", command="compare")
+    assert time.monotonic() - start < 60  # refused up front, not after 200 rounds
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--seeds", ","], "--seeds: no seed given"),
+    (["--seeds", "0", "--threads", "-1"], "--threads must be >= 1"),
+    (["--seeds", "0", "--threads", "0"], "--threads must be >= 1"),
+])
+def test_compare_flag_values_are_checked_up_front(tmp_path, flags, fragment):
+    done = fedkernels("compare", "--algorithms", "fedavg", *flags, "--out", str(tmp_path / "c"))
+    assert_one_line_error(done, fragment, command="compare")
+
+
+def test_ctrl_c_in_compare_is_a_clean_message(tmp_path):
+    out = tmp_path / "cmp"
+    child = subprocess.Popen(
+        [str(SCRIPT), "compare", "--algorithms", "fedavg", "--seeds", "0", "--set",
+         "rounds=100000", "--set", "model.name=logreg", "--threads", "1", "--out", str(out)],
+        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not out.is_dir():  # created up front, once the command is under way
+            if child.poll() is not None:
+                pytest.fail(f"compare exited early ({child.returncode}):\n{child.communicate()}")
+            if time.monotonic() > deadline:
+                pytest.fail("compare did not create --out in time")
+            time.sleep(0.1)
+        time.sleep(1.0)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "interrupted; no table was written")
+
+
+# ---------------------------------------------------------------- one folder, one run
+
+
+def test_a_second_run_into_a_busy_folder_is_refused(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    with (out / "run.lock").open("a") as held:  # as a running fedkernels run holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        assert_one_line_error(fedkernels("run", "--rounds", "1", "--out", str(out), *FAST),
+                              "another run is using this folder")
+    assert not (out / "config.json").exists()
+    assert_success(fedkernels("run", "--rounds", "1", "--out", str(out), *FAST))
+
+
+def test_checkpoint_temporary_file_has_a_name_of_its_own(tmp_path):
+    """Two writers never share one temporary file: a name another writer holds (here a folder
+    in its place) does not stop this one, and nothing is left behind."""
+    checkpoint = tmp_path / "checkpoint.pt"
+    (tmp_path / "checkpoint.pt.partial").mkdir()
+    config = ExperimentConfig(rounds=2, data=DataConfig(name="gaussian_mixture", num_samples=200))
+    Simulation(config, build_strategy("fedavg"), checkpoint=checkpoint).run()
+    assert checkpoint.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt", "checkpoint.pt.partial"]
+
+
+# ---------------------------------------------------------------- resume and the data file
+
+
+def test_resume_refuses_a_changed_data_file_and_works_from_another_folder(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    data = write_csv(work / "d.csv")
+    out = tmp_path / "run"
+    assert_success(fedkernels("run", *CSV_FLAGS, "--data.path", "d.csv", "--rounds", "2",
+                              "--out", str(out), *FAST, cwd=work))
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["data"]["path"] == str(data)  # absolute
+    prep = json.loads((out / "results.json").read_text())["data_preparation"]
+    assert prep["file_size"] == data.stat().st_size and len(prep["file_sha256"]) == 64
+    # from another working folder, the same file: continues
+    assert_success(fedkernels("run", "--resume", "--rounds", "3", "--out", str(out), *FAST,
+                              cwd=tmp_path))
+    # relabelled and appended rows: refused, naming the file
+    text = data.read_text().replace("healthy", "heart disease", 3)
+    data.write_text(text + "150,3,healthy,north site\n")
+    assert_one_line_error(fedkernels("run", "--resume", "--rounds", "4", "--out", str(out), *FAST),
+                          "cannot resume", str(data), "has changed")
+
+
+# ---------------------------------------------------------------- names and warnings
+
+
+def test_algorithm_names_ignore_case_and_misspellings_get_a_suggestion(tmp_path):
+    out = tmp_path / "run"
+    assert_success(fedkernels("run", "--algorithm", "FedAvg", "--rounds", "1", "--out", str(out),
+                              *FAST))
+    assert json.loads((out / "config.json").read_text())["algorithm"] == "fedavg"
+    assert_one_line_error(fedkernels("run", "--algorithm", "fedavgg", "--rounds", "1", *FAST),
+                          "unknown algorithm 'fedavgg'; did you mean fedavg?")
+    assert_one_line_error(fedkernels("compare", "--algorithms", "fedproxx", "--seeds", "0",
+                                     "--out", str(tmp_path / "c")),
+                          "did you mean fedprox?", command="compare")
+
+
+def test_a_client_with_too_few_rows_is_named_by_its_value(tmp_path):
+    data = tmp_path / "d.csv"
+    data.write_text("x,label,site\n0,0,a\n1,1,b\n2,0,a\n3,1,b\n4,0,a\n5,1,b\n6,0,c\n")
+    done = fedkernels("run", "--data.name", "csv", "--data.path", str(data),
+                      "--data.client_column", "site", "--partition.kind", "natural",
+                      "--rounds", "1", "--out", str(tmp_path / "run"), *FAST)
+    assert_one_line_error(done, "client 'c' of column 'site' has 1", "partition.min_samples")
+
+
+def test_data_warnings_are_one_line_each(tmp_path):
+    data = tmp_path / "d.csv"
+    rows = "".join(f'{i},"{i % 5},5",{("yes", "Yes", "no")[i % 3]}\n' for i in range(30))
+    data.write_text("x,rate,label\n" + rows)
+    done = fedkernels("run", "--data.name", "csv", "--data.path", str(data), "--rounds", "1",
+                      "--out", str(tmp_path / "run"), *FAST)
+    assert_success(done)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and all(line.startswith("fedkernels run: warning: ") for line in lines)
+    assert "'Yes', 'yes'" in lines[0] and "decimal comma" in lines[1]
+    assert os.path.exists(tmp_path / "run" / "results.json")
