@@ -7,8 +7,10 @@ torch thread, and a bounded wait; a child that does not finish fails the test wi
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,30 @@ def assert_one_line_error(done: subprocess.CompletedProcess, *fragments: str,
 
 def assert_success(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
+
+
+def interrupt_when(args: list[str], ready: Path, settle_s: float = 0.0) -> tuple[int, str]:
+    """Starts ``fedkernels ARGS...``, presses Ctrl-C (SIGINT) once ``ready`` exists (and
+    ``settle_s`` more seconds have passed); returns the exit status and stderr."""
+    child = subprocess.Popen(
+        [str(SCRIPT), *args], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+        # a child of a background job would inherit SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not ready.exists():
+            if child.poll() is not None:
+                pytest.fail(f"fedkernels exited early ({child.returncode}):\n{child.communicate()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{ready} did not appear in time")
+            time.sleep(0.1)
+        time.sleep(settle_s)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=TIMEOUT_S)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    return child.returncode, err

@@ -8,9 +8,6 @@ import json
 import pickle
 import shlex
 import shutil
-import signal
-import subprocess
-import time
 import warnings
 from pathlib import Path
 
@@ -18,12 +15,10 @@ import pytest
 import torch
 from cli_process import (
     FAST,
-    SCRIPT,
-    TIMEOUT_S,
     assert_one_line_error,
     assert_success,
-    child_env,
     fedkernels,
+    interrupt_when,
 )
 
 from fedkernels.cli import main
@@ -148,30 +143,8 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     out = tmp_path / "my run"  # a space: the printed command must quote it
     args = ["run", "--rounds", "100000", "--out", str(out), "--threads", "1", "--no-plots",
             "--model.name", "logreg", "--partition.num_clients", "2"]
-    child = subprocess.Popen(
-        [str(SCRIPT), *args],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # a child of a background job would inherit SIGINT ignored
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (out / "checkpoint.pt").is_file():
-            if child.poll() is not None:
-                pytest.fail(f"fedkernels exited early ({child.returncode}):\n{child.communicate()}")
-            if time.monotonic() > deadline:
-                pytest.fail("no checkpoint written in time")
-            time.sleep(0.1)
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=TIMEOUT_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
-    assert child.returncode == 130, err
+    code, err = interrupt_when(args, ready=out / "checkpoint.pt")
+    assert code == 130, err
     last = err.strip().splitlines()[-1]
     prefix = "interrupted; continue with: "
     assert last.startswith(prefix), err

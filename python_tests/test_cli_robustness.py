@@ -7,13 +7,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from cli_process import FAST, SCRIPT, TIMEOUT_S, assert_one_line_error, assert_success, child_env, fedkernels
+from cli_process import (
+    FAST,
+    TIMEOUT_S,
+    assert_one_line_error,
+    assert_success,
+    fedkernels,
+    interrupt_when,
+)
 
 from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
@@ -101,28 +106,11 @@ def test_compare_flag_values_are_checked_up_front(tmp_path, flags, fragment):
 
 def test_ctrl_c_in_compare_is_a_clean_message(tmp_path):
     out = tmp_path / "cmp"
-    child = subprocess.Popen(
-        [str(SCRIPT), "compare", "--algorithms", "fedavg", "--seeds", "0", "--set",
-         "rounds=100000", "--set", "model.name=logreg", "--threads", "1", "--out", str(out)],
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not out.is_dir():  # created up front, once the command is under way
-            if child.poll() is not None:
-                pytest.fail(f"compare exited early ({child.returncode}):\n{child.communicate()}")
-            if time.monotonic() > deadline:
-                pytest.fail("compare did not create --out in time")
-            time.sleep(0.1)
-        time.sleep(1.0)
-        child.send_signal(signal.SIGINT)
-        _, err = child.communicate(timeout=TIMEOUT_S)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.communicate()
-    assert child.returncode == 130, err
+    code, err = interrupt_when(
+        ["compare", "--algorithms", "fedavg", "--seeds", "0", "--set", "rounds=100000", "--set",
+         "model.name=logreg", "--threads", "1", "--out", str(out)],
+        ready=out, settle_s=1.0)  # --out is created up front, once the command is under way
+    assert code == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == (
         "interrupted; no table was written")
 
