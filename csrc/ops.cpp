@@ -186,8 +186,9 @@ constexpr const char* kMutatingOps[] = {
     "private_sum_",
 };
 
-// Calls f(t, i, where) for every defined tensor argument: i its argument's index, where its name
-// ("x", "out[2]").
+// Calls f(t, i, j) for every defined tensor argument: i its argument's index, j its position in
+// a list argument (-1 for a single tensor). Nothing is copied or formatted: this runs on every
+// call.
 template <typename F>
 void for_each_tensor_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
                               F&& f) {
@@ -195,13 +196,13 @@ void for_each_tensor_argument(const c10::FunctionSchema& schema, const torch::ji
   const size_t start = stack.size() - n;
   for (size_t i = 0; i < n; ++i) {
     const c10::IValue& v = stack[start + i];
-    const std::string& name = schema.arguments()[i].name();
     if (v.isTensor()) {
-      if (v.toTensor().defined()) f(v.toTensor(), i, name);
+      if (v.toTensor().defined()) f(v.toTensor(), i, int64_t{-1});
     } else if (v.isTensorList()) {
-      const auto list = v.toTensorVector();
+      const auto list = v.toTensorList();
       for (size_t j = 0; j < list.size(); ++j) {
-        if (list[j].defined()) f(list[j], i, c10::str(name, "[", j, "]"));
+        const at::Tensor& t = list[j];
+        if (t.defined()) f(t, i, static_cast<int64_t>(j));
       }
     }
   }
@@ -211,7 +212,7 @@ void bump_written_versions(
     const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   std::vector<at::Tensor> written;
-  for_each_tensor_argument(schema, *stack, [&](const at::Tensor& t, size_t i, const std::string&) {
+  for_each_tensor_argument(schema, *stack, [&](const at::Tensor& t, size_t i, int64_t) {
     if (schema.is_mutable({c10::SchemaArgType::input, i})) written.push_back(t);
   });
   {
@@ -225,12 +226,14 @@ void refuse_gradients(
     const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   if (c10::GradMode::is_enabled()) {
     const auto& schema = op.schema();
-    const std::string name = c10::str(
-        "fedkernels.", schema.name().substr(schema.name().find("::") + 2),
-        schema.overload_name().empty() ? "" : ".", schema.overload_name());
     for_each_tensor_argument(
-        schema, *stack, [&](const at::Tensor& t, size_t i, const std::string& where) {
+        schema, *stack, [&](const at::Tensor& t, size_t i, int64_t j) {
           if (!t.requires_grad()) return;
+          const std::string name = c10::str(
+              "fedkernels.", schema.name().substr(schema.name().find("::") + 2),
+              schema.overload_name().empty() ? "" : ".", schema.overload_name());
+          const std::string& arg = schema.arguments()[i].name();
+          const std::string where = j < 0 ? arg : c10::str(arg, "[", j, "]");
           const bool written = schema.is_mutable({c10::SchemaArgType::input, i});
           TORCH_CHECK(
               !(written && t.is_leaf()), name, ": ", where,
