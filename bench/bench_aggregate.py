@@ -89,7 +89,14 @@ def transformer_shapes(layers: int = 16, d: int = 256, ff: int = 1024,
     return shapes + [(d,), (d,)]
 
 
-MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes}
+def lora_shapes() -> list[tuple[int, ...]]:
+    """A LoRA adapter: 256 tensors of 64 Ki elements (bench_cost_curve.lora_shapes)."""
+    from bench_cost_curve import lora_shapes as named_lora_shapes
+
+    return list(named_lora_shapes().values())
+
+
+MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes, "lora": lora_shapes}
 # --tiny: a few small, odd-sized tensors (a smoke test of the script, not a measurement)
 TINY_SHAPES = [(64, 33), (33,), (7, 3, 3), ()]
 
@@ -273,7 +280,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--models", nargs="+", default=["resnet18", "transformer"], choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--clients", nargs="+", type=int, default=[2, 10, 50])
     parser.add_argument("--repeats", type=int, default=7)

@@ -147,7 +147,7 @@ plan() {
   fi
   step "fedkernels check" 90 check.log "$pyname" -m fedkernels.cli check --json "$OUTDIR/check.json"
   step "bench_aggregate" 180 bench_aggregate.log "$pyname" bench/bench_aggregate.py --device cuda \
-    --out "$OUTDIR/bench_aggregate.json" \
+    --models resnet18 lora transformer --out "$OUTDIR/bench_aggregate.json" \
     || step "bench_aggregate --quick" 60 bench_aggregate_quick.log "$pyname" bench/bench_aggregate.py \
       --device cuda --quick --out "$OUTDIR/bench_aggregate_quick.json"
   local ignores=()
@@ -170,6 +170,12 @@ plan() {
     --out "$OUTDIR/bench_superfed.json"
   step "bench_robust_ops" 45 bench_robust_ops.log "$pyname" bench/bench_robust_ops.py \
     --device cuda --out "$OUTDIR/bench_robust_ops.json"
+  if [[ $DRY_RUN == 1 ]] || command -v ncu >/dev/null 2>&1 || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/ncu" ]]; then
+    step "ncu profile" 90 ncu.log env PATH="$PATH:${CUDA_HOME:-/usr/local/cuda}/bin" "$pyname" bench/gpu_profile.py \
+      --out "$OUTDIR"
+  else
+    skip "ncu profile" "ncu (Nsight Compute) not found"
+  fi
 }
 
 if [[ $DRY_RUN == 1 ]]; then
@@ -270,6 +276,12 @@ plan
       grep -E '^\|' "$OUTDIR/$log.log"
     fi
   done
+  if [[ -f "$OUTDIR/ncu_summary.md" ]]; then
+    echo
+    echo "## ncu: one launch of every kernel"
+    echo
+    cat "$OUTDIR/ncu_summary.md"
+  fi
   for log in bench_distill bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo

@@ -382,6 +382,12 @@ def _ascending_sum(rows: Tensor) -> Tensor:
     return acc
 
 
+def _true_mean(total: Tensor, count: int) -> Tensor:
+    """``total / count`` rounded once, as the kernels divide: PyTorch's CUDA division by a
+    Python number multiplies by its rounded reciprocal instead (one bit off at times)."""
+    return total / torch.full_like(total, count)
+
+
 def _median_values(s: Tensor) -> Tensor:
     n = s.shape[0]
     return s[n // 2].clone() if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
@@ -403,7 +409,7 @@ def trimmed_mean_reference(clients: Sequence[Tensor], num_clients: int, cut: int
     out = []
     for tensors in _by_tensor(clients, num_clients):
         kept = _sorted_values(tensors)[cut:num_clients - cut]
-        out.append((_ascending_sum(kept) / kept.shape[0]).to(tensors[0].dtype)
+        out.append(_true_mean(_ascending_sum(kept), kept.shape[0]).to(tensors[0].dtype)
                    .reshape(tensors[0].shape))
     return out
 
@@ -431,7 +437,7 @@ def median_window_mean_reference(clients: Sequence[Tensor], num_clients: int,
         total = torch.zeros_like(med)
         for r in range(n):
             total = torch.where((lo <= r) & (r <= hi), total + s[r], total)
-        result = total / window
+        result = _true_mean(total, window)
         result[torch.isnan(s).any(dim=0)] = float("nan")
         out.append(result.to(tensors[0].dtype).reshape(tensors[0].shape))
     return out

@@ -140,7 +140,7 @@ def _weighted_sum_backward(ctx, grads):
             )
             for k in range(k_count)
         ]
-    ).to(weights.dtype) if n else torch.zeros_like(weights)
+    ).to(device=weights.device, dtype=weights.dtype) if n else torch.zeros_like(weights)
     grad_base = []
     if ctx.has_base:
         factor = 1.0 - scale * weights.sum() if ctx.delta else 1.0
