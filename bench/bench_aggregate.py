@@ -17,6 +17,8 @@ Each row is one way of computing sum_k w_k x_k over K client models:
 
   fused        fedkernels.aggregate(clients, w)               (allocates the result)
   fused out=   fedkernels.aggregate(clients, w, out=result)   (into a preallocated model)
+  op out=      fedkernels.ops.weighted_sum_out on the clients' tensors already in one list,
+               into a preallocated model: the op alone, without aggregate's layout checks
   loop         per tensor: sum(w_k * x_k), the Python loop of most FL frameworks
   foreach      out = _foreach_mul(x_0, w_0); K-1 x _foreach_add_(out, x_k, alpha=w_k)
   stack        per tensor: (torch.stack(x_k) * w).sum(0), as FedLab and FL-bench do
@@ -135,12 +137,14 @@ def methods(clients, weights, device):
             res.append((xs * w).sum(0))
         return res
 
+    listed = [t for c in clients for t in c]
     flat = torch.stack([torch.cat([t.reshape(-1) for t in c]) for c in clients])
     w_flat = w_dev.to(dtype)
 
     return {
         "fused": lambda: fedkernels.aggregate(clients, weights),
         "fused out=": lambda: fedkernels.aggregate(clients, weights, out=out),
+        "op out=": lambda: fedkernels.ops.weighted_sum_out(listed, weights, (), 1.0, False, out=out),
         "loop": loop,
         "foreach": foreach,
         "stack": stack,
@@ -195,8 +199,9 @@ def markdown_table(rows: list[dict]) -> str:
     others = ["loop", "foreach", "stack", "flat mv", "reference"]
     lines = [
         "| model | dtype | K | fused ms | out= ms | out= GB/s | out= % read probe | "
-        "extra mem (outputs) | " + " | ".join(f"{o} ×" for o in others) + " |",
-        "|" + "---|" * (8 + len(others)),
+        "extra mem (outputs) | " + " | ".join(f"{o} ×" for o in others) + " | op out= ms | "
+        "op out= % copy probe | foreach ÷ op out= |",
+        "|" + "---|" * (11 + len(others)),
     ]
     blocks: dict[tuple, dict[str, dict]] = {}
     for r in rows:
@@ -207,7 +212,11 @@ def markdown_table(rows: list[dict]) -> str:
             continue
         mem = "" if f["extra_in_outputs"] is None else f"{f['extra_in_outputs']:.2f}"
         cells = [f"{by[m]['time_vs_fused']:.1f}" if m in by else "" for m in others]
-        lines.append(f"| {model} | {dtype} | {k} | {f['median_ms']:.1f} | {o['median_ms']:.1f} | "
+        op, each = by.get("op out="), by.get("foreach")
+        cells += ["", "", ""] if op is None else [
+            f"{op['median_ms']:.3f}", f"{op['pct_copy_probe']:.0f}",
+            "" if each is None else f"{each['median_ms'] / op['median_ms']:.1f}"]
+        lines.append(f"| {model} | {dtype} | {k} | {f['median_ms']:.2f} | {o['median_ms']:.2f} | "
                      f"{o['GBps']:.1f} | {o['pct_read_probe']:.0f} | {mem} | "
                      + " | ".join(cells) + " |")
     return "\n".join(lines)

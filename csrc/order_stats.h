@@ -44,9 +44,10 @@ struct OrderStats {
     return m;
   }
 
-  // Mean of the sorted v[lo, hi), summed in ascending order.
-  template <typename A>
-  FEDKERNELS_HD static A mean_of(const A* v, int64_t lo, int64_t hi) {
+  // Mean of the sorted v[lo, hi), summed in ascending order. (V: a pointer, or any type with
+  // operator[], such as the CUDA kernels' register arrays.)
+  template <typename A, typename V>
+  FEDKERNELS_HD static A mean_of(const V& v, int64_t lo, int64_t hi) {
     A s = v[lo];
     for (int64_t i = lo + 1; i < hi; ++i) s += v[i];
     return s / static_cast<A>(hi - lo);
@@ -59,12 +60,12 @@ struct OrderStats {
   //   median window (param = window w): mean of the w values closest to the median, a
   //           contiguous range grown from the lower middle value towards the closer side (the
   //           lower side on a tie); NaN when any value is NaN.
-  template <typename A>
-  FEDKERNELS_HD static A reduce_sorted(const A* v, int64_t n, int64_t m, RobustRule rule,
+  template <typename A, typename V>
+  FEDKERNELS_HD static A reduce_sorted(const V& v, int64_t n, int64_t m, RobustRule rule,
                                        int64_t param) {
     const A nan = A(0) / A(0);
     if (rule == RobustRule::kTrimmedMean) {
-      return n - param > m ? nan : mean_of(v, param, n - param);
+      return n - param > m ? nan : mean_of<A>(v, param, n - param);
     }
     if (m < n) return nan;
     const int64_t lo_mid = (n - 1) / 2;
@@ -83,13 +84,13 @@ struct OrderStats {
         ++hi;
       }
     }
-    return mean_of(v, lo, hi + 1);
+    return mean_of<A>(v, lo, hi + 1);
   }
 
   template <typename A>
   FEDKERNELS_HD static A reduce(A* v, int64_t n, RobustRule rule, int64_t param) {
     const int64_t m = sort_nan_last(v, n);
-    return reduce_sorted(v, n, m, rule, param);
+    return reduce_sorted<A>(v, n, m, rule, param);
   }
 };
 

@@ -70,6 +70,19 @@ __device__ __forceinline__ A block_reduce(A v, Op op, A* s_red) {
   return r;
 }
 
+// Sum of values[i * stride] for i in [0, count), by one block of kThreads threads: thread j
+// adds i = j, j + kThreads, ... in order, then the block reduces in warp order, so an input
+// gives bitwise the same sum run after run. Every thread of the block must call it; all get the
+// sum. (One thread per sum was the first design: a chain of count dependent loads that left the
+// GPU idle, 0.2-0.3 ms for a ResNet-18's chunk partials on an H200.)
+template <int kThreads>
+__device__ __forceinline__ double block_strided_sum(
+    const double* values, int64_t count, int64_t stride, double* s_red) {
+  double s = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kThreads) s += values[i * stride];
+  return block_reduce<kThreads>(s, SumOp<double>(), s_red);
+}
+
 // One block of metadata words carried by value in a kernel's parameters.
 struct MetadataBlock {
   uint64_t words[kMetadataBlockWords];

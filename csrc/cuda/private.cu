@@ -53,13 +53,13 @@ __global__ void norms_kernel(ClientListTables m, double* partial) {
   }
 }
 
-__global__ void norms_reduce_kernel(const double* partial, int64_t chunks, int64_t K,
-                                    double* sums) {
-  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < K;
-       k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += partial[c * K + k];
-    sums[k] = s;
+// sums[k] = the chunk partials of client k added up (a block per client).
+__global__ void __launch_bounds__(kThreads) norms_reduce_kernel(
+    const double* partial, int64_t chunks, int64_t K, double* sums) {
+  __shared__ double s_red[kThreads / 32];
+  for (int64_t k = blockIdx.x; k < K; k += gridDim.x) {
+    const double s = block_strided_sum<kThreads>(partial + k, chunks, K, s_red);
+    if (threadIdx.x == 0) sums[k] = s;
   }
 }
 
@@ -122,7 +122,7 @@ struct PrivateCuda {
     norms_kernel<T><<<static_cast<unsigned>(m.total_chunks), kThreads, 0, launch.stream>>>(
         m, partial.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    norms_reduce_kernel<<<grid_size(p.K, kThreads, kMaxBlocks), kThreads, 0, launch.stream>>>(
+    norms_reduce_kernel<<<grid_size(p.K, 1, kMaxBlocks), kThreads, 0, launch.stream>>>(
         partial.const_data_ptr<double>(), m.total_chunks, p.K, p.sums.mutable_data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -93,15 +93,18 @@ __global__ void __launch_bounds__(kThreads) superfed_kernel(const SuperfedMeta m
   }
 }
 
-// result[index[t] * width + k] += sum of tensor t's chunk partials, in chunk order.
-__global__ void combine_partials_kernel(
+// result[index[t] * width + k] += sum of tensor t's chunk partials (a block per tensor).
+constexpr int kCombineThreads = 128;
+__global__ void __launch_bounds__(kCombineThreads) combine_partials_kernel(
     const double* partials, const int64_t* chunk_prefix, const int64_t* index, int64_t n,
     int width, double* result) {
-  for (int64_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
+  __shared__ double s_red[kCombineThreads / 32];
+  for (int64_t t = blockIdx.x; t < n; t += gridDim.x) {
+    const int64_t first = chunk_prefix[t], count = chunk_prefix[t + 1] - first;
     for (int k = 0; k < width; ++k) {
-      double s = 0;
-      for (int64_t c = chunk_prefix[t]; c < chunk_prefix[t + 1]; ++c) s += partials[c * width + k];
-      result[index[t] * width + k] += s;
+      const double s = block_strided_sum<kCombineThreads>(
+          partials + first * width + k, count, width, s_red);
+      if (threadIdx.x == 0) result[index[t] * width + k] += s;
     }
   }
 }
@@ -167,7 +170,7 @@ struct SuperfedCuda {
         <<<grid_size(total_chunks, 1, kMaxBlocks), kThreads, 0, launch.stream>>>(m);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (reduce) {
-      combine_partials_kernel<<<grid_size(n, 128, 1024), 128, 0, launch.stream>>>(
+      combine_partials_kernel<<<grid_size(n, 1, kMaxBlocks), kCombineThreads, 0, launch.stream>>>(
           m.partials, m.chunk_prefix, m.index, n, kSums, p.result.mutable_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
