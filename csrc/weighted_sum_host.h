@@ -230,7 +230,7 @@ inline void check_outputs(
   }
   if (!out_is_base) {
     for (const auto t : c10::irange(base.size())) {
-      inputs.emplace_back(&base[t], Where{-1, t});
+      inputs.emplace_back(&base[t], Where{-1, static_cast<int64_t>(t)});
     }
   }
   check_no_overlap(out, inputs);
