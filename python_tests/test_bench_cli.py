@@ -197,7 +197,9 @@ def test_gpu_validate_dry_run_shows_every_step(tmp_path):
     # every benchmark with a --device flag runs on the GPU, into the output folder
     for script in sorted(BENCH.glob("bench_*.py")):
         if '"--device"' in script.read_text():
-            assert f"bench/{script.name} --device cuda --out {out}/" in plan, script.name
+            lines = [ln for ln in plan.splitlines() if f"bench/{script.name} --device cuda" in ln]
+            assert lines and f"--out {out}/" in lines[0], script.name
+    assert f"bench/gpu_profile.py --out {out}" in plan  # one ncu profile of every kernel
     assert proc.returncode == 2 and "refused" in proc.stderr  # then this machine is refused
     assert not out.exists()
 
@@ -217,3 +219,34 @@ def test_tests_needing_flwr_or_expecttest_skip_without_them():
                 names = [node.module]
             for top in {n.split(".")[0] for n in names} & {"flwr", "expecttest"}:
                 assert f'importorskip("{top}")' in text, f"{path.name} imports {top} directly"
+
+
+def _gpu_profile():
+    spec = importlib.util.spec_from_file_location("gpu_profile", BENCH / "gpu_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_profile_reads_ncu_raw_csv():
+    """The summary of `ncu --csv --page raw --print-units base --nvtx`: the log lines before the
+    table and the units row are skipped, kernel names lose their namespaces and arguments, each
+    launch keeps the NVTX case it ran in, thousands separators are read."""
+    gp = _gpu_profile()
+    metrics = list(gp.METRICS)
+    header = ["ID", "Process ID", "thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:"
+              "Msg_Type:Msg", "Kernel Name", *metrics]
+    units = ["", "", "", "", *(["nsecond"] + ["byte"] * 2 + ["%"] * 3 + ["register/thread", "", ""])]
+    row = ["0", "1429", '1429  "<default domain>:weighted_sum fp32 K=10:none:none"',
+           "void fedkernels::<unnamed>::weighted_sum_kernel<float, float, 0, 0>(Meta<float>)",
+           "126,400", "500000000", "11000000", "84.1", "35.2", "37.5", "80", "5,744", "256"]
+    text = "\n".join(["==PROF== Connected to process 1", "profiled 1 cases",
+                      *(",".join('"' + c.replace('"', '""') + '"' for c in line)
+                        for line in (header, units, row))])
+    (got,) = gp.summarize(text)
+    assert got["kernel"] == "weighted_sum_kernel<float, float, 0, 0>"
+    assert got["case"] == "weighted_sum fp32 K=10"
+    assert got["duration"] == 126400 and got["grid"] == 5744 and got["registers"] == 80
+    table = gp.markdown([got])
+    assert "| weighted_sum fp32 K=10 | weighted_sum_kernel<float, float, 0, 0> | 126.4 | 511.0 | 84 |" \
+        in table
