@@ -10,6 +10,7 @@ single-process API (:mod:`fedkernels.aggregate`) and the distributed one
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -118,10 +119,7 @@ class ModelLayout:
             out = list(model)
         else:
             return [model] if isinstance(model, Tensor) else None
-        for t in out:
-            if not isinstance(t, Tensor):
-                return None
-        return out
+        return out if all(map(isinstance, out, itertools.repeat(Tensor))) else None
 
     def client_tensors(self, models: Sequence[Model]) -> list[list[Tensor]]:
         """Every client's tensors (``tensors(models[k], "client k")`` for each k)."""
@@ -131,10 +129,8 @@ class ModelLayout:
             for k, model in enumerate(models):
                 if type(model) in _PLAIN_MAPPINGS and tuple(model) == names:
                     tensors = list(model.values())
-                    for t in tensors:
-                        if not isinstance(t, Tensor):
-                            tensors = self.tensors(model, f"client {k}")
-                            break
+                    if not all(map(isinstance, tensors, itertools.repeat(Tensor))):
+                        tensors = self.tensors(model, f"client {k}")
                 else:
                     tensors = self.tensors(model, f"client {k}")
                 clients.append(tensors)
