@@ -186,15 +186,16 @@ constexpr const char* kMutatingOps[] = {
     "private_sum_",
 };
 
-// Calls f(t, i, j) for every defined tensor argument: i its argument's index, j its position in
-// a list argument (-1 for a single tensor). Nothing is copied or formatted: this runs on every
-// call.
-template <typename F>
+// Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the
+// argument's index, j the tensor's position in a list argument (-1 for a single tensor).
+// Nothing is copied or formatted: this runs on every call.
+template <typename Keep, typename F>
 void for_each_tensor_argument(const c10::FunctionSchema& schema, const torch::jit::Stack& stack,
-                              F&& f) {
+                              Keep&& keep, F&& f) {
   const size_t n = schema.arguments().size();
   const size_t start = stack.size() - n;
   for (size_t i = 0; i < n; ++i) {
+    if (!keep(i)) continue;
     const c10::IValue& v = stack[start + i];
     if (v.isTensor()) {
       if (v.toTensor().defined()) f(v.toTensor(), i, int64_t{-1});
@@ -212,9 +213,10 @@ void bump_written_versions(
     const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& schema = op.schema();
   std::vector<at::Tensor> written;
-  for_each_tensor_argument(schema, *stack, [&](const at::Tensor& t, size_t i, int64_t) {
-    if (schema.is_mutable({c10::SchemaArgType::input, i})) written.push_back(t);
-  });
+  for_each_tensor_argument(
+      schema, *stack,  // only the written arguments: the inputs can be thousands of tensors
+      [&](size_t i) { return schema.is_mutable({c10::SchemaArgType::input, i}); },
+      [&](const at::Tensor& t, size_t, int64_t) { written.push_back(t); });
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
@@ -227,7 +229,7 @@ void refuse_gradients(
   if (c10::GradMode::is_enabled()) {
     const auto& schema = op.schema();
     for_each_tensor_argument(
-        schema, *stack, [&](const at::Tensor& t, size_t i, int64_t j) {
+        schema, *stack, [](size_t) { return true; }, [&](const at::Tensor& t, size_t i, int64_t j) {
           if (!t.requires_grad()) return;
           const std::string name = c10::str(
               "fedkernels.", schema.name().substr(schema.name().find("::") + 2),
