@@ -65,6 +65,7 @@ if [[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]]; then NVCC=/usr/local/cuda/bi
 
 STEPS=()      # summary rows
 IGNORED=()    # test files left out of the pytest run
+CRASHED=""    # the test a crashed pytest run was in
 FAILED=0
 
 step() {  # step NAME BOX_SECONDS LOG_FILE COMMAND...: one time-boxed step, logged
@@ -129,6 +130,13 @@ for path in sorted(folder.glob("test_*.py")):
 EOF
 }
 
+# The test a crashed pytest run was in: the innermost test function of the Python traceback
+# that faulthandler prints on a fatal signal (empty when the run did not crash).
+crashed_test() {
+  grep -oE 'python_tests/test_[A-Za-z0-9_]+\.py", line [0-9]+ in test_[A-Za-z0-9_]+' "$1" 2>/dev/null \
+    | head -n 1 | sed -E 's/.* in //'
+}
+
 plan() {
   # Order: build, the self-check (every op on the GPU against the reference: the correctness
   # gate), the headline benchmark, the CUDA tests, the other benchmarks. A step that would
@@ -160,8 +168,18 @@ plan() {
       IGNORED+=("$file (needs $mods)")
     done < <(ignored_test_files)
   fi
-  step "pytest -m cuda" 200 pytest_cuda.log "$pyname" -m pytest python_tests -m cuda -q -rs \
-    -p no:cacheprovider --junitxml="$OUTDIR/pytest_cuda.xml" ${ignores[@]+"${ignores[@]}"}
+  if ! step "pytest -m cuda" 200 pytest_cuda.log "$pyname" -m pytest python_tests -m cuda -q -rs \
+    -p no:cacheprovider --junitxml="$OUTDIR/pytest_cuda.xml" ${ignores[@]+"${ignores[@]}"}; then
+    # A crash (segmentation fault, abort) ends the whole run at one test: run the others
+    # without it, so that one crash does not hide the rest of the suite.
+    local crashed
+    crashed="$(crashed_test "$OUTDIR/pytest_cuda.log")"
+    if [[ -n "$crashed" ]]; then
+      CRASHED="$crashed"
+      step "pytest -m cuda, not $crashed" 150 pytest_cuda_rest.log "$pyname" -m pytest python_tests \
+        -m cuda -q -rs -p no:cacheprovider -k "not $crashed" ${ignores[@]+"${ignores[@]}"}
+    fi
+  fi
   step "bench_distill" 60 bench_distill.log "$pyname" bench/bench_distill.py --device cuda \
     --out "$OUTDIR/bench_distill.json"
   step "bench_sgld" 45 bench_sgld.log "$pyname" bench/bench_sgld.py --device cuda \
@@ -257,15 +275,17 @@ plan
     cat "$OUTDIR/check.log"
     echo '```'
   fi
-  if [[ -f "$OUTDIR/pytest_cuda.log" ]]; then
-    echo
-    echo "## pytest -m cuda"
-    echo
-    echo '```'
-    grep -E '^(FAILED|ERROR|SKIPPED)' "$OUTDIR/pytest_cuda.log" | head -n 40
-    tail -n 1 "$OUTDIR/pytest_cuda.log"
-    echo '```'
-  fi
+  for log in pytest_cuda pytest_cuda_rest; do
+    if [[ -f "$OUTDIR/$log.log" ]]; then
+      echo
+      if [[ $log == pytest_cuda ]]; then echo "## pytest -m cuda"; else echo "## pytest -m cuda, not $CRASHED (it crashed the run above)"; fi
+      echo
+      echo '```'
+      grep -E '^(FAILED|ERROR|SKIPPED)|Fatal Python error' "$OUTDIR/$log.log" | head -n 40
+      tail -n 1 "$OUTDIR/$log.log"
+      echo '```'
+    fi
+  done
   for log in bench_aggregate bench_aggregate_quick; do
     if [[ -f "$OUTDIR/$log.log" ]] && grep -q '^| model' "$OUTDIR/$log.log"; then
       echo

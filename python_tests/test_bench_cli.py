@@ -250,3 +250,24 @@ def test_gpu_profile_reads_ncu_raw_csv():
     table = gp.markdown([got])
     assert "| weighted_sum fp32 K=10 | weighted_sum_kernel<float, float, 0, 0> | 126.4 | 511.0 | 84 |" \
         in table
+
+
+def test_gpu_validate_names_the_test_a_crash_happened_in(tmp_path):
+    """After a fatal signal in `pytest -m cuda`, gpu_validate.sh runs the suite again without
+    the test faulthandler's traceback points at; an ordinary failure names none."""
+    script = (BENCH / "gpu_validate.sh").read_text()
+    start = script.index("crashed_test() {")
+    function = script[start:script.index("\n}\n", start) + 3]
+    crash = tmp_path / "crash.log"
+    crash.write_text(
+        "....Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call first):\n"
+        '  File "/x/torch/_ops.py", line 865 in __call__\n'
+        '  File "/x/python_tests/test_aggregate_errors.py", line 189 in _raise\n'
+        '  File "/x/python_tests/test_aggregate_errors.py", line 478 in test_cuda_mismatch\n')
+    failure = tmp_path / "failure.log"
+    failure.write_text('Traceback:\n  File "/x/python_tests/test_a.py", line 3, in test_b\n'
+                       "python_tests/test_a.py:3: AssertionError\n1 failed\n")
+    for log, want in ((crash, "test_cuda_mismatch"), (failure, "")):
+        proc = subprocess.run(["bash", "-c", f'{function}\ncrashed_test "$1"', "-", str(log)],
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0 and proc.stdout.strip() == want, proc
