@@ -9,6 +9,7 @@ which reads every client tensor once and writes the result once.
 from __future__ import annotations
 
 import bisect
+import copy
 import itertools
 import math
 import numbers
@@ -25,6 +26,7 @@ from .model_layout import (
     ModelLayout,
     split_clients,
     weights_and_values,
+    with_metadata,
 )
 from .ops import summation
 
@@ -322,7 +324,8 @@ def aggregate(
     Args:
         updates: K client models: a list of state_dicts (same keys and shapes), a list of
             tensor lists (same shapes), a list of tensors, or one ``[K, P]`` tensor of flat
-            vectors. The result has the structure of one client (dict, list or 1-D tensor).
+            vectors. The result has the structure of one client (dict, list or 1-D tensor;
+            a ``Module.state_dict()``'s ``_metadata`` is carried over, as a copy).
         weights: K numbers (tensor, list or numpy array), used as given unless ``normalize``.
         base: the current global model, same structure as a client; turns on delta mode.
         scale: multiplies the weighted sum (server learning rate in delta mode).
@@ -417,8 +420,10 @@ def aggregate(
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None
 
+    first = updates[0] if isinstance(updates, (list, tuple)) and updates else None
+    meta = getattr(first, "_metadata", None)
     if not int_results:
-        return out if out is not None else layout.build(results)
+        return out if out is not None else with_metadata(layout.build(results), meta)
     merged, it = [], iter(results)
     for i, f in enumerate(is_float):
         if f:
@@ -431,7 +436,7 @@ def aggregate(
             merged.append(int_results[i].clone())
     if out is not None:
         return out
-    return layout.build(merged)
+    return with_metadata(layout.build(merged), meta)
 
 
 # ---------------------------------------------------------------- streaming
@@ -494,6 +499,7 @@ class Accumulator:
         self._ints: dict[int, Tensor] = {}
         self._dtypes: list[torch.dtype] = []
         self._total_weight = 0.0
+        self._metadata = None
         self.count = 0
 
     def add(self, update: Model, weight: float) -> None:
@@ -563,6 +569,8 @@ class Accumulator:
                     self._ints.setdefault(i, tensors[i].clone())
                 else:
                     self._ints[i] = torch.maximum(prev, tensors[i])
+        if self._layout is None:  # the first update's state_dict _metadata, if any
+            self._metadata = copy.deepcopy(getattr(update, "_metadata", None))
         self._layout, self._acc = layout, acc
         self._dtypes = [t.dtype for t in tensors]
         self._total_weight += float(w[0])
@@ -593,7 +601,7 @@ class Accumulator:
                 b = base[i].to(a.dtype)
                 out.append((b + (self.scale / div) * (a - (self._total_weight) * b)).to(
                     base[i].dtype))
-        return layout.build(out)
+        return with_metadata(layout.build(out), self._metadata)
 
     def reset(self) -> None:
         """Forgets every update added so far."""

@@ -10,6 +10,7 @@ single-process API (:mod:`fedkernels.aggregate`) and the distributed one
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from collections import OrderedDict
@@ -187,6 +188,17 @@ class ModelLayout:
         if self.kind == "dict":
             return dict(zip(self.names, tensors))
         return list(tensors)
+
+
+def with_metadata(result: Model, meta) -> Model:
+    """A state_dict result carries the first client's ``_metadata`` (``meta``: the module
+    versions that ``load_state_dict`` hands to each module, e.g. BatchNorm's), as
+    ``Module.state_dict()`` returns it; any other result is returned as it is."""
+    if meta is None or not isinstance(result, dict):
+        return result
+    result = OrderedDict(result)
+    result._metadata = copy.deepcopy(meta)
+    return result
 
 
 def is_float_entry(t: Any, what: str, name) -> bool:

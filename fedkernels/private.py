@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from .model_layout import Model, weights_and_values
+from .model_layout import Model, weights_and_values, with_metadata
 from .ops import private as private_ops
 from .robust import ClientSet
 
@@ -141,7 +141,7 @@ def private_aggregate(
         merged, it = [], iter(results)
         for i, f in enumerate(cs.layout.float_mask):
             merged.append(next(it) if f else base_all[i].clone())
-        return cs.layout.build(merged), norms
+        return with_metadata(cs.layout.build(merged), cs.metadata), norms
     float_out = cs.float_out(out_tensors)
     if all(o.data_ptr() == b.data_ptr() and o.stride() == b.stride()
            for o, b in zip(float_out, base_floats)):

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .aggregate import _byte_span, _Footprints, aggregate
-from .model_layout import Model, ModelLayout, split_clients
+from .model_layout import Model, ModelLayout, split_clients, with_metadata
 from .ops import robust as robust_ops
 
 __all__ = ["coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum_scores", "krum",
@@ -51,6 +51,7 @@ class ClientSet:
         models, self.is_flat = split_clients(clients)
         if not models:
             raise ValueError(f"{api}: no client models (K = 0)")
+        self.metadata = getattr(models[0], "_metadata", None)  # kept by a state_dict result
         try:
             self.layout = layout = ModelLayout.of(models[0], "client 0")
             tensors = layout.client_tensors(models)
@@ -153,7 +154,7 @@ class ClientSet:
                 r = torch.maximum(r, v)
             merged.append(r.clone() if len(values) == 1 else r)
         if out_tensors is None:
-            return self.layout.build(merged)
+            return with_metadata(self.layout.build(merged), self.metadata)
         for o, r in zip(out_tensors, merged):
             if o.data_ptr() != r.data_ptr():
                 o.copy_(r)

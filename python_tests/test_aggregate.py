@@ -401,6 +401,31 @@ def test_module_state_dict_with_batchnorm_default_args():
     assert torch.isfinite(net(torch.randn(2, 1, 6, 6))).all()
 
 
+def test_state_dict_result_keeps_the_module_versions():
+    """A Module.state_dict() carries `_metadata` (each module's version, which
+    load_state_dict hands to _load_from_state_dict: BatchNorm reads it). The result of
+    aggregate and of Accumulator keeps the first client's, as a copy; plain dicts stay dicts."""
+    states = []
+    for sd in trained_state_dicts(3):
+        net = SmallNet()
+        net.load_state_dict(sd)
+        states.append(net.state_dict())
+    want = states[0]._metadata
+    assert want["bn"]["version"] >= 2
+    acc = fedkernels.Accumulator()
+    for sd in states:
+        acc.add(sd, 1.0)
+    results = (fedkernels.aggregate(states, [1, 2, 3]), acc.result(normalize=True),
+               fedkernels.robust.coordinate_median(states), fedkernels.robust.krum(states, 0)[0])
+    for result in results:
+        assert result._metadata == want and result._metadata is not want
+        assert list(result) == list(states[0])
+        SmallNet().load_state_dict(result, strict=True)
+    assert type(fedkernels.aggregate([dict(s) for s in states], [1, 2, 3])) is dict
+    assert not hasattr(fedkernels.aggregate([list(s.values()) for s in states], [1, 1, 1]),
+                       "_metadata")
+
+
 def test_module_state_dict_delta_into_global_model_in_place():
     states = trained_state_dicts(3, seed=1)
     global_model = {k: v.clone() for k, v in SmallNet().state_dict().items()}
