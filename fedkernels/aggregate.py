@@ -8,18 +8,18 @@ which reads every client tensor once and writes the result once.
 
 from __future__ import annotations
 
-import bisect
 import copy
 import itertools
 import math
 import numbers
 import re
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .memory_footprints import Footprints, byte_span, has_internal_overlap
 from .model_layout import (
     INT_POLICIES,
     Model,
@@ -96,60 +96,9 @@ def _same_memory(a: Tensor, b: Tensor) -> bool:
             and a.dtype == b.dtype)
 
 
-# ---------------------------------------------------------------- memory footprints
 # The native op checks the floating-point outputs against the floating-point inputs. Integer
 # entries never reach it: they are copied into ``out`` afterwards, so their outputs are checked
-# here, before anything is written.
-
-
-def _byte_span(t: Tensor) -> tuple[int, int] | None:
-    """``[first byte, past last byte)`` that ``t`` can touch (None when it has no memory).
-    Called for every integer input, so the common contiguous case costs three queries."""
-    start, size = t.data_ptr(), t.nbytes
-    if start == 0 or size == 0:  # meta and empty tensors touch no memory
-        return None
-    if not t.is_contiguous():
-        size = (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-    return start, start + size
-
-
-def _has_internal_overlap(t: Tensor) -> bool:
-    """True when two elements of ``t`` may share memory (an expanded or overlapping view)."""
-    reach = 1  # elements spanned by the dimensions of smaller stride
-    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
-        if stride < reach:
-            return True
-        reach += (size - 1) * stride
-    return False
-
-
-class _Footprints:
-    """Memory ranges of tensors, each with a key, for "does this range overlap any of them"
-    queries in O(log n) each (sorted starts and a running maximum of the ends)."""
-
-    def __init__(self, spans: list[tuple[tuple[int, int] | None, Tensor, Hashable]]):
-        spans = sorted(((s[0], s[1], t, key) for s, t, key in spans if s is not None),
-                       key=lambda item: item[0])
-        self._spans = spans
-        self._starts = [item[0] for item in spans]
-        self._reach, end = [], -1
-        for item in spans:
-            end = max(end, item[1])
-            self._reach.append(end)
-
-    def overlap(self, span: tuple[int, int] | None, t: Tensor, exclude: Hashable = None):
-        """The key of a tensor (other than ``exclude``) whose memory overlaps ``span`` (the
-        footprint of ``t``), or None."""
-        if span is None:
-            return None
-        start, stop = span
-        j = bisect.bisect_left(self._starts, stop) - 1
-        while j >= 0 and self._reach[j] > start:
-            _, end, other, key = self._spans[j]
-            if end > start and key != exclude and other.device == t.device:
-                return key
-            j -= 1
-        return None
+# here (with memory_footprints), before anything is written.
 
 
 def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: dict[int, Tensor],
@@ -169,15 +118,15 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
             raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} is {o.dtype} "
                              f"{tuple(o.shape)} on {o.device}, expected {r.dtype} "
                              f"{tuple(r.shape)} on {r.device}")
-        if _has_internal_overlap(o):
+        if has_internal_overlap(o):
             raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} has internal overlap "
                              "(an expanded view); the output needs one element of memory each")
-    inputs = [(_byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
+    inputs = [(byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
     if base_tensors is not None:  # the base may be the out entry itself (in place), not part
-        inputs += [(_byte_span(base_tensors[i]), base_tensors[i], ("base", i))
+        inputs += [(byte_span(base_tensors[i]), base_tensors[i], ("base", i))
                    for i in int_results if not _same_memory(base_tensors[i], out_tensors[i])]
-    outputs = [(_byte_span(o), o, j) for j, o in enumerate(out_tensors)]
-    inputs_map = _Footprints(inputs)
+    outputs = [(byte_span(o), o, j) for j, o in enumerate(out_tensors)]
+    inputs_map = Footprints(inputs)
     for span, o, i in outputs:
         hit = inputs_map.overlap(span, o)
         if hit is not None:
@@ -185,7 +134,7 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
             raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} overlaps "
                              f"{who}{label(hit[1])}; the output must not alias a client update "
                              "(or base, except in place)")
-    outputs_map = _Footprints(outputs)
+    outputs_map = Footprints(outputs)
     for i in int_results:
         hit = outputs_map.overlap(outputs[i][0], out_tensors[i], exclude=i)
         if hit is not None:

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .aggregate import _byte_span, _Footprints, aggregate
+from .aggregate import aggregate
+from .memory_footprints import Footprints, byte_span
 from .model_layout import Model, ModelLayout, split_clients, with_metadata
 from .ops import robust as robust_ops
 
@@ -95,10 +96,10 @@ class ClientSet:
         if out_tensors is None:
             return
         float_index = self.layout.float_index
-        clients = _Footprints([(_byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
+        clients = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
                                for i, t in zip(float_index, c)])
         for i in float_index:
-            hit = clients.overlap(_byte_span(out_tensors[i]), out_tensors[i])
+            hit = clients.overlap(byte_span(out_tensors[i]), out_tensors[i])
             if hit is not None:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps client "
                                  f"{hit[0]}, tensor {self.label(hit[1])}; the output must not "
