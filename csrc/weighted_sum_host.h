@@ -174,7 +174,7 @@ inline WeightedSumShape check_inputs(
     check_supported_float(op, ref.scalar_type(), "client 0, tensor ", t);
     for (const auto k : c10::irange(K)) {
       const at::Tensor& x = updates[k * T + t];
-      if (x.device() != device) {
+      if (x.device() != device) {  // checked here so that the name is built only to raise
         check_device(op, x, device, /*allow_cpu=*/false, describe({k, t}));
       }
       TORCH_CHECK_VALUE(

@@ -8,7 +8,6 @@ which reads every client tensor once and writes the result once.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import numbers
@@ -369,8 +368,7 @@ def aggregate(
     except (RuntimeError, ValueError, TypeError) as err:
         raise _rename(err, layout, float_names) from None
 
-    first = updates[0] if isinstance(updates, (list, tuple)) and updates else None
-    meta = getattr(first, "_metadata", None)
+    meta = getattr(models[0], "_metadata", None)
     if not int_results:
         return out if out is not None else with_metadata(layout.build(results), meta)
     merged, it = [], iter(results)
@@ -519,7 +517,7 @@ class Accumulator:
                 else:
                     self._ints[i] = torch.maximum(prev, tensors[i])
         if self._layout is None:  # the first update's state_dict _metadata, if any
-            self._metadata = copy.deepcopy(getattr(update, "_metadata", None))
+            self._metadata = getattr(update, "_metadata", None)  # with_metadata copies it
         self._layout, self._acc = layout, acc
         self._dtypes = [t.dtype for t in tensors]
         self._total_weight += float(w[0])
