@@ -205,11 +205,12 @@ struct DistillMath {
   FEDKERNELS_HD static A sigmoid(A z) {
     return A(1) / (A(1) + math_exp(-z));
   }
-  // H(softmax(x)) = lse - sum_c p_c x_c, from m = max x, s = sum e^(x - m), t = sum e^(x - m) x
-  // (the stable form; docs/algorithms/distillation.md, "Ops").
+  // H(softmax(x)) = log s - t / s from s = sum e^(x - m) and t = sum e^(x - m) (x - m), m = max x
+  // (the stable form; docs/algorithms/distillation.md, "Ops"). A class with e^(x - m) = 0 adds 0
+  // to t (0 log 0 = 0), not 0 * -inf.
   template <typename A>
-  FEDKERNELS_HD static A entropy(A m, A s, A t) {
-    return m + math_log(s) - t / s;
+  FEDKERNELS_HD static A entropy(A s, A t) {
+    return math_log(s) - t / s;
   }
   // The per-client score of one sample before normalisation over clients:
   //   softmax kinds: the exponent (without log_prior); linear kinds: the non-negative mass

@@ -5,6 +5,10 @@ weightings' properties, opcheck, float64 gradcheck, torch.compile and the errors
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -127,6 +131,59 @@ def test_entropy_weights_over_the_exp_range(spread, K, N, C):
     scale = max(1.0, spread)
     torch.testing.assert_close(w.double(), w_ref, rtol=min(3e-6 * scale, 1e-3), atol=1e-6)
     torch.testing.assert_close(y.double(), y_ref, rtol=2e-5, atol=2e-6 * scale)
+
+
+# Teacher rows the CPU entropy pass must route or bound with care (its base-2 exps apply to a
+# row whose max is finite and below 1e7 in size): -inf classes (probability 0: they add 0 to the
+# entropy), a NaN, an all -inf row, a +inf, maxima far from 0, and a huge spread.
+_EDGE_ROWS = textwrap.dedent(
+    """
+    import sys, torch, fedkernels
+    from fedkernels.ops import reference as R
+
+    def edge_logits(C):
+        g = torch.Generator().manual_seed(C)
+        L = 3 * torch.randn(3, 40, C, generator=g, dtype=torch.float64)
+        L[0, 1, : C // 2] = float("-inf")
+        L[1, 2, C - 1] = float("nan")
+        L[2, 3, :] = float("-inf")
+        L[0, 4, 0] = float("inf")
+        L[1, 5, :] += 3e7
+        L[2, 6, :] *= 1e6
+        L[0, 7, :] = -1e30
+        L[0, 7, 0] = 1e30
+        return L.float()
+
+    for C in (1, 7, 10, 16, 100, 1000):
+        L = edge_logits(C)
+        y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
+        y_ref, w_ref = R.ensemble_pseudo_labels_reference(L.double(), weighting="entropy",
+                                                          return_weights=True)
+        torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
+        # Row 5's labels are a softmax of logits near 3e7, where float32's spacing is 2: skipped.
+        keep = torch.arange(L.shape[1]) != 5
+        torch.testing.assert_close(y[keep].double(), y_ref[keep], rtol=1e-5, atol=1e-6,
+                                   equal_nan=True)
+        assert torch.isfinite(w[:, 1]).all() and torch.isnan(w[:, 2]).all(), C
+    print("OK", fedkernels.ops.native.cpu_capability)
+    """
+)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_entropy_edge_rows_in_every_cpu_build(capability):
+    """Each CPU build (its own exps and lane layout) gives the float64 reference's weights and
+    labels on the edge rows above: -inf classes count as probability 0, NaN and +-inf maxima
+    give NaN as in the reference, and maxima beyond the base-2 range take the full exp."""
+    from fedkernels.ops import native as _native
+
+    if capability not in _native._supported_capabilities():
+        pytest.skip(f"this CPU does not support the {capability} build")
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _EDGE_ROWS], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,9 @@
 // Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit.
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
 // elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
-// block at once, and per-row constants sit in small per-block arrays. Short rows (C < 2 vector
+// block at once, and per-row constants sit in small per-block arrays. The entropy weighting's
+// exps take most of its time: float rows use exp2_sums (base 2, ten vector operations per
+// vector of logits). Short rows (C < 2 vector
 // widths) go a vector's width of rows at a time, one row per lane (RowLanes). Scores and weights
 // are computed for a block of rows at once, vectorised across rows. The weighted combination
 // takes four teachers per pass over a row's accumulator (a third of the loads and stores of one
@@ -139,85 +141,194 @@ C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
   axpy_group<1>(y, &x, &a, n);
 }
 
-// e^x for x <= 0 or -inf (a row's values less its finite max), the exps of the entropy
-// weighting. For float: x = n ln 2 + r with |r| <= ln 2 / 2 (n rounded by the 1.5 * 2^23 trick,
-// ln 2 in two parts so that r is exact), e^r by a degree-5 minimax polynomial fitted for this
-// range, 2^n built in the exponent bits; below ln(FLT_MIN), where 2^n is not a normal float,
-// the result is 0. Within 3 ulp of e^x over [-87, 0], against 6 for ATen's exp_u20 (which it
-// replaces here), in 13 vector operations instead of about 19: the entropy pass is bound by
-// these exps (0.32 against 0.43 ns per value on one Zen 3 core). Not for NaN or x > 0.
+// Raw lane-wise max(a, b): b where either is NaN (the x86 rule), so a NaN in b survives. One
+// instruction, against three for the NaN-propagating at::vec::maximum.
+C10_ALWAYS_INLINE Vectorized<float> max_raw(Vectorized<float> a, Vectorized<float> b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return Vectorized<float>::blendv(Vectorized<float>::blendv(a, b, b > a), b, b != b);
+#endif
+}
+
+// p * 2^n, from k = n + 1.5 * 2^23 as a float (n an integer in its low mantissa bits): n << 23
+// added to p's bits, an integer add that leaves the multipliers free. Exact while the result
+// is a normal float.
+C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorized<float> k) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(k), 23)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(k), 23)));
+#else
+  using IVec = Vectorized<int32_t>;
+  return at::vec::cast<float>(at::vec::cast<int32_t>(p) + (at::vec::cast<int32_t>(k) << IVec(23)));
+#endif
+}
+
+// 2^y for y in [-125, ~0] (and NaN in, NaN or garbage out: callers check their sums): y = n + f
+// with n = round(y) by the 1.5 * 2^23 trick and f = y - n exact in [-1/2, 1/2], 2^f by a
+// degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 measured in float
+// arithmetic), and 2^n added to the exponent. Ten vector operations, five of them fused
+// multiply-adds: the base-2 form drops the two-part ln 2 reduction, and the integer scaling
+// drops a multiply.
+C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
+  using Vec = Vectorized<float>;
+  const Vec shift(12582912.0f);  // 1.5 * 2^23
+  const Vec k = y + shift;
+  const Vec f = y - (k - shift);
+  Vec p = at::vec::fmadd(Vec(0.0013202982f), f, Vec(0.0096749524f));
+  p = at::vec::fmadd(p, f, Vec(0.055510473f));
+  p = at::vec::fmadd(p, f, Vec(0.24022166f));
+  p = at::vec::fmadd(p, f, Vec(0.69314659f));
+  p = at::vec::fmadd(p, f, Vec(1.0f));
+  return scale_by_pow2(p, k);
+}
+
+// The entropy pass (docs/algorithms/distillation.md, "Ops") needs, per teacher row x with max
+// m, s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) (x_c - m), from which H = log s - t / s.
+// It is bound by those exps, so float rows take them in base 2: y_c = x_c log2 e - m log2 e in
+// one FMA (the rounding of m log2 e moves every y_c of the row alike, which H does not see),
+// clamped to y >= kMinExp2 so that 2^y stays a normal float (a logit more than 86 below the max
+// adds ~1e-38 where it should add 0: invisible next to the max's 1, and a -inf logit stays
+// finite), then s = sum 2^y and t = ln 2 * sum 2^y y. That needs |m log2 e| < 2^24, so that
+// the max's own y (the residual of that rounding) is at most 1/2: exp2_row_ok. Other rows
+// (NaN, +-inf or huge maxima, and float64) take the full exp (exp_sums_full).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kMinExp2 = -125.0f;
+
 template <typename A>
-C10_ALWAYS_INLINE Vectorized<A> exp_nonpositive(Vectorized<A> x) {
-  if constexpr (!std::is_same_v<A, float>) {
-    return x.exp_u20();
-  } else {
-    using Vec = Vectorized<float>;
-    using IVec = Vectorized<int32_t>;
-    const Vec shift(12582912.0f + 127.0f);  // 1.5 * 2^23 + the exponent bias
-    const Vec k = at::vec::fmadd(x, Vec(1.44269504088896341f), shift);  // n + 127 in the low bits
-    const Vec n = k - shift;
-    Vec r = at::vec::fmadd(n, Vec(-0.693359375f), x);  // n * ln2_hi is exact
-    r = at::vec::fmadd(n, Vec(2.12194440e-4f), r);
-    Vec p(0.008290315f);
-    p = at::vec::fmadd(p, r, Vec(0.04189793f));
-    p = at::vec::fmadd(p, r, Vec(0.16667636f));
-    p = at::vec::fmadd(p, r, Vec(0.49999151f));
-    p = at::vec::fmadd(p, r, Vec(0.99999970f));
-    p = at::vec::fmadd(p, r, Vec(1.0f));
-    const Vec two_n = at::vec::cast<float>(at::vec::cast<int32_t>(k) << IVec(23));
-    return (p * two_n) & (x >= Vec(-87.3365448f));
-  }
+C10_ALWAYS_INLINE bool exp2_row_ok(A m) {
+  return std::is_same_v<A, float> && std::abs(m) <= A(1e7);  // false for NaN and +-inf too
 }
 
-// e^x: exp_nonpositive (kFast) or the full exp. Called directly in the loops below: inside a
-// lambda the compiler left it as a call per vector.
-template <bool kFast, typename A>
-C10_ALWAYS_INLINE Vectorized<A> exp_of(Vectorized<A> v) {
-  if constexpr (kFast) {
-    return exp_nonpositive<A>(v);
-  } else {
-    return v.exp();
-  }
+// y = max(kMinExp2, x log2 e + b) with b = -(m log2 e); a NaN x stays NaN (max_raw).
+C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<float> b) {
+  return max_raw(Vectorized<float>(kMinExp2), at::vec::fmadd(x, Vectorized<float>(kLog2e), b));
 }
 
-// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) x_c over one row in a single read (for long
-// rows: the last vector is partial). kFast: exp_nonpositive, as in exp_inplace. The exps are
-// compute bound, so while they run the same span of the next block to be read (pf, if not
-// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
-template <bool kFast, typename A>
-C10_ALWAYS_INLINE void exp_sums(const A* x, int64_t n, A m, A& s, A& t,
-                                const A* pf = nullptr) {
-  using Vec = Vectorized<A>;
+// s and t (above) of one float row with exp2_row_ok(m), in one read, in base 2 (t is sum 2^y y,
+// not yet times ln 2). The row max m may come from max_raw, which can miss a NaN: a NaN logit
+// makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The exps are
+// compute bound, so while they run the same span of the next block to be read (pf, if not null)
+// is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, float& t,
+                                 const float* pf) {
+  using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  const Vec mv(m);
-  Vec s0(A(0)), s1(A(0)), t0(A(0)), t1(A(0));
+  const Vec b(-(m * kLog2e));
+  Vec sv(0.0f), tv(0.0f);
   int64_t c = 0;
   constexpr int64_t kLine = 64;
+  // Two vectors per step, each sum with one add (the pair summed first): two accumulators
+  // instead of four keep every register of the step in the register file.
   for (; c + 2 * W <= n; c += 2 * W) {
     if (pf) {
       const char* p = reinterpret_cast<const char*>(pf + c);
-      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(A)); o += kLine) {
+      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(float)); o += kLine) {
         __builtin_prefetch(p + o, 0, 3);
       }
     }
-    const Vec v0 = Vec::loadu(x + c), v1 = Vec::loadu(x + c + W);
-    const Vec e0 = exp_of<kFast>(v0 - mv), e1 = exp_of<kFast>(v1 - mv);
-    s0 = s0 + e0;
-    s1 = s1 + e1;
-    t0 = t0 + e0 * v0;
-    t1 = t1 + e1 * v1;
+    const Vec y0 = exp2_arg(Vec::loadu(x + c), b), y1 = exp2_arg(Vec::loadu(x + c + W), b);
+    const Vec e0 = exp2_poly(y0), e1 = exp2_poly(y1);
+    sv = sv + (e0 + e1);
+    tv = tv + at::vec::fmadd(e1, y1, e0 * y0);
   }
-  // The rest one vector at a time: the missing lanes of the last one load as 0 and their e is
-  // set to 0, so they add nothing.
+  // The rest one vector at a time: the missing lanes of the last one are set to e = 0.
   for (; c < n; c += W) {
     const int64_t cnt = std::min<int64_t>(W, n - c);
-    const Vec v = Vec::loadu(x + c, cnt);
-    const Vec e = Vec::set(Vec(A(0)), exp_of<kFast>(v - mv), cnt);
-    s0 = s0 + e;
-    t0 = t0 + e * v;
+    const Vec y = exp2_arg(Vec::loadu(x + c, cnt), b);
+    const Vec e = Vec::set(Vec(0.0f), exp2_poly(y), cnt);
+    sv = sv + e;
+    tv = at::vec::fmadd(e, Vec::set(Vec(0.0f), y, cnt), tv);
   }
-  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, s0 + s1);
-  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return a + b; }, t0 + t1);
+  s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, sv);
+  t = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, tv);
+}
+
+// s and t (above) of one row with the full exp (any m, any A), in one read. NaN and +-inf
+// carry through (a NaN or infinite max makes H NaN, as in the reference); a class with e = 0 (a
+// -inf logit) adds 0 to t, not 0 * -inf.
+template <typename A>
+void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const Vec mv(m), zero(A(0));
+  Vec sv(zero), tv(zero);
+  for (int64_t c = 0; c < n; c += W) {
+    const int64_t cnt = std::min<int64_t>(W, n - c);
+    const Vec d = Vec::set(zero, Vec::loadu(x + c, cnt) - mv, cnt);
+    const Vec e = Vec::set(zero, d.exp(), cnt);
+    sv = sv + e;
+    tv = tv + ((e * d) & (e != zero));
+  }
+  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, sv);
+  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, tv);
+}
+
+// at::vec::fmadd's rounding for one float: fused in the AVX2 and AVX-512 builds, a multiply and
+// an add in the default one.
+C10_ALWAYS_INLINE float fmadd1(float a, float b, float c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// e = 2^y over a whole block of exp2_arg values (the short rows' entropy pass).
+inline void exp2_inplace(const float* y, float* e, int64_t n) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  int64_t c = 0;
+  for (; c + W <= n; c += W) exp2_poly(Vec::loadu(y + c)).store(e + c);
+  if (c < n) exp2_poly(Vec::loadu(y + c, n - c)).store(e + c, n - c);
+}
+
+// s and t (t times ln 2) of one short float row (C < 2 vector widths) with exp2_row_ok(m),
+// summed in class order as RowLanes::entropy_stats does, so a row gets the same bits by lanes
+// or alone. y and e: C scratch values each.
+inline void exp2_sums_in_order(const float* x, int64_t C, float m, float* y, float* e, float& s,
+                               float& t) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const Vec b(-(m * kLog2e));
+  for (int64_t c = 0; c < C; c += W) {
+    const int cnt = static_cast<int>(std::min<int64_t>(W, C - c));
+    exp2_arg(Vec::loadu(x + c, cnt), b).store(y + c, cnt);
+  }
+  exp2_inplace(y, e, C);
+  s = t = 0.0f;
+  for (int64_t c = 0; c < C; ++c) {
+    s += e[c];
+    t = fmadd1(e[c], y[c], t);
+  }
+  t *= kLn2;
+}
+
+// max_c x_c with max_raw: NaN-blind (a NaN may be skipped or returned); for exp2_sums only.
+C10_ALWAYS_INLINE float row_max_raw(const float* x, int64_t n) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  if (n < 2 * W) return row_max(x, n);
+  Vec a = Vec::loadu(x), b = Vec::loadu(x + W);
+  int64_t c = 2 * W;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    a = max_raw(a, Vec::loadu(x + c));
+    b = max_raw(b, Vec::loadu(x + c + W));
+  }
+  for (; c + W <= n; c += W) a = max_raw(a, Vec::loadu(x + c));
+  if (c < n) b = max_raw(b, Vec::loadu(x + n - W));  // overlapping: max is idempotent
+  a = max_raw(a, b);
+  alignas(64) float lanes[W];
+  a.store(lanes);
+  float m = lanes[0];
+  for (int64_t l = 1; l < W; ++l) m = std::max(m, lanes[l]);
+  return m;
 }
 
 // acc[r] += sum_k w[k * R + r] x_k[r] for rows r < rows of C elements, teacher k's rows at
@@ -259,15 +370,14 @@ void kl_terms(A* lq, const A* y, int64_t n) {
       lq, lq, y, n);
 }
 
-// x = e^x over a whole block. kFast: exp_nonpositive (it does not carry NaN or +inf through),
-// for arguments known to be <= 0 or -inf.
-template <bool kFast, typename A>
+// x = e^x over a whole block.
+template <typename A>
 void exp_inplace(A* x, int64_t n) {
   using Vec = Vectorized<A>;
   constexpr int64_t W = Vec::size();
   int64_t c = 0;
-  for (; c + W <= n; c += W) exp_of<kFast>(Vec::loadu(x + c)).store(x + c);
-  if (c < n) exp_of<kFast>(Vec::loadu(x + c, n - c)).store(x + c, n - c);
+  for (; c + W <= n; c += W) Vec::loadu(x + c).exp().store(x + c);
+  if (c < n) Vec::loadu(x + c, n - c).exp().store(x + c, n - c);
 }
 
 // Scores from the discriminator logits z[0..rows) into s (fedgo, domain, uniform), vectorised
@@ -292,11 +402,11 @@ void z_scores(A* s, const A* z, int64_t rows, Weighting weighting, bool double_s
   }
 }
 
-// Entropy scores -H / tau of rows [0, rows) from m = max x, s = sum e^(x - m) and
-// t = sum e^(x - m) x (st holds t on entry), vectorised across rows: the vector form of
-// DistillMath::entropy and score.
+// Entropy scores -H / tau of rows [0, rows) from s = sum e^(x - m) and t = sum e^(x - m) (x - m)
+// (st holds t on entry): H = log s - t / s, vectorised across rows (the vector form of
+// DistillMath::entropy and score).
 template <typename A>
-void entropy_scores(A* st, const A* m, const A* s, int64_t rows, A tau) {
+void entropy_scores(A* st, const A* s, int64_t rows, A tau) {
   using Vec = Vectorized<A>;
   constexpr int64_t W = Vec::size();
   // The last vector is partial (its unused lanes load as 0 and are not stored), so that every
@@ -305,7 +415,7 @@ void entropy_scores(A* st, const A* m, const A* s, int64_t rows, A tau) {
   for (int64_t r = 0; r < rows; r += W) {
     const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r));
     const Vec sv = Vec::loadu(s + r, cnt);
-    const Vec ent = Vec::loadu(m + r, cnt) + sv.log() - Vec::loadu(st + r, cnt) / sv;
+    const Vec ent = sv.log() - Vec::loadu(st + r, cnt) / sv;
     (ent.neg() / tv).store(st + r, cnt);
   }
 }
@@ -379,29 +489,35 @@ struct RowLanes {
     }
   }
 
-  // m = max x, s = sum e^(x - m) and t = sum e^(x - m) x of the W rows at x, through col (C * W
-  // scratch values). False, with nothing stored, when a row's max is not finite: those rows need
-  // the full exp (see the row path).
+  // m = max x, s and t (as in exp2_sums, t times ln 2) of the W float rows at x, through col
+  // (C * W scratch values), in class order like exp2_sums_in_order, so a row gets the same bits
+  // either way. False, with nothing stored, when a row needs the full exp (exp2_row_ok), and
+  // for float64: the caller then takes those rows one by one.
   bool entropy_stats(const A* x, A* col, A* m, A* s, A* t) const {
-    transpose(x, col);
-    Vec mv = Vec::loadu(col);
-    for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
-    alignas(64) A lanes[W];
-    mv.store(lanes);
-    for (int64_t l = 0; l < W; ++l) {
-      if (!std::isfinite(lanes[l])) return false;
+    if constexpr (!std::is_same_v<A, float>) {
+      return false;
+    } else {
+      transpose(x, col);
+      Vec mv = Vec::loadu(col);
+      for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
+      alignas(64) A lanes[W];
+      mv.store(lanes);
+      for (int64_t l = 0; l < W; ++l) {
+        if (!exp2_row_ok(lanes[l])) return false;
+      }
+      const Vec b = (mv * Vec(kLog2e)).neg();
+      Vec sv(A(0)), tv(A(0));
+      for (int64_t c = 0; c < C; ++c) {
+        const Vec y = exp2_arg(Vec::loadu(col + c * W), b);
+        const Vec e = exp2_poly(y);
+        sv = sv + e;
+        tv = at::vec::fmadd(e, y, tv);
+      }
+      mv.store(m);
+      sv.store(s);
+      (tv * Vec(kLn2)).store(t);
+      return true;
     }
-    Vec sv(A(0)), tv(A(0));
-    for (int64_t c = 0; c < C; ++c) {
-      const Vec v = Vec::loadu(col + c * W);
-      const Vec e = exp_nonpositive<A>(v - mv);
-      sv = sv + e;
-      tv = tv + e * v;
-    }
-    mv.store(m);
-    sv.store(s);
-    tv.store(t);
-    return true;
   }
 
   // acc[c * W + l] += w[l] x[l * C + c]: the combination of the W rows at x, kept by column.
@@ -467,6 +583,7 @@ struct DistillCpu {
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
       std::vector<A> row_m(R), row_s(R);
+      std::vector<A> row_e(C < 2 * W ? C : 0);  // a short row's exps (exp2_sums_in_order)
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
         auto block = [&](int64_t k) -> const A* {
@@ -488,10 +605,8 @@ struct DistillCpu {
           if (!entropy && !variance && !p.probs) continue;  // the rows are not needed yet
           const A* x = block(k);
           if (entropy) {
-            // s = sum e^(x - m), t = sum e^(x - m) x (t in sk until entropy_scores). With a finite
-            // max every exponent is <= 0 or -inf, where exp_nonpositive applies; rows
-            // with a NaN or infinite max are redone with the full exp, which carries NaN and inf
-            // through.
+            // s and t of each row (t in sk until entropy_scores; see exp2_sums): float rows in
+            // base 2 where exp2_row_ok, the others (and any row with a NaN) with the full exp.
             // The next block this thread reads: teacher k + 1's rows, or teacher 0's of the next
             // block.
             const T* next = k + 1 < K ? logits + ((k + 1) * N + i0) * C
@@ -501,31 +616,30 @@ struct DistillCpu {
             const A* pf = nullptr;
             if constexpr (std::is_same_v<T, A>) pf = next;
             auto by_rows = [&](int64_t ra, int64_t rb) {
-              if (C >= 2 * W) {  // long rows: the exps and both sums in one read of the row
-                for (int64_t r = ra; r < rb; ++r) {
-                  row_m[r] = row_max(x + r * C, C);
-                  if (std::isfinite(row_m[r])) {
-                    exp_sums<true>(x + r * C, C, row_m[r], row_s[r], sk[r],
-                                   pf && r < next_rows ? pf + r * C : nullptr);
+              for (int64_t r = ra; r < rb; ++r) {
+                const A* xr = x + r * C;
+                if constexpr (std::is_same_v<A, float>) {
+                  if (C >= 2 * W) {  // long rows: the exps and both sums in one read of the row
+                    const A m = row_max_raw(xr, C);
+                    if (exp2_row_ok(m)) {
+                      A t2;
+                      exp2_sums(xr, C, m, row_s[r], t2, pf && r < next_rows ? pf + r * C : nullptr);
+                      if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
+                        row_m[r] = m;
+                        sk[r] = t2 * kLn2;
+                        continue;
+                      }
+                    }
                   } else {
-                    exp_sums<false>(x + r * C, C, row_m[r], row_s[r], sk[r]);
+                    row_m[r] = row_max(xr, C);
+                    if (exp2_row_ok(row_m[r])) {
+                      exp2_sums_in_order(xr, C, row_m[r], tmp.data(), row_e.data(), row_s[r], sk[r]);
+                      continue;
+                    }
                   }
                 }
-                return;
-              }
-              for (int64_t r = ra; r < rb; ++r) row_m[r] = row_max(x + r * C, C);
-              for (int64_t r = ra; r < rb; ++r) {
-                scale_sub(tmp.data() + r * C, x + r * C, A(1), row_m[r], C);
-              }
-              exp_inplace<true>(tmp.data() + ra * C, (rb - ra) * C);
-              for (int64_t r = ra; r < rb; ++r) {
-                A* e = tmp.data() + r * C;
-                if (!std::isfinite(row_m[r])) {
-                  scale_sub(e, x + r * C, A(1), row_m[r], C);
-                  exp_inplace<false>(e, C);
-                }
-                row_s[r] = row_sum<A>(e, nullptr, C);
-                sk[r] = row_sum<A>(e, x + r * C, C);
+                row_m[r] = row_max(xr, C);
+                exp_sums_full(xr, C, row_m[r], row_s[r], sk[r]);
               }
             };
             int64_t r = 0;
@@ -535,7 +649,7 @@ struct DistillCpu {
               }
             }
             by_rows(r, rows);
-            entropy_scores<A>(sk, row_m.data(), row_s.data(), rows, tau);
+            entropy_scores<A>(sk, row_s.data(), rows, tau);
           } else if (variance) {
             for (int64_t r = 0; r < rows; ++r) {
               const A* xr = x + r * C;
@@ -555,7 +669,7 @@ struct DistillCpu {
               mk[r] = row_m[r] * inv_t;
               scale_sub(tmp.data() + r * C, x + r * C, inv_t, mk[r], C);
             }
-            exp_inplace<false>(tmp.data(), n);
+            exp_inplace(tmp.data(), n);
             for (int64_t r = 0; r < rows; ++r) sum_t[k * R + r] = row_sum<A>(tmp.data() + r * C, nullptr, C);
           }
         }
@@ -581,7 +695,7 @@ struct DistillCpu {
             for (int64_t r = 0; r < rows; ++r) {
               scale_sub(tmp.data() + r * C, x + r * C, inv_t, max_t[k * R + r], C);
             }
-            exp_inplace<false>(tmp.data(), n);
+            exp_inplace(tmp.data(), n);
             for (int64_t r = 0; r < rows; ++r) {
               axpy(acc.data() + r * C, tmp.data() + r * C, w[k * R + r] / sum_t[k * R + r], C);
             }
@@ -599,7 +713,7 @@ struct DistillCpu {
           const A m = row_max(acc.data() + r * C, C) * inv_t;
           scale_sub(tmp.data() + r * C, acc.data() + r * C, inv_t, m, C);
         }
-        exp_inplace<false>(tmp.data() + r0 * C, n - r0 * C);
+        exp_inplace(tmp.data() + r0 * C, n - r0 * C);
         for (int64_t r = r0; r < rows; ++r) {
           const A* e = tmp.data() + r * C;
           const A inv_sum = A(1) / row_sum<A>(e, nullptr, C);
@@ -639,7 +753,7 @@ struct DistillCpu {
             row_m[r] = row_max(z.data() + r * C, C);
             scale_sub(e.data() + r * C, z.data() + r * C, A(1), row_m[r], C);
           }
-          exp_inplace<false>(e.data(), n);
+          exp_inplace(e.data(), n);
           // z becomes log q = z - (m + log sum e), then the loss terms.
           for (int64_t r = 0; r < rows; ++r) {
             const A sum = row_sum<A>(e.data() + r * C, nullptr, C);

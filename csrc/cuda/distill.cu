@@ -81,16 +81,17 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
           for (int64_t c = lane; c < C; c += 32) {
             const A v = static_cast<A>(x[c]);
             if (entropy) {
-              const A e = math_exp(v - m);
+              const A d = v - m;
+              const A e = math_exp(d);
               s += e;
-              t += e * v;
+              if (e != A(0)) t += e * d;  // a -inf logit adds 0, not 0 * -inf
             }
             if (a.probs) st += math_exp(v * inv_t - max_t);
           }
           if (entropy) {
             s = warp_reduce(s, SumOp<A>());
             t = warp_reduce(t, SumOp<A>());
-            ent = DistillMath::entropy(m, s, t);
+            ent = DistillMath::entropy(s, t);
           }
           if (a.probs) sum_t = warp_reduce(st, SumOp<A>());
         }

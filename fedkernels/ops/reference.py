@@ -213,7 +213,8 @@ def ensemble_weights_reference(
             a = torch.zeros(K, N, dtype=acc, device=L.device)
         elif weighting == "entropy":
             p = torch.softmax(L, dim=-1)
-            a = (p * torch.log_softmax(L, dim=-1)).sum(-1) / tau  # -H / tau
+            plogp = torch.where(p == 0, 0.0, p * torch.log_softmax(L, dim=-1))  # 0 log 0 = 0
+            a = plogp.sum(-1) / tau  # -H / tau
         else:
             z = scores.to(acc)
             a = torch.sigmoid(z) if odds == "double_sigmoid" else z
