@@ -211,6 +211,12 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<flo
   return max_raw(Vectorized<float>(kMinExp2), at::vec::fmadd(x, Vectorized<float>(kLog2e), b));
 }
 
+// 0, 1, ..., W - 1, one per lane.
+template <typename A>
+C10_ALWAYS_INLINE Vectorized<A> kLaneIndex() {
+  return Vectorized<A>::arange(A(0), A(1));
+}
+
 // s and t (above) of one float row with exp2_row_ok(m), in one read, in base 2 (t is sum 2^y y,
 // not yet times ln 2). The row max m may come from max_raw, which can miss a NaN: a NaN logit
 // makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The exps are
@@ -238,13 +244,28 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, f
     sv = sv + (e0 + e1);
     tv = tv + at::vec::fmadd(e1, y1, e0 * y0);
   }
-  // The rest one vector at a time: the missing lanes of the last one are set to e = 0.
-  for (; c < n; c += W) {
-    const int64_t cnt = std::min<int64_t>(W, n - c);
-    const Vec y = exp2_arg(Vec::loadu(x + c, cnt), b);
-    const Vec e = Vec::set(Vec(0.0f), exp2_poly(y), cnt);
+  if (c + W <= n) {
+    const Vec y = exp2_arg(Vec::loadu(x + c), b);
+    const Vec e = exp2_poly(y);
     sv = sv + e;
-    tv = at::vec::fmadd(e, Vec::set(Vec(0.0f), y, cnt), tv);
+    tv = at::vec::fmadd(e, y, tv);
+    c += W;
+  }
+  if (c < n) {
+    // The last partial vector: a full one ending at x + n when the row has one (its first
+    // lanes, counted already, masked to 0), else a partial load (missing lanes set to 0).
+    Vec y, e;
+    if (n >= W) {
+      const Vec keep = kLaneIndex<float>() >= Vec(static_cast<float>(W - (n - c)));
+      y = exp2_arg(Vec::loadu(x + n - W), b) & keep;
+      e = exp2_poly(y) & keep;
+    } else {
+      const int cnt = static_cast<int>(n - c);
+      y = Vec::set(Vec(0.0f), exp2_arg(Vec::loadu(x + c, cnt), b), cnt);
+      e = Vec::set(Vec(0.0f), exp2_poly(y), cnt);
+    }
+    sv = sv + e;
+    tv = at::vec::fmadd(e, y, tv);
   }
   s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, sv);
   t = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, tv);
