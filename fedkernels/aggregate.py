@@ -274,7 +274,8 @@ def aggregate(
             tensor lists (same shapes), a list of tensors, or one ``[K, P]`` tensor of flat
             vectors. The result has the structure of one client (dict, list or 1-D tensor;
             a ``Module.state_dict()``'s ``_metadata`` is carried over, as a copy).
-        weights: K numbers (tensor, list or numpy array), used as given unless ``normalize``.
+        weights: K real numbers (tensor, list or numpy array; booleans are refused), used as given
+            unless ``normalize``.
         base: the current global model, same structure as a client; turns on delta mode.
         scale: multiplies the weighted sum (server learning rate in delta mode).
         normalize: divide the weights by their sum (FedAvg); off by default because some

@@ -254,6 +254,19 @@ def _plain_finite_floats(weights, num_clients: int) -> list[float] | None:
     return values if all(map(math.isfinite, values)) else None
 
 
+def refuse_bool_weights(api: str, weights) -> None:
+    """TypeError for booleans among weights given as a sequence or NumPy array, as for a bool
+    tensor: a mask of selected clients is not a weighting (pass 0/1 numbers for that)."""
+    if isinstance(weights, np.ndarray):
+        bools = weights.dtype == np.bool_
+    elif isinstance(weights, (list, tuple)):
+        bools = any(isinstance(x, (bool, np.bool_)) for x in weights)
+    else:
+        bools = False
+    if bools:
+        raise TypeError(f"{api}: weights must be real numbers, got bool")
+
+
 def _fits_float64(x) -> bool:
     try:
         float(x)
@@ -281,6 +294,7 @@ def weights_and_values(weights, num_clients: int,
         if isinstance(weights, Tensor):
             w = weights
         else:
+            refuse_bool_weights("fedkernels.aggregate", weights)
             try:
                 w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
             except OverflowError:

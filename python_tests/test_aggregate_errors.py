@@ -4,6 +4,7 @@ the base updated in place) when validation fails."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import bitwise_equal
@@ -696,3 +697,20 @@ def test_cuda_out_int_entry_overlapping_a_client_int(cuda_device):
     assert untouched({k: v.cpu() for k, v in out.items() if k != "a.n"})
     cpu_out = sentinel_like(_two_counters()[0])  # same addresses on another device: no overlap
     _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=cpu_out), ValueError, ["cpu"])
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [[True, False, True], (1.0, np.bool_(True), 0.5), np.array([True, False, True]),
+     torch.tensor([True, False, True])],
+    ids=["list", "mixed_tuple", "ndarray", "tensor"],
+)
+def test_boolean_weights_are_refused_however_they_come(weights):
+    """A mask of clients is not a weighting: bool weights raise TypeError in a list, a tuple, a
+    NumPy array or a tensor alike (before, only the tensor was refused), in aggregate and in
+    the private aggregator, which checks weights the same way."""
+    models = [{"w": torch.full((3,), float(k))} for k in range(3)]
+    _raise(lambda: fedkernels.aggregate(models, weights), TypeError, ["weights must be real numbers"])
+    _raise(lambda: fedkernels.private.private_aggregate(models, weights, base=models[0],
+                                                        clip_norm=1.0, noise_std=0.0),
+           TypeError, ["fedkernels.private_aggregate: weights must be real numbers"])

@@ -250,6 +250,10 @@ def test_krum_nan_client_ranks_last_and_arguments_checked():
         krum(clients, 1.5)
     with pytest.raises(ValueError, match="weight of client 2 is -1.0"):
         krum(clients, 1, 2, weights=[1, 1, -1, 1, 1, 1])
+    # Booleans are refused however they come, as aggregate refuses them.
+    for mask in ([True] * 6, np.ones(6, dtype=bool), torch.ones(6, dtype=torch.bool)):
+        with pytest.raises(TypeError, match="weights must be real numbers"):
+            krum(clients, 1, 2, weights=mask)
 
 
 # ---------------------------------------------------------------- Bulyan
