@@ -291,7 +291,7 @@ def _weights_short(c, w):
     return {}
 
 
-def _weights_bool(c, w):  # valid, as it always was: NumPy reads a Python bool as 0 or 1
+def _weights_bool(c, w):  # refused, as a bool tensor is: a mask of clients is not a weighting
     return {"weights": [True, False, True, True]}
 
 
@@ -322,8 +322,7 @@ CASES = [
     _weights_numpy_scalars, _weights_sum_to_zero, _weights_overflowing_sum, _int_policy_error,
 ]
 VALID = {"_keys_in_another_order", "_other_mapping_type", "_dict_subclass_reordering_values",
-         "_dtype_of_every_client", "_weights_numpy_scalars", "_weights_overflowing_sum",
-         "_weights_bool"}
+         "_dtype_of_every_client", "_weights_numpy_scalars", "_weights_overflowing_sum"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__.lstrip("_") for c in CASES])
