@@ -211,6 +211,23 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<flo
   return max_raw(Vectorized<float>(kMinExp2), at::vec::fmadd(x, Vectorized<float>(kLog2e), b));
 }
 
+// e_c = e^(a_c / T - m) of one float row of C >= W values, m = max(a) / T with exp2_row_ok(m):
+// in base 2 as in exp2_sums, y_c = a_c (log2 e / T) - m log2 e, and e_c = 0 exactly where
+// y_c < kMinExp2 (a class more than ~86 below the max, or -inf), as the full exp gives 0 there
+// to float precision. The last vector overlaps the one before it (same values stored twice).
+inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, float* e) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const Vec scale(inv_t * kLog2e), b(-(m * kLog2e)), lo(kMinExp2);
+  auto one = [&](int64_t c) {
+    const Vec y = at::vec::fmadd(Vec::loadu(a + c), scale, b);
+    (exp2_poly(y) & (y >= lo)).store(e + c);
+  };
+  int64_t c = 0;
+  for (; c + W <= C; c += W) one(c);
+  if (c < C) one(C - W);
+}
+
 // 0, 1, ..., W - 1, one per lane.
 template <typename A>
 C10_ALWAYS_INLINE Vectorized<A> kLaneIndex() {
@@ -731,10 +748,19 @@ struct DistillCpu {
         int64_t r0 = 0;
         for (; lanes && r0 + W <= rows; r0 += W) lane.softmax(&acc[r0 * C], inv_t, col.data(), y + r0 * C);
         for (int64_t r = r0; r < rows; ++r) {
-          const A m = row_max(acc.data() + r * C, C) * inv_t;
-          scale_sub(tmp.data() + r * C, acc.data() + r * C, inv_t, m, C);
+          const A* a = acc.data() + r * C;
+          A* e = tmp.data() + r * C;
+          const A m = row_max(a, C) * inv_t;
+          if constexpr (std::is_same_v<A, float>) {
+            // Long rows in base 2 (short ones are the lanes' tails: same exp as the lanes).
+            if (C >= 2 * W && exp2_row_ok(m)) {
+              exp2_softmax_row(a, C, inv_t, m, e);
+              continue;
+            }
+          }
+          scale_sub(e, a, inv_t, m, C);
+          exp_inplace(e, C);
         }
-        exp_inplace(tmp.data() + r0 * C, n - r0 * C);
         for (int64_t r = r0; r < rows; ++r) {
           const A* e = tmp.data() + r * C;
           const A inv_sum = A(1) / row_sum<A>(e, nullptr, C);
