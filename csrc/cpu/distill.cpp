@@ -5,17 +5,16 @@
 // Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit.
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
 // elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
-// block at once, and per-row constants sit in small per-block arrays. The entropy weighting's
-// exps take most of its time: float rows use exp2_sums (base 2, ten vector operations per
-// vector of logits). Short rows (C < 2 vector
-// widths) go a vector's width of rows at a time, one row per lane (RowLanes). Scores and weights
-// are computed for a block of rows at once, vectorised across rows. The weighted combination
-// takes four teachers per pass over a row's accumulator (a third of the loads and stores of one
-// pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to ~27 ms). Every value
-// of a row is computed from that row alone, in client order, with the lane layout fixed by C,
-// so the results do not depend on the blocking or the number of threads. The KL loss is summed
-// per block of kRowBlock rows in float64 and the blocks are added in order after the parallel
-// loop.
+// block at once, and per-row constants sit in small per-block arrays. The entropy weighting's exps
+// take most of its time: float rows use exp2_sums (base 2, ten vector operations per vector of
+// logits). Short rows (C < 2 vector widths) go a vector's width of rows at a time, one row per lane
+// (RowLanes). Scores and weights are computed for a block of rows at once, vectorised across rows.
+// The weighted combination takes four teachers per pass over a row's accumulator (a third of the
+// loads and stores of one pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to
+// ~27 ms). Every value of a row is computed from that row alone, in client order, with the lane
+// layout fixed by C, so the results do not depend on the blocking or the number of threads. The KL
+// loss is summed per block of kRowBlock rows in float64 and the blocks are added in order after the
+// parallel loop.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -228,17 +227,11 @@ inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, fl
   if (c < C) one(C - W);
 }
 
-// 0, 1, ..., W - 1, one per lane.
-template <typename A>
-C10_ALWAYS_INLINE Vectorized<A> kLaneIndex() {
-  return Vectorized<A>::arange(A(0), A(1));
-}
-
-// s and t (above) of one float row with exp2_row_ok(m), in one read, in base 2 (t is sum 2^y y,
-// not yet times ln 2). The row max m may come from max_raw, which can miss a NaN: a NaN logit
-// makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The exps are
-// compute bound, so while they run the same span of the next block to be read (pf, if not null)
-// is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// s and t (above) of one long float row (n >= 2 W) with exp2_row_ok(m), in one read, in base 2 (t
+// is sum 2^y y, not yet times ln 2). The row max m may come from max_raw, which can miss a NaN: a
+// NaN logit makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The
+// exps are compute bound, so while they run the same span of the next block to be read (pf, if not
+// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
 C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, float& t,
                                  const float* pf) {
   using Vec = Vectorized<float>;
@@ -269,18 +262,11 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, f
     c += W;
   }
   if (c < n) {
-    // The last partial vector: a full one ending at x + n when the row has one (its first
-    // lanes, counted already, masked to 0), else a partial load (missing lanes set to 0).
-    Vec y, e;
-    if (n >= W) {
-      const Vec keep = kLaneIndex<float>() >= Vec(static_cast<float>(W - (n - c)));
-      y = exp2_arg(Vec::loadu(x + n - W), b) & keep;
-      e = exp2_poly(y) & keep;
-    } else {
-      const int cnt = static_cast<int>(n - c);
-      y = Vec::set(Vec(0.0f), exp2_arg(Vec::loadu(x + c, cnt), b), cnt);
-      e = Vec::set(Vec(0.0f), exp2_poly(y), cnt);
-    }
+    // The last partial vector as a full one ending at x + n (the row is long), its first
+    // lanes, counted already, masked to 0.
+    const Vec keep = Vec::arange(0.0f, 1.0f) >= Vec(static_cast<float>(W - (n - c)));
+    const Vec y = exp2_arg(Vec::loadu(x + n - W), b) & keep;
+    const Vec e = exp2_poly(y) & keep;
     sv = sv + e;
     tv = at::vec::fmadd(e, y, tv);
   }
