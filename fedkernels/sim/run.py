@@ -278,8 +278,10 @@ class Simulation:
             f"{self.checkpoint.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
         )
         try:
-            with open(partial, "xb") as handle:
-                torch.save(state, handle)
+            # by name, not through an open file: torch then writes with its own C++ file, and a
+            # Ctrl-C inside torch.save cannot leave a writer that finishes into a closed Python
+            # file when it is collected (that aborts the interpreter)
+            torch.save(state, os.fspath(partial))
             os.replace(partial, self.checkpoint)
         except BaseException:
             partial.unlink(missing_ok=True)
