@@ -195,8 +195,10 @@ FEDKERNELS_INLINE void store_groups(const VecF<kWays> (&v)[4], float* eps) {
   }
 }
 
-// eps[4 i + j] = element j of Philox group g0 + i, for i < kLanes.
-FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps) {
+// eps[4 i + j] = element j of Philox group g0 + i, for i < kLanes; `between()` runs once in
+// each Philox round.
+template <typename Between>
+FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps, Between& between) {
   alignas(64) uint32_t words[2][kLanes];  // the counters' low and high words
   for (int i = 0; i < kLanes; ++i) {
     words[0][i] = static_cast<uint32_t>(g0 + i);
@@ -216,6 +218,7 @@ FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps) {
       k0 += 0x9E3779B9u;
       k1 += 0xBB67AE85u;
     }
+    between();
     VecU<kWays> hi0, lo0, hi1, lo1;
     mulhilo(0xD2511F53u, x0, hi0, lo0);
     mulhilo(0xCD9E8D57u, x2, hi1, lo1);
@@ -242,9 +245,10 @@ FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps) {
 }  // namespace normal_lanes_detail
 #endif
 
-// eps[0, 4 (g1 - g0)) = the noise of Philox groups [g0, g1) under `seed`. `between()` runs
-// after every block of kLanes groups: the caller's chance to start memory traffic that the
-// block's arithmetic then hides.
+// eps[0, 4 (g1 - g0)) = the noise of Philox groups [g0, g1) under `seed`. `between()` runs ten
+// times per block of kLanes groups (once per Philox round; once per group on the scalar path):
+// the caller's chance to start memory traffic that the arithmetic then hides. A few requests
+// at a time, spread over the block, got more of them served than one burst per block.
 struct NoWork {
   void operator()() const {}
 };
@@ -255,12 +259,15 @@ void draw_normals(uint64_t seed, int64_t g0, int64_t g1, A* eps, Between between
   if constexpr (std::is_same_v<A, float>) {
     constexpr int64_t lanes = normal_lanes_detail::kLanes;
     for (; g + lanes <= g1; g += lanes) {
-      between();
-      normal_lanes_detail::normal_block(seed, static_cast<uint64_t>(g), eps + 4 * (g - g0));
+      normal_lanes_detail::normal_block(seed, static_cast<uint64_t>(g), eps + 4 * (g - g0),
+                                        between);
     }
   }
 #endif
-  for (; g < g1; ++g) PhiloxNormal::normal4<A>(seed, 0, g, eps + 4 * (g - g0));
+  for (; g < g1; ++g) {
+    between();
+    PhiloxNormal::normal4<A>(seed, 0, g, eps + 4 * (g - g0));
+  }
 }
 
 }  // namespace fedkernels
