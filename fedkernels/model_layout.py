@@ -254,9 +254,14 @@ def _plain_finite_floats(weights, num_clients: int) -> list[float] | None:
     return values if all(map(math.isfinite, values)) else None
 
 
-def refuse_bool_weights(api: str, weights) -> None:
-    """TypeError for booleans among weights given as a sequence or NumPy array, as for a bool
-    tensor: a mask of selected clients is not a weighting (pass 0/1 numbers for that)."""
+def refuse_non_real_weights(api: str, weights) -> None:
+    """TypeError for a bool or complex weight tensor and for booleans among weights given as a
+    sequence or NumPy array: a mask of selected clients is not a weighting (pass 0/1 numbers
+    for that)."""
+    if isinstance(weights, Tensor):
+        if weights.dtype == torch.bool or weights.is_complex():
+            raise TypeError(f"{api}: weights must be real numbers, got {weights.dtype}")
+        return
     if isinstance(weights, np.ndarray):
         bools = weights.dtype == np.bool_
     elif isinstance(weights, (list, tuple)):
@@ -294,7 +299,7 @@ def weights_and_values(weights, num_clients: int,
         if isinstance(weights, Tensor):
             w = weights
         else:
-            refuse_bool_weights("fedkernels.aggregate", weights)
+            refuse_non_real_weights("fedkernels.aggregate", weights)
             try:
                 w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
             except OverflowError:
@@ -306,8 +311,7 @@ def weights_and_values(weights, num_clients: int,
         if w.dim() != 1 or w.numel() != num_clients:
             raise ValueError(f"fedkernels.aggregate: got {num_clients} clients but weights of "
                              f"shape {tuple(w.shape)}; expected {num_clients} numbers")
-        if w.is_complex() or w.dtype == torch.bool:
-            raise TypeError(f"fedkernels.aggregate: weights must be real numbers, got {w.dtype}")
+        refuse_non_real_weights("fedkernels.aggregate", w)
         w = w.to(torch.float64)
         # Data-dependent checks read the weights on the host; under torch.compile they are left
         # to the native op, which checks CPU weights too.

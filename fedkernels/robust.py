@@ -33,7 +33,13 @@ from torch import Tensor
 
 from .aggregate import aggregate
 from .memory_footprints import Footprints, byte_span
-from .model_layout import Model, ModelLayout, refuse_bool_weights, split_clients, with_metadata
+from .model_layout import (
+    Model,
+    ModelLayout,
+    refuse_non_real_weights,
+    split_clients,
+    with_metadata,
+)
 from .ops import robust as robust_ops
 
 __all__ = ["coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum_scores", "krum",
@@ -305,9 +311,7 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
 
 
 def _checked_weights(api: str, weights, K: int) -> list[float]:
-    if isinstance(weights, Tensor) and (weights.dtype == torch.bool or weights.is_complex()):
-        raise TypeError(f"{api}: weights must be real numbers, got {weights.dtype}")
-    refuse_bool_weights(api, weights)
+    refuse_non_real_weights(api, weights)
     try:
         w = np.asarray(weights.detach().cpu() if isinstance(weights, Tensor) else weights,
                        dtype=np.float64)
