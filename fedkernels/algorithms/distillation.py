@@ -60,6 +60,7 @@ from torch.func import functional_call
 
 from fedkernels.ops.distill import distill_kl, ensemble_pseudo_labels
 from fedkernels.sim import seeding
+from fedkernels.sim.atomic_files import replacing
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
@@ -470,10 +471,9 @@ class EnsembleDistillation(Strategy):
         if path.is_file():
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        torch.save({"key": self._generator_key(), "state": self.generator.state_dict(),
-                    "stats": self.generator_stats}, partial)
-        os.replace(partial, path)
+        with replacing(path) as partial:
+            torch.save({"key": self._generator_key(), "state": self.generator.state_dict(),
+                        "stats": self.generator_stats}, os.fspath(partial))
 
     def generate(self, n: int, g: torch.Generator) -> Tensor:
         with torch.no_grad():

@@ -41,6 +41,7 @@ from fedkernels.algorithms.registry import (
     registered,
     strategy_class,
 )
+from fedkernels.sim.atomic_files import PARTIAL_SUFFIX, write_text
 from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
 
 from .config_file import load_config_file
@@ -289,12 +290,13 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
-        for partial in out.glob(CHECKPOINT_NAME + ".*.partial"):  # left by a killed run
-            partial.unlink(missing_ok=True)
+        for name in (CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME):  # left by a killed run
+            for partial in out.glob(f"{name}.*{PARTIAL_SUFFIX}"):
+                partial.unlink(missing_ok=True)
     saved = simulation.config.to_dict()
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
-    (out / CONFIG_NAME).write_text(json.dumps(saved, indent=2) + "\n")
+    write_text(out / CONFIG_NAME, json.dumps(saved, indent=2) + "\n")
     bar = None
     if progress:
         from tqdm import tqdm

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from .atomic_files import write_text
+
 
 @dataclass
 class RunResult:
@@ -47,5 +49,5 @@ class RunResult:
     def write_json(self, path: str | os.PathLike) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
         return path

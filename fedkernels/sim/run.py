@@ -20,7 +20,6 @@ import dataclasses
 import hashlib
 import os
 import time
-import uuid
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .atomic_files import replacing
 from .attacks import build_attack
 from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
@@ -273,19 +273,11 @@ class Simulation:
         if self.data_file is not None:
             state["data_file"] = self.data_file
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
-        # a name of its own, so that two writers never write into one temporary file
-        partial = self.checkpoint.with_name(
-            f"{self.checkpoint.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.partial"
-        )
-        try:
+        with replacing(self.checkpoint) as partial:
             # by name, not through an open file: torch then writes with its own C++ file, and a
             # Ctrl-C inside torch.save cannot leave a writer that finishes into a closed Python
             # file when it is collected (that aborts the interpreter)
             torch.save(state, os.fspath(partial))
-            os.replace(partial, self.checkpoint)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
 
     def load_checkpoint(self) -> None:
         """Restores the state saved by :meth:`save_checkpoint`. The saved config must equal
