@@ -133,7 +133,12 @@ def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finish
 
     assert main(["run", "--resume", "--overwrite", "--out", str(out), *FAST]) == 2
 
+    leftovers = [out / f"{name}.4242-0badf00d.partial"  # of writers killed mid-write
+                 for name in ("config.json", "checkpoint.pt", "results.json")]
+    for path in leftovers:
+        path.write_bytes(b"half")
     assert_success(fedkernels("run", "--rounds", "1", "--out", str(out), "--overwrite", *FAST))
+    assert not any(path.exists() for path in leftovers)
     results = json.loads((out / "results.json").read_text())
     assert [r["round"] for r in results["rounds"]] == [0]
     assert not (out / "curves.png").exists()  # the old run's plot went with it (--no-plots)

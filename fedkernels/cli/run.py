@@ -41,7 +41,7 @@ from fedkernels.algorithms.registry import (
     registered,
     strategy_class,
 )
-from fedkernels.sim.atomic_files import PARTIAL_SUFFIX, write_text
+from fedkernels.sim.atomic_files import remove_leftovers, write_text
 from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
 
 from .config_file import load_config_file
@@ -290,9 +290,8 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
-        for name in (CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME):  # left by a killed run
-            for partial in out.glob(f"{name}.*{PARTIAL_SUFFIX}"):
-                partial.unlink(missing_ok=True)
+        for name in (CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME):
+            remove_leftovers(out / name)
     saved = simulation.config.to_dict()
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again

@@ -5,6 +5,7 @@ file (or none), never a truncated one."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import uuid
 from collections.abc import Iterator
@@ -32,3 +33,11 @@ def write_text(path: str | os.PathLike, text: str) -> None:
     """``Path(path).write_text(text)``, all or nothing."""
     with replacing(path) as partial:
         partial.write_text(text)
+
+
+def remove_leftovers(path: str | os.PathLike) -> None:
+    """Removes the temporaries that writers stopped mid-write (a killed process) left beside
+    ``path``."""
+    path = Path(path)
+    for partial in path.parent.glob(f"{glob.escape(path.name)}.*{PARTIAL_SUFFIX}"):
+        partial.unlink(missing_ok=True)
