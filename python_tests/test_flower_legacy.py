@@ -585,6 +585,21 @@ def test_qfedavg_degenerate_losses_equal_flower(loss):
          initial("float32"))
 
 
+def test_qfedavg_reply_of_a_shape_that_only_broadcasts_raises_like_flower():
+    # Flower adds the replies' steps in place: a later (5,) step does not fit the (4, 1) sum.
+    pre = [np.zeros((4, 1), np.float32)]
+    results = [fit([np.ones((4, 1), np.float32)], 10), fit([np.ones(5, np.float32)], 10)]
+    strategies = []
+    for cls in (legacy.QFedAvg, flower.QFedAvg):
+        strategy = cls(evaluate_fn=lambda r, p, c: (0.5, {}))
+        strategy.pre_weights = pre
+        strategies.append(strategy)
+    call_both(lambda: strategies[0].aggregate_fit(1, results, []),
+              lambda: strategies[1].aggregate_fit(1, results, []))
+    with pytest.raises(ValueError, match="non-broadcastable"):
+        strategies[0].aggregate_fit(1, results, [])
+
+
 def test_qfedavg_matches_the_q_ffl_formula():
     # An independent float64 evaluation of x + c * sum_k (x_k - x), c = L^q / (lr * H).
     q, lr, loss = 0.3, 0.2, 0.8

@@ -184,6 +184,21 @@ def test_krum_keeps_the_inlier():
     assert np.all(np.abs(w) < 1.0)
 
 
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8])
+def test_krum_on_integer_or_bool_models_is_flowers(dtype):
+    # Flower's concatenation keeps these dtypes: bool differences are its TypeError, int8
+    # differences wrap around. Either way ours gives what Flower gives.
+    results = [fit([np.array([1, 0, k % 2, 100 * k], dtype=np.int64).astype(dtype)], 5)
+               for k in range(4)]
+    want, want_err = _outcome(flower.Krum(num_malicious_clients=0).aggregate_fit, 1, results, [])
+    got, got_err = _outcome(ours_module.Krum(num_malicious_clients=0).aggregate_fit, 1,
+                            results, [])
+    assert type(got_err) is type(want_err), (got_err, want_err)
+    if want_err is None:
+        np.testing.assert_array_equal(parameters_to_ndarrays(got[0])[0],
+                                      parameters_to_ndarrays(want[0])[0])
+
+
 # ---------------------------------------------------------------- DP wrappers
 
 K = 5

@@ -109,6 +109,16 @@ def _check_results(rank: int, world: int, device: str) -> None:
         got = all_reduce_aggregate(local, local_w, base=base, int_policy="skip")
         assert torch.equal(got["bn.num_batches_tracked"], base["bn.num_batches_tracked"])
 
+    # The total weight W travels in float64 whatever the model's dtype: a float32 W would
+    # round 2**24 + world (rank 0's client has weight 2**24 + 1, the others 1).
+    clients = [{"x": torch.full((3,), float(k > 0), device=device)} for k in range(world)]
+    weights = [2.0**24 + 1] + [1.0] * (world - 1)
+    got = all_reduce_aggregate([clients[rank]], [weights[rank]], normalize=True)
+    assert torch.equal(got["x"], fedkernels.aggregate(clients, weights, normalize=True)["x"])
+    partial = WeightedPartial.from_clients([clients[rank]], [weights[rank]]).all_reduce()
+    assert partial.total_weight.dtype == torch.float64
+    assert float(partial.total_weight) == 2.0**24 + world
+
     if world == 4:
         # Hierarchy: two "nodes" {0, 1} and {2, 3}; sum inside each node onto its leader,
         # sum across the leaders {0, 2}, broadcast back inside each node.
@@ -203,6 +213,16 @@ def _check_disagreements(rank: int, world: int, device: str) -> None:
              normalize=False)
         each("scale", ValueError, ["scale is 0.5 on rank 1, 1.0 on rank 0"], scale=0.5)
         each("base on one rank", ValueError, ["rank 1 passes base= (delta mode)"], base=like)
+        # Every rank passes a base, but rank 1's has drifted: caught, not summed into a
+        # different model on each rank.
+        drifted = _xy(0, device, y=torch.full((2, 3), 10.5)) if rank == odd else like
+        _expect_failure(outcomes, "base values", lambda: all_reduce_aggregate(
+            [mine], one, base=drifted), ValueError,
+            "the base's tensor 'y' holds other values on rank 1 than on rank 0")
+        signed_zero = _xy(0, device, x=torch.full((2, 3), -0.0)) if rank == odd else \
+            _xy(0, device, x=torch.zeros(2, 3))
+        _expect_failure(outcomes, "base bits", lambda: all_reduce_aggregate(
+            [mine], one, base=signed_zero), ValueError, "the base's tensor 'x' holds other")
         each("list against dict", ValueError, ["rank 1 passes a sequence of tensors"],
              updates=[list(mine.values())])
         each("NaN weight", ValueError, ["rank 1 failed", "weight of client 0 is nan"],

@@ -1,9 +1,8 @@
 r"""Weighted aggregation when the clients' updates live on different ranks (``torch.distributed``).
 
 Each rank holds some of the K clients. It sums its share with the fused ``weighted_sum`` op
-into one flat accumulator (fp32 for fp32/fp16/bf16 models, fp64 for fp64) whose last element
-is its share of :math:`\sum_k w_k`; then **one** ``all_reduce`` of that one model-sized buffer
-gives every rank
+into one flat accumulator (fp32 for fp32/fp16/bf16 models, fp64 for fp64); then **one**
+``all_reduce`` of that one model-sized buffer gives every rank
 
 .. math:: S = \sum_{k} w_k x_k \quad\text{or, with a base } b,\quad
           S = \sum_k w_k (x_k - b), \qquad W = \sum_k w_k,
@@ -18,8 +17,11 @@ The ranks first agree on what they are about to sum. The buffer is laid out in a
 order (a state_dict's tensors sorted by name, a list's by position), so ranks whose dicts hold
 the same keys in another order still add tensor to tensor by name. Before the model-sized
 all-reduce, one small ``all_gather`` of a fixed-size record per rank (a status, the client
-count and a SHA-256 of the layout: kind, names, shapes, dtypes, device type, ``int_policy``
-and the call's flags) checks that every rank is ready and that the layouts agree. When they
+count, the rank's :math:`\sum w_k` in float64, and a SHA-256 of the layout: kind, names,
+shapes, dtypes, device type, ``int_policy``, the call's flags and, in delta mode, a checksum of
+the base's bits) checks that every rank is ready and that the layouts and bases agree; every
+rank then adds the gathered weight totals itself (``math.fsum``, so :math:`W` is exact to
+float64 whatever the model's precision). When they
 do not, or a rank failed its local checks (a NaN weight, a bad tensor), a second small gather
 exchanges the descriptions, and every rank raises the same ``ValueError`` or ``TypeError``
 naming the rank and the tensor at fault: no rank crashes in the backend, none waits for the
@@ -79,6 +81,22 @@ def _canonical_layout(template: Model, what: str) -> tuple[ModelLayout, list]:
 
 def _describe_tensor(t: Tensor) -> str:
     return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bit_checksums(tensors: list[Tensor]) -> list[str]:
+    """Per tensor, the sum of its elements' bits read as integers (int64, wrapping): equal
+    tensors give equal checksums on every device and in any summation order, and a base that
+    drifted on one rank gives another. One read of each tensor, one host synchronisation."""
+    if not tensors:
+        return []
+    sums = []
+    for t in tensors:
+        bits = t.view(_BITS[t.element_size()]) if t.is_floating_point() else t
+        sums.append(bits.sum(dtype=torch.int64))
+    return [format(v & (2**64 - 1), "016x") for v in torch.stack(sums).tolist()]
 
 
 def _check_same_structure(layout: ModelLayout, clients: list[list[Tensor]],
@@ -220,6 +238,11 @@ def _difference(a: dict, b: dict, ra: int, rb: int) -> str:
             return f"{what} has dtype {dtype_b} on rank {rb}, {dtype_a} on rank {ra}"
         if device_a != device_b:
             return f"{what} is on a {device_b} device on rank {rb}, {device_a} on rank {ra}"
+    for label, sum_a, sum_b in zip(ea, a.get("base", []), b.get("base", [])):
+        if sum_a != sum_b:
+            return (f"the base's {_entry_label(a['kind'], label)} holds other values on rank "
+                    f"{rb} than on rank {ra} (every rank must pass the same base; the ranks "
+                    "compare a checksum of its bits)")
     return f"rank {rb}'s model description differs from rank {ra}'s"
 
 
@@ -246,29 +269,33 @@ def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
 
 
 def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dict | None,
-           error: BaseException | None, count: int, require_clients: bool) -> list[int]:
-    """One small all_gather of ``[status, count, payload length, digest]`` per rank. Returns
-    every rank's client count when all are ready and describe the same model; otherwise
-    exchanges the payloads (a second small gather) and raises the same exception on every
-    rank, naming the rank and the tensor at fault."""
+           error: BaseException | None, count: int, total: float,
+           require_clients: bool) -> tuple[list[int], list[float]]:
+    """One small all_gather of ``[status, count, payload length, total, digest]`` per rank
+    (``total``: the rank's sum of weights, its float64 bits). Returns every rank's client count
+    and weight total when all are ready and describe the same model; otherwise exchanges the
+    payloads (a second small gather) and raises the same exception on every rank, naming the
+    rank and the tensor at fault."""
     ranks = _group_ranks(group)
     if error is not None:
         payload = {"error": [type(error).__name__, str(error)]}
-        status, digest = _FAILED, bytes(32)
+        status, digest, total = _FAILED, bytes(32), 0.0
     else:
         payload = {"model": model}
         status = _OK
         digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).digest()
     blob = json.dumps(payload, sort_keys=True).encode()
-    head = torch.tensor([status, count, len(blob), *struct.unpack("<4q", digest)],
+    (total_bits,) = struct.unpack("<q", struct.pack("<d", total))
+    head = torch.tensor([status, count, len(blob), total_bits, *struct.unpack("<4q", digest)],
                         dtype=torch.int64, device=device)
     heads = [h.tolist() for h in _all_gather(head, group, timeout, "layout agreement")]
-    if all(h[0] == _OK for h in heads) and all(h[3:] == heads[0][3:] for h in heads):
+    if all(h[0] == _OK for h in heads) and all(h[4:] == heads[0][4:] for h in heads):
         counts = [h[1] for h in heads]
         if require_clients and sum(counts) == 0:
             raise ValueError(f"{API}: no client updates on any of the {len(ranks)} ranks "
                              "(K = 0)")
-        return counts
+        totals = [struct.unpack("<d", struct.pack("<q", h[3]))[0] for h in heads]
+        return counts, totals
     longest = max(h[2] for h in heads)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -278,8 +305,9 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
 
 
 class WeightedPartial:
-    r"""A partial weighted sum :math:`S` over some clients and their :math:`W = \sum w_k`,
-    held in one flat buffer per accumulate dtype (usually one), plus the integer tensors.
+    r"""A partial weighted sum :math:`S` over some clients and their :math:`W = \sum w_k`:
+    :math:`S` in one flat buffer per accumulate dtype (usually one), :math:`W` in float64,
+    plus the integer tensors.
 
     Build it with :meth:`from_clients`, combine across ranks with :meth:`all_reduce` (or
     :meth:`reduce` + :meth:`broadcast` for hierarchies), and read the model with
@@ -298,7 +326,7 @@ class WeightedPartial:
         device = like[0].device if like else torch.device("cpu")
         self.device = device
         floats = [i for i, f in enumerate(layout.float_mask) if f]
-        # One buffer per accumulate dtype; the first also carries W in its last element.
+        # One buffer per accumulate dtype.
         groups: dict[torch.dtype, list[int]] = {}
         for i in floats:
             groups.setdefault(_accumulate_dtype(like[i].dtype), []).append(i)
@@ -306,8 +334,8 @@ class WeightedPartial:
             groups[torch.float64] = []
         self.buffers: list[Tensor] = []
         self.views: dict[int, Tensor] = {}
-        for n, (dtype, members) in enumerate(groups.items()):
-            size = sum(like[i].numel() for i in members) + (1 if n == 0 else 0)
+        for dtype, members in groups.items():
+            size = sum(like[i].numel() for i in members)
             buffer = torch.zeros(size, dtype=dtype, device=device)
             offset = 0
             for i in members:
@@ -317,12 +345,19 @@ class WeightedPartial:
             self.buffers.append(buffer)
         self.ints: dict[int, Tensor] = {}
         self.count = 0
-        self._counts: dict[int, int] = {}  # every rank's client count, from the agreement
+        self._total = torch.zeros((), dtype=torch.float64)
+        # Every rank's client count and weight total, from the last agreement.
+        self._counts: dict[int, int] = {}
+        self._totals: dict[int, float] = {}
+        # In delta mode the ranks also agree on the base's values (a checksum of its bits).
+        self._base_checksums = None if base is None else _bit_checksums(base)
 
     @property
     def total_weight(self) -> Tensor:
-        """:math:`W`, a 0-d tensor on the buffer's device (a view: reduced with the buffer)."""
-        return self.buffers[0][-1]
+        """:math:`W`, a 0-d float64 tensor on the CPU. The collectives carry it in their
+        agreement step (each rank adds the gathered totals with ``math.fsum``), not in the
+        model's buffer, so it keeps float64 precision for fp32 and half-precision models."""
+        return self._total
 
     # ---------------------------------------------------------------- building
 
@@ -405,7 +440,7 @@ class WeightedPartial:
                 summation.weighted_sum_(views, base, -total.reshape(1), 1.0, False)
         if floats:
             summation.weighted_sum_(views, inputs, w, 1.0, False)
-        self.total_weight.add_(total.to(self.buffers[0].dtype))
+        self._total.add_(total.to(device="cpu", dtype=torch.float64))
         for i, f in enumerate(self.layout.float_mask):
             if f:
                 continue
@@ -426,23 +461,29 @@ class WeightedPartial:
     def describe(self, **flags) -> dict:
         """What every rank must agree on, as plain JSON data: the layout kind, each tensor's
         name, shape, dtype and device type in the canonical order, ``int_policy``, delta mode,
-        and the caller's ``flags`` (e.g. ``normalize``, ``scale``)."""
+        the caller's ``flags`` (e.g. ``normalize``, ``scale``) and, in delta mode, a checksum
+        of each base tensor's bits."""
         kind = self.layout.kind
         entries = [["" if kind == "tensor" else self.layout.label(name), list(shape), str(dtype),
                     self.device.type]
                    for name, shape, dtype in zip(self.layout.names, self.shapes, self.dtypes)]
-        return {"kind": kind, "entries": entries,
-                "flags": {"int_policy": self.int_policy, "delta": self.base is not None, **flags}}
+        described = {"kind": kind, "entries": entries,
+                     "flags": {"int_policy": self.int_policy, "delta": self.base is not None,
+                               **flags}}
+        if self._base_checksums is not None:
+            described["base"] = self._base_checksums
+        return described
 
     def agree(self, group=None, *, timeout=None) -> list[int]:
         """Checks, with one small all_gather, that every rank of ``group`` holds a partial of
         the same layout; returns each rank's client count. Every rank raises the same
         ``ValueError`` (naming the rank and the tensor) when they differ."""
         ranks = _group_ranks(group)
-        counts = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
-                        model=self.describe(), error=None, count=self.count,
-                        require_clients=False)
+        counts, totals = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
+                                model=self.describe(), error=None, count=self.count,
+                                total=float(self._total), require_clients=False)
         self._counts = dict(zip(ranks, counts))
+        self._totals = dict(zip(ranks, totals))
         return counts
 
     # ---------------------------------------------------------------- collectives
@@ -458,6 +499,7 @@ class WeightedPartial:
             _all_reduce(buffer, dist.ReduceOp.SUM, group, timeout, "all-reduce of the model")
         self._reduce_ints(group, dst=None, timeout=timeout)
         self.count = sum(self._counts.values())
+        self._total.fill_(math.fsum(self._totals.values()))
         return self
 
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
@@ -470,6 +512,7 @@ class WeightedPartial:
         self._reduce_ints(group, dst=dst, timeout=bound)
         if dist.get_rank() == dst:
             self.count = sum(self._counts.values())
+            self._total.fill_(math.fsum(self._totals.values()))
         return self
 
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
@@ -483,6 +526,7 @@ class WeightedPartial:
             _wait(dist.broadcast(self._int_tensor(i), src=src, group=group, async_op=True),
                   bound, "broadcast of an integer tensor", group)
         self.count = self._counts.get(src, self.count)
+        self._total.fill_(self._totals.get(src, float(self._total)))
         return self
 
     def _int_indices(self) -> list[int]:
@@ -602,9 +646,12 @@ def all_reduce_aggregate(
     or never calls makes the others raise ``RuntimeError`` after at most that long, and the
     process group is then unusable.
 
-    Cost per rank: one fused pass over its clients, one small all_gather (7 integers per
-    rank), one all-reduce of one model (in the accumulate dtype) with :math:`\sum w`
-    appended, and one small max-reduce per integer tensor."""
+    Errors also cover a ``base`` whose values differ between ranks (the ranks compare a
+    checksum of its bits), which would otherwise give each rank another model.
+
+    Cost per rank: one fused pass over its clients (and, in delta mode, one read of the base
+    for its checksum), one small all_gather (8 integers per rank), one all-reduce of one model
+    (in the accumulate dtype), and one small max-reduce per integer tensor."""
     local_error: Exception | None = None
     partial: WeightedPartial | None = None
     model = None
@@ -628,12 +675,15 @@ def all_reduce_aggregate(
                              else torch.device("cpu"))
     ranks = _group_ranks(group)
     try:
-        counts = _agree(group, bound, device, model=model, error=local_error,
-                        count=0 if partial is None else partial.count, require_clients=True)
+        counts, totals = _agree(group, bound, device, model=model, error=local_error,
+                                count=0 if partial is None else partial.count,
+                                total=0.0 if partial is None else float(partial.total_weight),
+                                require_clients=True)
     except (ValueError, TypeError, RuntimeError) as err:
         if local_error is not None:
             raise err from local_error
         raise
     partial._counts = dict(zip(ranks, counts))
+    partial._totals = dict(zip(ranks, totals))
     partial._all_reduce_agreed(group, bound)
     return partial.result(scale=scale, normalize=bool(normalize), out=out)

@@ -458,6 +458,9 @@ def _qffl_update(before: Sequence, clients: Sequence[Sequence], loss: float, q: 
         step = None
         for arrays in clients:
             scaled = power * np.multiply(before[l] - arrays[l], 1.0 / lr) * 1.0 / denominator
-            step = scaled if step is None else step + scaled
+            if step is None:
+                step = scaled
+            else:  # in place, as Flower: a later shape that only broadcasts is its ValueError
+                step += scaled
         out[l] = (before[l] - step) * 1.0
     return out

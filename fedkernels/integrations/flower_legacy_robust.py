@@ -35,8 +35,8 @@ exact float64 Krum distances (Flower's legacy ones are per-pair norms in the mod
 ties at Bulyan's β boundary, noise from a ``torch.Generator`` (``generator=``) instead of
 NumPy's global generator, 0-d arrays clipped with the rest (Flower leaves them unclipped), and
 a zero update raises ``ZeroDivisionError`` with a message naming the client, as Flower's does
-without one. Integer arrays, shapes that differ between clients and other dtypes go through
-Flower's own NumPy code.
+without one. Models of integer or bool arrays only, shapes that differ between clients and
+other dtypes go through Flower's own NumPy code.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ import math
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import Any
+
+from functools import reduce
 
 import numpy as np
 import torch
@@ -167,8 +169,12 @@ class FedTrimmedAvg(_RobustFit, _flower.FedTrimmedAvg):
 
 def _distances(clients: Clients) -> np.ndarray | None:
     """The K×K squared distances over every layer (integer layers as float64, as Flower's
-    concatenation promotes them), or None where the layers do not line up."""
+    concatenation promotes them), or None where the layers do not line up or Flower's
+    concatenation of them is not floating point (its integer arithmetic, or its TypeError
+    for booleans)."""
     first = clients[0]
+    if reduce(np.promote_types, {a.dtype for c in clients for a in c}).kind != "f":
+        return None
     if any(len(c) != len(first) or any(a.shape != b.shape for a, b in zip(c, first))
            or any(a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and a.dtype not in
                                                  _FUSED_FLOAT_DTYPES) for a in c)
