@@ -43,10 +43,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import reduce
 from logging import INFO, WARNING
 from typing import Any
-
-from functools import reduce
 
 import numpy as np
 import torch
