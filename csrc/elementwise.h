@@ -225,10 +225,11 @@ struct DistillMath {
       default: return A(0);
     }
   }
-  // One element of the KL loss: y (log y - log q), with 0 at y = 0 (xlogy).
+  // One element of the KL loss: y (log y - log q), with 0 at y = 0 (xlogy, even where q = 0);
+  // NaN for a NaN or negative y (log y), as the gradient is NaN or meaningless there.
   template <typename A>
   FEDKERNELS_HD static A kl_term(A y, A log_q) {
-    return y > A(0) ? y * (math_log(y) - log_q) : A(0);
+    return y == A(0) ? A(0) : y * (math_log(y) - log_q);
   }
   // d loss / d S for one element: (scale / T) (q sum_c y - y), i.e. (scale / T) (q - y) for a
   // normalised target (exact for any non-negative target).

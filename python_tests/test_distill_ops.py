@@ -376,6 +376,22 @@ def test_distill_kl_properties():
     assert float(empty) == 0.0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("bad", [float("nan"), -0.2], ids=["nan", "negative"])
+def test_distill_kl_is_nan_for_a_nan_or_negative_target(device, dtype, bad):
+    # As the reference (log y of such a y is NaN): a broken target shows in the loss, not
+    # only in the gradient. A zero target still adds 0 (0 log 0 = 0).
+    s = torch.randn(3, 5, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+    y = torch.softmax(torch.randn(3, 5, generator=torch.Generator().manual_seed(4)), -1)
+    y[1, 2] = bad
+    y = y.to(dtype).to(device)
+    assert torch.isnan(fedkernels.distill_kl(s, y))
+    assert torch.isnan(R.distill_kl_reference(s, y))
+    y[1, 2] = 0
+    assert torch.isfinite(fedkernels.distill_kl(s, y))
+
+
 def test_distill_kl_errors():
     s = torch.randn(4, 5)
     y = torch.softmax(torch.randn(4, 5), -1)

@@ -381,15 +381,15 @@ void combine_rows(A* acc, const A* x, const A* w, int64_t K, int64_t R, int64_t 
   }
 }
 
-// lq = y (log y - lq) where y > 0, else 0, over a whole block: the vector form of
-// DistillMath::kl_term (a NaN y gives 0 there too).
+// lq = y (log y - lq), 0 where y = 0, over a whole block: the vector form of
+// DistillMath::kl_term (NaN for a NaN or negative y there too).
 template <typename A>
 void kl_terms(A* lq, const A* y, int64_t n) {
   using Vec = Vectorized<A>;
   at::vec::map2<A>(
       [](Vec l, Vec yv) {
         const Vec zero(A(0));
-        return Vec::blendv(zero, yv * (yv.log() - l), yv > zero);
+        return Vec::blendv(yv * (yv.log() - l), zero, yv == zero);
       },
       lq, lq, y, n);
 }
