@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .memory_footprints import Footprints, byte_span, has_internal_overlap
+from .memory_footprints import Footprints, byte_span, has_internal_overlap, same_memory
 from .model_layout import (
     INT_POLICIES,
     Model,
@@ -90,11 +90,6 @@ def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: ModelLa
     return report
 
 
-def _same_memory(a: Tensor, b: Tensor) -> bool:
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
-
-
 # The native op checks the floating-point outputs against the floating-point inputs. Integer
 # entries never reach it: they are copied into ``out`` afterwards, so their outputs are checked
 # here (with memory_footprints), before anything is written.
@@ -123,7 +118,7 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
     inputs = [(byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
     if base_tensors is not None:  # the base may be the out entry itself (in place), not part
         inputs += [(byte_span(base_tensors[i]), base_tensors[i], ("base", i))
-                   for i in int_results if not _same_memory(base_tensors[i], out_tensors[i])]
+                   for i in int_results if not same_memory(base_tensors[i], out_tensors[i])]
     outputs = [(byte_span(o), o, j) for j, o in enumerate(out_tensors)]
     inputs_map = Footprints(inputs)
     for span, o, i in outputs:
@@ -161,7 +156,7 @@ def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
     for j, o in enumerate(float_out):
         if o.numel() == 0:
             continue
-        same = [i for i in seen.get(o.data_ptr(), ()) if _same_memory(float_out[i], o)]
+        same = [i for i in seen.get(o.data_ptr(), ()) if same_memory(float_out[i], o)]
         if same:
             repeats.append((same[0], j))
         else:
@@ -173,7 +168,7 @@ def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
     for i, j in repeats:
         for who, tensors in sources:
             a, b = tensors[i], tensors[j]
-            if not (_same_memory(a, b) or torch.equal(a, b)
+            if not (same_memory(a, b) or torch.equal(a, b)
                     or (a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=0,
                                                               equal_nan=True))):
                 raise ValueError(
@@ -359,7 +354,7 @@ def aggregate(
             results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
             in_place = bool(float_base) and all(
-                _same_memory(o, b) for o, b in zip(op_out, float_base)
+                same_memory(o, b) for o, b in zip(op_out, float_base)
             )
             if in_place:
                 summation.weighted_sum_(float_base, flat_updates, w, scale, delta)

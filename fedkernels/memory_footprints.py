@@ -21,6 +21,13 @@ def byte_span(t: Tensor) -> tuple[int, int] | None:
     return start, start + size
 
 
+def same_memory(a: Tensor, b: Tensor) -> bool:
+    """True when ``a`` and ``b`` are the same view of the same memory (one tensor under two
+    names, such as tied weights in a state_dict, or base passed again as out)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype)
+
+
 def has_internal_overlap(t: Tensor) -> bool:
     """True when two elements of ``t`` may share memory (an expanded or overlapping view)."""
     reach = 1  # elements spanned by the dimensions of smaller stride

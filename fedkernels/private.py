@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor
 
+from .memory_footprints import same_memory
 from .model_layout import Model, weights_and_values, with_metadata
 from .ops import private as private_ops
 from .robust import ClientSet
@@ -42,8 +43,47 @@ def _with_base(clients, base: Model, api: str) -> tuple[ClientSet, list[Tensor],
     return cs, floats, tensors
 
 
-def _norms(cs: ClientSet, base: list[Tensor]) -> Tensor:
-    return cs.run(private_ops.update_norms, cs.flat(), cs.K, base)
+def _norms(cs: ClientSet, base: list[Tensor], keep: list[int] | None = None) -> Tensor:
+    if not cs.has_floats:  # no float entries: every update is empty
+        return torch.zeros(cs.K, dtype=torch.float64)
+    return cs.run(private_ops.update_norms, _flat(cs, keep), cs.K, base)
+
+
+def _flat(cs: ClientSet, keep: list[int] | None) -> list[Tensor]:
+    """The clients' float tensors, client-major, only the entries ``keep`` (all when None)."""
+    if keep is None:
+        return cs.flat()
+    return [c[j] for c in cs.floats for j in keep]
+
+
+def _tied_entries(cs: ClientSet, base_floats: list[Tensor]) -> dict[int, int]:
+    """Float entries of ``base`` that are one tensor under two keys (tied weights, e.g. an
+    embedding shared with the output layer), as {later entry: first entry}; every client must
+    hold equal values under both keys. Such a parameter is one coordinate of the release: it
+    is clipped, counted in the norm and noised once, so the release never holds two noisy
+    copies of it (their mean would have less noise than the guarantee assumes)."""
+    starts = [t.data_ptr() for t in base_floats]
+    if len(set(starts)) == len(starts):
+        return {}
+    first_at: dict[int, list[int]] = {}
+    tied: dict[int, int] = {}
+    for j, t in enumerate(base_floats):
+        if t.numel() == 0:
+            continue
+        same = [i for i in first_at.get(t.data_ptr(), ()) if same_memory(base_floats[i], t)]
+        if same:
+            tied[j] = same[0]
+        else:
+            first_at.setdefault(t.data_ptr(), []).append(j)
+    names = cs.layout.float_names
+    for j, i in tied.items():
+        for k, c in enumerate(cs.floats):
+            if not (same_memory(c[i], c[j]) or torch.equal(c[i], c[j])):
+                raise ValueError(
+                    f"{cs.api}: base tensors {cs.layout.label(names[i])} and "
+                    f"{cs.layout.label(names[j])} are one tensor (tied weights), but client {k} "
+                    "has different values under the two keys")
+    return tied
 
 
 def update_norms(clients, base: Model) -> Tensor:
@@ -86,7 +126,9 @@ def private_aggregate(
     Noise: one seed from ``generator`` (the default generator of base's device when None; CPU:
     one ``random64``, CUDA: its Philox seed and offset) keys the Philox-4x32-10 stream of the
     SGLD ops (:func:`fedkernels.sgld_step`); element e of the model (all floating-point tensors
-    concatenated in order) gets normal e of it. ``noise_std = 0`` adds nothing and draws
+    concatenated in order) gets normal e of it. A tensor that ``base`` holds under several keys
+    (tied weights) is one parameter: counted once in the norms, noised once, and the result
+    holds it once (the same tensor under each key). ``noise_std = 0`` adds nothing and draws
     nothing. A non-finite update norm (NaN/Inf in a client) is refused, naming the clients:
     such an update cannot be clipped.
 
@@ -107,26 +149,24 @@ def private_aggregate(
         w = [1.0 / cs.K] * cs.K
     else:
         try:
-            normalized, raw = weights_and_values(weights, cs.K, True)
+            raw, _ = weights_and_values(weights, cs.K, False)
+            negative = [k for k, x in enumerate(raw.tolist()) if x < 0]
+            if not negative:
+                w = weights_and_values(raw, cs.K, True)[0].tolist()
         except (TypeError, ValueError) as err:  # raised in aggregate's words
             message = str(err).replace("fedkernels.aggregate:", f"{api}:", 1)
             message = message.replace("normalize=True but the weights", "the weights")
             raise type(err)(message) from None
-        w = normalized.tolist()
-        negative = [k for k, x in enumerate(raw if raw is not None else w) if x < 0]
         if negative:
             raise ValueError(f"{api}: weights must be >= 0 (sample counts); client "
                              f"{negative[0]} has a negative weight (clients {negative[:10]})")
-    out_tensors = None
-    if out is not None:
-        out_tensors = cs.layout.tensors(out, "out")
-        for i, (o, b) in enumerate(zip(out_tensors, base_all)):
-            if o.shape != b.shape or o.dtype != b.dtype or o.device != b.device:
-                raise ValueError(f"{api}: out tensor {cs.label(i)} is {o.dtype} "
-                                 f"{tuple(o.shape)} on {o.device}, expected {b.dtype} "
-                                 f"{tuple(b.shape)} on {b.device}")
+    out_tensors = cs.out_tensors(out)
+    tied = _tied_entries(cs, base_floats)
+    keep = [j for j in range(len(base_floats)) if j not in tied] if tied else None
+    if keep is not None:
+        base_floats = [base_floats[j] for j in keep]
 
-    norms = _norms(cs, base_floats)
+    norms = _norms(cs, base_floats, keep)
     values = norms.tolist()
     bad = [k for k, n in enumerate(values) if not math.isfinite(n)]
     if bad:
@@ -136,18 +176,31 @@ def private_aggregate(
     coef = torch.tensor([wk * fk for wk, fk in zip(w, clip_factors(norms, float(clip_norm)))],
                         dtype=torch.float64)
     std = float(noise_std)
+    flat = _flat(cs, keep)
+
+    def untie(results: list[Tensor]) -> list[Tensor]:
+        """Per float entry, its result: a tied entry's is its first key's tensor."""
+        if keep is None:
+            return results
+        by_entry = dict(zip(keep, results))
+        return [by_entry[tied.get(j, j)] for j in range(len(cs.layout.float_index))]
+
     if out_tensors is None:
-        results = cs.run(private_ops.private_sum, cs.flat(), coef, base_floats, std, generator)
+        results = untie(cs.run(private_ops.private_sum, flat, coef, base_floats, std, generator))
         merged, it = [], iter(results)
         for i, f in enumerate(cs.layout.float_mask):
             merged.append(next(it) if f else base_all[i].clone())
         return with_metadata(cs.layout.build(merged), cs.metadata), norms
     float_out = cs.float_out(out_tensors)
+    op_out = float_out if keep is None else [float_out[j] for j in keep]
     if all(o.data_ptr() == b.data_ptr() and o.stride() == b.stride()
-           for o, b in zip(float_out, base_floats)):
-        cs.run(private_ops.private_sum_, base_floats, cs.flat(), coef, std, generator)
+           for o, b in zip(op_out, base_floats)):
+        cs.run(private_ops.private_sum_, base_floats, flat, coef, std, generator)
     else:
-        cs.run(private_ops.private_sum, cs.flat(), coef, base_floats, std, generator, float_out)
+        cs.run(private_ops.private_sum, flat, coef, base_floats, std, generator, op_out)
+    for j, i in tied.items():  # a tied entry's out, unless it is its first key's memory
+        if not same_memory(float_out[j], float_out[i]):
+            float_out[j].copy_(float_out[i])
     for i in cs.layout.int_index:
         if out_tensors[i].data_ptr() != base_all[i].data_ptr():
             out_tensors[i].copy_(base_all[i])

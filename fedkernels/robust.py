@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .aggregate import aggregate
-from .memory_footprints import Footprints, byte_span
+from .memory_footprints import Footprints, byte_span, has_internal_overlap
 from .model_layout import (
     Model,
     ModelLayout,
@@ -75,13 +75,21 @@ class ClientSet:
         self.floats = [[c[i] for i in layout.float_index] for c in tensors]
         self.ints = {i: [c[i] for c in tensors] for i in layout.int_index}
         self.K = len(models)
+        # A model without floating-point entries (counters only) has nothing for the native
+        # ops, which need at least one tensor: run() then returns no results.
+        self.has_floats = bool(layout.float_index)
 
     def label(self, i: int) -> str:
         return self.layout.label(self.layout.names[i])
 
-    def out_tensors(self, out: Model | None) -> list[Tensor] | None:
-        """``out``'s tensors after checking each against client 0's (before any write); the
-        native ops check the memory of the floating-point entries, this the integer ones."""
+    def out_tensors(self, out: Model | None, *, floats_written_here: bool = False
+                    ) -> list[Tensor] | None:
+        """``out``'s tensors after checking them against client 0's, before any write: every
+        entry's shape, dtype and device, and the memory checks the native ops do not make (they
+        check their floating-point outputs against their inputs). The integer entries, and
+        the float ones where ``floats_written_here`` (Krum copies its selection itself), must
+        not be expanded views nor overlap a client or another out entry; no entry may overlap
+        a client's integer tensor."""
         if out is None:
             return None
         tensors = self.layout.tensors(out, "out")
@@ -90,26 +98,34 @@ class ClientSet:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
-            for k, src in enumerate(self.ints.get(i, ())):
-                if shares_memory(o, src):
-                    raise ValueError(f"{self.api}: out tensor {self.label(i)} shares memory "
-                                     f"with client {k}; the output must not alias a client")
-        return tensors
-
-    def refuse_aliased_floats(self, out_tensors: list[Tensor] | None) -> None:
-        """For the rules that write ``out``'s float entries themselves (Krum copies the
-        selected client), the check the native ops make: no output entry overlaps a client."""
-        if out_tensors is None:
-            return
-        float_index = self.layout.float_index
-        clients = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
-                               for i, t in zip(float_index, c)])
-        for i in float_index:
-            hit = clients.overlap(byte_span(out_tensors[i]), out_tensors[i])
+        written_here = {i for i, f in enumerate(self.layout.float_mask)
+                        if floats_written_here or not f}
+        for i in sorted(written_here):
+            if has_internal_overlap(tensors[i]):
+                raise ValueError(f"{self.api}: out tensor {self.label(i)} has internal overlap "
+                                 "(an expanded view); the output needs one element of memory "
+                                 "each")
+        ints = Footprints([(byte_span(t), t, (k, i)) for i, column in self.ints.items()
+                           for k, t in enumerate(column)])
+        floats = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
+                             for i, t in zip(self.layout.float_index, c)]
+                            if floats_written_here else [])
+        outputs = Footprints([(byte_span(o), o, j) for j, o in enumerate(tensors)])
+        for i, o in enumerate(tensors):
+            span = byte_span(o)
+            hit = ints.overlap(span, o)
+            if hit is None and i in written_here:
+                hit = floats.overlap(span, o)
             if hit is not None:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps client "
                                  f"{hit[0]}, tensor {self.label(hit[1])}; the output must not "
                                  "alias a client")
+            other = outputs.overlap(span, o, exclude=i) if i in written_here else None
+            if other is not None:
+                raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps out tensor "
+                                 f"{self.label(other)}; every output entry needs its own "
+                                 "memory")
+        return tensors
 
     def flat(self, who: Sequence[int] | None = None) -> list[Tensor]:
         """The float tensors of clients ``who`` (all when None), client-major: the ops' input."""
@@ -122,7 +138,10 @@ class ClientSet:
         return [out_tensors[i] for i in self.layout.float_index]
 
     def run(self, fn, *args):
-        """Calls op ``fn``, naming tensors as the user does (state_dict keys) in its errors."""
+        """Calls op ``fn``, naming tensors as the user does (state_dict keys) in its errors.
+        A model without float entries has no float results: ``[]``, without calling."""
+        if not self.has_floats:
+            return []
         try:
             return fn(*args)
         except (RuntimeError, ValueError, TypeError) as err:
@@ -171,12 +190,6 @@ class ClientSet:
 _WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor )(\d+)")
 
 
-def shares_memory(a: Tensor, b: Tensor) -> bool:
-    if a.device != b.device or a.numel() == 0 or b.numel() == 0 or a.device.type == "meta":
-        return False
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def coordinate_median(clients, *, out: Model | None = None) -> Model:
     r"""Coordinate-wise median over the K clients, equal to ``np.median(stack, axis=0)`` (the
     arithmetic of Flower's ``FedMedian`` / ``aggregate_median``): odd K gives the middle value,
@@ -223,6 +236,8 @@ def nearest_to_median_mean(clients, window: int, *, out: Model | None = None) ->
 
 
 def _distances(cs: ClientSet) -> Tensor:
+    if not cs.has_floats:  # no coordinates: every client is at distance 0
+        return torch.zeros(cs.K, cs.K, dtype=torch.float64)
     return cs.run(robust_ops.pairwise_sq_distances, cs.flat(), cs.K)
 
 
@@ -292,8 +307,7 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
     cs = ClientSet(clients, api)
     f = _check_count(api, "num_malicious", num_malicious, 0)
     m = _check_count(api, "num_to_keep", num_to_keep, 1, cs.K)
-    out_tensors = cs.out_tensors(out)
-    cs.refuse_aliased_floats(out_tensors)
+    out_tensors = cs.out_tensors(out, floats_written_here=True)
     if weights is not None:
         w = _checked_weights(api, weights, cs.K)
     selected = _lowest(krum_scores(_distances(cs), f), m)
@@ -306,7 +320,8 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
         sel_weights = [1.0] * m if weights is None else [w[k] for k in selected]
         if sum(sel_weights) == 0:
             raise ValueError(f"{api}: the weights of the selected clients {selected} sum to 0")
-        results = aggregate([cs.floats[k] for k in selected], sel_weights, normalize=True)
+        results = (aggregate([cs.floats[k] for k in selected], sel_weights, normalize=True)
+                   if cs.has_floats else [])
     return cs.finish(results, selected, out_tensors, out), selected
 
 

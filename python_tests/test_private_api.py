@@ -165,7 +165,12 @@ def test_private_aggregate_errors():
         private_aggregate(clients, base=base, clip_norm=1.0, noise_std=0.0,
                           out=[clients[2][0]] + [b.clone() for b in base[1:]])
     with pytest.raises(ValueError, match="weights sum to 0"):
-        private_aggregate(clients, [1, -1, 0], base=base, clip_norm=1.0, noise_std=0.0)
+        private_aggregate(clients, [0, 0, 0], base=base, clip_norm=1.0, noise_std=0.0)
+    # Negative weights are refused before they are normalised: all negative ones too (their
+    # normalised values would be positive).
+    for weights, first in (([1, -1, 0], 1), ([-1.0, -3.0, -2.0], 0)):
+        with pytest.raises(ValueError, match=f"client {first} has a negative weight"):
+            private_aggregate(clients, weights, base=base, clip_norm=1.0, noise_std=0.0)
 
 
 # ---------------------------------------------------------------- adaptive clipping
@@ -228,3 +233,63 @@ def test_weight_errors_name_private_aggregate():
     for weights, kind, pattern in cases:
         with pytest.raises(kind, match=pattern):
             private_aggregate(clients, weights, base=base, clip_norm=1.0, noise_std=0.0)
+
+
+# ---------------------------------------------------------------- tied weights, out=, counters
+
+
+def _tied_model(value=0.0):
+    shared = torch.full((20, 5), value)
+    return {"emb": shared, "head": shared, "bias": torch.full((5,), value)}
+
+
+def test_tied_weights_are_one_parameter():
+    # A tensor under two keys is clipped, counted and noised once: the release holds one
+    # noisy copy of it (two independent copies would average to less noise).
+    clients = [_tied_model(0.1 * (k + 1)) for k in range(4)]
+    untied = [{"emb": c["emb"], "bias": c["bias"]} for c in clients]
+    base = _tied_model()
+    g = torch.Generator().manual_seed(0)
+    got, norms = private_aggregate(clients, base=base, clip_norm=1.0, noise_std=0.5, generator=g)
+    assert got["emb"] is got["head"]
+    g = torch.Generator().manual_seed(0)
+    expected, expected_norms = private_aggregate(untied, base={"emb": base["emb"],
+                                                               "bias": base["bias"]},
+                                                 clip_norm=1.0, noise_std=0.5, generator=g)
+    assert torch.equal(norms, expected_norms)
+    assert torch.equal(got["emb"], expected["emb"]) and torch.equal(got["bias"], expected["bias"])
+    # In place into the tied base: written once, the same values.
+    g = torch.Generator().manual_seed(0)
+    private_aggregate(clients, base=base, clip_norm=1.0, noise_std=0.5, generator=g, out=base)
+    assert base["emb"] is base["head"] and torch.equal(base["emb"], expected["emb"])
+    # Into an untied out: both keys get the one result.
+    out = {"emb": torch.zeros(20, 5), "head": torch.zeros(20, 5), "bias": torch.zeros(5)}
+    g = torch.Generator().manual_seed(0)
+    private_aggregate(clients, base=_tied_model(), clip_norm=1.0, noise_std=0.5, generator=g,
+                      out=out)
+    assert torch.equal(out["emb"], expected["emb"]) and torch.equal(out["head"], expected["emb"])
+    # A client whose two keys disagree cannot be released as one parameter.
+    clients[2] = {"emb": torch.zeros(20, 5), "head": torch.ones(20, 5), "bias": torch.zeros(5)}
+    with pytest.raises(ValueError, match="'emb' and 'head' are one tensor .* client 2"):
+        private_aggregate(clients, base=_tied_model(), clip_norm=1.0, noise_std=0.5)
+
+
+def test_out_must_not_alias_a_clients_counter():
+    clients = [{"w": torch.randn(3), "n": torch.tensor(k)} for k in range(3)]
+    out = {"w": torch.zeros(3), "n": clients[0]["n"]}
+    g = torch.Generator().manual_seed(1)
+    state = g.get_state()
+    with pytest.raises(ValueError, match="out tensor 'n' overlaps client 0"):
+        private_aggregate(clients, base={"w": torch.zeros(3), "n": torch.tensor(100)},
+                          clip_norm=1.0, noise_std=1.0, generator=g, out=out)
+    assert int(clients[0]["n"]) == 0 and not out["w"].any()
+    assert torch.equal(g.get_state(), state)  # no noise drawn either
+
+
+def test_counters_only_model_gives_the_base():
+    clients = [{"n": torch.tensor(k)} for k in range(4)]
+    got, norms = private_aggregate(clients, base={"n": torch.tensor(50)}, clip_norm=1.0,
+                                   noise_std=1.0)
+    assert int(got["n"]) == 50 and torch.equal(norms, torch.zeros(4, dtype=torch.float64))
+    assert torch.equal(update_norms(clients, {"n": torch.tensor(1)}),
+                       torch.zeros(4, dtype=torch.float64))

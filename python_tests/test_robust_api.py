@@ -325,3 +325,68 @@ def test_nearest_to_median_mean_state_dict_out_and_errors():
         nearest_to_median_mean(sds, 0)
     with pytest.raises(TypeError, match="window must be an int"):
         nearest_to_median_mean(sds, 2.0)
+
+
+# ---------------------------------------------------------------- out= memory, counters only
+
+RULES = {
+    "coordinate_median": lambda c, **kw: coordinate_median(c, **kw),
+    "trimmed_mean": lambda c, **kw: trimmed_mean(c, 0.2, **kw),
+    "nearest_to_median_mean": lambda c, **kw: nearest_to_median_mean(c, 3, **kw),
+    "krum": lambda c, **kw: krum(c, 1, **kw)[0],
+    "multikrum": lambda c, **kw: krum(c, 1, 3, **kw)[0],
+    "bulyan": lambda c, **kw: bulyan(c, 1, **kw),
+}
+
+
+def _counted(K=7):
+    return [{"w": torch.randn(3, generator=torch.Generator().manual_seed(k)),
+             "n": torch.full((3,), k)} for k in range(K)]
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_bad_integer_out_is_refused_before_any_write(rule):
+    clients = _counted()
+    cases = {
+        "internal overlap": ({"n": torch.tensor([0]).expand(3)}, "has internal overlap"),
+        "a client's counter": ({"n": clients[4]["n"]}, "out tensor 'n' overlaps client 4"),
+        "the float entry": (None, "out tensor '[nw]' overlaps out tensor '[wn]'"),
+    }
+    for case, (change, message) in cases.items():
+        out = {"w": torch.zeros(4), "n": torch.zeros(3, dtype=torch.int64)}
+        if change is None:  # 'n' placed over the float result's memory
+            shared = torch.zeros(6, dtype=torch.int64)
+            out = {"w": shared.view(torch.float32)[:3], "n": shared[1:4]}
+        else:
+            out.update(change)
+            out["w"] = out["w"][:3]
+        before = out["w"].clone()
+        snapshot = [c["n"].clone() for c in clients]
+        with pytest.raises(ValueError, match=message):
+            RULES[rule](clients, out=out)
+        assert torch.equal(out["w"], before), case
+        assert all(torch.equal(c["n"], s) for c, s in zip(clients, snapshot)), case
+
+
+@pytest.mark.parametrize("rule", ["krum", "multikrum"])
+def test_krum_refuses_float_outs_that_overlap(rule):
+    # Krum writes the selected floats itself (the native ops check their own outputs).
+    clients = [{"a": torch.randn(3), "b": torch.randn(3)} for _ in range(5)]
+    buffer = torch.zeros(4)
+    with pytest.raises(ValueError, match="out tensor 'a' overlaps out tensor 'b'"):
+        RULES[rule](clients, out={"a": buffer[:3], "b": buffer[1:]})
+    assert not buffer.any()
+    with pytest.raises(ValueError, match="out tensor 'a' overlaps client 2, tensor 'a'"):
+        RULES[rule](clients, out=clients[2])
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_models_of_counters_only(rule):
+    # No floating-point entry: the counters follow the rule's integer policy (the maximum
+    # over the clients it uses), as with aggregate; no native op is called with nothing.
+    clients = [{"n": torch.tensor(k)} for k in range(7)]
+    got = RULES[rule](clients)
+    assert set(got) == {"n"} and got["n"].dtype == torch.int64
+    if rule in ("coordinate_median", "trimmed_mean", "nearest_to_median_mean"):
+        assert int(got["n"]) == 6
+    assert torch.equal(pairwise_sq_distances(clients), torch.zeros(7, 7, dtype=torch.float64))
