@@ -420,6 +420,9 @@ class Accumulator:
     to float rounding: :math:`\mathrm{scale}\sum_k w_k x_k`, or with ``base``
     :math:`b + \mathrm{scale}\,(\sum_k w_k x_k - (\sum_k w_k)\, b)`. Updates are read as
     values: the result carries no gradient (call :func:`aggregate` for a differentiable one).
+    The accumulators hold the sum relative to a power of two near the largest weight and
+    :math:`\sum w_k` is kept in float64, so weights whose float32 sum or value would overflow
+    or vanish (3e38 + 3e38, 1e-46) normalise as in :func:`aggregate`.
 
     >>> acc = Accumulator()
     >>> for sd, n in incoming:        # doctest: +SKIP
@@ -442,6 +445,12 @@ class Accumulator:
         self._ints: dict[int, Tensor] = {}
         self._dtypes: list[torch.dtype] = []
         self._total_weight = 0.0
+        # The accumulators hold sum_k (w_k / unit) x_k, unit a power of two near the largest
+        # weight (moved, with one rescaling pass, when a weight exceeds it by 2^32): weights
+        # near or past the float32 limits (3e38 + 3e38, 1e-46) then sum as aggregate's
+        # normalised ones do, and the float64 factor unit / sum w is applied once.
+        self._unit: float | None = None
+        self._largest_weight = 0.0
         self._metadata = None
         self.count = 0
 
@@ -474,13 +483,13 @@ class Accumulator:
         # Read as values: the running sum is a buffer, not a graph (the class docstring).
         floats = [t.detach() for t, f in zip(tensors, layout.float_mask) if f]
         float_names = [n for n, f in zip(layout.names, layout.float_mask) if f]
-        narrow = next((n for n, t in zip(float_names, floats) if t.dtype != torch.float64), None)
-        if narrow is not None and w.device.type == "cpu" and abs(float(w[0])) > FLOAT32_MAX:
-            # The fp32 accumulators would hold inf (and 0 * inf = NaN): refused, not stored.
-            raise ValueError(f"fedkernels.Accumulator: weight of {what} is {float(w[0]):.4g}, "
-                             f"beyond the float32 range (|w| <= {FLOAT32_MAX:.4g}) of the "
-                             f"accumulator of tensor {layout.label(narrow)}; scale every weight "
-                             "down by one factor (result(normalize=True) cancels it)")
+        value = float(w[0])
+        unit, rescale = self._unit, None
+        if value != 0 and (unit is None or abs(value) > unit * 2.0**32):
+            new_unit = math.ldexp(1.0, math.frexp(abs(value))[1])
+            rescale = None if unit is None else unit / new_unit
+            unit = new_unit
+        unit = unit if unit is not None else 1.0
         for name, t, a in zip(float_names, floats, self._acc):
             if t.shape != a.shape or t.device != a.device:
                 raise ValueError(f"fedkernels.Accumulator: {what}, tensor {layout.label(name)} "
@@ -495,12 +504,14 @@ class Accumulator:
                             who=[what] if prev is None else ["the first update", what],
                             api="fedkernels.Accumulator")
         acc = self._acc
+        if rescale is not None:  # new tensors: the old ones stay until the update is accepted
+            acc = [a * rescale for a in acc]
         if self._layout is None:
             acc = [torch.zeros(t.shape, device=t.device,
                                dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
                    for t in floats]
         try:
-            summation.weighted_sum_(acc, floats, w, 1.0, False)
+            summation.weighted_sum_(acc, floats, w / unit, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:
             err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
             raise type(err)(str(err).replace("client 0", what)) from None
@@ -516,7 +527,10 @@ class Accumulator:
             self._metadata = getattr(update, "_metadata", None)  # with_metadata copies it
         self._layout, self._acc = layout, acc
         self._dtypes = [t.dtype for t in tensors]
-        self._total_weight += float(w[0])
+        self._total_weight += value
+        self._largest_weight = max(self._largest_weight, abs(value))
+        if value != 0:
+            self._unit = unit
         self.count += 1
 
     def result(self, *, normalize: bool = False) -> Model:
@@ -526,7 +540,17 @@ class Accumulator:
         if normalize and self._total_weight == 0:
             raise ValueError("fedkernels.Accumulator: normalize=True but the weights sum to 0")
         layout = self._layout
+        if not normalize and self._largest_weight > FLOAT32_MAX:
+            narrow = [n for n, d, f in zip(layout.names, self._dtypes, layout.float_mask)
+                      if f and d != torch.float64]
+            if narrow:  # as aggregate refuses it: w x is beyond float32 in the result
+                raise ValueError(
+                    f"fedkernels.Accumulator: a weight of {self._largest_weight:.4g} is beyond "
+                    f"the float32 range (|w| <= {FLOAT32_MAX:.4g}) of tensor "
+                    f"{layout.label(narrow[0])}; use result(normalize=True), or float64 models")
         div = self._total_weight if normalize else 1.0
+        unit = self._unit or 1.0
+        factor = unit / div * self.scale  # sum_k w_k x_k = unit * accumulator
         base = None if self.base is None else layout.tensors(self.base, "base")
         out, acc = [], iter(self._acc)
         for i, f in enumerate(layout.float_mask):
@@ -539,10 +563,10 @@ class Accumulator:
             a = next(acc)
             dtype = self._dtypes[i]
             if base is None:
-                out.append((a * (self.scale / div)).to(dtype))
+                out.append((a * factor).to(dtype))
             else:
                 b = base[i].to(a.dtype)
-                out.append((b + (self.scale / div) * (a - (self._total_weight) * b)).to(
+                out.append((b + factor * (a - (self._total_weight / unit) * b)).to(
                     base[i].dtype))
         return with_metadata(layout.build(out), self._metadata)
 

@@ -663,17 +663,40 @@ def test_scale_must_be_finite_and_fit_the_accumulator():
     assert fedkernels.aggregate(doubles, [0.5, 0.5], scale=1e39)[0].tolist() == [1e39, 1e39]
 
 
-def test_accumulator_refuses_a_weight_beyond_float32_and_keeps_its_state():
+def test_accumulator_weight_beyond_float32_needs_normalize():
+    # As aggregate: a weight beyond float32 is refused for an unnormalised float32 result
+    # (w x itself is beyond float32), and fine once normalised.
     acc = fedkernels.Accumulator()
     acc.add([torch.ones(2)], 2.0)
-    _raise(lambda: acc.add([torch.ones(2)], 1e39), ValueError,
-           ["update 1", "1e+39", "float32"])
-    assert acc.count == 1 and acc.result()[0].tolist() == [2.0, 2.0]
+    acc.add([3 * torch.ones(2)], 1e39)
+    _raise(lambda: acc.result(), ValueError, ["1e+39", "float32", "normalize=True"])
+    torch.testing.assert_close(acc.result(normalize=True)[0], torch.full((2,), 3.0))
+    assert acc.count == 2
     wide = fedkernels.Accumulator()
     wide.add([torch.ones(2, dtype=torch.float64)], 1e39)
     assert wide.result(normalize=True)[0].tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="scale must be finite"):
         fedkernels.Accumulator(scale=float("nan"))
+
+
+@pytest.mark.parametrize("weights", [[3e38, 3e38], [1e-46, 1e-46], [1e-30, 3e-30],
+                                     [1e38, 2.5e38]])
+@pytest.mark.parametrize("form", ["tensor", "list", "state_dict"])
+def test_accumulator_sums_weights_near_the_float32_limits_like_aggregate(weights, form):
+    # Each weight is a float32 number, but their sum or their fp32 value is not (3e38 + 3e38
+    # overflows, 1e-46 is 0 in float32); aggregate normalises them in float64 first.
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])
+    wrap = {"tensor": lambda t: t, "list": lambda t: [t], "state_dict": lambda t: {"w": t}}[form]
+    acc = fedkernels.Accumulator()
+    acc.add(wrap(x), weights[0])
+    acc.add(wrap(y), weights[1])
+    got = acc.result(normalize=True)
+    expected = fedkernels.aggregate([wrap(x), wrap(y)], weights, normalize=True)
+    unwrap = {"tensor": lambda m: m, "list": lambda m: m[0], "state_dict": lambda m: m["w"]}[form]
+    torch.testing.assert_close(unwrap(got), unwrap(expected))
+    # A later weight far beyond the others: the others' share underflows, as in aggregate.
+    acc.add(wrap(y), weights[0] * 1e60)
+    torch.testing.assert_close(unwrap(acc.result(normalize=True)), y)
 
 
 def test_accumulator_checks_the_base_int_entries():
