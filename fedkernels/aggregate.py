@@ -23,6 +23,7 @@ from .model_layout import (
     INT_POLICIES,
     Model,
     ModelLayout,
+    real_number,
     split_clients,
     weights_and_values,
     with_metadata,
@@ -179,6 +180,20 @@ def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
     return [j for j in range(len(float_out)) if j not in dropped]
 
 
+def _refuse_non_strided(layout: ModelLayout, names: list, floats: list[list[Tensor]],
+                        base: list[Tensor]) -> None:
+    """After the native op failed: a TypeError naming the first sparse (or otherwise not
+    strided) tensor, which the op cannot read; looked for only then, so valid calls pay
+    nothing for it."""
+    sources = [(f"client {k}, tensor", c) for k, c in enumerate(floats)] + [("base tensor", base)]
+    for who, tensors in sources:
+        for name, t in zip(names, tensors):
+            if t.layout != torch.strided:
+                raise TypeError(f"fedkernels.aggregate: {who} {layout.label(name)} has layout "
+                                f"{t.layout}; only dense (strided) tensors are supported "
+                                "(call .to_dense())")
+
+
 _REQUIRES_GRAD = Tensor.requires_grad.__get__
 
 
@@ -300,6 +315,8 @@ def aggregate(
     # The layout of client 0 is remembered across calls (see model_layout); every client is
     # still checked against it on every call, and the native op checks shapes, dtypes,
     # devices, weights and memory overlap in C++.
+    if type(scale) is not float and not torch.compiler.is_compiling():  # traced: symbolic
+        scale = real_number("fedkernels.aggregate", "scale", scale)
     layout = ModelLayout.of(models[0], "client 0")
     clients = layout.client_tensors(models)
     w, w_values = weights_and_values(weights, len(models), normalize)
@@ -362,6 +379,7 @@ def aggregate(
                 summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, op_out)
             results = float_out
     except (RuntimeError, ValueError, TypeError) as err:
+        _refuse_non_strided(layout, float_names, floats, float_base)
         raise _rename(err, layout, float_names) from None
 
     meta = getattr(models[0], "_metadata", None)
@@ -435,7 +453,8 @@ class Accumulator:
         if int_policy not in INT_POLICIES:
             raise ValueError(f"fedkernels.Accumulator: int_policy must be one of {INT_POLICIES}, "
                              f"not {int_policy!r}")
-        if not math.isfinite(float(scale)):
+        scale = real_number("fedkernels.Accumulator", "scale", scale)
+        if not math.isfinite(scale):
             raise ValueError(f"fedkernels.Accumulator: scale must be finite, got {scale}")
         self.base = base
         self.scale = float(scale)

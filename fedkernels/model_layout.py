@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import numbers
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -255,21 +256,30 @@ def _plain_finite_floats(weights, num_clients: int) -> list[float] | None:
 
 
 def refuse_non_real_weights(api: str, weights) -> None:
-    """TypeError for a bool or complex weight tensor and for booleans among weights given as a
-    sequence or NumPy array: a mask of selected clients is not a weighting (pass 0/1 numbers
-    for that)."""
+    """TypeError for a bool or complex weight tensor and for booleans or text among weights
+    given as a sequence or NumPy array: a mask of selected clients is not a weighting (pass
+    0/1 numbers for that), and NumPy would read "3" as 3."""
     if isinstance(weights, Tensor):
         if weights.dtype == torch.bool or weights.is_complex():
             raise TypeError(f"{api}: weights must be real numbers, got {weights.dtype}")
         return
     if isinstance(weights, np.ndarray):
-        bools = weights.dtype == np.bool_
+        kind = {"b": "bool", "U": "str", "S": "bytes"}.get(weights.dtype.kind)
     elif isinstance(weights, (list, tuple)):
-        bools = any(isinstance(x, (bool, np.bool_)) for x in weights)
+        odd = next((x for x in weights if isinstance(x, (bool, np.bool_, str, bytes))), None)
+        kind = None if odd is None else type(odd).__name__
     else:
-        bools = False
-    if bools:
-        raise TypeError(f"{api}: weights must be real numbers, got bool")
+        kind = {str: "str", bytes: "bytes"}.get(type(weights))
+    if kind is not None:
+        raise TypeError(f"{api}: weights must be real numbers, got {kind}")
+
+
+def real_number(api: str, name: str, value) -> float:
+    """``value`` as a float when it is a real number (Python or NumPy; not a bool), else a
+    TypeError naming the argument."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
 
 
 def _fits_float64(x) -> bool:

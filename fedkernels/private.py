@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .memory_footprints import same_memory
-from .model_layout import Model, weights_and_values, with_metadata
+from .model_layout import Model, real_number, weights_and_values, with_metadata
 from .ops import private as private_ops
 from .robust import ClientSet
 
@@ -137,9 +137,8 @@ def private_aggregate(
     clipping (what :func:`adaptive_clip_norm` takes).
     """
     api = "fedkernels.private_aggregate"
-    for name, value in (("clip_norm", clip_norm), ("noise_std", noise_std)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
+    clip_norm = real_number(api, "clip_norm", clip_norm)
+    noise_std = real_number(api, "noise_std", noise_std)
     if not (math.isfinite(clip_norm) and clip_norm > 0):
         raise ValueError(f"{api}: clip_norm must be finite and > 0, got {clip_norm}")
     if not (math.isfinite(noise_std) and noise_std >= 0):
@@ -185,7 +184,8 @@ def private_aggregate(
         by_entry = dict(zip(keep, results))
         return [by_entry[tied.get(j, j)] for j in range(len(cs.layout.float_index))]
 
-    if out_tensors is None:
+    if out_tensors is None:  # read as values, like the clients: the release has no gradient
+        base_floats = [b.detach() for b in base_floats]
         results = untie(cs.run(private_ops.private_sum, flat, coef, base_floats, std, generator))
         merged, it = [], iter(results)
         for i, f in enumerate(cs.layout.float_mask):
@@ -233,13 +233,15 @@ def adaptive_clip_norm(
     standard deviation from the clip norm *after* this update.
     """
     api = "fedkernels.adaptive_clip_norm"
+    clip_norm, target_quantile, clip_norm_lr, clipped_count_stddev = (
+        real_number(api, name, value) for name, value in (
+            ("clip_norm", clip_norm), ("target_quantile", target_quantile),
+            ("clip_norm_lr", clip_norm_lr), ("clipped_count_stddev", clipped_count_stddev)))
     checks = (("clip_norm", clip_norm, lambda v: v > 0, "> 0"),
               ("target_quantile", target_quantile, lambda v: 0 <= v <= 1, "in [0, 1]"),
               ("clip_norm_lr", clip_norm_lr, lambda v: v > 0, "> 0"),
               ("clipped_count_stddev", clipped_count_stddev, lambda v: v >= 0, ">= 0"))
     for name, value, ok, what in checks:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
         if not (math.isfinite(value) and ok(value)):
             raise ValueError(f"{api}: {name} must be finite and {what}, got {value}")
     values = (norms.detach().cpu().double().reshape(-1).tolist() if isinstance(norms, Tensor)

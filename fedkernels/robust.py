@@ -7,7 +7,8 @@ mean, Krum / Multi-Krum and Bulyan, with the arithmetic of Flower's ``FedMedian`
 tensor lists (or tensors), or one ``[K, P]`` tensor; results have the structure of client 0
 (or of ``out``). Floating-point entries (float32, float64, float16, bfloat16) are aggregated;
 integer and bool entries (BatchNorm's ``num_batches_tracked``) are the element-wise maximum over
-the clients the rule uses (Krum: the selected client's own).
+the clients the rule uses (Krum: the selected client's own). The clients are read as values: a
+result never requires grad.
 
 Per coordinate, with the K values sorted ascending (NaN sorts last):
 
@@ -36,6 +37,7 @@ from .memory_footprints import Footprints, byte_span, has_internal_overlap
 from .model_layout import (
     Model,
     ModelLayout,
+    real_number,
     refuse_non_real_weights,
     split_clients,
     with_metadata,
@@ -72,7 +74,9 @@ class ClientSet:
                         f"{api}: client {k}, tensor {self.label(i)} is {t.dtype} "
                         f"{tuple(t.shape)} on {t.device}; client 0 has {t0.dtype} "
                         f"{tuple(t0.shape)} on {t0.device}")
-        self.floats = [[c[i] for i in layout.float_index] for c in tensors]
+        # Read as values: the rules have no derivative, so their results carry no gradient
+        # (rather than a graph whose backward only warns).
+        self.floats = [[c[i].detach() for i in layout.float_index] for c in tensors]
         self.ints = {i: [c[i] for c in tensors] for i in layout.int_index}
         self.K = len(models)
         # A model without floating-point entries (counters only) has nothing for the native
@@ -209,8 +213,7 @@ def trimmed_mean(clients, beta: float, *, out: Model | None = None) -> Model:
     accumulate type). ``0 <= beta < 0.5`` as in Flower; NaN sorts above every number, so a NaN
     among the c largest values of a coordinate is dropped with them."""
     api = "fedkernels.trimmed_mean"
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
-        raise TypeError(f"{api}: beta must be a number in [0, 0.5), got {type(beta).__name__}")
+    beta = real_number(api, "beta", beta)
     if not 0.0 <= beta < 0.5:
         raise ValueError(f"{api}: beta must be in [0, 0.5), got {beta}")
     cs = ClientSet(clients, api)

@@ -737,3 +737,31 @@ def test_boolean_weights_are_refused_however_they_come(weights):
     _raise(lambda: fedkernels.private.private_aggregate(models, weights, base=models[0],
                                                         clip_norm=1.0, noise_std=0.0),
            TypeError, ["fedkernels.private_aggregate: weights must be real numbers"])
+
+
+@pytest.mark.parametrize("weights", [["1", "2"], np.array(["1", "2"]), [1.0, b"2"]])
+def test_text_weights_are_refused(weights):
+    # NumPy would read "1" as 1.0: a table column of text is not a weighting.
+    with pytest.raises(TypeError, match="weights must be real numbers, got (str|bytes)"):
+        fedkernels.aggregate([torch.ones(2), torch.ones(2)], weights)
+
+
+@pytest.mark.parametrize("scale", [True, "2", None, [1.0]])
+def test_scale_must_be_a_number(scale):
+    with pytest.raises(TypeError, match="fedkernels.aggregate: scale must be a number"):
+        fedkernels.aggregate([torch.ones(2)], [1.0], scale=scale)
+    with pytest.raises(TypeError, match="fedkernels.Accumulator: scale must be a number"):
+        fedkernels.Accumulator(scale=scale)
+
+
+def test_numpy_scalars_are_numbers():
+    got = fedkernels.aggregate([torch.ones(2)], [1.0], scale=np.float32(0.5))
+    assert got.tolist() == [0.5, 0.5]
+    got = fedkernels.trimmed_mean([torch.ones(2)] * 5, np.float32(0.2))
+    assert got.tolist() == [1.0, 1.0]
+
+
+def test_sparse_tensor_is_named():
+    clients = [{"a": torch.ones(2), "w": torch.eye(3).to_sparse()} for _ in range(2)]
+    with pytest.raises(TypeError, match="client 0, tensor 'w' has layout torch.sparse_coo"):
+        fedkernels.aggregate(clients, [1.0, 1.0])

@@ -229,7 +229,8 @@ def test_weight_errors_name_private_aggregate():
              (torch.tensor([1.0, -2.0, 3.0]), ValueError, r"weights must be >= 0"),
              ([float("nan"), 1, 1], ValueError, r"private_aggregate: weight of client 0 is nan"),
              ([0, 0, 0], ValueError, r"private_aggregate: the weights sum to 0"),
-             ("abc", TypeError, r"private_aggregate: weights must be K numbers")]
+             ("abc", TypeError, r"private_aggregate: weights must be real numbers, got str"),
+             ([1, "2", 3], TypeError, r"private_aggregate: weights must be real numbers")]
     for weights, kind, pattern in cases:
         with pytest.raises(kind, match=pattern):
             private_aggregate(clients, weights, base=base, clip_norm=1.0, noise_std=0.0)
@@ -293,3 +294,10 @@ def test_counters_only_model_gives_the_base():
     assert int(got["n"]) == 50 and torch.equal(norms, torch.zeros(4, dtype=torch.float64))
     assert torch.equal(update_norms(clients, {"n": torch.tensor(1)}),
                        torch.zeros(4, dtype=torch.float64))
+
+
+def test_release_carries_no_gradient():
+    clients = [torch.randn(3).requires_grad_() for _ in range(3)]
+    got, _ = private_aggregate(clients, base=torch.zeros(3).requires_grad_(), clip_norm=1.0,
+                               noise_std=0.0)
+    assert not got.requires_grad and got.grad_fn is None

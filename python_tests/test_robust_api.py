@@ -390,3 +390,12 @@ def test_models_of_counters_only(rule):
     if rule in ("coordinate_median", "trimmed_mean", "nearest_to_median_mean"):
         assert int(got["n"]) == 6
     assert torch.equal(pairwise_sq_distances(clients), torch.zeros(7, 7, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_results_carry_no_gradient(rule):
+    # The rules have no derivative: clients that require grad are read as values.
+    clients = [torch.randn(4, generator=torch.Generator().manual_seed(k)).requires_grad_()
+               for k in range(7)]
+    got = RULES[rule](clients)
+    assert not got.requires_grad and got.grad_fn is None

@@ -214,6 +214,35 @@ def test_compile_fullgraph():
     torch.testing.assert_close(d, ref.pairwise_sq_distances_reference(c, K), rtol=1e-13, atol=0)
 
 
+def test_compile_keeps_the_strides_of_transposed_and_channels_last_clients():
+    # The fake implementations give the kernels' strides (at::empty_like of each client
+    # tensor), so a compiled graph that views the result as eager code would is accepted.
+    K = 3
+    g = torch.Generator().manual_seed(9)
+    transposed = [torch.randn(3, 4, generator=g).t() for _ in range(K)]
+    channels_last = [torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last)
+                     for _ in range(K)]
+    coef = torch.full((K,), 1.0 / K, dtype=torch.float64)
+    for clients in (transposed, channels_last):
+        base = [torch.zeros_like(clients[0])]
+
+        def rules(*c, base=base):
+            return (robust_ops.coordinate_median(list(c), K)[0] + 1,
+                    robust_ops.trimmed_mean(list(c), K, 1)[0] * 3,
+                    robust_ops.median_window_mean(list(c), K, 2)[0] * 2,
+                    private_ops.private_sum(list(c), coef, base, 0.0)[0] - 1)
+
+        eager = rules(*clients)
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            # Compiled afresh: a cached graph would not run the fakes at all.
+            with torch._inductor.config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                compiled = torch.compile(rules, fullgraph=True, backend=backend)(*clients)
+            for a, b in zip(compiled, eager):
+                exact(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_devices_agree_with_reference(device, dtype):

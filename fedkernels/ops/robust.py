@@ -103,7 +103,7 @@ def _register_order_stat(op: str, extra: bool) -> None:
         @torch.library.register_fake(f"fedkernels::{op}")
         def _fake(clients, num_clients, param):
             T = check_client_list(op, clients, num_clients)
-            return [torch.empty_like(clients[t], memory_format=torch.contiguous_format)
+            return [torch.empty_like(clients[t])  # the kernel's at::empty_like: same strides
                     for t in range(T)]
 
         @torch.library.register_fake(f"fedkernels::{op}.out")
@@ -113,7 +113,7 @@ def _register_order_stat(op: str, extra: bool) -> None:
         @torch.library.register_fake(f"fedkernels::{op}")
         def _fake(clients, num_clients):
             T = check_client_list(op, clients, num_clients)
-            return [torch.empty_like(clients[t], memory_format=torch.contiguous_format)
+            return [torch.empty_like(clients[t])  # the kernel's at::empty_like: same strides
                     for t in range(T)]
 
         @torch.library.register_fake(f"fedkernels::{op}.out")
