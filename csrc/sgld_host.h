@@ -164,6 +164,15 @@ inline void check_noise(
 // contiguous), else into a new tensor; returns the tensor holding x'. `read` names the tensors
 // the kernel reads: writing x directly, none may share only part of x's memory (the kernel would
 // read values it has already overwritten); the same memory, element for element, is fine.
+// An in-place x must hold one element of memory each (not an expanded view): checked before
+// any noise is drawn, so a refused call leaves the generator as it was.
+inline void check_writable_x(const char* op, const at::Tensor& x, bool inplace) {
+  TORCH_CHECK_VALUE(
+      !inplace || at::has_internal_overlap(x) != at::MemOverlap::Yes, op,
+      "x has internal overlap (an expanded view), and the op writes it in place; pass a tensor "
+      "with one element of memory each (x.clone())");
+}
+
 inline at::Tensor finish_into(
     const char* op, const at::Tensor& x, bool inplace,
     std::initializer_list<std::pair<const char*, const at::Tensor*>> read, SgldPlan& p,
@@ -202,6 +211,7 @@ inline at::Tensor sgld_step_host(
   check_device(name, grad, x.device(), /*allow_cpu=*/false, "grad");
   SgldPlan p;
   check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
+  check_writable_x(op, x, inplace);
   at::Tensor noise_c;
   check_noise(name, x, noise, generator, p, noise_c);
   const at::Tensor xc = x.contiguous();
@@ -214,7 +224,7 @@ inline at::Tensor sgld_step_host(
   p.grads = gc.const_data_ptr();
   p.noise = noise_c.defined() ? noise_c.const_data_ptr() : nullptr;
   p.device = x.device();
-  if (x.numel() == 0) return inplace ? x : at::empty_like(x);
+  if (x.numel() == 0) return inplace ? x : at::empty_like(x, at::MemoryFormat::Contiguous);
   return finish_into(op, x, inplace, {{"grad", &gc}, {"noise", &noise_c}}, p, runner);
 }
 
@@ -264,6 +274,7 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   }
   SgldPlan p;
   check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
+  check_writable_x(op, x, inplace);
   at::Tensor noise_c;
   check_noise(name, x, noise, generator, p, noise_c);
   const at::ScalarType acc = accumulate_dtype(x.scalar_type());
@@ -285,7 +296,7 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   p.noise = noise_c.defined() ? noise_c.const_data_ptr() : nullptr;
   p.signed_mode = mode == "signed";
   p.device = x.device();
-  if (M == 0) return {inplace ? x : at::empty_like(x), pi};
+  if (M == 0) return {inplace ? x : at::empty_like(x, at::MemoryFormat::Contiguous), pi};
   at::Tensor out = finish_into(
       op, x, inplace, {{"grads", &gc}, {"energies", &e}, {"log_weights", &lw}, {"noise", &noise_c}},
       p, runner);

@@ -148,6 +148,23 @@ def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finish
     assert main(["run", "--rounds", "1", "--out", str(out), *FAST]) == 0
 
 
+def test_a_run_that_ends_while_another_sets_up_is_not_replaced(tmp_path, finished_run):
+    # The folder check runs twice: before the (possibly long) setup, and again once the
+    # folder is locked, where a run that ended in between has left its results.
+    from fedkernels.cli.run import run_experiment
+    from fedkernels.sim import ExperimentConfig, ModelConfig, PartitionConfig
+    from fedkernels.sim.config import ConfigError
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    config = ExperimentConfig(rounds=1, model=ModelConfig(name="logreg"),
+                              partition=PartitionConfig(num_clients=2))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        run_experiment(config, out, progress=False, plots=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     out = tmp_path / "my run"  # a space: the printed command must quote it
     args = ["run", "--rounds", "100000", "--out", str(out), "--threads", "1", "--no-plots",

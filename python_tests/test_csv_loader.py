@@ -254,6 +254,33 @@ def test_number_too_large_for_a_float(tmp_path):
           "not a finite number")
 
 
+@pytest.mark.parametrize("magnitude", [1e200, 1e-320, 4e307])
+def test_numbers_of_any_finite_magnitude_standardise(tmp_path, magnitude):
+    # The moments are taken over the values divided by a power of two near their peak:
+    # squares of 1e200 overflowed (the column became 0, std Infinity in results.json) and
+    # 1e-320 vanished (std 0, every value 0 after the float32 cast).
+    values = [1.0, 2.0, -3.0, 4.0, 0.5]
+    rows = "".join(f"{v * magnitude!r},{k % 2}\n" for k, v in enumerate(values))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow or underflow on the way
+        d = load_csv(write(tmp_path, "a,label\n" + rows), client_column=None)
+    expected = (np.array(values) - np.mean(values)) / np.std(values)
+    np.testing.assert_allclose(d.x[:, 0], expected, rtol=1e-5, atol=1e-6)
+    stats = d.info["features"]["numeric"]["a"]
+    assert np.isfinite(stats["std"]) and stats["std"] > 0
+
+
+def test_value_beyond_float32_without_standardising_names_the_column(tmp_path):
+    fails(write(tmp_path, "a,label\n1e39,0\n2,1\n"), "column 'a'", "1e+39", "float32",
+          "data.standardize", standardize=False)
+
+
+def test_quoted_field_after_a_space_is_quoted(tmp_path):
+    d = load_csv(write(tmp_path, 'x, note, label\n0.1, "a, b", 0\n0.2, "c", 1\n'),
+                 client_column=None)
+    assert d.info["features"]["one_hot"]["note"]["levels"] == ["a, b", "c"]
+
+
 def test_every_feature_column_empty_names_the_file_and_columns(tmp_path):
     fails(write(tmp_path, "a,b,label\n,?,0\nNA,,1\n"), "data.csv", "'a', 'b'", "empty")
 

@@ -536,6 +536,24 @@ def test_errors_and_nothing_written():
     assert out.shape == (0, 3) and pi.shape == (2, 0)
 
 
+def test_expanded_x_in_place_is_refused_before_any_noise_is_drawn():
+    # An expanded view has one element of memory for many: the in-place result could not be
+    # written (it was a RuntimeError after the generator had advanced).
+    g = _gen(5)
+    state = g.get_state()
+    x = torch.zeros(1).expand(3)
+    with pytest.raises(ValueError, match="x has internal overlap"):
+        fedkernels.sgld_step_(x, torch.ones(3), step_size=0.1, noise_std=1.0, generator=g)
+    x2 = torch.zeros(1, 2).expand(3, 2)
+    with pytest.raises(ValueError, match="x has internal overlap"):
+        fedkernels.sgld_compose_step(x2, torch.ones(2, 3, 2), torch.zeros(2, 3), torch.zeros(2),
+                                     step_size=0.1, noise_std=1.0, generator=g, inplace=True)
+    assert torch.equal(g.get_state(), state)
+    # Out of place an expanded x is only read: fine.
+    out = fedkernels.sgld_step(x, torch.ones(3), step_size=0.1, noise_std=0.0)
+    assert out.tolist() == pytest.approx([-0.1] * 3)
+
+
 # ---------------------------------------------------------------- CUDA against CPU
 
 

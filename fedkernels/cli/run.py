@@ -285,6 +285,9 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     """:func:`run_experiment` once the folder is locked."""
     from fedkernels.sim.plots import plot_client_accuracy, plot_curves
 
+    if not resume and not overwrite:
+        # Again under the lock: a run that ended since the first check left its results here.
+        _refuse_finished_run(out)
     if resume:
         simulation.load_checkpoint()
     if overwrite:
@@ -385,6 +388,11 @@ def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
             raise ConfigError(f"--out {out}{what} exists and is not a folder")
     if resume or overwrite or not out.is_dir():
         return
+    _refuse_finished_run(out)
+
+
+def _refuse_finished_run(out: Path) -> None:
+    """Refuses a folder that holds a run (results or a checkpoint) to keep."""
     found = [name for name in RUN_MARKERS if (out / name).exists()]
     if found:
         raise ConfigError(

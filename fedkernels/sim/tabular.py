@@ -163,7 +163,7 @@ def _read_text(path: Path) -> str:
     except UnicodeDecodeError as err:
         offset = skip + err.start
         prefix = data[skip:offset].decode("utf-8")
-        complete = list(csv.reader(io.StringIO(prefix, newline="")))
+        complete = list(csv.reader(io.StringIO(prefix, newline=""), skipinitialspace=True))
         # the bad byte is in the last, unfinished record, or starts the next one
         row = len(complete) + (not prefix or prefix.endswith(("\n", "\r")))
         raise ConfigError(f"{path}, row {row}: not UTF-8 text ({err.reason} at {where} "
@@ -191,7 +191,9 @@ def read_table(path: str | Path) -> Table:
     naming the row (and column) at fault. Malformed quoting is refused rather than read as a
     field that swallows the following rows."""
     path = Path(path)
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True)
+    # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
+    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True,
+                        skipinitialspace=True)
     rows, numbers = [], []
     number = 0  # the spreadsheet row of the record being read
     try:
@@ -463,6 +465,19 @@ def feature_columns(
     return columns, dropped
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _unit(values: np.ndarray) -> float:
+    """A power of two within a factor 2 of the values' largest magnitude (1 when there is
+    none): the values divided by it lie in [-2, 2], where squares neither overflow (1e200)
+    nor vanish into subnormals (1e-320)."""
+    peak = float(np.max(np.abs(values))) if values.size else 0.0
+    if not (peak > 0 and math.isfinite(peak)):
+        return 1.0
+    return math.ldexp(1.0, math.frexp(peak)[1] - 1)
+
+
 class TableEncoder:
     """Turns feature columns into a float matrix, with every statistic fitted on given rows.
 
@@ -500,18 +515,26 @@ class TableEncoder:
             if col.kind == "numeric":
                 values = col.numbers
                 present = values[fit & ~gaps]
-                median = float(np.median(present)) if present.size else 0.0
+                unit = _unit(present)  # see _unit: statistics of any finite magnitude
+                median = float(np.median(present / unit)) * unit if present.size else 0.0
                 filled = np.where(gaps, median, values)
                 entry: dict[str, Any] = {"missing": int(gaps.sum()),
                                          "missing_in_fit_rows": int((gaps & fit).sum())}
                 if gaps.any():
                     entry["imputed_with_median"] = median
                 if self.standardize:
-                    mean = float(present.mean()) if present.size else 0.0
-                    std = float(present.std()) if present.size else 0.0
-                    scale = std if std > 0 else 1.0
-                    filled = (filled - mean) / scale
-                    entry.update(mean=mean, std=std)
+                    m = float((present / unit).mean()) if present.size else 0.0
+                    sd = float((present / unit).std()) if present.size else 0.0
+                    filled = (filled / unit - m) / sd if sd > 0 else (filled / unit - m) * unit
+                    entry.update(mean=m * unit, std=sd * unit)
+                else:
+                    big = np.flatnonzero(np.abs(filled) > FLOAT32_MAX)
+                    if big.size:
+                        raise ConfigError(
+                            f"column {col.name!r}: the value {filled[big[0]]:.6g} is beyond "
+                            "the float32 range of the features "
+                            f"(|x| <= {FLOAT32_MAX:.4g}); standardize the column "
+                            "(data.standardize) or rescale it")
                 blocks.append(filled)
                 names.append(col.name)
                 if (gaps & fit).any():
