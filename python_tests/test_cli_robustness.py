@@ -70,6 +70,47 @@ def test_run_into_an_unwritable_folder_is_a_one_line_error():
                           f"--out {UNWRITABLE}", "cannot write")
 
 
+SEALED = Path("/proc/1/fdinfo")  # Linux: even root may not look up a path under it
+
+
+def _sealed() -> bool:
+    try:
+        (SEALED / "x").exists()
+    except PermissionError:
+        return True
+    return False
+
+
+@pytest.mark.skipif(not _sealed(), reason="needs a folder whose paths raise PermissionError")
+@pytest.mark.parametrize("args", [
+    ["run", "--out", "{d}/run"],
+    ["run", "--data.name", "csv", "--data.path", "{d}/a.csv", "--out", "{tmp}/o"],
+    ["run", "--config", "{d}/c.yaml", "--out", "{tmp}/o"],
+    ["run", "--resume", "--out", "{d}/x"],
+    ["compare", "--algorithms", "fedavg", "--seeds", "0", "--out", "{d}/cmp"],
+])
+def test_paths_that_cannot_be_looked_at_are_a_one_line_error(tmp_path, args):
+    # Path.exists() and friends raise PermissionError (not False) under such a folder.
+    args = [a.format(d=SEALED / "x", tmp=tmp_path) for a in args]
+    fast = FAST if args[0] == "run" else ["--threads", "1"]
+    assert_one_line_error(fedkernels(*args, *fast), "Permission denied", command=args[0])
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["--participation.kind", "cyclic", "--participation.cycle_length", "1" + "0" * 23],
+     "participation.cycle_length: '1" + "0" * 23 + "' is beyond the 64-bit integer range"),
+    (["--threads", "1" + "0" * 20], "--threads must be in [1, 1024]"),
+    (["--data.name", "gaussian_mixture", "--data.num_samples", "100000000000"],
+     "not enough memory"),
+    (["--model.name", "mlp", "--model.hidden", "100000000000"], "not enough memory"),
+])
+def test_sizes_beyond_reason_are_a_one_line_error(tmp_path, flags, fragment):
+    out = tmp_path / "o"
+    assert_one_line_error(fedkernels("run", *FAST, *flags, "--rounds", "1", "--out", str(out)),
+                          fragment)
+    assert not out.exists() or not any(out.iterdir())
+
+
 @needs_sysfs
 def test_check_json_into_an_unwritable_folder_is_refused_before_the_checks():
     start = time.monotonic()

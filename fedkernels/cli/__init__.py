@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from . import check, compare, run
+from .parsing import one_line
 
 # command -> (one line of help, its main taking the arguments after the command's name)
 COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
@@ -25,12 +26,31 @@ def _usage() -> str:
     )
 
 
+def _run_command(command: str, rest: list[str]) -> int:
+    """Runs a command; what its own checks did not foresee from the system (a folder it may
+    not enter, a size that does not fit in memory) is still a one-line error, exit status 2."""
+    try:
+        return COMMANDS[command][1](rest)
+    except MemoryError as err:  # NumPy's allocation errors too
+        problem = f"not enough memory ({one_line(err)}); is a size in the configuration too large?"
+    except OSError as err:
+        problem = (f"{err.filename}: {err.strerror}" if err.filename and err.strerror
+                   else one_line(err))
+    except RuntimeError as err:  # torch's allocator
+        if "can't allocate memory" not in str(err):
+            raise
+        problem = (f"not enough memory ({one_line(str(err).split(' (')[0])}); is a size in the "
+                   "configuration too large?")
+    print(f"fedkernels {command}: error: {problem}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``fedkernels`` script."""
     argv = sys.argv[1:] if argv is None else list(argv)
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command in COMMANDS:
-        return COMMANDS[command][1](rest)
+        return _run_command(command, rest)
     if command in ("-h", "--help"):
         print(_usage())
         return 0

@@ -45,6 +45,7 @@ from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_
 
 from .config_file import load_config_file
 from .parsing import (
+    MAX_THREADS,
     Parser,
     algorithm_name,
     check_writable,
@@ -510,8 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
         if args.threads is not None:
-            if args.threads < 1:
-                raise ConfigError("--threads must be >= 1")
+            if not 1 <= args.threads <= MAX_THREADS:
+                raise ConfigError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
             import torch
 
             torch.set_num_threads(args.threads)

@@ -46,6 +46,7 @@ from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field
 
 from .config_file import load_config_file
 from .parsing import (
+    MAX_THREADS,
     Parser,
     UsageError,
     algorithm_name,
@@ -436,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
         if args.threads is not None:
-            if args.threads < 1:
-                raise ConfigError("--threads must be >= 1")
+            if not 1 <= args.threads <= MAX_THREADS:
+                raise ConfigError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
             import torch
 
             torch.set_num_threads(args.threads)

@@ -413,13 +413,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        try:
-            return int(str(value))
-        except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+            number = value
+        elif isinstance(value, float) and value.is_integer():
+            number = int(value)
+        else:
+            try:
+                number = int(str(value))
+            except ValueError:
+                raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+        # every count, size and seed is a 64-bit integer in NumPy and torch
+        _require(-(2**63) <= number < 2**63,
+                 f"{where}: {value!r} is beyond the 64-bit integer range")
+        return number
     if tp is float:
         if isinstance(value, bool):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
