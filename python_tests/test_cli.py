@@ -169,7 +169,7 @@ def test_resume_equals_uninterrupted(tmp_path):
         (["--resume"], "cannot resume: no config.json"),
         (["--vmap", "--model.batch_norm"], "BatchNorm"),
         (["--partition.kind", "natural"], "needs a data set with its own clients"),
-        (["--threads", "0"], "--threads must be >= 1"),
+        (["--threads", "0"], "--threads must be in [1, 1024]"),
     ],
 )
 def test_invalid_input_is_a_usage_error(tmp_path, capsys, argv, message):

@@ -137,8 +137,8 @@ def test_compare_refuses_an_unusable_out_before_any_run(tmp_path):
 
 @pytest.mark.parametrize("flags, fragment", [
     (["--seeds", ","], "--seeds: no seed given"),
-    (["--seeds", "0", "--threads", "-1"], "--threads must be >= 1"),
-    (["--seeds", "0", "--threads", "0"], "--threads must be >= 1"),
+    (["--seeds", "0", "--threads", "-1"], "--threads must be in [1, 1024]"),
+    (["--seeds", "0", "--threads", "0"], "--threads must be in [1, 1024]"),
 ])
 def test_compare_flag_values_are_checked_up_front(tmp_path, flags, fragment):
     done = fedkernels("compare", "--algorithms", "fedavg", *flags, "--out", str(tmp_path / "c"))
