@@ -104,6 +104,15 @@ def test_label_map(tmp_path):
     fails(path, "choose one", label_map="benign=0", positive_labels=["benign"])
 
 
+def test_label_map_classes_stay_within_the_map(tmp_path):
+    # The model gets the largest class + 1 outputs: 1e11 of them do not fit in memory.
+    path = write(tmp_path, "a,label\n1,no\n2,yes\n3,no\n")
+    fails(path, "data.label_map: class 100000000000 of 'yes' is beyond the 2 values mapped",
+          label_map="no=0,yes=100000000000")
+    d = load_csv(path, client_column=None, label_map="no=1,yes=0")
+    assert d.num_classes == 2
+
+
 def test_positive_labels_binarise(tmp_path):
     path = write(tmp_path, "x,num\n1,0\n2,1\n3,2\n4,4.0\n5,0\n6,3\n")
     d = load_csv(path, "num", None, positive_labels=["1", "2", "3", "4"])

@@ -189,3 +189,39 @@ def test_split_is_seeded_per_client():
     train2, _ = split_client(rows, 0.2, seeding.numpy_rng(0, seeding.SPLIT, 3))
     assert np.array_equal(train, train2)
     assert split_client(np.array([7, 9]), 0.01, np.random.default_rng(0))[1].size == 1
+
+
+# ---------------------------------------------------------------- BatchNorm and one-row batches
+
+
+def test_batch_norm_model_trains_on_a_batch_of_one_row():
+    # A client may hold a single training row: the MLP's BatchNorm normalises such a batch
+    # with its running statistics (PyTorch's BatchNorm1d raises on it).
+    from fedkernels.sim.models import MLP, RowBatchNorm
+
+    torch.manual_seed(0)
+    model = MLP(4, [8], 3, batch_norm=True)
+    norm = next(m for m in model.modules() if isinstance(m, RowBatchNorm))
+    norm.running_mean.uniform_()
+    norm.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(1, 4)
+    model.train()
+    one_row = model(x)
+    model.eval()
+    torch.testing.assert_close(one_row, model(x))
+    model.train()
+    before = norm.running_mean.clone()
+    batch = torch.randn(5, 4)
+    reference = torch.nn.BatchNorm1d(8)
+    reference.load_state_dict(norm.state_dict())
+    hidden = model.layers[0](batch)
+    torch.testing.assert_close(norm(hidden), reference(hidden))
+    assert not torch.equal(norm.running_mean, before)  # larger batches: BatchNorm1d's own
+
+
+def test_batch_norm_needs_batches_of_two_rows():
+    from fedkernels.sim import ExperimentConfig
+    from fedkernels.sim.config import ClientConfig, ModelConfig
+
+    with pytest.raises(ConfigError, match="model.batch_norm needs client.batch_size >= 2"):
+        ExperimentConfig(model=ModelConfig(batch_norm=True), client=ClientConfig(batch_size=1))

@@ -374,6 +374,9 @@ class ExperimentConfig:
             or self.partition.kind == "natural",
             "participation.probabilities needs one value per client (partition.num_clients)",
         )
+        _require(not (self.model.batch_norm and self.client.batch_size < 2),
+                 "model.batch_norm needs client.batch_size >= 2 (BatchNorm normalises over the "
+                 "rows of a batch)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import seeding
@@ -22,6 +23,18 @@ class LogisticRegression(nn.Module):
         return self.linear(x)
 
 
+class RowBatchNorm(nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` that normalises a training batch of one row with its running
+    statistics, as in evaluation: one row has no batch statistics (PyTorch raises), and a
+    client may hold a single training row."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.training and x.shape[0] == 1:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                False, 0.0, self.eps)
+        return super().forward(x)
+
+
 class MLP(nn.Module):
     """Fully connected ReLU network; optional BatchNorm after each hidden layer."""
 
@@ -34,7 +47,7 @@ class MLP(nn.Module):
         for h in hidden:
             layers.append(nn.Linear(width, h))
             if batch_norm:
-                layers.append(nn.BatchNorm1d(h))
+                layers.append(RowBatchNorm(h))
             layers.append(nn.ReLU())
             width = h
         layers.append(nn.Linear(width, num_classes))

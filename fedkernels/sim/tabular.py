@@ -254,6 +254,13 @@ def parse_label_map(text: str) -> dict[str, int]:
         if canonical(key) in mapping:
             raise ConfigError(f"data.label_map: {key.strip()!r} is given twice")
         mapping[canonical(key)] = cls
+    # The model gets the largest class + 1 outputs: numbers beyond the map's size would only
+    # add empty classes (and 1e11 of them do not fit in memory).
+    for key, cls in mapping.items():
+        if cls >= len(mapping):
+            raise ConfigError(f"data.label_map: class {cls} of {key!r} is beyond the "
+                              f"{len(mapping)} values mapped; number the classes from 0 to "
+                              f"{len(mapping) - 1} at most")
     return mapping
 
 
