@@ -208,3 +208,17 @@ def test_command_line_process_exit_codes(tmp_path):
         text=True,
     )
     assert unknown.returncode == 2 and "unrecognized argument --no-such-flag" in unknown.stderr
+
+
+@pytest.mark.parametrize("name, text", [
+    ("EXP.YAML", "rounds: 3\nseed: 2\n"),
+    ("exp.Yml", "rounds: 3\nseed: 2\n"),
+    ("bom.json", "\ufeff" + '{"rounds": 3, "seed": 2}'),
+    ("bom.yaml", "\ufeffrounds: 3\nseed: 2\n"),
+])
+def test_config_file_suffix_case_and_byte_order_mark(tmp_path, name, text):
+    from fedkernels.cli.config_file import load_config_file
+
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    assert load_config_file(path) == {"rounds": 3, "seed": 2}

@@ -145,6 +145,14 @@ def test_compare_flag_values_are_checked_up_front(tmp_path, flags, fragment):
     assert_one_line_error(done, fragment, command="compare")
 
 
+@pytest.mark.parametrize("algorithms, label", [("fedavg@A,fedprox@A", "A"),
+                                               ("fedavg,fedavg", "fedavg")])
+def test_compare_refuses_a_label_given_twice(tmp_path, algorithms, label):
+    done = fedkernels("compare", "--algorithms", algorithms, "--seeds", "0", "--out",
+                      str(tmp_path / "c"))
+    assert_one_line_error(done, f"the label {label!r} is given twice", command="compare")
+
+
 def test_ctrl_c_in_compare_is_a_clean_message(tmp_path):
     out = tmp_path / "cmp"
     code, err = interrupt_when(

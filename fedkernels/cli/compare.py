@@ -424,6 +424,11 @@ def compare(
              for name, params, label in map(parse_algorithm, algorithms)]
     if not specs:
         raise ConfigError("--algorithms: no algorithm given")
+    labels = [label for _, _, label in specs]
+    twice = next((label for k, label in enumerate(labels) if label in labels[:k]), None)
+    if twice is not None:  # two rows of one name, and --reference could not tell them apart
+        raise ConfigError(f"--algorithms: the label {twice!r} is given twice; give each entry "
+                          "its own (ALGORITHM@LABEL)")
     if not seeds:
         raise ConfigError("--seeds: no seed given")
     for name, params, _ in specs:

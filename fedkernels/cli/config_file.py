@@ -17,10 +17,10 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"--config: no such file: {path}")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not part of it
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read: {err}") from None
-    if path.suffix in (".yaml", ".yml"):
+    if path.suffix.lower() in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
