@@ -79,6 +79,15 @@ def test_numeric_labels_are_one_class_however_spelled(tmp_path):
     assert d.info["labels"]["class_counts"] == [2, 4, 1]
 
 
+def test_distinct_numbers_stay_distinct_however_long_or_small(tmp_path):
+    # Decimal.normalize() rounded to 28 digits and flushed 1e-999999999 to 0.
+    long_a, long_b = "12345678901234567890123456789012345.5", "12345678901234567890123456789012346.5"
+    path = write(tmp_path, f"x,label\n1,{long_a}\n2,{long_b}\n3,0\n4,1e-999999999\n5,0.0\n")
+    d = load_csv(path, client_column=None)
+    assert d.info["labels"]["mapping"] == {"0": 0, "1E-999999999": 1, long_a: 2, long_b: 3}
+    assert d.y.tolist() == [2, 3, 0, 1, 0]
+
+
 def test_numeric_labels_sort_by_value(tmp_path):
     d = load_csv(write(tmp_path, "x,label\n1,10\n2,9\n3,-1\n"), client_column=None)
     assert d.info["labels"]["mapping"] == {"-1": 0, "9": 1, "10": 2}

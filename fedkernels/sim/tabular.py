@@ -73,9 +73,22 @@ def canonical(text: str) -> str:
     value = exact_number(text)
     if value is None:
         return text
-    if value == value.to_integral_value():
-        return str(int(value))
-    return format(value.normalize(), "f")
+    # Trailing zeros dropped by hand: Decimal.normalize() rounds to 28 digits and flushes
+    # tiny numbers (1e-999999999) to 0 under the default context.
+    sign, digits, exponent = value.as_tuple()
+    digits = list(digits)
+    while len(digits) > 1 and digits[-1] == 0:
+        digits.pop()
+        exponent += 1
+    if digits == [0]:
+        return "0"
+    value = Decimal((sign, tuple(digits), exponent))
+    if exponent < -_MAX_FRACTION_DIGITS:  # written out, 1e-999999 would be a megabyte
+        return format(value, "E")
+    return format(value, "f")
+
+
+_MAX_FRACTION_DIGITS = 400  # more than any float's (5e-324 has 324)
 
 
 def _sort_key(value: str) -> tuple:
