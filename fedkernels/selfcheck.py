@@ -903,8 +903,9 @@ def _validate_json_path(json_path: str | os.PathLike | None) -> Path | None:
     if path.is_dir():
         raise ValueError(f"cannot write the JSON report to {str(path)!r}: it is a directory")
     if not path.parent.is_dir():
-        raise ValueError(f"cannot write the JSON report to {str(path)!r}: folder "
-                         f"{str(path.parent)!r} does not exist")
+        what = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise ValueError(f"cannot write the JSON report to {str(path)!r}: "
+                         f"{str(path.parent)!r} {what}")
     # try it now rather than after the checks; permission bits say yes to root even in /sys
     try:
         if path.exists():

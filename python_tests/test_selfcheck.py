@@ -153,6 +153,9 @@ def test_bad_arguments_fail_before_anything_is_written(tmp_path, capsys):
         fedkernels.check(json_path=tmp_path / "missing" / "r.json", verbose=False)
     with pytest.raises(ValueError, match="is a directory"):
         fedkernels.check(json_path=tmp_path, verbose=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="afile' is a file, not a folder"):
+        fedkernels.check(json_path=tmp_path / "afile" / "r.json", verbose=False)
     with pytest.raises(ValueError, match="'tpu' is not"):
         fedkernels.check(devices=["tpu"], verbose=False)
     with pytest.raises(TypeError, match="quick"):

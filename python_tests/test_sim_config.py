@@ -38,6 +38,7 @@ def test_from_dict_converts_strings_and_nests():
         ({"rounds": "many"}, "rounds: expected an integer"),
         ({"rounds": 0}, "rounds must be >= 1"),
         ({"vmap": "maybe"}, "vmap: expected true or false"),
+        ({"vmap": 2}, "vmap: expected true or false"),
         ({"partition": {"kind": "random"}}, "partition.kind: 'random' is not one of"),
         ({"client": {"lr": -1}}, "client.lr must be > 0"),
         ({"data": {"name": "csv"}}, "needs data.path"),
@@ -48,6 +49,11 @@ def test_from_dict_converts_strings_and_nests():
 def test_invalid_configs_name_the_key(tree, message):
     with pytest.raises(ConfigError, match=message):
         from_dict(ExperimentConfig, tree)
+
+
+def test_yaml_zero_and_one_are_booleans_as_on_the_command_line():
+    assert from_dict(ExperimentConfig, {"vmap": 1}).vmap is True
+    assert from_dict(ExperimentConfig, {"vmap": 0}).vmap is False
 
 
 def test_set_dotted():

@@ -409,6 +409,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
+        if type(value) is int and value in (0, 1):  # YAML/JSON 1 and 0, as the flag's "1"/"0"
+            return bool(value)
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
         raise ConfigError(f"{where}: expected true or false, got {value!r}")
