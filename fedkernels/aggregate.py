@@ -457,7 +457,7 @@ class Accumulator:
         if not math.isfinite(scale):
             raise ValueError(f"fedkernels.Accumulator: scale must be finite, got {scale}")
         self.base = base
-        self.scale = float(scale)
+        self.scale = scale
         self.int_policy = int_policy
         self._layout: ModelLayout | None = None
         self._acc: list[Tensor] = []

@@ -45,7 +45,6 @@ from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_
 
 from .config_file import load_config_file
 from .parsing import (
-    MAX_THREADS,
     Parser,
     algorithm_name,
     check_writable,
@@ -53,6 +52,7 @@ from .parsing import (
     missing_extra,
     one_line,
     require_extra,
+    set_threads,
 )
 
 METRICS = [  # the accuracy table
@@ -516,11 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
         if args.threads is not None:
-            if not 1 <= args.threads <= MAX_THREADS:
-                raise ConfigError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
-            import torch
-
-            torch.set_num_threads(args.threads)
+            set_threads(args.threads)
         try:
             seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
         except ValueError:

@@ -23,6 +23,15 @@ SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "matplotlib", "yaml"})
 MAX_THREADS = 1024  # --threads: torch's thread pool size, far above any CPU's core count
 
 
+def set_threads(threads: int) -> None:
+    """``--threads``: torch's CPU threads, checked (a huge count overflowed inside torch)."""
+    if not 1 <= threads <= MAX_THREADS:
+        raise ConfigError(f"--threads must be in [1, {MAX_THREADS}], got {threads}")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
 class UsageError(ConfigError):
     """A malformed command line (unknown flag, missing value), reported like a bad value."""
 

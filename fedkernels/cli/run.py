@@ -46,7 +46,6 @@ from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field
 
 from .config_file import load_config_file
 from .parsing import (
-    MAX_THREADS,
     Parser,
     UsageError,
     algorithm_name,
@@ -55,6 +54,7 @@ from .parsing import (
     missing_extra,
     one_line,
     require_extra,
+    set_threads,
 )
 
 CONFIG_NAME = "config.json"
@@ -437,11 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
         if args.threads is not None:
-            if not 1 <= args.threads <= MAX_THREADS:
-                raise ConfigError(f"--threads must be in [1, {MAX_THREADS}], got {args.threads}")
-            import torch
-
-            torch.set_num_threads(args.threads)
+            set_threads(args.threads)
         saved = None
         if args.resume:
             if not args.out:

@@ -51,7 +51,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fedkernels.model_layout import INT_POLICIES, Model, ModelLayout, split_clients, weight_vector
+from fedkernels.model_layout import (
+    INT_POLICIES,
+    Model,
+    ModelLayout,
+    real_number,
+    split_clients,
+    weight_vector,
+)
 from fedkernels.ops import summation
 
 __all__ = ["WeightedPartial", "all_reduce_aggregate"]
@@ -658,10 +665,7 @@ def all_reduce_aggregate(
     bound = None
     try:
         bound = _as_timeout(timeout)
-        try:
-            scale = float(scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"{API}: scale must be a number, got {type(scale).__name__}") from None
+        scale = real_number(API, "scale", scale)
         if not math.isfinite(scale):
             raise ValueError(f"{API}: scale must be finite, got {scale}")
         partial = WeightedPartial.from_clients(updates, weights, base=base, like=like,
