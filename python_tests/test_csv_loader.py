@@ -133,6 +133,12 @@ def test_positive_labels_binarise(tmp_path):
     fails(path, "matches no row", label_column="num", positive_labels=["9"])
     fails(path, "matches every row", label_column="num", positive_labels=list("012345"))
     fails(path, "boolean", label_column="num", positive_labels=[True])
+    # A nested list or a null is not a label value (it was read as the text '[1, 2]').
+    fails(path, "not a label value", label_column="num", positive_labels=[[1, 2], 3])
+    fails(path, "not a label value", label_column="num", positive_labels=[None])
+    fails(path, "list of values", label_column="num", positive_labels="12")
+    d = load_csv(path, "num", None, positive_labels=[np.int64(1), np.float32(2)])
+    assert d.y.tolist() == [0, 1, 1, 0, 0, 0]
 
 
 def test_missing_or_single_label(tmp_path):
@@ -216,6 +222,16 @@ def test_federation_fits_on_the_union_of_training_splits(tmp_path):
                                torch.tensor(1.0, dtype=torch.float64), atol=1e-5, rtol=0)
     assert torch.equal(fed.clients[0].test_x, d.fit_features(train_rows).x[
         torch.from_numpy(fed.clients[0].test_index)])
+
+
+def test_client_mapping_is_recorded_only_where_the_partition_uses_it(tmp_path):
+    lines = ["a,site,label"] + [f"{i},s{i % 3},{i % 2}" for i in range(60)]
+    d = load_csv(write(tmp_path, "\n".join(lines) + "\n"), client_column="site")
+    natural = build_federation(d, PartitionConfig(kind="natural"), 0.25, seed=1)
+    assert natural.data_info["clients"]["mapping"] == {"s0": 0, "s1": 1, "s2": 2}
+    iid = build_federation(d, PartitionConfig(kind="iid", num_clients=4), 0.25, seed=1)
+    assert iid.data_info["clients"] == {"column": "site", "used": False, "partition": "iid"}
+    assert "site" not in iid.data_info["features"]["feature_names"]
 
 
 def test_categorical_and_ignored_columns(tmp_path):

@@ -167,6 +167,11 @@ def build_federation(
             )
         )
     info = dataset.info
+    if config.kind != "natural" and "clients" in info:
+        # The client column was read (so it is not a feature) but this partition ignores it:
+        # its value -> client mapping would describe clients that do not exist.
+        info = {**info, "clients": {"column": info["clients"]["column"],
+                                    "used": False, "partition": config.kind}}
     if label_noise != "none":
         total = sum(len(train) for train, _ in splits)
         info = {**info, "label_noise": {"kind": label_noise, "rate": noise_rate,

@@ -25,6 +25,7 @@ import csv
 import gzip
 import io
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Sequence
@@ -326,11 +327,17 @@ def map_labels(
                 f"{raw[other]!r}); give data.label_map to say which class each value is "
                 "(e.g. 'no=0,0=0,yes=1,1=1')")
         if positive_labels is not None:
+            if isinstance(positive_labels, (str, bytes)):
+                raise ConfigError(f"data.positive_labels must be a list of values, not the text "
+                                  f"{positive_labels!r} (e.g. [{positive_labels!r}])")
             positive = []
             for item in positive_labels:
                 if isinstance(item, bool):
                     raise ConfigError(f"data.positive_labels: {item!r} is a boolean (quote it "
                                       "in YAML: 'yes')")
+                if not isinstance(item, (str, numbers.Real)):
+                    raise ConfigError(f"data.positive_labels: {item!r} is not a label value "
+                                      "(give a flat list of values, e.g. [1, 2, 'yes'])")
                 positive.append(canonical(str(item)))
             if not positive:
                 raise ConfigError("data.positive_labels is empty")
