@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,71 @@ def test_small_inputs_stay_on_the_calling_thread():
     assert word == "OK"
     assert int(after) > int(start), "a large input did not start the thread team"
     assert int(count) == 29
+
+
+_FORK_SCRIPT = textwrap.dedent(
+    """
+    import os
+    import torch
+    import fedkernels
+
+    def work():
+        clients = [{"w": torch.full((1 << 21,), float(k))} for k in range(4)]
+        mean = fedkernels.aggregate(clients, [1, 2, 3, 4], normalize=True)["w"]
+        labels = fedkernels.ensemble_pseudo_labels(torch.randn(8, 512, 100), weighting="entropy")
+        assert torch.allclose(mean, torch.full_like(mean, 2.0)) and labels.isfinite().all()
+
+    torch.set_num_threads(2)
+    work()  # starts the parent's OpenMP team
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)  # the documented step for a forked child
+        work()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    raise SystemExit(os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_runs_the_ops_after_setting_one_thread():
+    """README, Guarantees: a child forked after the parent ran a multi-threaded op (torch's own
+    ops too) must call torch.set_num_threads(1) before its first op; with it the ops run."""
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_calls_from_several_python_threads_give_the_bits_of_one_call():
+    import torch
+
+    import fedkernels
+
+    gen = torch.Generator().manual_seed(0)
+    clients = [{"w": torch.randn(1 << 20, generator=gen)} for _ in range(5)]
+    logits, scores = torch.randn(8, 512, 100, generator=gen), torch.randn(8, 512, generator=gen)
+
+    def work():
+        return (fedkernels.aggregate(clients, [1, 2, 3, 4, 5], normalize=True)["w"],
+                fedkernels.ensemble_pseudo_labels(logits, scores, weighting="fedgo"),
+                fedkernels.ensemble_pseudo_labels(logits, weighting="entropy"))
+
+    expected = work()
+    mismatches, errors = [], []
+
+    def loop():
+        try:
+            for _ in range(5):
+                got = work()
+                mismatches.extend(i for i, (a, b) in enumerate(zip(got, expected))
+                                  if not torch.equal(a, b))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=loop) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not mismatches
