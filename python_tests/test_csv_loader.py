@@ -43,9 +43,21 @@ def test_header_problems(tmp_path):
     fails(write(tmp_path, ""), "empty")
     fails(write(tmp_path, "\n\n"), "empty")
     fails(write(tmp_path, "a,label\n"), "at least one data row")
-    fails(write(tmp_path, "a,,label\n1,2,0\n"), "column 2 of the header has no name")
+    fails(write(tmp_path, "a,,label\n1,2,0\n"), "column 2 of the header has no name",
+          "row 2 holds '2'")
+    fails(write(tmp_path, ",a,label\n0,5,0\n1,6,1\n"), "column 1", "ignore_columns")
     fails(write(tmp_path, "a;b;label\n1;2;0\n"), "no column 'label'", "only commas")
     fails(write(tmp_path, "a,b\n1,0\n"), "no column 'label'", "columns: a, b")
+
+
+def test_spreadsheet_padding_is_dropped(tmp_path):
+    # A spreadsheet export: unnamed empty columns after the data, rows padded with ",,".
+    path = write(tmp_path, "x,y,label,,\r\n1,2,0,,\r\n3,4,1,,\r\n5,6,0,,,\r\n7,8,1,,\r\n")
+    d = load_csv(path, client_column=None)
+    assert d.x.shape == (4, 2) and d.y.tolist() == [0, 1, 0, 1]
+    assert d.info["empty_unnamed_columns"] == [4, 5]
+    fails(write(tmp_path, ",\n,\n", "b.csv"), "no column of the header has a name")
+    fails(write(tmp_path, "x,label\n1,0,,7\n", "c.csv"), "row 2", "4 fields")
 
 
 def test_ragged_row_names_the_row(tmp_path):

@@ -252,6 +252,8 @@ def load_csv(
     encoder = TableEncoder(columns, standardize, dropped)
     x, features = encoder.encode()
     info: dict[str, Any] = {"file": str(table.path), "rows": len(table.rows), "labels": labels}
+    if table.empty_unnamed_columns:
+        info["empty_unnamed_columns"] = table.empty_unnamed_columns
     if ignored:
         info["ignored_columns"] = [c for c in table.header if c in ignored]
     if clients is not None:

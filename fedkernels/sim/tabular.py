@@ -22,6 +22,7 @@ Rules (documented in ``docs/data.md``):
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import io
 import math
@@ -138,6 +139,7 @@ class Table:
     header: list[str]
     rows: list[list[str]]
     row_numbers: list[int]
+    empty_unnamed_columns: list[int] = dataclasses.field(default_factory=list)  # dropped (1-based)
 
     def column(self, name: str) -> list[str]:
         j = self.header.index(name)
@@ -221,22 +223,37 @@ def read_table(path: str | Path) -> Table:
         raise ConfigError(f"{path}: the file is empty; it needs a header row and at least one "
                           "data row")
     header, body, body_numbers = rows[0], rows[1:], numbers[1:]
-    for j, name in enumerate(header, start=1):
-        if not name:
-            raise ConfigError(f"{path}: column {j} of the header has no name")
+    if not body:
+        raise ConfigError(f"{path}: needs a header row and at least one data row")
+    for i, (row, number) in enumerate(zip(body, body_numbers)):
+        if len(row) > len(header) and not any(row[len(header):]):
+            body[i] = row = row[:len(header)]  # trailing empty fields, as spreadsheets pad rows
+        if len(row) != len(header):
+            raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
+                              f"{len(header)}{_separator_hint(header)}")
+    # Columns without a name: empty ones (a spreadsheet's trailing ",,") are dropped; one
+    # holding values cannot be named in a setting, so it is refused.
+    unnamed = [j for j, name in enumerate(header) if not name]
+    for j in unnamed:
+        r = next((r for r, row in enumerate(body) if row[j]), None)
+        if r is not None:
+            raise ConfigError(
+                f"{path}: column {j + 1} of the header has no name, but row {body_numbers[r]} "
+                f"holds {body[r][j]!r} there; name the column in the header (a row index, as "
+                "DataFrame.to_csv writes by default, then goes in data.ignore_columns)")
+    if unnamed:
+        keep = [j for j, name in enumerate(header) if name]
+        if not keep:
+            raise ConfigError(f"{path}: no column of the header has a name")
+        header = [header[j] for j in keep]
+        body = [[row[j] for j in keep] for row in body]
     seen: dict[str, int] = {}
     for j, name in enumerate(header, start=1):
         if name in seen:
             raise ConfigError(f"{path}: column {name!r} appears twice in the header (columns "
                               f"{seen[name]} and {j}); every column needs its own name")
         seen[name] = j
-    if not body:
-        raise ConfigError(f"{path}: needs a header row and at least one data row")
-    for row, number in zip(body, body_numbers):
-        if len(row) != len(header):
-            raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
-                              f"{len(header)}{_separator_hint(header)}")
-    return Table(path, header, body, body_numbers)
+    return Table(path, header, body, body_numbers, [j + 1 for j in unnamed])
 
 
 def require_columns(table: Table, names: dict[str, str | None]) -> None:
