@@ -50,6 +50,16 @@ def test_header_problems(tmp_path):
     fails(write(tmp_path, "a,b\n1,0\n"), "no column 'label'", "columns: a, b")
 
 
+def test_a_file_without_a_header_row_is_recognised(tmp_path):
+    # UCI's processed.cleveland.data: numbers from the first row on.
+    data = write(tmp_path, "63.0,1.0,1.0,145.0,0\n67.0,1.0,4.0,160.0,2\n", "cleveland.data")
+    fails(data, "appears twice", "no header row")
+    fails(write(tmp_path, "63,145,0\n67,160,2\n", "b.csv"), "no column 'label'", "no header row")
+    # Columns named by numbers (pandas' default names) are a header all the same.
+    d = load_csv(write(tmp_path, "0,1,2\n5,6,0\n7,8,1\n", "c.csv"), "2", None)
+    assert d.y.tolist() == [0, 1]
+
+
 def test_spreadsheet_padding_is_dropped(tmp_path):
     # A spreadsheet export: unnamed empty columns after the data, rows padded with ",,".
     path = write(tmp_path, "x,y,label,,\r\n1,2,0,,\r\n3,4,1,,\r\n5,6,0,,,\r\n7,8,1,,\r\n")

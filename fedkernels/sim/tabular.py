@@ -199,6 +199,15 @@ def _csv_problem(err: csv.Error) -> str:
 def _separator_hint(header: list[str]) -> str:
     if len(header) == 1 and any(s in header[0] for s in ";\t|"):
         return " (the header reads as one column: only commas separate fields)"
+    return _no_header_hint(header)
+
+
+def _no_header_hint(header: list[str]) -> str:
+    """A first row of numbers only: likely data, the file having no header row (UCI's
+    ``processed.*.data`` files, for one)."""
+    if header and all(as_number(name) is not None for name in header):
+        return ("; the first row is all numbers, so the file seems to have no header row: add "
+                "one naming the columns")
     return ""
 
 
@@ -251,7 +260,8 @@ def read_table(path: str | Path) -> Table:
     for j, name in enumerate(header, start=1):
         if name in seen:
             raise ConfigError(f"{path}: column {name!r} appears twice in the header (columns "
-                              f"{seen[name]} and {j}); every column needs its own name")
+                              f"{seen[name]} and {j}); every column needs its own name"
+                              f"{_no_header_hint(header)}")
         seen[name] = j
     return Table(path, header, body, body_numbers, [j + 1 for j in unnamed])
 
