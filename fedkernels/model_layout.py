@@ -102,9 +102,10 @@ class ModelLayout:
             names = tuple(range(len(model)))
             return ModelLayout("list", names,
                                tuple(is_float_entry(model[i], what, i) for i in names))
+        hint = " (pass module.state_dict())" if isinstance(model, torch.nn.Module) else ""
         raise TypeError(
             f"fedkernels.aggregate: {what} must be a state_dict (mapping name -> tensor), "
-            f"a sequence of tensors or a tensor, got {type(model).__name__}"
+            f"a sequence of tensors or a tensor, got {type(model).__name__}{hint}"
         )
 
     def _fast_tensors(self, model: Any) -> list[Tensor] | None:

@@ -396,6 +396,9 @@ def test_updates_of_wrong_type():
     _raise(lambda: fedkernels.aggregate({"a": torch.zeros(1)}, [1.0]), TypeError, ["sequence"])
     _raise(lambda: fedkernels.aggregate("abc", [1.0, 1.0, 1.0]), TypeError, ["sequence"])
     _raise(lambda: fedkernels.aggregate([1.0, 2.0], [1.0, 1.0]), TypeError, ["client 0"])
+    modules = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    _raise(lambda: fedkernels.aggregate(modules, [1.0, 1.0]), TypeError,
+           ["client 0", "Linear", "state_dict()"])
 
 
 # ------------------------------------------------------------------ the native op
