@@ -267,16 +267,15 @@ def _flower_mean_entry(arrays: Sequence[np.ndarray], factors: Sequence[float]) -
     return np.asarray(acc)
 
 
-def _mean_dtype(arrays: Sequence[np.ndarray]) -> np.dtype:
-    """The dtype of Flower's weighted mean of one entry: a float array times a Python float
-    keeps its dtype and int/bool becomes float64; the in-place sum keeps the first reply's
-    dtype, but 0-d entries are NumPy scalars, whose sum promotes."""
-    def product(d: np.dtype) -> np.dtype:
-        return d if d.kind in "fc" else np.dtype(np.float64)
-
+def _mean_dtype(arrays: Sequence[np.ndarray], factors: Sequence[Any]) -> np.dtype:
+    """The dtype of Flower's weighted mean of one entry, ``acc = x_0 * w_0; acc += x_k * w_k``:
+    NumPy's dtype for ``x * w`` (a Python float keeps a float array's dtype and makes int/bool
+    float64; a NumPy float64 weight, which a MetricRecord accepts as a float subclass, makes
+    float16/float32 arrays float64 too); the in-place sum keeps the first product's dtype, but
+    0-d entries are NumPy scalars, whose sum promotes."""
     if arrays[0].ndim == 0:
-        return np.result_type(*(product(a.dtype) for a in arrays))
-    return product(arrays[0].dtype)
+        return np.result_type(*(np.result_type(a.dtype, w) for a, w in zip(arrays, factors)))
+    return np.result_type(arrays[0].dtype, factors[0])
 
 
 def _int_policy_entry(name: str, arrays: Sequence[np.ndarray], base: np.ndarray | None,
@@ -335,7 +334,7 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
                                        int_policy)
             resolved.add(n)
             continue
-        dtype = _mean_dtype(arrays)
+        dtype = _mean_dtype(arrays, factors)
         same_shape = all(a.shape == arrays[0].shape for a in arrays)
         kinds_ok = all(a.dtype.kind in "biuf" and (a.dtype.kind != "f" or a.dtype in
                                                    _FUSED_FLOAT_DTYPES) for a in arrays)

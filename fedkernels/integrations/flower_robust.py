@@ -484,7 +484,11 @@ class _DPClipping:
         if norms is None:
             self._scales(computed.tolist(), clip_norm)  # a zero update: Flower's error
         flwr_log(INFO, "aggregate_fit: central DP noise with %.4f stdev added", stdv)
-        record = ArrayRecord({n: ndarray_to_array(t.numpy()) for n, t in zip(names, result)})
+        # The wrapped FedAvg's dtypes: NumPy's for x * w, so a NumPy float64 weight (a
+        # MetricRecord takes one as a float) makes a float16/float32 mean float64.
+        arrays = [t.numpy() for t in result]
+        arrays = [a.astype(np.result_type(a.dtype, factors[0]), copy=False) for a in arrays]
+        record = ArrayRecord({n: ndarray_to_array(a) for n, a in zip(names, arrays)})
         return record, inner.train_metrics_aggr_fn(contents, inner.weighted_by_key)
 
 
