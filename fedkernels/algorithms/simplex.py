@@ -65,6 +65,11 @@ def simplex_qp(
     at_lower = np.zeros(k, dtype=bool)
     at_upper = np.zeros(k, dtype=bool)
     scale = max(1.0, float(np.abs(q).max(initial=0.0)), float(np.abs(c).max(initial=0.0)))
+    # After a full (unblocked) step the point minimises the quadratic on its face, so the next
+    # step on the same face is zero in exact arithmetic. With a singular Q_FF (two clients with
+    # the same update direction) the least-squares solve returns rounding noise there instead,
+    # which would be stepped along forever; such a step counts as zero.
+    on_face_minimum = False
     for _ in range(50 * k + 100):
         free = ~(at_lower | at_upper)
         g = q @ p + c
@@ -77,7 +82,7 @@ def simplex_qp(
         solution = np.linalg.lstsq(system, rhs, rcond=None)[0]
         step, nu = np.zeros(k), solution[-1]
         step[f] = solution[:-1]
-        if np.abs(step).max(initial=0.0) <= tol * max(1.0, np.abs(p).max()):
+        if on_face_minimum or np.abs(step).max(initial=0.0) <= tol * max(1.0, np.abs(p).max()):
             multipliers = np.full(k, np.inf)
             multipliers[at_lower] = (g + nu)[at_lower]
             multipliers[at_upper] = -(g + nu)[at_upper]
@@ -85,6 +90,7 @@ def simplex_qp(
             if multipliers[worst] >= -tol * scale:
                 return _clean(p, lo, hi)
             at_lower[worst] = at_upper[worst] = False
+            on_face_minimum = False
             continue
         length, blocking, to_upper = 1.0, -1, False
         for i in f:
@@ -97,6 +103,7 @@ def simplex_qp(
                 if room < length:
                     length, blocking, to_upper = max(room, 0.0), i, True
         p = p + length * step
+        on_face_minimum = blocking < 0
         if blocking >= 0:
             if to_upper:
                 p[blocking], at_upper[blocking] = hi[blocking], True
