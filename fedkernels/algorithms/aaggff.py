@@ -130,6 +130,13 @@ class AAggFFS(_AAggFF):
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
         n = info.num_clients
+        k, p = info.participants_per_round, info.participation_probabilities
+        if (k is not None and k != n) or (p is not None and not np.all(p >= 1)):
+            # refused before the first round rather than at the first round that misses one
+            raise ConfigError(
+                "aaggff-s needs every client in every round (participation.kind=full); "
+                "use aaggff-d with sampled clients"
+            )
         self.alpha, self.beta = 4.0, n / 4.0  # 4 N L, 1/(4 L) with L = C2 = 1/N
         official = self.config.variant == "official"
         self.decision = torch.full((n,), 1.0 if official else 1.0 / n, dtype=torch.float64)

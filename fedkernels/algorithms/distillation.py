@@ -531,6 +531,18 @@ class EnsembleDistillation(Strategy):
             return_weights=True,
         )
 
+    def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
+        new = [self.server_lr(t) for t in range(played)]
+        now = self.info.rounds
+        try:
+            self.info.rounds = old_rounds
+            old = [self.server_lr(t) for t in range(played)]
+        finally:
+            self.info.rounds = now
+        if old != new:
+            return f"{self.name}.lr_schedule=cosine decays the server lr over all the rounds"
+        return None
+
     def server_lr(self, round_index: int) -> float:
         cfg = self.config
         if cfg.lr_schedule == "none" or self.info.rounds <= 1:
@@ -566,7 +578,9 @@ class EnsembleDistillation(Strategy):
         self.last_teachers = [{k: v.clone() for k, v in s.items()} for s in info.client_states]
         self.last_participants = ids
         self.last_sizes = info.num_samples.tolist()
-        extra = {"distill_loss": loss, "weight_max_mean": float(w.max(0).values.mean())}
+        extra = {"weight_max_mean": float(w.max(0).values.mean())}
+        if cfg.server_epochs > 0 and self.distill_x.shape[0] > 0:
+            extra["distill_loss"] = loss  # no distillation step (server_epochs=0): no loss
         if has is not None:
             extra["disagreeing_fraction"] = float(has.double().mean())
         return extra

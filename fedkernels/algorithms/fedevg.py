@@ -272,6 +272,15 @@ class FedEvg(Strategy):
 
     name = "fedevg"
     config_class = FedEvgConfig
+    supports_central_dp = False  # the server combines energy models its own way
+    replies_are_models = False  # a client replies with its energy model
+
+    def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
+        cfg = self.config
+        old = cosine_beta_schedule(cfg.server_beta, cfg.server_beta_last, max(old_rounds, 1))
+        if not torch.equal(old[:played], self.betas[:played]):
+            return "the server's beta follows a cosine schedule over all the rounds"
+        return None
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
@@ -367,7 +376,9 @@ class FedEvg(Strategy):
         )
         extra: dict[str, float] = {}
         if classify_now(info.round, self.info.rounds, cfg.classify_every):
-            extra["synthetic_ce"] = self.train_synthetic_classifier(info.round)
+            loss = self.train_synthetic_classifier(info.round)
+            if cfg.server_epochs > 0:  # no step (server_epochs=0): no loss to report
+                extra["synthetic_ce"] = loss
             with torch.no_grad():
                 for name, value in self.classifier.state_dict().items():
                     server.state[name].copy_(value)
@@ -466,6 +477,8 @@ class FedCVAE(Strategy):
 
     name = "fedcvae"
     config_class = FedCVAEConfig
+    supports_central_dp = False  # the server averages CVAEs, not the global model
+    replies_are_models = False  # a client replies with its CVAE
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
@@ -539,10 +552,12 @@ class FedCVAE(Strategy):
         self.synth_x = cvae.sample(self.synth_y, g)
         extra: dict[str, float] = {}
         if classify_now(info.round, self.info.rounds, cfg.classify_every):
-            extra["synthetic_ce"] = train_on_synthetic(
+            loss = train_on_synthetic(
                 self.classifier, self.info.model, self.synth_x, self.synth_y,
                 epochs=cfg.server_epochs, lr=cfg.server_lr, batch_size=cfg.server_batch_size,
                 seed=self.info.seed, round_index=info.round)
+            if cfg.server_epochs > 0:  # no step (server_epochs=0): no loss to report
+                extra["synthetic_ce"] = loss
             with torch.no_grad():
                 for name, value in self.classifier.state_dict().items():
                     server.state[name].copy_(value)

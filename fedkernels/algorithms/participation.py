@@ -221,6 +221,8 @@ class UpdateTable:
 class _UpdateMemory(Strategy):
     """Shared by MIFA and FedVARP: the table, its checkpoint, and the server step."""
 
+    supports_central_dp = False  # the server moves along the table, not a weighted mean
+
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
         if info.model is None:

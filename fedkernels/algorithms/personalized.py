@@ -308,6 +308,7 @@ class LocalOnly(PersonalizedStrategy):
     global model stays the initial one."""
 
     name = "local"
+    supports_central_dp = False  # nothing is aggregated
 
     def personal_state(self, client_id, global_state, data):
         return self.personal.get(client_id, self.initial)

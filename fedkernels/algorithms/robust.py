@@ -18,13 +18,15 @@ import torch
 from fedkernels.robust import bulyan, coordinate_median, krum, trimmed_mean
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
-from fedkernels.sim.strategy import RoundInfo, Strategy
+from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
 
 from .registry import register
 
 
 class RobustRule(Strategy):
     """A strategy whose aggregate is one robust combination of the participants' models."""
+
+    supports_central_dp = False
 
     def combine(self, info: RoundInfo) -> tuple[dict[str, Any], dict[str, float]]:
         """The combined full state_dict and scalars to log."""
@@ -134,6 +136,30 @@ class MultiKrum(RobustRule):
     name = "multikrum"
     config_class = MultiKrumConfig
 
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        # checked before the first round where every round has the same K, and where no K up
+        # to N can work; otherwise at a round whose K does not fit (combine)
+        f, m = self.config.num_malicious, self.config.num_to_keep
+        k = info.participants_per_round
+        if k is not None:
+            keep = m if m is not None else k - f
+            if not 1 <= keep <= k:
+                raise ConfigError(
+                    f"multikrum keeps {keep} of the {k} participants of every round "
+                    f"(multikrum.num_to_keep, or K - multikrum.num_malicious): it must be in "
+                    f"[1, {k}]"
+                )
+        elif m is not None and m > info.num_clients:
+            raise ConfigError(
+                f"multikrum.num_to_keep={m} exceeds the {info.num_clients} clients of the run"
+            )
+        elif m is None and f >= info.num_clients:
+            raise ConfigError(
+                f"multikrum.num_malicious={f} leaves no client of the {info.num_clients} to "
+                "keep (K - num_malicious < 1 in every round)"
+            )
+
     def combine(self, info: RoundInfo) -> tuple[dict[str, Any], dict[str, float]]:
         k = len(info.client_states)
         f = self.config.num_malicious
@@ -169,6 +195,19 @@ class Bulyan(RobustRule):
 
     name = "bulyan"
     config_class = BulyanConfig
+
+    def setup(self, info: SetupInfo) -> None:
+        super().setup(info)
+        f = self.config.num_malicious
+        k = info.participants_per_round
+        most = info.num_clients if k is None else k
+        if most < 4 * f + 3:
+            have = (f"{k} per round" if k is not None
+                    else f"at most {most} (partition.num_clients)")
+            raise ConfigError(
+                f"bulyan with num_malicious={f} needs at least {4 * f + 3} participants per "
+                f"round (bulyan.num_malicious); this run has {have}"
+            )
 
     def combine(self, info: RoundInfo) -> tuple[dict[str, Any], dict[str, float]]:
         k, f = len(info.client_states), self.config.num_malicious

@@ -123,6 +123,15 @@ class _SuPerFed(FedAvg):
 
     layerwise: ClassVar[bool] = False
 
+    def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
+        old_start = int(self.config.start_fraction * old_rounds)
+        # round t (0-based) mixes when t + 1 > start: the played rounds differ when a start
+        # lies below the last of them
+        if old_start == self.start_round or min(old_start, self.start_round) >= played:
+            return None
+        return (f"mixing starts after round floor(start_fraction * rounds) ({old_start} for "
+                f"{old_rounds} rounds, {self.start_round} for {self.info.rounds})")
+
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
         if info.model is None or info.client_config is None:

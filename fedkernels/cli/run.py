@@ -476,4 +476,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['client_accuracy_mean']:.4f} worst-10% {summary['client_accuracy_worst10']:.4f} "
         f"-> {out / RESULTS_NAME}"
     )
+    if summary.get("diverged"):
+        print("fedkernels run: warning: the training diverged: the global model holds NaN or "
+              "infinite values or gives an infinite test loss, so its accuracies are not those "
+              "of a trained model (summary.diverged in results.json); lower client.lr or the "
+              "algorithm's step sizes", file=sys.stderr)
+    elif summary.get("non_finite"):
+        print("fedkernels run: warning: NaN or infinite results: "
+              f"{', '.join(summary['non_finite'])} (summary.non_finite in results.json)",
+              file=sys.stderr)
     return 0

@@ -78,6 +78,12 @@ class ParticipationSampler(ABC):
     def sample(self) -> np.ndarray:
         """The next round's mask (bool, ``[N]``)."""
 
+    @property
+    def fixed_count(self) -> int | None:
+        """How many clients every round has when the pattern fixes it (full: N, uniform: m,
+        Bernoulli with every p_n = 1: N), else ``None``: the count varies from round to round."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"rng": self.rng.bit_generator.state}
 
@@ -90,6 +96,10 @@ class FullParticipation(ParticipationSampler):
 
     def sample(self) -> np.ndarray:
         return np.ones(self.num_clients, dtype=bool)
+
+    @property
+    def fixed_count(self) -> int | None:
+        return self.num_clients
 
 
 class UniformParticipation(ParticipationSampler):
@@ -104,6 +114,10 @@ class UniformParticipation(ParticipationSampler):
         mask[self.rng.choice(self.num_clients, self.num_sampled, replace=False)] = True
         return mask
 
+    @property
+    def fixed_count(self) -> int | None:
+        return self.num_sampled
+
 
 class BernoulliParticipation(ParticipationSampler):
     """``I_t^n ~ Bernoulli(p_n)``, independent across rounds and clients."""
@@ -116,6 +130,10 @@ class BernoulliParticipation(ParticipationSampler):
 
     def sample(self) -> np.ndarray:
         return self.rng.random(self.num_clients) < self.probabilities
+
+    @property
+    def fixed_count(self) -> int | None:
+        return self.num_clients if bool(np.all(self.probabilities >= 1)) else None
 
 
 class MarkovParticipation(ParticipationSampler):

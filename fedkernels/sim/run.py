@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import math
 import os
 import time
 import warnings
@@ -94,10 +95,15 @@ class Simulation:
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
             )
         self.sampler = build_sampler(config.participation, fed, seed)
+        fixed_count = self.sampler.fixed_count
+        _check_strategy_fits(strategy, config)
         private = None
         if config.dp.enabled:
             rate = sampling_rate(config.participation.kind, self.sampler.probabilities)
             private = CentralPrivacy(config.dp, fed.num_clients, seed, rate)
+            # the noise of the adaptive clip needs enough clients per round: checked here for
+            # the round's K when the pattern fixes it, else for the largest K (N)
+            private.noise_levels(fed.num_clients if fixed_count is None else fixed_count)
         self.server = Server(model, build_server_optimizer(config.server), private)
         self.history = ParticipationHistory(fed.num_clients)
         self.strategy = strategy
@@ -119,6 +125,7 @@ class Simulation:
                 rounds=config.rounds,
                 seed=seed,
                 server_data=fed.server_x,
+                participants_per_round=fixed_count,
             )
         )
 
@@ -196,6 +203,9 @@ class Simulation:
             record.update(evaluation_metrics(self.evaluate()))
             record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
             record["time_eval"] = time.perf_counter() - start
+        bad = non_finite_keys(record)
+        if bad:
+            record["non_finite"] = bad
         return record
 
     def _train(self, global_state, clients, t: int, ids: list[int]) -> list[ClientUpdate]:
@@ -247,6 +257,16 @@ class Simulation:
             summary["byzantine_clients"] = list(self.attack.clients)
         if self.server.private is not None:
             summary.update(self.server.private.summary())
+        # NaN or infinity stays in results.json as it came out, but never unflagged: the keys
+        # are listed, and a global model with non-finite entries or an infinite test loss is
+        # called diverged (its accuracies are those of overflowed logits, not of a trained model)
+        bad = non_finite_keys(summary)
+        if bad:
+            summary["non_finite"] = bad
+        finite_model = all(bool(torch.isfinite(v).all()) for v in self.server.state.values()
+                           if v.is_floating_point())
+        if not finite_model or "test_loss" in bad:
+            summary["diverged"] = True
         return RunResult(
             self.config.to_dict(),
             self.dataset_name,
@@ -331,6 +351,16 @@ class Simulation:
                 f"cannot resume: the checkpoint is at round {state['next_round']}, "
                 f"past rounds={self.config.rounds}"
             )
+        saved_rounds = state["config"].get("rounds")
+        if isinstance(saved_rounds, int) and saved_rounds != self.config.rounds:
+            reason = self.strategy.rounds_dependence(saved_rounds, state["next_round"])
+            if reason is not None:
+                raise ConfigError(
+                    f"cannot resume with rounds={self.config.rounds}: the run was set up for "
+                    f"rounds={saved_rounds} and {reason}, so its rounds so far would not be "
+                    f"those of a {self.config.rounds}-round run; resume without --rounds, or "
+                    f"start a new run with --rounds {self.config.rounds}"
+                )
         try:
             self.server.load_state_dict(state["server"])
             self.strategy.load_state_dict(state["strategy"])
@@ -343,6 +373,30 @@ class Simulation:
 
 
 _CHECKPOINT_KEYS = ("config", "next_round", "server", "strategy", "sampler", "history", "records")
+
+_REPLY_ATTACKS = ("signflip", "scale", "gaussian")
+
+
+def _check_strategy_fits(strategy: Strategy, config: ExperimentConfig) -> None:
+    """Refuses, before any training, the dp and attack settings the strategy cannot honour."""
+    if config.dp.enabled and not strategy.supports_central_dp:
+        raise ConfigError(
+            f"dp.* (central DP) clips and noises a weighted mean of the clients' models; "
+            f"{strategy.name} is not one (it aggregates its own way), so the two cannot be "
+            "combined"
+        )
+    kind = config.attack.kind
+    if kind in _REPLY_ATTACKS and not strategy.replies_are_models:
+        raise ConfigError(
+            f"attack.kind={kind} rewrites the clients' replies as updates of the global model, "
+            f"but {strategy.name}'s clients reply with models of their own; use "
+            "attack.kind=labelflip (or none)"
+        )
+
+
+def non_finite_keys(mapping: dict[str, Any]) -> list[str]:
+    """The keys of ``mapping`` whose value is a float NaN or infinity, sorted."""
+    return sorted(k for k, v in mapping.items() if isinstance(v, float) and not math.isfinite(v))
 
 
 def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:

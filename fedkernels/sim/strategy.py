@@ -47,6 +47,8 @@ class SetupInfo:
     rounds: int = 0  # total rounds R of the run
     seed: int = 0  # the experiment seed
     server_data: Tensor | None = None  # the server's unlabeled rows (data.server_fraction)
+    # K of every round when the participation pattern fixes it (full: N, uniform: m), else None
+    participants_per_round: int | None = None
 
 
 @dataclass
@@ -74,6 +76,12 @@ class Strategy:
     name: ClassVar[str] = ""
     config_class: ClassVar[type | None] = None
     wants_global_loss: ClassVar[bool] = False
+    # False where aggregate does not go through Server.step's weighted mean (robust rules, update
+    # memories, ...): central DP (dp.*) is refused before the first round
+    supports_central_dp: ClassVar[bool] = True
+    # False where a client's reply is not the global model retrained (FedEvg's energy model,
+    # FedCVAE's CVAE): attacks that rewrite the replies (signflip, scale, gaussian) are refused
+    replies_are_models: ClassVar[bool] = True
 
     def __init__(self, config: Any = None) -> None:
         if self.config_class is None:
@@ -89,6 +97,13 @@ class Strategy:
         """Called once, when the :class:`~fedkernels.sim.run.Simulation` is built (on resume,
         before :meth:`load_state_dict`)."""
         self.info = info
+
+    def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
+        """Why a run set up for ``old_rounds`` rounds, ``played`` of them played, cannot
+        continue as one of ``self.info.rounds`` rounds (a schedule spread over the run, such as
+        a cosine learning rate, that gave the played rounds other values than the new total
+        would), or ``None`` when its rounds so far are those of the new run too."""
+        return None
 
     def local_penalty(
         self, params: Mapping[str, Tensor], global_params: Mapping[str, Tensor]

@@ -1,0 +1,171 @@
+"""Unusual but legal settings of ``fedkernels run``: settings a strategy cannot honour are
+refused before the first round (naming the option), settings that must work do, and a run
+whose numbers went NaN says so in results.json."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cli_process import FAST, assert_one_line_error, assert_success, fedkernels
+
+from fedkernels.algorithms import build_strategy
+from fedkernels.algorithms.simplex import simplex_qp
+from fedkernels.sim import ExperimentConfig, Simulation
+from fedkernels.sim.config import ConfigError, from_dict
+
+# a tiny experiment: 4 clients of a 3-class Gaussian mixture, an MLP with 4 hidden units
+TINY = {
+    "rounds": 2,
+    "data": {"name": "gaussian_mixture", "num_samples": 240, "num_features": 6,
+             "num_classes": 3},
+    "partition": {"num_clients": 4},
+    "model": {"name": "mlp", "hidden": [4]},
+}
+
+
+def tiny_config(**changes) -> ExperimentConfig:
+    tree = json.loads(json.dumps(TINY))
+    for key, value in changes.items():
+        if isinstance(value, dict):
+            tree.setdefault(key, {}).update(value)
+        else:
+            tree[key] = value
+    return from_dict(ExperimentConfig, tree)
+
+
+# ------------------------------------------------------------ refused before the first round
+
+
+@pytest.mark.parametrize("algorithm, params, changes, message", [
+    # clients that reply with their own generative models cannot have their replies rewritten
+    ("fedevg", {}, {"attack": {"kind": "signflip"}}, "attack.kind=signflip"),
+    ("fedcvae", {}, {"attack": {"kind": "gaussian"}}, "attack.kind=gaussian"),
+    # strategies that do not aggregate through the server's weighted mean, with central DP
+    ("mifa", {}, {"dp": {"clip": 0.5}}, "mifa is not one"),
+    ("fedvarp", {}, {"dp": {"clip": 0.5}}, "fedvarp is not one"),
+    ("local", {}, {"dp": {"clip": 0.5}}, "local is not one"),
+    ("fedevg", {}, {"dp": {"clip": 0.5}}, "fedevg is not one"),
+    ("krum", {}, {"dp": {"clip": 0.5}}, "krum is not one"),
+    # participant counts the rule can never have
+    ("aaggff-s", {}, {"participation": {"kind": "uniform", "fraction": 0.5}},
+     "participation.kind=full"),
+    ("aaggff-s", {}, {"participation": {"kind": "bernoulli", "fraction": 0.5}},
+     "participation.kind=full"),
+    ("bulyan", {}, {"partition": {"num_clients": 2}}, "bulyan.num_malicious"),
+    ("bulyan", {"num_malicious": 1}, {"participation": {"kind": "bernoulli", "fraction": 0.5}},
+     "at least 7 participants"),
+    ("multikrum", {"num_to_keep": 10}, {}, "multikrum.num_to_keep"),
+    ("multikrum", {"num_malicious": 4}, {}, "multikrum.num_malicious"),
+    ("multikrum", {"num_to_keep": 10}, {"participation": {"kind": "bernoulli"}},
+     "multikrum.num_to_keep=10"),
+    # the adaptive clip's count noise, for the K every round has
+    ("fedavg", {}, {"dp": {"adaptive": True, "noise_multiplier": 1.0}},
+     "dp.clipped_count_stddev"),
+])
+def test_unusable_settings_are_refused_before_training(algorithm, params, changes, message):
+    # building the simulation trains nothing: the refusal comes before the first round
+    config = tiny_config(**changes)
+    with pytest.raises(ConfigError, match=message):
+        Simulation(config, build_strategy(algorithm, params))
+
+
+def test_cli_refuses_a_reply_attack_on_fedevg_without_writing(tmp_path):
+    out = tmp_path / "run"
+    done = fedkernels("run", *FAST, "--algorithm", "fedevg", "--fedevg.spc", "1",
+                      "--data.name", "gaussian_mixture", "--data.num_samples", "120",
+                      "--attack.kind", "scale", "--rounds", "1", "--out", str(out))
+    assert_one_line_error(done, "attack.kind=scale", "fedevg")
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------- settings that must work
+
+
+def test_simplex_qp_converges_with_two_identical_update_directions():
+    # FedMGDA+'s min-norm problem when two clients send the same update direction (tiny
+    # clients whose hidden units are dead): Q is singular along their difference, where the
+    # active-set method used to step along rounding noise until it gave up
+    rng = np.random.default_rng(0)
+    d = rng.normal(size=(12, 43))
+    d[2] = d[1]
+    d /= np.linalg.norm(d, axis=1, keepdims=True)
+    q = d @ d.T + 1e-12 * np.eye(12)
+    hi = 1 / 12 + 0.2
+    p = simplex_qp(q, np.zeros(12), 0.0, hi)
+    assert p.sum() == pytest.approx(1.0) and p.min() >= 0 and p.max() <= hi + 1e-12
+    # the minimum value: that of the problem made positive definite
+    reference = simplex_qp(q + 1e-8 * np.eye(12), np.zeros(12), 0.0, hi)
+    assert 0.5 * p @ q @ p == pytest.approx(0.5 * reference @ q @ reference, abs=1e-9)
+
+
+def test_fedmgda_with_clients_of_two_samples_runs():
+    config = tiny_config(data={"num_samples": 24}, partition={"num_clients": 12})
+    result = Simulation(config, build_strategy("fedmgda")).run()
+    assert result.summary["rounds_completed"] == 2
+
+
+@pytest.mark.parametrize("algorithm, params, key", [
+    ("feddf", {"server_epochs": 0}, "strategy_distill_loss"),
+    ("fedcvae", {"server_epochs": 0, "spc": 1}, "strategy_synthetic_ce"),
+])
+def test_no_server_training_reports_no_loss_rather_than_nan(algorithm, params, key):
+    config = tiny_config(data={"server_fraction": 0.2}, rounds=1)
+    result = Simulation(config, build_strategy(algorithm, params)).run()
+    assert key not in result.rounds[0]
+    assert "non_finite" not in result.summary
+
+
+# -------------------------------------------------------------- honest results.json
+
+
+def test_diverged_training_is_flagged_in_the_results():
+    config = tiny_config(client={"weight_decay": 1e6})
+    result = Simulation(config, build_strategy("fedavg")).run()
+    summary = result.summary
+    assert summary["diverged"] is True
+    assert "test_loss" in summary["non_finite"]
+    assert "train_loss" in result.rounds[-1]["non_finite"]
+
+
+def test_a_sound_run_carries_no_flags():
+    result = Simulation(tiny_config(rounds=1), build_strategy("fedavg")).run()
+    assert "diverged" not in result.summary and "non_finite" not in result.summary
+    assert "non_finite" not in result.rounds[0]
+
+
+def test_cli_warns_when_the_training_diverged(tmp_path):
+    done = fedkernels("run", "--data.name", "gaussian_mixture", "--data.num_samples", "240",
+                      "--data.num_features", "6", "--data.num_classes", "3",
+                      "--partition.num_clients", "4", "--model.hidden", "4", "--threads", "1",
+                      "--no-progress", "--no-plots", "--client.weight_decay", "1e6",
+                      "--rounds", "2", "--out", str(tmp_path / "run"))
+    assert_success(done)
+    assert "warning: the training diverged" in done.stderr
+    summary = json.loads((tmp_path / "run" / "results.json").read_text())["summary"]
+    assert summary["diverged"] is True
+
+
+# ------------------------------------------------------ resuming with another number of rounds
+
+
+@pytest.mark.parametrize("algorithm, params, allowed", [
+    ("feddf", {"lr_schedule": "cosine"}, False),  # the server lr decays over all the rounds
+    ("feddf", {"lr_schedule": "none"}, True),
+    ("superfed-mm", {"start_fraction": 0.4}, False),  # mixing starts at floor(0.4 R)
+    ("fedavg", {}, True),
+])
+def test_extending_a_run_whose_schedule_depends_on_the_rounds(tmp_path, algorithm, params,
+                                                              allowed):
+    checkpoint = tmp_path / "checkpoint.pt"
+    config = tiny_config(rounds=3, data={"server_fraction": 0.2})
+    Simulation(config, build_strategy(algorithm, params), checkpoint=checkpoint).run()
+    longer = tiny_config(rounds=5, data={"server_fraction": 0.2})
+    extended = Simulation(longer, build_strategy(algorithm, params), checkpoint=checkpoint)
+    if allowed:
+        extended.load_checkpoint()
+        return
+    with pytest.raises(ConfigError, match="cannot resume with rounds=5: the run was set up "
+                                          "for rounds=3"):
+        extended.load_checkpoint()
