@@ -169,3 +169,32 @@ def test_extending_a_run_whose_schedule_depends_on_the_rounds(tmp_path, algorith
     with pytest.raises(ConfigError, match="cannot resume with rounds=5: the run was set up "
                                           "for rounds=3"):
         extended.load_checkpoint()
+
+
+# ---------------------------------------------------------- loss-based strategies that diverge
+
+
+@pytest.mark.parametrize("name", ["qffl", "qfedavg", "afl", "term", "gifair", "delta-fl", "vred",
+                                  "semi-vred"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_loss_weighted_strategies_stop_with_one_line_when_losses_diverge(name, bad):
+    # they used to give NaN weights (an aggregate ValueError) or an IndexError (AFL's projection)
+    from algorithm_helpers import round_info, setup_info
+
+    strategy = build_strategy(name)
+    strategy.setup(setup_info(3))
+    info = round_info([1.0, bad, 2.0], [10, 10, 10], participants=[0, 1, 2], round_index=4)
+    with pytest.raises(ConfigError, match=r"round 4: the training diverged: .* on clients \[1\]"):
+        strategy.client_weights(info)
+
+
+def test_simplex_projection_of_huge_values():
+    # AFL's dual step with losses of 1e17: u_1 - 1 rounds to u_1, and the sorting method found
+    # no index (IndexError)
+    from fedkernels.algorithms.simplex import project_simplex
+
+    p = project_simplex(np.array([1e17, 3e16, 1e17 + 16]))
+    np.testing.assert_array_equal(p, [0.0, 0.0, 1.0])
+    np.testing.assert_allclose(project_simplex(np.array([0.2, 0.5])), [0.35, 0.65])
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        project_simplex(np.array([0.2, np.nan]))

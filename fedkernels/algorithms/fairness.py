@@ -72,12 +72,25 @@ class LossWeighted(Strategy):
         self.wants_global_loss = self.config.loss_source == "global"
 
     def losses(self, info: RoundInfo) -> Tensor:
-        """:math:`f_k` of the participants, float64 ``[K]``."""
+        """:math:`f_k` of the participants, float64 ``[K]``; a NaN or infinite one (the
+        training diverged) stops the run with a one-line error instead of NaN weights."""
         if self.config.loss_source == "global":
             if info.global_losses is None:
                 raise RuntimeError(f"{self.name}: the simulation did not compute global losses")
-            return info.global_losses.double()
-        return info.train_losses.double()
+            losses = info.global_losses.double()
+        else:
+            losses = info.train_losses.double()
+        bad = (~torch.isfinite(losses)).nonzero().flatten()
+        if len(bad):
+            which = "global model's loss" if self.config.loss_source == "global" else \
+                "mean local training loss"
+            clients = info.participants[bad].tolist()
+            raise ConfigError(
+                f"round {info.round}: the training diverged: the {which} f_k is "
+                f"{float(losses[bad[0]])} on clients {clients}, so {self.name} cannot weight the "
+                "clients by it; lower client.lr (or attack.scale)"
+            )
+        return losses
 
     @staticmethod
     def data_fractions(info: RoundInfo) -> Tensor:

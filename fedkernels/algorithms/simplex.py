@@ -21,10 +21,18 @@ def project_simplex(v: np.ndarray) -> np.ndarray:
     sums to 1: sort :math:`u` descending, :math:`\rho = \max\{k : u_k - (\sum_{j \le k} u_j - 1)/k
     > 0\}`, :math:`\tau = (\sum_{j \le \rho} u_j - 1)/\rho`."""
     v = np.asarray(v, dtype=np.float64)
+    if not np.all(np.isfinite(v)):
+        raise ValueError("project_simplex: the vector holds NaN or infinite entries")
     u = np.sort(v)[::-1]
     cumulative = np.cumsum(u) - 1.0
     k = np.arange(1, len(v) + 1)
-    rho = k[u - cumulative / k > 0][-1]
+    above = k[u - cumulative / k > 0]
+    if len(above) == 0:
+        # u_1 so large that u_1 - 1 rounds to u_1 (k = 1 always qualifies in exact
+        # arithmetic): the projection does not change when every entry moves by the same
+        # amount, so project v - max(v) instead
+        return project_simplex(v - u[0])
+    rho = above[-1]
     tau = cumulative[rho - 1] / rho
     return np.maximum(v - tau, 0.0)
 
