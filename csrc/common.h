@@ -10,6 +10,7 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
@@ -66,6 +67,24 @@ decltype(auto) dispatch_float(at::ScalarType t, const char* op, F&& f) {
           false, "fedkernels.", op, ": unsupported dtype ", t,
           "; supported: float32, float64, float16, bfloat16");
   }
+}
+
+// ---------------------------------------------------------------- memory
+
+// Whether a kernel may read or write t's elements where they are: contiguous, with a data
+// pointer aligned to the element size. A tensor over foreign memory (torch.frombuffer at an odd
+// byte offset, say) can be contiguous yet misaligned, and a typed access to it is undefined
+// behaviour (a fault where the compiler uses aligned vector loads).
+inline bool is_contiguous_aligned(const at::Tensor& t) {
+  return t.is_contiguous() &&
+      reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(t.element_size()) ==
+      0;
+}
+
+// t itself when is_contiguous_aligned, else a contiguous copy in fresh (aligned) memory; what
+// Tensor::contiguous() gives, except for a contiguous but misaligned t.
+inline at::Tensor contiguous_aligned(const at::Tensor& t) {
+  return is_contiguous_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // ---------------------------------------------------------------- devices

@@ -97,7 +97,7 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
         "scores must be [K, N] = [", K, ", ", N, "], got ", scores->sizes());
     check_supported_float("ensemble_pseudo_labels", scores->scalar_type(), "scores");
     check_device("ensemble_pseudo_labels", *scores, device, /*allow_cpu=*/false, "scores");
-    s = scores->to(acc).contiguous();
+    s = contiguous_aligned(scores->to(acc));
   }
   at::Tensor prior;
   if (log_prior.has_value() && log_prior->defined()) {
@@ -107,7 +107,7 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
     check_supported_float("ensemble_pseudo_labels", log_prior->scalar_type(), "log_prior");
     check_device("ensemble_pseudo_labels", *log_prior, device, /*allow_cpu=*/true, "log_prior");
     if (log_prior->device().is_cpu()) {
-      const auto p = log_prior->to(at::kDouble).contiguous();
+      const auto p = contiguous_aligned(log_prior->to(at::kDouble));
       const double* pp = p.const_data_ptr<double>();
       for (const auto k : c10::irange(K)) {
         TORCH_CHECK_VALUE(
@@ -115,13 +115,13 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
             " (sample sizes must be positive and finite)");
       }
     }
-    prior = log_prior->to(at::TensorOptions().device(device).dtype(acc)).contiguous();
+    prior = contiguous_aligned(log_prior->to(at::TensorOptions().device(device).dtype(acc)));
   }
 
   at::Tensor labels = at::empty({N, C}, logits.options());
   at::Tensor weights = at::empty({K, N}, logits.options());
   if (N == 0) return {labels, weights};
-  const at::Tensor l = logits.contiguous();
+  const at::Tensor l = contiguous_aligned(logits);
 
   PseudoLabelPlan p;
   p.dtype = logits.scalar_type();
@@ -185,8 +185,8 @@ inline std::tuple<at::Tensor, at::Tensor> distill_kl_host(
     if (with_grad) grad = at::zeros({N, C}, student.options());
     return {loss, grad};
   }
-  const at::Tensor s = student.contiguous();
-  const at::Tensor t = target.contiguous();
+  const at::Tensor s = contiguous_aligned(student);
+  const at::Tensor t = contiguous_aligned(target);
   DistillKLPlan p;
   p.dtype = student.scalar_type();
   p.N = N;

@@ -47,7 +47,7 @@ inline at::Tensor checked_coefficients(const char* op, const at::Tensor& c, int6
   TORCH_CHECK_TYPE(
       at::isFloatingType(c.scalar_type()), "fedkernels.", op,
       ": coefficients must be floating point, got ", c.scalar_type());
-  at::Tensor w = c.to(at::kDouble).contiguous();
+  at::Tensor w = contiguous_aligned(c.to(at::kDouble));
   const double* wp = w.const_data_ptr<double>();
   for (const auto k : c10::irange(K)) {
     TORCH_CHECK_VALUE(

@@ -180,12 +180,12 @@ struct DenseInputs {
   std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
 
   const at::Tensor& in(const at::Tensor& x) {
-    if (x.is_contiguous()) return x;
-    keep_alive.push_back(x.contiguous());
+    if (is_contiguous_aligned(x)) return x;
+    keep_alive.push_back(contiguous_aligned(x));
     return keep_alive.back();
   }
   void* out(const at::Tensor& o) {
-    if (o.is_contiguous()) return o.data_ptr();
+    if (is_contiguous_aligned(o)) return o.data_ptr();
     auto tmp = at::empty(o.sizes(), o.options());
     write_back.emplace_back(tmp, o);
     return tmp.data_ptr();

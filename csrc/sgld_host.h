@@ -56,7 +56,7 @@ inline at::Tensor energy_from_logits_host(
         labels->scalar_type() == at::kLong, op, "labels have dtype ", labels->scalar_type(),
         "; expected int64");
     check_device("energy_from_logits", *labels, logits.device(), /*allow_cpu=*/false, "labels");
-    y = labels->contiguous();
+    y = contiguous_aligned(*labels);
     if (y.device().is_cpu()) {
       const int64_t* py = y.const_data_ptr<int64_t>();
       for (const auto i : c10::irange(N)) {
@@ -68,7 +68,7 @@ inline at::Tensor energy_from_logits_host(
   }
   at::Tensor out = at::empty({N}, logits.options());
   if (N == 0) return out;
-  const at::Tensor l = logits.contiguous();
+  const at::Tensor l = contiguous_aligned(logits);
   EnergyPlan p;
   p.dtype = logits.scalar_type();
   p.N = N;
@@ -149,7 +149,7 @@ inline void check_noise(
         noise->scalar_type() == x.scalar_type(), op, "noise has dtype ", noise->scalar_type(),
         ", x ", x.scalar_type());
     check_device(name, *noise, x.device(), /*allow_cpu=*/false, "noise");
-    noise_c = noise->contiguous();
+    noise_c = contiguous_aligned(*noise);
   }
   p.draw_noise = !has_noise && p.noise_std != 0;
   if (generator.has_value() && generator->defined()) {
@@ -161,9 +161,10 @@ inline void check_noise(
 }
 
 // Writes into x in place when inplace (through a contiguous temporary when x is not
-// contiguous), else into a new tensor; returns the tensor holding x'. `read` names the tensors
-// the kernel reads: writing x directly, none may share only part of x's memory (the kernel would
-// read values it has already overwritten); the same memory, element for element, is fine.
+// contiguous, or misaligned), else into a new tensor; returns the tensor holding x'. `read`
+// names the tensors the kernel reads: writing x directly, none may share only part of x's
+// memory (the kernel would read values it has already overwritten); the same memory, element
+// for element, is fine.
 // An in-place x must hold one element of memory each (not an expanded view): checked before
 // any noise is drawn, so a refused call leaves the generator as it was.
 inline void check_writable_x(const char* op, const at::Tensor& x, bool inplace) {
@@ -178,7 +179,7 @@ inline at::Tensor finish_into(
     std::initializer_list<std::pair<const char*, const at::Tensor*>> read, SgldPlan& p,
     SgldRunner runner) {
   at::Tensor out;
-  const bool direct = inplace && x.is_contiguous();
+  const bool direct = inplace && is_contiguous_aligned(x);
   for (const auto& [name, t] : read) {
     TORCH_CHECK_VALUE(
         !direct || !t->defined() || at::get_overlap_status(x, *t) != at::MemOverlapStatus::Partial,
@@ -214,8 +215,8 @@ inline at::Tensor sgld_step_host(
   check_writable_x(op, x, inplace);
   at::Tensor noise_c;
   check_noise(name, x, noise, generator, p, noise_c);
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor gc = grad.contiguous();
+  const at::Tensor xc = contiguous_aligned(x);
+  const at::Tensor gc = contiguous_aligned(grad);
   p.dtype = x.scalar_type();
   p.K = 0;
   p.M = 1;
@@ -264,7 +265,7 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   check_supported_float(name, log_weights.scalar_type(), "log_weights");
   check_device(name, log_weights, x.device(), /*allow_cpu=*/true, "log_weights");
   if (log_weights.device().is_cpu()) {
-    const auto lw = log_weights.to(at::kDouble).contiguous();
+    const auto lw = contiguous_aligned(log_weights.to(at::kDouble));
     const double* pw = lw.const_data_ptr<double>();
     for (const auto k : c10::irange(K)) {
       TORCH_CHECK_VALUE(
@@ -279,11 +280,11 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
   check_noise(name, x, noise, generator, p, noise_c);
   const at::ScalarType acc = accumulate_dtype(x.scalar_type());
   const auto acc_opts = x.options().dtype(acc);
-  const at::Tensor e = energies.to(acc_opts).contiguous();
-  const at::Tensor lw = log_weights.to(acc_opts).contiguous();
+  const at::Tensor e = contiguous_aligned(energies.to(acc_opts));
+  const at::Tensor lw = contiguous_aligned(log_weights.to(acc_opts));
   at::Tensor pi = at::empty({K, M}, acc_opts);
-  const at::Tensor xc = x.contiguous();
-  const at::Tensor gc = grads.contiguous();
+  const at::Tensor xc = contiguous_aligned(x);
+  const at::Tensor gc = contiguous_aligned(grads);
   p.dtype = x.scalar_type();
   p.K = K;
   p.M = M;

@@ -117,7 +117,7 @@ inline void check_lam(const char* op, const at::Tensor& lam, int64_t T, at::Devi
       " values; expected 1 (model mixing) or one per tensor (", T, ", layer mixing)");
   check_device(op, lam, device, /*allow_cpu=*/true, "lam");
   if (lam.device().is_cpu()) {
-    const auto w = lam.to(at::kDouble).contiguous();
+    const auto w = contiguous_aligned(lam.to(at::kDouble));
     const double* p = w.const_data_ptr<double>();
     for (const auto i : c10::irange(w.numel())) {
       TORCH_CHECK_VALUE(
@@ -162,8 +162,8 @@ inline void run_superfed(at::TensorList g, const SuperfedPass& pass, SuperfedRun
   std::vector<at::Tensor> keep_alive;
   keep_alive.reserve(4 * g.size());
   auto dense = [&keep_alive](const at::Tensor& x) -> const void* {
-    if (x.is_contiguous()) return x.const_data_ptr();
-    keep_alive.push_back(x.contiguous());
+    if (is_contiguous_aligned(x)) return x.const_data_ptr();
+    keep_alive.push_back(contiguous_aligned(x));
     return keep_alive.back().const_data_ptr();
   };
   std::map<at::ScalarType, SuperfedPlan> plans;
@@ -209,10 +209,8 @@ inline std::vector<at::Tensor> empty_like_list_if(bool wanted, at::TensorList g)
 
 // lam as float64 [T] on `device`, one value per tensor.
 inline at::Tensor lam_per_tensor(const at::Tensor& lam, int64_t T, at::Device device) {
-  return lam.to(at::TensorOptions().device(device).dtype(at::kDouble))
-      .reshape({-1})
-      .expand({T})
-      .contiguous();
+  return contiguous_aligned(
+      lam.to(at::TensorOptions().device(device).dtype(at::kDouble)).reshape({-1}).expand({T}));
 }
 
 inline at::Tensor zeros_f64(std::initializer_list<int64_t> sizes, at::Device device) {
@@ -309,7 +307,8 @@ superfed_stats_backward_host(
   auto grad_a = empty_like_list_if(mask[2], g);
   if (T > 0 && (mask[0] || mask[1] || mask[2])) {
     SuperfedPass pass{SuperfedKind::kStatsBackward, {g, l, a, {}}, {&grad_g, &grad_l, &grad_a}};
-    pass.h = grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)).contiguous();
+    pass.h = contiguous_aligned(
+        grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)));
     run_superfed(g, pass, runner);
   }
   return {std::move(grad_g), std::move(grad_l), std::move(grad_a)};
@@ -361,7 +360,8 @@ mix_endpoints_with_stats_backward_host(
     SuperfedPass pass{
         SuperfedKind::kMixStatsBackward, {g, l, a, grads}, {&grad_g, &grad_l, &grad_a}};
     pass.lam = lam_per_tensor(lam, T, device);
-    pass.h = grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)).contiguous();
+    pass.h = contiguous_aligned(
+        grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)));
     pass.result = dlam;
     pass.reduce = mask[2];
     run_superfed(g, pass, runner);

@@ -158,7 +158,7 @@ inline WeightedSumShape check_inputs(
   bool narrow = false;
   for (const auto t : c10::irange(T)) narrow = narrow || updates[t].scalar_type() != at::kDouble;
   if (weights.device().is_cpu()) {
-    const auto w = weights.to(at::kDouble).contiguous();
+    const auto w = contiguous_aligned(weights.to(at::kDouble));
     const double* wp = w.const_data_ptr<double>();
     for (const auto k : c10::irange(K)) {
       TORCH_CHECK_VALUE(
@@ -238,8 +238,8 @@ inline void check_outputs(
   check_no_overlap(out, inputs);
 }
 
-// Runs the kernel into `out` (already validated). Non-contiguous tensors are handled with
-// contiguous copies, so kernels only ever see dense memory.
+// Runs the kernel into `out` (already validated). Non-contiguous (or misaligned) tensors are
+// handled with contiguous copies, so kernels only ever see dense, aligned memory.
 inline void run_weighted_sum(
     at::TensorList updates, const at::Tensor& weights,
     at::TensorList base, double scale, bool delta,
@@ -247,12 +247,12 @@ inline void run_weighted_sum(
   const int64_t K = shape.num_clients, T = shape.num_tensors;
   if (T == 0) return;
   const at::Device device = updates[0].device();
-  const at::Tensor w = weights.to(at::kDouble).contiguous();
+  const at::Tensor w = contiguous_aligned(weights.to(at::kDouble));
 
   std::vector<at::Tensor> keep_alive;  // contiguous copies of strided inputs
   auto dense = [&keep_alive](const at::Tensor& x) -> const at::Tensor& {
-    if (x.is_contiguous()) return x;
-    keep_alive.push_back(x.contiguous());
+    if (is_contiguous_aligned(x)) return x;
+    keep_alive.push_back(contiguous_aligned(x));
     return keep_alive.back();
   };
   keep_alive.reserve(updates.size() + 2 * T);
@@ -278,7 +278,7 @@ inline void run_weighted_sum(
     WeightedSumPlan& p = it->second;
     p.numels.push_back(numel);
     if (!base.empty()) p.bases.push_back(dense(base[t]).const_data_ptr());
-    if (out[t].is_contiguous()) {
+    if (is_contiguous_aligned(out[t])) {
       p.outs.push_back(out[t].data_ptr());
     } else {
       // The base is read before the dense result is copied back, so in place stays correct.

@@ -189,6 +189,45 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
     assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
+# Labels whose rows span hundreds of units below their max: the base-2 softmax of a long float
+# row evaluates its polynomial on exponents far below the normal range too (those classes are
+# then set to 0), including the exponents whose integer part, scaled into the float's exponent
+# bits, leaves the int32 range. Run in every CPU build; a build with -fsanitize=undefined
+# reports any integer overflow there.
+_FAR_BELOW_MAX = textwrap.dedent(
+    """
+    import torch, fedkernels
+    from fedkernels.ops import reference as R
+
+    for C in (16, 33, 64, 257):
+        # each row falls linearly from its max by 150 .. 1500 in steps of 150
+        depth = 150.0 * torch.arange(1, 11, dtype=torch.float64)[:, None]
+        row = -depth * torch.linspace(0, 1, C, dtype=torch.float64)[None, :]
+        L = torch.stack([row, 0.5 * row + 1.0]).float()  # [2, 10, C]
+        for T in (1.0, 0.5):
+            y = fedkernels.ensemble_pseudo_labels(L, temperature=T)
+            y_ref = R.ensemble_pseudo_labels_reference(L.double(), temperature=T)
+            torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-6)
+    print("OK", fedkernels.ops.native.cpu_capability)
+    """
+)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_softmax_of_rows_far_below_their_max_in_every_cpu_build(capability):
+    """Classes hundreds of units below the row's max get label 0 (to float32 precision) in
+    every CPU build, as in the float64 reference."""
+    from fedkernels.ops import native as _native
+
+    if capability not in _native._supported_capabilities():
+        pytest.skip(f"this CPU does not support the {capability} build")
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _FAR_BELOW_MAX], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["OK", capability], proc.stdout
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_pseudo_labels_empty_noncontiguous_deterministic(device):
     y, w = fedkernels.ensemble_pseudo_labels(torch.zeros(3, 0, 4, device=device),

@@ -163,8 +163,12 @@ C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorize
   return _mm256_castsi256_ps(
       _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(k), 23)));
 #else
-  using IVec = Vectorized<int32_t>;
-  return at::vec::cast<float>(at::vec::cast<int32_t>(p) + (at::vec::cast<int32_t>(k) << IVec(23)));
+  // In uint32, which wraps like the vector integer adds above: exp2_softmax_row also passes
+  // y < kMinExp2 (lanes it masks to 0 afterwards), where p's bits plus n << 23 leave the int32
+  // range, which would be signed overflow.
+  using UVec = Vectorized<uint32_t>;
+  return at::vec::cast<float>(
+      at::vec::cast<uint32_t>(p) + (at::vec::cast<uint32_t>(k) << UVec(23)));
 #endif
 }
 
