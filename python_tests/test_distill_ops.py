@@ -178,12 +178,17 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
     """Each CPU build (its own exps and lane layout) gives the float64 reference's weights and
     labels on the edge rows above: -inf classes count as probability 0, NaN and +-inf maxima
     give NaN as in the reference, and maxima beyond the base-2 range take the full exp."""
+    _run_in_cpu_build(_EDGE_ROWS, capability, threads=2)
+
+
+def _run_in_cpu_build(script: str, capability: str, threads: int) -> None:
+    """Runs ``script`` (which prints ``OK <build>``) in a fresh process on the given CPU build."""
     from fedkernels.ops import native as _native
 
     if capability not in _native._supported_capabilities():
         pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, "-c", _EDGE_ROWS], env=env, capture_output=True,
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["OK", capability], proc.stdout
@@ -217,15 +222,7 @@ _FAR_BELOW_MAX = textwrap.dedent(
 def test_softmax_of_rows_far_below_their_max_in_every_cpu_build(capability):
     """Classes hundreds of units below the row's max get label 0 (to float32 precision) in
     every CPU build, as in the float64 reference."""
-    from fedkernels.ops import native as _native
-
-    if capability not in _native._supported_capabilities():
-        pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _FAR_BELOW_MAX], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["OK", capability], proc.stdout
+    _run_in_cpu_build(_FAR_BELOW_MAX, capability, threads=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
