@@ -198,3 +198,51 @@ def test_simplex_projection_of_huge_values():
     np.testing.assert_allclose(project_simplex(np.array([0.2, 0.5])), [0.35, 0.65])
     with pytest.raises(ValueError, match="NaN or infinite"):
         project_simplex(np.array([0.2, np.nan]))
+
+
+# ------------------------------------------------------------- large and negative parameters
+
+
+@pytest.mark.parametrize("value, expected", [("-1e-3", -1e-3), ("-1.5E+2", -150.0),
+                                             ("-.5", -0.5), ("-2", -2.0)])
+def test_negative_numbers_with_exponents_are_values(value, expected):
+    # argparse took "-1e-3" for a flag: "argument --term.tilt: expected one argument"
+    from fedkernels.cli.run import build_parser, resolve_config
+
+    args = build_parser("term").parse_strict(["--algorithm", "term", "--term.tilt", value])
+    config = resolve_config(args)
+    assert build_strategy("term", config.algorithm_params).config.tilt == expected
+
+
+def test_negative_infinity_gets_the_finite_number_message():
+    from fedkernels.cli.run import build_parser, resolve_config
+
+    args = build_parser("term").parse_strict(["--algorithm", "term", "--term.tilt", "-inf"])
+    with pytest.raises(ConfigError, match="term.tilt: expected a finite number"):
+        build_strategy("term", resolve_config(args).algorithm_params)
+
+
+def test_large_q_gives_finite_weights():
+    # n_k f_k^q overflowed to inf / inf = NaN weights for q = 1e6
+    import torch
+
+    from fedkernels.algorithms.fairness import qfedavg_weights, qffl_weights
+
+    n = torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64)
+    f = torch.tensor([1.2, 3.0, 2.0], dtype=torch.float64)
+    sq = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    np.testing.assert_allclose(qffl_weights(n, f, 1e6).numpy(), [0.0, 1.0, 0.0])
+    assert torch.isfinite(qfedavg_weights(f, sq, 1e6, 10.0)).all()
+    assert torch.isfinite(qfedavg_weights(f, sq, 1000.0, 1e-300)).all()
+
+
+def test_weights_beyond_the_server_range_are_one_line_errors():
+    from algorithm_helpers import round_info, setup_info
+
+    strategy = build_strategy("gifair", {"coefficient": 1e300})
+    strategy.setup(setup_info(3))
+    info = round_info([1.0, 3.0, 2.0], [10, 20, 30])
+    with pytest.raises(ConfigError, match=r"gifair's client weights reach .* gifair.coefficient"):
+        strategy.aggregate(info, None)
+    with pytest.raises(ConfigError, match="propfair.utility_bound must be at most"):
+        build_strategy("propfair", {"utility_bound": 1e300})

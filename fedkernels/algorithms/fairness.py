@@ -31,6 +31,7 @@ participants' data fractions) the rules are (derivations, defaults and citations
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -60,6 +61,9 @@ class LossConfig:
         "f_k: loss of the global model on the client's train split before local training "
         "(global), or the mean local minibatch loss (local, no extra forward pass)",
     )
+
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class LossWeighted(Strategy):
@@ -99,6 +103,14 @@ class LossWeighted(Strategy):
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         weights = self.client_weights(info)
+        largest = float(weights.abs().max())
+        if not math.isfinite(largest) or largest > FLOAT32_MAX:
+            params = ", ".join(f"{self.name}.{k}={v}" for k, v in vars(self.config).items()
+                               if isinstance(v, float))
+            raise ConfigError(
+                f"round {info.round}: {self.name}'s client weights reach {largest:.3g}, beyond "
+                f"what the server can apply (|w| <= {FLOAT32_MAX:.3g}); lower {params}"
+            )
         server.step(info.client_states, weights, info.round)
         return {"weight_min": float(weights.min()), "weight_max": float(weights.max())}
 
@@ -110,8 +122,13 @@ class LossWeighted(Strategy):
 
 def qffl_weights(num_samples: Tensor, losses: Tensor, q: float) -> Tensor:
     r""":math:`w_k = n_k f_k^q / \sum_j n_j f_j^q` (losses clamped at 1e-12)."""
-    raw = num_samples * losses.clamp_min(1e-12) ** q
-    return raw / raw.sum()
+    f = losses.clamp_min(1e-12)
+    raw = num_samples * f**q
+    w = raw / raw.sum()
+    if not bool(torch.isfinite(w).all()):
+        # f^q overflowed (or underflowed to 0 for all) for a large q: the same ratio in logs
+        w = torch.softmax(num_samples.log() + q * f.log(), dim=0)
+    return w
 
 
 def qfedavg_weights(losses: Tensor, sq_norms: Tensor, q: float, lipschitz: float) -> Tensor:
@@ -120,7 +137,15 @@ def qfedavg_weights(losses: Tensor, sq_norms: Tensor, q: float, lipschitz: float
     :math:`\epsilon = 10^{-10}` (``sq_norms``: :math:`\|x_k - x_t\|^2`)."""
     f = losses + 1e-10
     h = q * f ** (q - 1.0) * lipschitz**2 * sq_norms + lipschitz * f**q
-    return lipschitz * f**q / h.sum()
+    w = lipschitz * f**q / h.sum()
+    if not bool(torch.isfinite(w).all()):
+        # a power overflowed (large q, tiny L): the same ratio in logs
+        log_f = f.log()
+        log_num = math.log(lipschitz) + q * log_f
+        log_step = (math.log(q) if q > 0 else -math.inf) + (q - 1.0) * log_f \
+            + 2 * math.log(lipschitz) + sq_norms.log()
+        w = torch.exp(log_num - torch.logsumexp(torch.cat([log_step, log_num]), dim=0))
+    return w
 
 
 def term_weights(num_samples: Tensor, losses: Tensor, tilt: float, use_sizes: bool = True
@@ -298,6 +323,9 @@ class PropFairConfig:
     def __post_init__(self) -> None:
         if self.utility_bound <= self.epsilon or self.epsilon <= 0:
             raise ConfigError("propfair needs utility_bound > epsilon > 0")
+        if self.utility_bound > FLOAT32_MAX:
+            raise ConfigError(f"propfair.utility_bound must be at most {FLOAT32_MAX:.4g} (the "
+                              "float32 range of the losses it bounds)")
 
 
 @register

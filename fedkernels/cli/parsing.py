@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import difflib
 import importlib
+import re
 import sys
 import tempfile
 import warnings
@@ -36,6 +37,10 @@ class UsageError(ConfigError):
     """A malformed command line (unknown flag, missing value), reported like a bad value."""
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                              re.IGNORECASE)
+
+
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` without abbreviated flags whose errors are exceptions, so that the
     command prints them as its own one-line message."""
@@ -43,6 +48,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        # argparse takes only -1 and -1.5 for negative numbers, so "--term.tilt -1e-3" was
+        # "expected one argument"; exponents and -inf/-nan (refused by the value check, with
+        # its own message) are values too
+        self._negative_number_matcher = _NEGATIVE_NUMBER
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise UsageError(message)
