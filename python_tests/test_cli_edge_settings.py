@@ -246,3 +246,12 @@ def test_weights_beyond_the_server_range_are_one_line_errors():
         strategy.aggregate(info, None)
     with pytest.raises(ConfigError, match="propfair.utility_bound must be at most"):
         build_strategy("propfair", {"utility_bound": 1e300})
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"temperature": 1e20}, "temperature must be at most"),  # T^2 overflowed the KL's scale
+    ({"server_lr": 3e38}, "server_lr and disc_lr must be at most"),  # Adam's step overflowed
+])
+def test_distillation_values_beyond_float32_are_refused(params, message):
+    with pytest.raises(ConfigError, match=message):
+        build_strategy("entropy-kd", params)
