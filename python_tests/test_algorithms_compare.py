@@ -31,3 +31,16 @@ def test_compare_writes_table_json_and_plot(tmp_path, capsys):
     assert len(data["entries"][1]["runs"]) == 2
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert main(["compare", "--algorithms", "nope", "--seeds", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_compare_flags_a_diverged_run(tmp_path):
+    common = ["--seeds", "0", "--set", "rounds=1", "--set", "partition.num_clients=4",
+              "--set", "model.name=logreg"]
+    assert main(["compare", "--algorithms", "fedavg", "--set", "client.weight_decay=1e6",
+                 *common, "--out", str(tmp_path / "bad")]) == 0
+    entry = json.loads((tmp_path / "bad" / "compare.json").read_text())["entries"][0]
+    assert entry["diverged_seeds"] == [0] and entry["runs"][0]["diverged"] is True
+    assert "Diverged" in (tmp_path / "bad" / "compare.md").read_text()
+    assert main(["compare", "--algorithms", "fedavg", *common, "--out", str(tmp_path / "ok")]) == 0
+    entry = json.loads((tmp_path / "ok" / "compare.json").read_text())["entries"][0]
+    assert entry["diverged_seeds"] == [] and "Diverged" not in (tmp_path / "ok" / "compare.md").read_text()

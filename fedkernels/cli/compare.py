@@ -147,6 +147,9 @@ def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) 
     return {
         "seed": seed,
         "personal_models": personal,
+        # results.json's flags of a run that blew up, kept out of the averaged summary
+        "diverged": bool(result.summary.get("diverged", False)),
+        "non_finite": list(result.summary.get("non_finite", [])),
         "summary": summary,
         "client_accuracy": [c["test_accuracy"] for c in result.clients],
         "client_auroc": [c.get("test_auroc") for c in result.clients],
@@ -346,6 +349,11 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
         lines += ["", *_personalized_table(entries)]
     if any("versus_reference" in e for e in entries):
         lines += ["", *_reference_table(entries)]
+    diverged = [f"{e['label']} (seeds {', '.join(map(str, e['diverged_seeds']))})"
+                for e in entries if e.get("diverged_seeds")]
+    if diverged:
+        lines += ["", "Diverged (a global model with NaN/inf entries or an infinite test loss; "
+                  f"its numbers above are not those of a trained model): {'; '.join(diverged)}"]
     return "\n".join(lines) + "\n"
 
 
@@ -451,15 +459,17 @@ def compare(
                 s = run["summary"]
                 personal = (f" personalized {s['personalized_accuracy']:.3f}"
                             if run["personal_models"] else "")
+                flag = " DIVERGED" if run["diverged"] else ""
                 print(
                     f"{label:>28s} seed {seed}: avg {s['client_accuracy_mean']:.3f} worst10 "
-                    f"{s['client_accuracy_worst10']:.3f}{personal} ({s['seconds']:.1f}s)",
+                    f"{s['client_accuracy_worst10']:.3f}{personal} ({s['seconds']:.1f}s){flag}",
                     file=sys.stderr,
                 )
         mean, std = seed_statistics([r["summary"] for r in runs])
         entries.append({
             "label": label, "algorithm": name, "params": params, "runs": runs,
             "mean": mean, "std": std,
+            "diverged_seeds": [r["seed"] for r in runs if r["diverged"]],
         })
     if reference_index is not None:
         add_reference_comparison(entries, entries[reference_index], reference_split)
