@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from fedkernels.aggregate import FLOAT32_MAX
 from fedkernels.ops.distill import distill_kl, ensemble_pseudo_labels
 from fedkernels.sim import seeding
 from fedkernels.sim.atomic_files import replacing
@@ -166,11 +167,11 @@ class DistillationConfig:
             raise ConfigError("batch sizes and num_generated must be >= 1")
         if self.temperature <= 0 or self.tau <= 0:
             raise ConfigError("temperature and tau must be > 0")
-        if max(self.server_lr, self.disc_lr) > _FLOAT32_MAX / 10:
-            raise ConfigError(f"server_lr and disc_lr must be at most {_FLOAT32_MAX / 10:.4g} "
+        if max(self.server_lr, self.disc_lr) > FLOAT32_MAX / 10:
+            raise ConfigError(f"server_lr and disc_lr must be at most {FLOAT32_MAX / 10:.4g} "
                               "(Adam's first step, lr / (1 - 0.9), on float32 parameters)")
-        if self.temperature > _FLOAT32_MAX**0.5:
-            raise ConfigError(f"temperature must be at most {_FLOAT32_MAX**0.5:.4g} (the KL is "
+        if self.temperature > FLOAT32_MAX**0.5:
+            raise ConfigError(f"temperature must be at most {FLOAT32_MAX**0.5:.4g} (the KL is "
                               "scaled by T^2, a float32)")
         if self.disc_epochs < 1 or self.noise_dim < 1 or self.gan_steps < 0:
             raise ConfigError("disc_epochs and noise_dim must be >= 1, gan_steps >= 0")
@@ -179,8 +180,6 @@ class DistillationConfig:
         if self.gp_weight < 0 or self.diversity_lambda < 0:
             raise ConfigError("gp_weight and diversity_lambda must be >= 0")
 
-
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 # ---------------------------------------------------------------- building blocks

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedkernels.aggregate import FLOAT32_MAX
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
@@ -62,8 +63,6 @@ class LossConfig:
         "(global), or the mean local minibatch loss (local, no extra forward pass)",
     )
 
-
-FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class LossWeighted(Strategy):

@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from fedkernels.aggregate import FLOAT32_MAX
+
 from .config import ConfigError
 
 MISSING_MARKERS = ("", "?", "na", "n/a", "nan", "null")
@@ -517,9 +519,6 @@ def feature_columns(
             warnings.warn(DataWarning(note), stacklevel=2)
         columns.append(Column(name, "categorical", levels=levels, note=note))
     return columns, dropped
-
-
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _unit(values: np.ndarray) -> float:
