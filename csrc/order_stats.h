@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "host_device.h"
 
@@ -44,12 +45,18 @@ struct OrderStats {
     return m;
   }
 
-  // Mean of the sorted v[lo, hi), summed in ascending order. (V: a pointer, or any type with
-  // operator[], such as the CUDA kernels' register arrays.)
+  // Mean of the sorted v[lo, hi), summed in ascending order. (V: a pointer, or a type with
+  // operator[] and ascending_sum, such as the CUDA kernels' register arrays, which add the same
+  // terms in the same order without indexing at run time.)
   template <typename A, typename V>
   FEDKERNELS_HD static A mean_of(const V& v, int64_t lo, int64_t hi) {
-    A s = v[lo];
-    for (int64_t i = lo + 1; i < hi; ++i) s += v[i];
+    A s;
+    if constexpr (std::is_pointer_v<V>) {
+      s = v[lo];
+      for (int64_t i = lo + 1; i < hi; ++i) s += v[i];
+    } else {
+      s = v.template ascending_sum<A>(lo, hi);
+    }
     return s / static_cast<A>(hi - lo);
   }
 

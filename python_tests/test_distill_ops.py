@@ -154,9 +154,12 @@ _EDGE_ROWS = textwrap.dedent(
         L[0, 7, 0] = 1e30
         return L.float()
 
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     for C in (1, 7, 10, 16, 100, 1000):
         L = edge_logits(C)
-        y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
+        y, w = fedkernels.ensemble_pseudo_labels(L.to(device), weighting="entropy",
+                                                 return_weights=True)
+        y, w = y.cpu(), w.cpu()
         y_ref, w_ref = R.ensemble_pseudo_labels_reference(L.double(), weighting="entropy",
                                                           return_weights=True)
         torch.testing.assert_close(w.double(), w_ref, rtol=1e-5, atol=1e-6, equal_nan=True)
@@ -179,6 +182,15 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
     labels on the edge rows above: -inf classes count as probability 0, NaN and +-inf maxima
     give NaN as in the reference, and maxima beyond the base-2 range take the full exp."""
     _run_in_cpu_build(_EDGE_ROWS, capability, threads=2)
+
+
+@pytest.mark.cuda
+def test_entropy_edge_rows_on_cuda():
+    """The CUDA kernel (its one-pass combination of the warps' rows included) on the same rows."""
+    proc = subprocess.run([sys.executable, "-c", _EDGE_ROWS, "cuda"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[:1] == ["OK"], proc.stdout
 
 
 def _run_in_cpu_build(script: str, capability: str, threads: int) -> None:

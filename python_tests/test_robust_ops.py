@@ -279,3 +279,28 @@ def test_cuda_noise_matches_sgld_stream_on_cuda():
     stream = sgld_step(z, z, step_size=0.0, noise_std=0.5, generator=g2)
     got = torch.cat([(n - k).reshape(-1) for n, k in zip(noisy, clean)])
     torch.testing.assert_close(got, stream, rtol=0, atol=2e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("K", [1, 2, 3, 8, 9, 16, 17, 32, 33, 50, 64, 65, 100, 128])
+def test_cuda_order_statistics_every_network_size(dtype, K):
+    # The CUDA kernel pads K to a network of 8, 16, 32, 64 or 128 values: every size, each
+    # side of a boundary, with ties, signed zeros, infinities and NaN, against the reference.
+    shapes = [(1030,), (3, 7), ()]
+    g = torch.Generator().manual_seed(K)
+    c = []
+    for _ in range(K):
+        for s in shapes:
+            t = torch.randint(-3, 4, s, generator=g).to(torch.float64)
+            special = torch.randint(0, 40, s, generator=g)
+            t = torch.where(special == 0, torch.tensor(-0.0, dtype=torch.float64), t)
+            t = torch.where(special == 1, torch.tensor(float("inf"), dtype=torch.float64), t)
+            t = torch.where(special == 2, torch.tensor(float("-inf"), dtype=torch.float64), t)
+            t = torch.where(special == 3, torch.tensor(float("nan"), dtype=torch.float64), t)
+            t = torch.where(special >= 30, torch.randn(s, generator=g, dtype=torch.float64), t)
+            c.append(t.to(dtype))
+    on_gpu = [t.cuda() for t in c]
+    for _, op, reference in RULES:
+        for a, b in zip(op(on_gpu, K), reference(c, K)):
+            exact(a.cpu(), b)

@@ -2,10 +2,11 @@
 // csrc/robust_host.h; per-coordinate rules: csrc/order_stats.h, shared with the CPU kernels).
 //
 // Order statistics: one thread per coordinate gathers the K client values, sorts and reduces
-// them; blocks own chunks of one tensor. Each client is read once, no [K, P] stack. Up to 32
-// clients the values stay in registers (a sorting network of compile-time size); above, in a
-// local array (K <= kMaxRobustClientsCuda) sorted by insertion, which the first H200 run
-// showed at 8 % of the memory bandwidth for K = 10.
+// them; blocks own chunks of one tensor. Each client is read once, no [K, P] stack. The values
+// stay in registers as integer sort keys, padded to a power of two N <= 128 and sorted by a
+// network (csrc/cuda/sorted_keys.cuh). The first H200 run, with a local array sorted by
+// insertion, reached 8 % of the memory bandwidth at K = 10; float compare-exchanges in an
+// odd-even transposition network, 14 %.
 //
 // Distances: a block owns a chunk of kDistChunk elements of one tensor and stages it in
 // shared memory kDistTile elements of all K clients at a time; each thread accumulates the
@@ -27,6 +28,7 @@
 #include "../robust_host.h"
 #include "client_list.cuh"
 #include "multi_tensor.cuh"
+#include "sorted_keys.cuh"
 
 namespace fedkernels {
 namespace {
@@ -35,89 +37,45 @@ constexpr int kThreads = 256;
 constexpr int64_t kRobustChunk = kThreads * 4;
 constexpr int64_t kMaxBlocks = 65535LL * 32;
 constexpr int64_t kDistChunk = 8192;
+static_assert(kMaxRobustClientsCuda <= 128, "the largest order-statistics network holds 128");
 constexpr int kDistTile = 32;
 // Pair slots per thread: kThreads * kPairSlots >= K (K - 1) / 2 for K <= kMaxRobustClientsCuda.
 constexpr int kPairSlots =
     (kMaxRobustClientsCuda * (kMaxRobustClientsCuda - 1) / 2 + kThreads - 1) / kThreads;
 
-template <typename T, int kMaxK>
-__global__ void robust_kernel(ClientListTables m, int rule, int64_t param) {
-  using A = acc_type<T>;
-  A v[kMaxK];
-  for (int64_t c = blockIdx.x; c < m.total_chunks; c += gridDim.x) {
-    const int64_t t = tensor_of_chunk(m.prefix, m.n, c);
-    const int64_t begin = (c - m.prefix[t]) * kRobustChunk;
-    const int64_t end = begin + kRobustChunk < m.numels[t] ? begin + kRobustChunk : m.numels[t];
-    T* out = reinterpret_cast<T*>(m.outs[t]);
-    for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
-      for (int64_t k = 0; k < m.K; ++k) {
-        v[k] = static_cast<A>(static_cast<const T*>(m.input(k, t))[e]);
-      }
-      out[e] = static_cast<T>(
-          OrderStats::reduce<A>(v, m.K, static_cast<RobustRule>(rule), param));
-    }
-  }
-}
-
-// Compare-exchange that leaves a <= b, NaN last.
-template <typename A>
-__device__ __forceinline__ void compare_exchange(A& a, A& b) {
-  const bool swap = a > b || (a != a && b == b);
-  const A lo = swap ? b : a, hi = swap ? a : b;
-  a = lo;
-  b = hi;
-}
-
-// N values held in registers: every index below is a compile-time constant once the loops are
-// unrolled (a run-time index into a local array sends it to local memory).
-template <typename A, int N>
-struct RegisterValues {
-  A v[N];
-
-  // v[i] for a run-time i, as a chain of selects.
-  __device__ __forceinline__ A operator[](int64_t i) const {
-    A r = v[0];
-#pragma unroll
-    for (int j = 1; j < N; ++j) r = i == j ? v[j] : r;
-    return r;
-  }
-
-  // Odd-even transposition sort (N rounds of compare-exchanges between neighbours), NaN last.
-  __device__ __forceinline__ void sort() {
-#pragma unroll
-    for (int round = 0; round < N; ++round) {
-#pragma unroll
-      for (int i = round % 2; i + 1 < N; i += 2) compare_exchange(v[i], v[i + 1]);
-    }
-  }
-};
-
-// Order statistics for K <= N clients with the values in registers: the K values of a coordinate
-// padded with NaN to N, sorted by a network, reduced by OrderStats::reduce_sorted (the same
-// arithmetic as the CPU kernels and robust_kernel). The K source pointers of a chunk are loaded
-// once per chunk.
+// Order statistics for K <= N clients with the values in registers: the K values of a
+// coordinate as sort keys, padded with NaN keys to N, sorted by a network, reduced by
+// OrderStats::reduce_sorted (the same arithmetic as the CPU kernels). A chunk's
+// K source pointers are staged in shared memory once per chunk (in registers they would take
+// 2 N of them).
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) robust_registers_kernel(
     ClientListTables m, int rule, int64_t param) {
   using A = acc_type<T>;
-  const A nan = A(0) / A(0);
+  using Keys = SortedKeys<A, N>;
+  __shared__ const T* s_src[N];
   for (int64_t c = blockIdx.x; c < m.total_chunks; c += gridDim.x) {
     const int64_t t = tensor_of_chunk(m.prefix, m.n, c);
     const int64_t begin = (c - m.prefix[t]) * kRobustChunk;
     const int64_t end = begin + kRobustChunk < m.numels[t] ? begin + kRobustChunk : m.numels[t];
     T* out = reinterpret_cast<T*>(m.outs[t]);
-    const T* src[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      src[k] = k < m.K ? static_cast<const T*>(m.input(k, t)) : nullptr;
+    __syncthreads();  // the previous chunk is done with s_src
+    for (int k = threadIdx.x; k < N; k += blockDim.x) {
+      s_src[k] = k < m.K ? static_cast<const T*>(m.input(k, t)) : nullptr;
     }
+    __syncthreads();
     for (int64_t e = begin + threadIdx.x; e < end; e += blockDim.x) {
-      RegisterValues<A, N> r;
+      Keys r;
       int64_t numbers = 0;
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        r.v[k] = k < m.K ? static_cast<A>(src[k][e]) : nan;
-        numbers += r.v[k] == r.v[k];
+        if (k < m.K) {
+          const A x = static_cast<A>(s_src[k][e]);
+          numbers += x == x;
+          r.k[k] = SortKey<A>::of(x);
+        } else {
+          r.k[k] = SortKey<A>::kNaN;
+        }
       }
       r.sort();
       out[e] = static_cast<T>(OrderStats::reduce_sorted<A>(
@@ -241,9 +199,10 @@ struct RobustCuda {
       robust_registers_kernel<T, 16><<<blocks, kThreads, 0, launch.stream>>>(m, rule, p.param);
     } else if (p.K <= 32) {
       robust_registers_kernel<T, 32><<<blocks, kThreads, 0, launch.stream>>>(m, rule, p.param);
-    } else {
-      robust_kernel<T, kMaxRobustClientsCuda><<<blocks, kThreads, 0, launch.stream>>>(
-          m, rule, p.param);
+    } else if (p.K <= 64) {
+      robust_registers_kernel<T, 64><<<blocks, kThreads, 0, launch.stream>>>(m, rule, p.param);
+    } else {  // the host refuses K > kMaxRobustClientsCuda
+      robust_registers_kernel<T, 128><<<blocks, kThreads, 0, launch.stream>>>(m, rule, p.param);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
