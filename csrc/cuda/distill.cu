@@ -10,12 +10,6 @@
 // workspace), and the block's max and sum reductions finish the softmax. Every reduction has a
 // fixed order, so a given input gives bitwise the same output run after run.
 //
-// The entropy weighting needs every row's statistics before its weights exist, so that order
-// read the logits twice, the second time mostly from memory again (the H200 profile: 1.9x the
-// bytes of the FedGO weighting). Where kWarps rows of C fit in shared memory, each warp instead
-// adds a client into its own row right after the statistics, as an online softmax over its
-// clients, and the combination adds the kWarps rows: one read of the logits from memory.
-//
 // distill_kl: one warp per row computes the row's loss and (optionally) writes the gradient;
 // the per-row losses are then summed by one block in a fixed order.
 #include <ATen/core/Tensor.h>
@@ -48,7 +42,7 @@ struct PseudoLabelArgs {
   double tau;
 };
 
-template <typename T, bool kOnePass>
+template <typename T>
 __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
     const T* __restrict__ logits, const acc_type<T>* __restrict__ scores,
     const acc_type<T>* __restrict__ log_prior, T* __restrict__ out_y, T* __restrict__ out_w,
@@ -56,13 +50,12 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
   using A = acc_type<T>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ A s_red[kWarps];
-  __shared__ A s_wmax[kWarps], s_wsum[kWarps], s_wscale[kWarps];
   const int64_t K = a.K, N = a.N, C = a.C;
   A* s_score = reinterpret_cast<A*>(smem_raw);
   A* s_maxt = s_score + K;
   A* s_sumt = s_maxt + K;
   A* s_w = s_sumt + K;
-  A* s_acc = s_w + K;  // one_pass: kWarps rows of C, one per warp; else one row (if it fits)
+  A* s_acc = s_w + K;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const A inv_t = static_cast<A>(1.0 / a.temperature);
   const A tau = static_cast<A>(a.tau);
@@ -101,32 +94,6 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
             ent = DistillMath::entropy(s, t);
           }
           if (a.probs) sum_t = warp_reduce(st, SumOp<A>());
-        }
-        if constexpr (kOnePass) {
-          // Add this client into the warp's own row while its logits are still in L1: an
-          // online softmax over the warp's clients (running max m_w of the exponents, sum z_w
-          // of e^(score - m_w), row sum of e^(score - m_w) times the client's term), so the
-          // combination needs no second read of the logits from memory.
-          const A e_k = DistillMath::score<A>(a.weighting, A(0), ent, var, tau, a.double_sigmoid) +
-                        (log_prior ? log_prior[k] : A(0));
-          A* row = s_acc + warp * C;
-          const bool first = k == warp;
-          const A m_w = first ? e_k : s_wmax[warp];
-          const bool rises = !first && e_k > m_w;
-          // rises: the old terms scale by r, the new one by 1; else the new one by e
-          const A r = rises ? math_exp(m_w - e_k) : A(1);
-          const A e = rises || first ? A(1) : math_exp(e_k - m_w);
-          for (int64_t c = lane; c < C; c += 32) {
-            const A v = static_cast<A>(x[c]);
-            const A term = a.probs ? math_exp(v * inv_t - max_t) / sum_t : v;
-            row[c] = first ? term : (rises ? row[c] * r + term : row[c] + e * term);
-          }
-          __syncwarp();
-          if (lane == 0) {
-            s_wsum[warp] = first ? A(1) : (rises ? s_wsum[warp] * r + A(1) : s_wsum[warp] + e);
-            s_wmax[warp] = rises ? e_k : m_w;
-          }
-          __syncwarp();
         }
         if (variance) {
           A s = 0;
@@ -185,37 +152,12 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
       }
       __syncwarp();
       for (int64_t k = lane; k < K; k += 32) out_w[k * N + i] = static_cast<T>(s_w[k]);
-      if (kOnePass && lane == 0) {  // each warp row's share: e^(m_w - m) / sum of the z's
-        const int used = K < kWarps ? static_cast<int>(K) : kWarps;
-        A m = s_wmax[0];
-        for (int w = 1; w < used; ++w) m = MaxOp<A>()(m, s_wmax[w]);
-        A z = 0;
-        for (int w = 0; w < used; ++w) {
-          s_wscale[w] = math_exp(s_wmax[w] - m);
-          z += s_wscale[w] * s_wsum[w];
-        }
-        for (int w = 0; w < used; ++w) s_wscale[w] /= z;
-      }
     }
     __syncthreads();
-    // 3. Combination and the final softmax (logit mode): of the warps' rows (one_pass), else
-    // of the clients in order k = 0..K-1.
+    // 3. Combination in client order and the final softmax (logit mode).
     T* y = out_y + i * C;
     A local_max = -inf;
-    if constexpr (kOnePass) {
-      const int used = K < kWarps ? static_cast<int>(K) : kWarps;
-      for (int64_t c = tid; c < C; c += kThreads) {
-        A v = 0;
-        for (int w = 0; w < used; ++w) v += s_wscale[w] * s_acc[w * C + c];
-        if (a.probs) {
-          y[c] = static_cast<T>(v);
-        } else {
-          acc[c] = v;  // warp 0's row: this thread alone reads and writes column c here
-          local_max = MaxOp<A>()(local_max, v * inv_t);
-        }
-      }
-    }
-    for (int64_t c = tid; c < C && !kOnePass; c += kThreads) {
+    for (int64_t c = tid; c < C; c += kThreads) {
       A v = 0;
       for (int64_t k = 0; k < K; ++k) {
         const A x = static_cast<A>(logits[(k * N + i) * C + c]);
@@ -315,20 +257,15 @@ struct DistillCuda {
     a.temperature = p.temperature;
     a.tau = p.tau;
     const size_t with_row = per_client + sizeof(A) * static_cast<size_t>(p.C);
-    const size_t with_warp_rows = per_client + kWarps * sizeof(A) * static_cast<size_t>(p.C);
-    // entropy weighting: combine while the statistics pass reads each row (see the top)
-    const bool one_pass = p.weighting == Weighting::kEntropy && with_warp_rows <= kSharedLimit;
-    a.acc_in_shared = one_pass || p.probs || with_row <= kSharedLimit;
+    a.acc_in_shared = p.probs || with_row <= kSharedLimit;
     at::Tensor workspace;
     if (!a.acc_in_shared) {
       workspace = at::empty(
           {p.N, p.C},
           at::TensorOptions().device(p.device).dtype(c10::CppTypeToScalarType<A>::value));
     }
-    const size_t shared =
-        one_pass ? with_warp_rows : (a.acc_in_shared && !p.probs ? with_row : per_client);
-    auto* kernel = one_pass ? pseudo_labels_kernel<T, true> : pseudo_labels_kernel<T, false>;
-    kernel<<<grid_size(p.N, 1, 65535 * 8), kThreads, shared, launch.stream>>>(
+    const size_t shared = a.acc_in_shared && !p.probs ? with_row : per_client;
+    pseudo_labels_kernel<T><<<grid_size(p.N, 1, 65535 * 8), kThreads, shared, launch.stream>>>(
         static_cast<const T*>(p.logits), static_cast<const A*>(p.scores),
         static_cast<const A*>(p.log_prior), static_cast<T*>(p.out_labels),
         static_cast<T*>(p.out_weights),
