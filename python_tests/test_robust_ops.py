@@ -304,3 +304,18 @@ def test_cuda_order_statistics_every_network_size(dtype, K):
     for _, op, reference in RULES:
         for a, b in zip(op(on_gpu, K), reference(c, K)):
             exact(a.cpu(), b)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("K", [2, 23, 24, 25, 50, 64, 87, 100, 128])
+def test_cuda_pairwise_distances_few_and_many_pairs(dtype, K):
+    # Up to 23 clients (253 pairs) a thread takes one pair; from 24 a thread takes a 4 x 4
+    # block of pairs (with several lanes per block, or several rounds per chunk above 88).
+    c = clients_of(K, dtype, device="cuda", seed=K, shapes=[(300, 7), (5,), (), (20001,)])
+    d = robust_ops.pairwise_sq_distances(c, K)
+    assert d.dtype == torch.float64 and d.shape == (K, K)
+    want = ref.pairwise_sq_distances_reference([t.cpu() for t in c], K)
+    torch.testing.assert_close(d.cpu(), want, rtol=1e-13, atol=0)
+    assert torch.equal(d, d.T) and torch.all(d.diagonal() == 0)
+    assert torch.equal(d, robust_ops.pairwise_sq_distances(c, K))  # run to run

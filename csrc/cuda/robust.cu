@@ -10,10 +10,10 @@
 //
 // Distances: a block owns a chunk of kDistChunk elements of one tensor and stages it in
 // shared memory kDistTile elements of all K clients at a time; each thread accumulates the
-// squared differences of its pairs (or of its share of one pair's elements, when pairs are
-// fewer than threads) in float64 registers. Each block writes its row of partial sums, and a
-// second kernel adds the rows up, in a fixed order, so a given input gives bitwise the same
-// matrix run after run.
+// squared differences of its pair (few pairs: of its share of the pair's elements) or of a
+// 4 x 4 block of pairs (many pairs) in float64 registers. Each block writes its row of partial
+// sums, and a second kernel adds the rows up, in a fixed order, so a given input gives bitwise
+// the same matrix run after run.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -39,9 +39,6 @@ constexpr int64_t kMaxBlocks = 65535LL * 32;
 constexpr int64_t kDistChunk = 8192;
 static_assert(kMaxRobustClientsCuda <= 128, "the largest order-statistics network holds 128");
 constexpr int kDistTile = 32;
-// Pair slots per thread: kThreads * kPairSlots >= K (K - 1) / 2 for K <= kMaxRobustClientsCuda.
-constexpr int kPairSlots =
-    (kMaxRobustClientsCuda * (kMaxRobustClientsCuda - 1) / 2 + kThreads - 1) / kThreads;
 
 // Order statistics for K <= N clients with the values in registers: the K values of a
 // coordinate as sort keys, padded with NaN keys to N, sorted by a network, reduced by
@@ -95,13 +92,13 @@ __device__ __forceinline__ void pair_of(int64_t q, int64_t K, int& i, int& j) {
   j = static_cast<int>(row + 1 + q);
 }
 
-// One block per chunk; the chunk's K rows go through shared memory kDistTile elements at a time
-// (rows padded by one element, so the threads of a warp reading one column of different rows
-// hit different banks). Work item v = threadIdx.x + s * kThreads of the block (slot s < kSlots)
-// is pair v / lanes, lane v % lanes: with few pairs (K = 10: 45) several lanes share a pair, each
-// adding every lanes-th element of the tile, so the block keeps most of its threads busy. The
-// lanes' sums are added in lane order at the end: a fixed order, bitwise the same run after run.
-template <typename T, int kSlots>
+// Few pairs (K (K - 1) / 2 <= kThreads). One block per chunk; the chunk's K rows go through
+// shared memory kDistTile elements at a time (rows padded by one element, so the threads of a
+// warp reading one column of different rows hit different banks). Thread v is pair v / lanes,
+// lane v % lanes: several lanes share a pair (K = 10: 45 pairs, 5 lanes), each adding every
+// lanes-th element of the tile, so the block keeps most of its threads busy. The lanes' sums
+// are added in lane order at the end: a fixed order, bitwise the same run after run.
+template <typename T>
 __global__ void __launch_bounds__(kThreads) distances_kernel(
     ClientListTables m, int lanes, double* partial) {
   using A = acc_type<T>;
@@ -114,21 +111,12 @@ __global__ void __launch_bounds__(kThreads) distances_kernel(
   const int64_t t = tensor_of_chunk(m.prefix, m.n, c);
   const int64_t begin = (c - m.prefix[t]) * kDistChunk;
   const int64_t end = begin + kDistChunk < m.numels[t] ? begin + kDistChunk : m.numels[t];
-  int pi[kSlots], pj[kSlots];
-  bool busy[kSlots];
-  double acc[kSlots];
   const int lane = static_cast<int>(threadIdx.x % lanes);
-#pragma unroll
-  for (int s = 0; s < kSlots; ++s) {
-    acc[s] = 0.0;
-    const int64_t q = (threadIdx.x + static_cast<int64_t>(s) * kThreads) / lanes;
-    busy[s] = q < pairs;
-    if (busy[s]) {
-      pair_of(q, K, pi[s], pj[s]);
-    } else {
-      pi[s] = pj[s] = 0;
-    }
-  }
+  const int64_t q = threadIdx.x / lanes;
+  const bool busy = q < pairs;
+  int pi = 0, pj = 0;
+  if (busy) pair_of(q, K, pi, pj);
+  double acc = 0.0;
   for (int64_t e0 = begin; e0 < end; e0 += kDistTile) {
     const int len = static_cast<int>(end - e0 < kDistTile ? end - e0 : kDistTile);
     for (int64_t idx = threadIdx.x; idx < K * kDistTile; idx += blockDim.x) {
@@ -138,34 +126,128 @@ __global__ void __launch_bounds__(kThreads) distances_kernel(
           e < len ? static_cast<A>(static_cast<const T*>(m.input(k, t))[e0 + e]) : A(0);
     }
     __syncthreads();
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      if (busy[s]) {
-        const A* xi = tile + pi[s] * kStride;
-        const A* xj = tile + pj[s] * kStride;
-        for (int e = lane; e < len; e += lanes) {
-          const double d = static_cast<double>(xi[e]) - static_cast<double>(xj[e]);
-          acc[s] += d * d;
-        }
+    if (busy) {
+      const A* xi = tile + pi * kStride;
+      const A* xj = tile + pj * kStride;
+      for (int e = lane; e < len; e += lanes) {
+        const double d = static_cast<double>(xi[e]) - static_cast<double>(xj[e]);
+        acc += d * d;
       }
     }
     __syncthreads();
   }
   if (lanes == 1) {
-#pragma unroll
-    for (int s = 0; s < kSlots; ++s) {
-      const int64_t q = threadIdx.x + static_cast<int64_t>(s) * kThreads;
-      if (q < pairs) partial[c * pairs + q] = acc[s];
-    }
+    if (busy) partial[c * pairs + q] = acc;
     return;
   }
-  // lanes > 1 only when pairs * lanes <= kThreads: one slot per thread.
-  s_lane[threadIdx.x] = acc[0];
+  s_lane[threadIdx.x] = acc;
   __syncthreads();
-  if (lane == 0 && busy[0]) {
+  if (lane == 0 && busy) {
     double sum = s_lane[threadIdx.x];
     for (int l = 1; l < lanes; ++l) sum += s_lane[threadIdx.x + l];
-    partial[c * pairs + threadIdx.x / lanes] = sum;
+    partial[c * pairs + q] = sum;
+  }
+}
+
+// Many pairs (K (K - 1) / 2 > kThreads): the pairs are cut into kBlock x kBlock blocks of
+// rows I x J (I <= J; a diagonal block holds its i < j pairs), and a thread owns a whole block:
+// per element it reads 2 kBlock values from shared memory for kBlock^2 pairs, where one pair
+// per thread read 2 values for 1. The tile is staged as float64 once (rows past K zero). Work
+// item v = threadIdx.x + r * kThreads is block v / lanes, lane v % lanes (lanes > 1 only when
+// the blocks fit in one round); rounds r > 0 stage the chunk again. Each pair's sum runs over
+// the chunk's elements in the same order as in distances_kernel.
+constexpr int kBlock = 4;
+
+__device__ __forceinline__ void block_of(int64_t q, int64_t nb, int& bi, int& bj) {
+  int64_t row = 0;
+  while (q >= nb - row) {
+    q -= nb - row;
+    ++row;
+  }
+  bi = static_cast<int>(row);
+  bj = static_cast<int>(row + q);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) distances_blocked_kernel(
+    ClientListTables m, int lanes, double* partial) {
+  constexpr int kStride = kDistTile + 1;
+  extern __shared__ double tile64[];  // [nb * kBlock][kStride]
+  __shared__ double s_lane[kThreads];
+  const int64_t K = m.K, pairs = K * (K - 1) / 2;
+  const int64_t nb = (K + kBlock - 1) / kBlock, blocks = nb * (nb + 1) / 2;
+  const int64_t rows = nb * kBlock;
+  const int64_t c = blockIdx.x;
+  const int64_t t = tensor_of_chunk(m.prefix, m.n, c);
+  const int64_t begin = (c - m.prefix[t]) * kDistChunk;
+  const int64_t end = begin + kDistChunk < m.numels[t] ? begin + kDistChunk : m.numels[t];
+  const int lane = static_cast<int>(threadIdx.x % lanes);
+  for (int64_t first = 0; first < blocks * lanes; first += kThreads) {
+    const int64_t q = (first + threadIdx.x) / lanes;
+    const bool busy = q < blocks;
+    int bi = 0, bj = 0;
+    if (busy) block_of(q, nb, bi, bj);
+    double acc[kBlock][kBlock];
+#pragma unroll
+    for (int a = 0; a < kBlock; ++a) {
+#pragma unroll
+      for (int b = 0; b < kBlock; ++b) acc[a][b] = 0.0;
+    }
+    for (int64_t e0 = begin; e0 < end; e0 += kDistTile) {
+      const int len = static_cast<int>(end - e0 < kDistTile ? end - e0 : kDistTile);
+      __syncthreads();  // the previous tile (or round) is done with tile64
+      for (int64_t idx = threadIdx.x; idx < rows * kDistTile; idx += blockDim.x) {
+        const int64_t k = idx / kDistTile;
+        const int e = static_cast<int>(idx % kDistTile);
+        tile64[k * kStride + e] =
+            k < K && e < len ? static_cast<double>(static_cast<const T*>(m.input(k, t))[e0 + e])
+                             : 0.0;
+      }
+      __syncthreads();
+      if (busy) {
+        const double* xi = tile64 + bi * kBlock * kStride;
+        const double* xj = tile64 + bj * kBlock * kStride;
+        for (int e = lane; e < len; e += lanes) {
+          double vi[kBlock], vj[kBlock];
+#pragma unroll
+          for (int a = 0; a < kBlock; ++a) {
+            vi[a] = xi[a * kStride + e];
+            vj[a] = xj[a * kStride + e];
+          }
+#pragma unroll
+          for (int a = 0; a < kBlock; ++a) {
+#pragma unroll
+            for (int b = 0; b < kBlock; ++b) {
+              const double d = vi[a] - vj[b];
+              acc[a][b] += d * d;
+            }
+          }
+        }
+      }
+    }
+    // Each pair of the block: its lanes' sums added in lane order into partial.
+#pragma unroll
+    for (int a = 0; a < kBlock; ++a) {
+#pragma unroll
+      for (int b = 0; b < kBlock; ++b) {
+        const int64_t i = static_cast<int64_t>(bi) * kBlock + a;
+        const int64_t j = static_cast<int64_t>(bj) * kBlock + b;
+        const bool real = busy && i < j && j < K;
+        const int64_t pair = i * (2 * K - i - 1) / 2 + (j - i - 1);
+        if (lanes == 1) {
+          if (real) partial[c * pairs + pair] = acc[a][b];
+          continue;
+        }
+        __syncthreads();
+        s_lane[threadIdx.x] = acc[a][b];
+        __syncthreads();
+        if (lane == 0 && real) {
+          double sum = s_lane[threadIdx.x];
+          for (int l = 1; l < lanes; ++l) sum += s_lane[threadIdx.x + l];
+          partial[c * pairs + pair] = sum;
+        }
+      }
+    }
   }
 }
 
@@ -220,16 +302,18 @@ struct RobustCuda {
     const ClientListTables m = upload_tables(p, kDistChunk, launch.stream, meta);
     at::Tensor partial = at::empty(
         {m.total_chunks * pairs}, at::TensorOptions().device(p.device).dtype(at::kDouble));
-    const size_t smem = static_cast<size_t>(K) * (kDistTile + 1) * sizeof(A);
     const unsigned blocks = static_cast<unsigned>(m.total_chunks);
-    const int lanes = static_cast<int>(std::max<int64_t>(1, kThreads / pairs));
     double* out = partial.mutable_data_ptr<double>();
     if (pairs <= kThreads) {
-      distances_kernel<T, 1><<<blocks, kThreads, smem, launch.stream>>>(m, lanes, out);
-    } else if (pairs <= 8 * kThreads) {
-      distances_kernel<T, 8><<<blocks, kThreads, smem, launch.stream>>>(m, 1, out);
+      const size_t smem = static_cast<size_t>(K) * (kDistTile + 1) * sizeof(A);
+      const int lanes = static_cast<int>(std::max<int64_t>(1, kThreads / pairs));
+      distances_kernel<T><<<blocks, kThreads, smem, launch.stream>>>(m, lanes, out);
     } else {
-      distances_kernel<T, kPairSlots><<<blocks, kThreads, smem, launch.stream>>>(m, 1, out);
+      const int64_t nb = (K + kBlock - 1) / kBlock, pair_blocks = nb * (nb + 1) / 2;
+      const size_t smem = static_cast<size_t>(nb * kBlock) * (kDistTile + 1) * sizeof(double);
+      const int lanes = static_cast<int>(
+          std::min<int64_t>(kDistTile, std::max<int64_t>(1, kThreads / pair_blocks)));
+      distances_blocked_kernel<T><<<blocks, kThreads, smem, launch.stream>>>(m, lanes, out);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     distances_reduce_kernel<<<grid_size(pairs, 1, kMaxBlocks), kThreads, 0,
