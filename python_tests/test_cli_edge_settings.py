@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from cli_process import FAST, assert_one_line_error, assert_success, fedkernels
 
 from fedkernels.algorithms import build_strategy
@@ -255,3 +256,50 @@ def test_weights_beyond_the_server_range_are_one_line_errors():
 def test_distillation_values_beyond_float32_are_refused(params, message):
     with pytest.raises(ConfigError, match=message):
         build_strategy("entropy-kd", params)
+
+
+# ------------------------------------------------ rounds a rule cannot aggregate are skipped
+
+
+@pytest.mark.parametrize("algorithm, params", [
+    ("bulyan", {"num_malicious": 1}),       # needs 7 participants
+    ("multikrum", {"num_to_keep": 5}),      # keeps 5: needs 5
+])
+def test_rounds_with_too_few_participants_are_skipped_not_fatal(algorithm, params):
+    # 8 clients joining with probability 0.75: some rounds draw fewer than the rule needs.
+    # Such a round is played like one nobody joined: no training, the model unchanged, the
+    # reason recorded; the others aggregate as usual.
+    config = tiny_config(rounds=12, partition={"num_clients": 8},
+                         participation={"kind": "bernoulli", "fraction": 0.75})
+    need = 7 if algorithm == "bulyan" else 5
+    sim = Simulation(config, build_strategy(algorithm, params))
+    states = []
+    result = sim.run(on_round=lambda r: states.append(
+        {k: v.clone() for k, v in sim.server.state.items()}))
+    rounds = result.rounds
+    skipped = [r for r in rounds if "skipped" in r]
+    played = [r for r in rounds if "skipped" not in r and r["participants"] > 0]
+    assert skipped and played, [r["participants"] for r in rounds]
+    for r in skipped:
+        assert 0 < r["participants"] < need
+        assert f"the round drew {r['participants']}" in r["skipped"]
+        assert r["time_client"] == 0 and "train_loss" not in r
+        before = states[r["round"] - 1] if r["round"] else None
+        if before is not None:
+            assert all(torch.equal(before[k], states[r["round"]][k]) for k in before)
+    assert all(r["participants"] >= need for r in played)
+    assert result.summary["rounds_skipped"] == len(skipped)
+    assert result.summary["rounds_completed"] == 12
+
+
+def test_cli_warns_about_skipped_rounds(tmp_path):
+    out = tmp_path / "run"
+    done = fedkernels("run", *FAST, "--algorithm", "bulyan", "--bulyan.num_malicious", "1",
+                      "--data.name", "gaussian_mixture", "--data.num_samples", "240",
+                      "--partition.num_clients", "8", "--participation.kind", "bernoulli",
+                      "--participation.fraction", "0.75", "--rounds", "8", "--out", str(out))
+    assert_success(done)
+    results = json.loads((out / "results.json").read_text())
+    n = results["summary"]["rounds_skipped"]  # most rounds draw fewer than 7 of 8
+    assert 0 < n < 8
+    assert f"warning: {n} of 8 rounds were skipped" in done.stderr

@@ -160,15 +160,21 @@ class MultiKrum(RobustRule):
                 "keep (K - num_malicious < 1 in every round)"
             )
 
+    def too_few_participants(self, count: int) -> str | None:
+        f, m = self.config.num_malicious, self.config.num_to_keep
+        keep = m if m is not None else count - f
+        if 1 <= keep <= count:
+            return None
+        why = "multikrum.num_to_keep" if m is not None else "K - multikrum.num_malicious"
+        return f"multikrum keeps {keep} ({why}) of the round's {count} participants"
+
     def combine(self, info: RoundInfo) -> tuple[dict[str, Any], dict[str, float]]:
         k = len(info.client_states)
         f = self.config.num_malicious
         keep = self.config.num_to_keep if self.config.num_to_keep is not None else k - f
-        if not 1 <= keep <= k:
-            raise ConfigError(
-                f"multikrum keeps {keep} of the round's {k} participants (num_to_keep, or "
-                f"K - num_malicious): it must be in [1, {k}]"
-            )
+        reason = self.too_few_participants(k)
+        if reason is not None:  # the round loop skips such rounds before training
+            raise ConfigError(f"{reason}: it must be in [1, {k}]")
         combined, selected = krum(info.client_states, f, keep, weights=info.num_samples)
         return combined, {"selected": float(len(selected))}
 
@@ -209,11 +215,15 @@ class Bulyan(RobustRule):
                 f"round (bulyan.num_malicious); this run has {have}"
             )
 
+    def too_few_participants(self, count: int) -> str | None:
+        f = self.config.num_malicious
+        if count >= 4 * f + 3:
+            return None
+        return f"bulyan with num_malicious={f} needs at least {4 * f + 3} participants"
+
     def combine(self, info: RoundInfo) -> tuple[dict[str, Any], dict[str, float]]:
-        k, f = len(info.client_states), self.config.num_malicious
-        if k < 4 * f + 3:
-            raise ConfigError(
-                f"bulyan with num_malicious={f} needs at least {4 * f + 3} participants per "
-                f"round, got {k}"
-            )
-        return bulyan(info.client_states, f, selection=self.config.selection), {}
+        reason = self.too_few_participants(len(info.client_states))
+        if reason is not None:  # the round loop skips such rounds before training
+            raise ConfigError(f"{reason}, got {len(info.client_states)}")
+        return bulyan(info.client_states, self.config.num_malicious,
+                      selection=self.config.selection), {}

@@ -485,4 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fedkernels run: warning: NaN or infinite results: "
               f"{', '.join(summary['non_finite'])} (summary.non_finite in results.json)",
               file=sys.stderr)
+    skipped = [r for r in results["rounds"] if "skipped" in r]
+    if skipped:
+        print(f"fedkernels run: warning: {len(skipped)} of {len(results['rounds'])} rounds were "
+              f"skipped, the global model unchanged ({skipped[0]['skipped']}, round "
+              f"{skipped[0]['round']}; 'skipped' in results.json's rounds)", file=sys.stderr)
     return 0

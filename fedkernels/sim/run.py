@@ -159,7 +159,10 @@ class Simulation:
         ids = mask.nonzero().flatten()
         record: dict[str, Any] = {"round": t, "participants": len(ids)}
         time_client = time_aggregate = 0.0
-        if len(ids):
+        too_few = self.strategy.too_few_participants(len(ids)) if len(ids) else None
+        if too_few is not None:
+            record["skipped"] = f"{too_few}; the round drew {len(ids)}"
+        elif len(ids):
             clients = [fed.clients[i] for i in ids.tolist()]
             global_state = {k: v.clone() for k, v in self.server.state.items()}
             global_losses = None
@@ -195,7 +198,7 @@ class Simulation:
                 record["global_loss_before"] = float(global_losses.mean())
             record.update({f"strategy_{k}": float(v) for k, v in extra.items()})
         if self.server.private is not None:
-            record.update(self.server.private.take_round_record(len(ids)))
+            record.update(self.server.private.take_round_record(len(ids) if too_few is None else 0))
         record["time_client"] = time_client
         record["time_aggregate"] = time_aggregate
         if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
@@ -253,6 +256,9 @@ class Simulation:
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
         }
+        skipped = sum("skipped" in r for r in self.records)
+        if skipped:
+            summary["rounds_skipped"] = skipped
         if self.attack is not None:
             summary["byzantine_clients"] = list(self.attack.clients)
         if self.server.private is not None:

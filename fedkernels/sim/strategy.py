@@ -105,6 +105,13 @@ class Strategy:
         would), or ``None`` when its rounds so far are those of the new run too."""
         return None
 
+    def too_few_participants(self, count: int) -> str | None:
+        """Why a round of ``count`` (>= 1) participants cannot be aggregated by this strategy
+        (Bulyan needs 4f + 3 of them), or ``None``. Such a round is skipped like a round
+        nobody joined: no training, the global model unchanged, the reason in its record.
+        :meth:`setup` refuses a run in which no round could be aggregated."""
+        return None
+
     def local_penalty(
         self, params: Mapping[str, Tensor], global_params: Mapping[str, Tensor]
     ) -> Tensor | None:
