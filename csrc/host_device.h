@@ -7,3 +7,11 @@
 #else
 #define FEDKERNELS_HD inline
 #endif
+
+// Full unrolling of a loop with a constant trip count in device code (so that indices into a
+// register array become constants); nothing in the CPU libraries.
+#if defined(__CUDACC__)
+#define FEDKERNELS_UNROLL _Pragma("unroll")
+#else
+#define FEDKERNELS_UNROLL
+#endif

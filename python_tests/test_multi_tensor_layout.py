@@ -4,18 +4,12 @@ sections of a launch's metadata buffer, and its split into the blocks that the C
 upload carries in kernel parameters (so the metadata a captured graph replays is complete).
 
 The header is plain C++, so the test compiles a small driver against it with the system
-compiler (a second or two); it is skipped where the sources or a compiler are missing.
+compiler (native_driver); it is skipped where the sources or a compiler are missing.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-from pathlib import Path
-
-import pytest
-
-CSRC = Path(__file__).resolve().parent.parent / "csrc"
+from native_driver import run_driver
 
 DRIVER = r"""
 #include <cstdio>
@@ -116,29 +110,5 @@ int main() {
 """
 
 
-def _compiler() -> str | None:
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def test_multi_tensor_layout(tmp_path):
-    header = CSRC / "multi_tensor.h"
-    compiler = _compiler()
-    if not header.exists():
-        pytest.skip("the C++ sources are not next to the tests (an installed package)")
-    if compiler is None:
-        pytest.skip("no C++ compiler on the PATH")
-    source = tmp_path / "layout_test.cpp"
-    source.write_text(DRIVER)
-    binary = tmp_path / "layout_test"
-    build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(source), "-o",
-         str(binary)],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
+    assert run_driver(DRIVER, "multi_tensor.h", tmp_path).strip() == "ok"

@@ -60,13 +60,13 @@ struct SortedKeys {
   // Every loop has a constant trip count, so that unrolling leaves constant indices only.
   FEDKERNELS_HD void sort() {
     constexpr int kLog = log2(N);
-#pragma unroll
+    FEDKERNELS_UNROLL
     for (int lp = 0; lp < kLog; ++lp) {
-#pragma unroll
+      FEDKERNELS_UNROLL
       for (int lk = kLog - 1; lk >= 0; --lk) {
         if (lk > lp) continue;
         const int p = 1 << lp, d = 1 << lk, j0 = d % p;
-#pragma unroll
+        FEDKERNELS_UNROLL
         for (int a = 0; a < N; ++a) {
           if (a >= j0 && (a - j0) % (2 * d) < d && a + d < N && a / (2 * p) == (a + d) / (2 * p)) {
             compare_exchange(k[a], k[a + d]);
@@ -79,7 +79,7 @@ struct SortedKeys {
   // The sorted value at a run-time position i, as a chain of selects.
   FEDKERNELS_HD A operator[](int64_t i) const {
     Key r = k[0];
-#pragma unroll
+    FEDKERNELS_UNROLL
     for (int j = 1; j < N; ++j) r = i == j ? k[j] : r;
     return SortKey<A>::value(r);
   }
@@ -88,7 +88,7 @@ struct SortedKeys {
   template <typename S>
   FEDKERNELS_HD S ascending_sum(int64_t lo, int64_t hi) const {
     S s = (*this)[lo];
-#pragma unroll
+    FEDKERNELS_UNROLL
     for (int j = 1; j < N; ++j) {
       const S x = SortKey<A>::value(k[j]);
       s = (j > lo && j < hi) ? s + x : s;
