@@ -66,6 +66,13 @@ def test_spreadsheet_padding_is_dropped(tmp_path):
     d = load_csv(path, client_column=None)
     assert d.x.shape == (4, 2) and d.y.tolist() == [0, 1, 0, 1]
     assert d.info["empty_unnamed_columns"] == [4, 5]
+    # Only some rows padded: the others stop where the named columns do.
+    mixed = write(tmp_path, "x,y,label,,\n1,2,0,,\n3,4,1\n5,6,0,\n", "mixed.csv")
+    d = load_csv(mixed, client_column=None)
+    assert d.x.shape == (3, 2)
+    assert d.y.tolist() == [0, 1, 0] and d.info["empty_unnamed_columns"] == [4, 5]
+    # a short row is still refused where a named column is missing
+    fails(write(tmp_path, "x,y,label,,\n1,2,0,,\n3,4\n", "short.csv"), "row 3", "2 fields")
     fails(write(tmp_path, ",\n,\n", "b.csv"), "no column of the header has a name")
     fails(write(tmp_path, "x,label\n1,0,,7\n", "c.csv"), "row 2", "4 fields")
 

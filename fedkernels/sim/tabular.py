@@ -239,6 +239,9 @@ def read_table(path: str | Path) -> Table:
     for i, (row, number) in enumerate(zip(body, body_numbers)):
         if len(row) > len(header) and not any(row[len(header):]):
             body[i] = row = row[:len(header)]  # trailing empty fields, as spreadsheets pad rows
+        elif len(row) < len(header) and not any(header[len(row):]):
+            # a row that stops before the header's trailing unnamed columns: they are empty
+            body[i] = row = row + [""] * (len(header) - len(row))
         if len(row) != len(header):
             raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
                               f"{len(header)}{_separator_hint(header)}")
