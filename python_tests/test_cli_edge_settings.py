@@ -303,3 +303,14 @@ def test_cli_warns_about_skipped_rounds(tmp_path):
     n = results["summary"]["rounds_skipped"]  # most rounds draw fewer than 7 of 8
     assert 0 < n < 8
     assert f"warning: {n} of 8 rounds were skipped" in done.stderr
+
+
+def test_vmap_records_whether_it_was_used():
+    # --vmap asks the shared trainer to batch a round's clients; a strategy that trains its
+    # own clients (SuPerFed's mixed local models) never reaches it, and results.json says so
+    used = Simulation(tiny_config(vmap=True), build_strategy("fedavg")).run()
+    assert used.summary["vmap_rounds"] == 2 and all(r["vmap"] for r in used.rounds)
+    unused = Simulation(tiny_config(vmap=True), build_strategy("superfed-mm")).run()
+    assert unused.summary["vmap_rounds"] == 0 and not any(r["vmap"] for r in unused.rounds)
+    plain = Simulation(tiny_config(), build_strategy("fedavg")).run()
+    assert "vmap_rounds" not in plain.summary and "vmap" not in plain.rounds[0]

@@ -485,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
         print("fedkernels run: warning: NaN or infinite results: "
               f"{', '.join(summary['non_finite'])} (summary.non_finite in results.json)",
               file=sys.stderr)
+    if summary.get("vmap_rounds") == 0 and any(r["participants"] for r in results["rounds"]):
+        print(f"fedkernels run: note: --vmap was not used: {results['config']['algorithm']} "
+              "trains its clients itself (summary.vmap_rounds = 0)", file=sys.stderr)
     skipped = [r for r in results["rounds"] if "skipped" in r]
     if skipped:
         print(f"fedkernels run: warning: {len(skipped)} of {len(results['rounds'])} rounds were "

@@ -109,6 +109,7 @@ class Simulation:
         self.strategy = strategy
         trainer_class = BatchedTrainer if config.vmap else LocalTrainer
         self.trainer = trainer_class(model, config.client, strategy, seed)
+        self.used_vmap = False  # the last round's clients went through the batched trainer
         self.eval_model = copy.deepcopy(model)
         self.records: list[dict[str, Any]] = []
         self.next_round = 0
@@ -172,8 +173,11 @@ class Simulation:
                     self.eval_model, [c.train_x for c in clients], [c.train_y for c in clients]
                 ).loss
             start = time.perf_counter()
+            self.used_vmap = False
             updates = self._train(global_state, clients, t, ids.tolist())
             time_client = time.perf_counter() - start
+            if self.config.vmap:  # a strategy that trains its own clients leaves vmap unused
+                record["vmap"] = self.used_vmap
             if self.attack is not None:
                 updates = self.attack.corrupt(
                     updates, ids.tolist(), global_state, self.server.parameter_names, t
@@ -216,6 +220,7 @@ class Simulation:
         if all(u is not None for u in own):
             return own
         if isinstance(self.trainer, BatchedTrainer):
+            self.used_vmap = True
             return self.trainer.train(global_state, clients, t, ids)
         return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
 
@@ -256,6 +261,8 @@ class Simulation:
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
         }
+        if self.config.vmap:
+            summary["vmap_rounds"] = sum(bool(r.get("vmap")) for r in self.records)
         skipped = sum("skipped" in r for r in self.records)
         if skipped:
             summary["rounds_skipped"] = skipped
