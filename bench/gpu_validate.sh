@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command to validate fedkernels on a GPU machine: build the CUDA kernels in place against
-# the installed torch, run the self-check, the CUDA tests and the GPU benchmarks, and put every
-# log, every results JSON and a summary.md into one folder, in under 10 minutes.
+# the installed torch, run the self-check, the CUDA tests, the GPU benchmarks and a memory check
+# of every op, and put every log, every results JSON and a summary.md into one folder, in under
+# 10 minutes.
 #
 #   bash bench/gpu_validate.sh [OUTDIR] [--no-build] [--dry-run]
 #
@@ -188,6 +189,16 @@ plan() {
     --out "$OUTDIR/bench_superfed.json"
   step "bench_robust_ops" 45 bench_robust_ops.log "$pyname" bench/bench_robust_ops.py \
     --device cuda --out "$OUTDIR/bench_robust_ops.json"
+  # Out-of-bounds and misaligned device accesses: every op on small inputs of every dtype
+  # (the self-check's CUDA half) under compute-sanitizer's memcheck.
+  local sanitizer
+  sanitizer="$(command -v compute-sanitizer 2>/dev/null || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+  if [[ $DRY_RUN == 1 || -x "$sanitizer" ]]; then
+    step "compute-sanitizer" 120 sanitizer.log "$sanitizer" --tool memcheck --error-exitcode 1 \
+      --print-limit 30 "$pyname" -m fedkernels.cli check --quick --device cuda
+  else
+    skip "compute-sanitizer" "compute-sanitizer not found"
+  fi
   if [[ $DRY_RUN == 1 ]] || command -v ncu >/dev/null 2>&1 || [[ -x "${CUDA_HOME:-/usr/local/cuda}/bin/ncu" ]]; then
     step "ncu profile" 90 ncu.log env PATH="$PATH:${CUDA_HOME:-/usr/local/cuda}/bin" "$pyname" bench/gpu_profile.py \
       --out "$OUTDIR"
@@ -301,6 +312,14 @@ plan
     echo "## ncu: one launch of every kernel"
     echo
     cat "$OUTDIR/ncu_summary.md"
+  fi
+  if [[ -f "$OUTDIR/sanitizer.log" ]]; then
+    echo
+    echo "## compute-sanitizer (memcheck) over the CUDA self-check"
+    echo
+    echo '```'
+    grep -E 'ERROR SUMMARY|^result:' "$OUTDIR/sanitizer.log"
+    echo '```'
   fi
   for log in bench_distill bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
