@@ -181,6 +181,11 @@ plan() {
         -m cuda -q -rs -p no:cacheprovider -k "not $crashed" ${ignores[@]+"${ignores[@]}"}
     fi
   fi
+  # The GPU hosts are the AVX-512 machines this project gets: the CPU op tests there run the
+  # AVX-512 build (the best for the host) and compare every CPU build's bits.
+  step "CPU op tests" 150 pytest_cpu_ops.log "$pyname" -m pytest python_tests/test_weighted_sum_op.py \
+    python_tests/test_sgld_ops.py python_tests/test_distill_ops.py python_tests/test_robust_ops.py \
+    python_tests/test_misaligned_inputs.py -m "not cuda" -q -rs -p no:cacheprovider
   step "bench_distill" 60 bench_distill.log "$pyname" bench/bench_distill.py --device cuda \
     --out "$OUTDIR/bench_distill.json"
   step "bench_sgld" 45 bench_sgld.log "$pyname" bench/bench_sgld.py --device cuda \
@@ -286,10 +291,14 @@ plan
     cat "$OUTDIR/check.log"
     echo '```'
   fi
-  for log in pytest_cuda pytest_cuda_rest; do
+  for log in pytest_cuda pytest_cuda_rest pytest_cpu_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
-      if [[ $log == pytest_cuda ]]; then echo "## pytest -m cuda"; else echo "## pytest -m cuda, not $CRASHED (it crashed the run above)"; fi
+      case $log in
+        pytest_cuda) echo "## pytest -m cuda" ;;
+        pytest_cuda_rest) echo "## pytest -m cuda, not $CRASHED (it crashed the run above)" ;;
+        *) echo "## CPU op tests (this host's CPU builds)" ;;
+      esac
       echo
       echo '```'
       grep -E '^(FAILED|ERROR|SKIPPED)|Fatal Python error' "$OUTDIR/$log.log" | head -n 40

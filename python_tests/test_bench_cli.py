@@ -201,6 +201,7 @@ def test_gpu_validate_dry_run_shows_every_step(tmp_path):
             assert lines and f"--out {out}/" in lines[0], script.name
     assert f"bench/gpu_profile.py --out {out}" in plan  # one ncu profile of every kernel
     assert "--tool memcheck" in plan and "check --quick --device cuda" in plan
+    assert "python_tests/test_weighted_sum_op.py" in plan and '-m not cuda' in plan
     assert proc.returncode == 2 and "refused" in proc.stderr  # then this machine is refused
     assert not out.exists()
 
