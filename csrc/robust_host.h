@@ -26,8 +26,8 @@
 
 namespace fedkernels {
 
-// The most clients the CUDA order-statistic kernels hold per coordinate (a thread sorts them
-// in a local array).
+// The most clients the CUDA order-statistic kernels hold per coordinate (a thread keeps them in
+// registers, sorted by a network of up to 128 values) and the distance kernels stage per tile.
 constexpr int64_t kMaxRobustClientsCuda = 128;
 
 // One kernel call over n tensors of one dtype, K clients each.
