@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "host_device.h"
 
@@ -86,6 +88,31 @@ inline bool is_contiguous_aligned(const at::Tensor& t) {
 inline at::Tensor contiguous_aligned(const at::Tensor& t) {
   return is_contiguous_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
+
+// The memory a kernel reads and writes, for one call: a tensor's own where is_contiguous_aligned,
+// else a dense copy of an input (kept alive until the kernel has run) or a dense temporary for
+// an output, copied into it by finish(). Pointers stay valid while the call's buffers live.
+struct DenseBuffers {
+  std::vector<at::Tensor> copies;
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (dense result, output)
+
+  const void* in(const at::Tensor& x) {
+    if (is_contiguous_aligned(x)) return x.const_data_ptr();
+    copies.push_back(x.clone(at::MemoryFormat::Contiguous));
+    return copies.back().const_data_ptr();
+  }
+  void* out(const at::Tensor& o) {
+    if (is_contiguous_aligned(o)) return o.data_ptr();
+    auto tmp = at::empty(o.sizes(), o.options());
+    write_back.emplace_back(tmp, o);
+    return tmp.data_ptr();
+  }
+  // After the kernels: the dense results into their outputs (an in-place base is read before,
+  // so writing it here stays correct).
+  void finish() {
+    for (auto& [dense, strided] : write_back) strided.copy_(dense);
+  }
+};
 
 // ---------------------------------------------------------------- devices
 

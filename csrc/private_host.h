@@ -26,7 +26,7 @@ inline at::Tensor update_norms_host(
   check_like_clients(op, base, clients, T, "base");
   const auto opts = at::TensorOptions().dtype(at::kDouble);
   at::Tensor sq = at::zeros({K}, T > 0 ? opts.device(clients[0].device()) : opts);
-  DenseInputs dense;
+  DenseBuffers dense;
   auto plans = make_plans(clients, K, T, base, {}, dense);
   for (auto& [dtype, p] : plans) {  // dtype order: a fixed order of the partial sums
     p.sums = at::zeros({K}, sq.options());
@@ -87,7 +87,7 @@ inline void run_private_sum(
     }
     check_outputs_apart(op, out, inputs);
   }
-  DenseInputs dense;
+  DenseBuffers dense;
   auto plans = make_plans(clients, K, T, base, out, dense);
   for (auto& [dtype, p] : plans) {
     p.coefficients = w;

@@ -173,37 +173,14 @@ inline std::vector<std::pair<const at::Tensor*, std::string>> named_clients(
   return named;
 }
 
-// Dense copies of strided tensors, alive for one call, and dense temporaries for strided
-// outputs that are copied back at the end.
-struct DenseInputs {
-  std::vector<at::Tensor> keep_alive;
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;
-
-  const at::Tensor& in(const at::Tensor& x) {
-    if (is_contiguous_aligned(x)) return x;
-    keep_alive.push_back(contiguous_aligned(x));
-    return keep_alive.back();
-  }
-  void* out(const at::Tensor& o) {
-    if (is_contiguous_aligned(o)) return o.data_ptr();
-    auto tmp = at::empty(o.sizes(), o.options());
-    write_back.emplace_back(tmp, o);
-    return tmp.data_ptr();
-  }
-  void finish() {
-    for (auto& [dense, strided] : write_back) strided.copy_(dense);
-  }
-};
-
 // Plans per dtype (in dtype order) over the non-empty tensors of a client-major list; base and
 // out are optional ([] skips them). `offsets` count every element of the model, in order.
 inline std::map<at::ScalarType, ClientListPlan> make_plans(
     at::TensorList clients, int64_t K, int64_t T, at::TensorList base, at::TensorList out,
-    DenseInputs& dense) {
+    DenseBuffers& dense) {
   std::map<at::ScalarType, ClientListPlan> plans;
   std::vector<std::vector<int64_t>> members;  // per plan, in tensor order (filled below)
   int64_t offset = 0;
-  dense.keep_alive.reserve(clients.size() + base.size());  // references stay valid
   for (const auto t : c10::irange(T)) {
     const int64_t numel = clients[t].numel();
     const int64_t first = offset;
@@ -215,14 +192,14 @@ inline std::map<at::ScalarType, ClientListPlan> make_plans(
     p.device = clients[t].device();
     p.numels.push_back(numel);
     p.offsets.push_back(first);
-    if (!base.empty()) p.bases.push_back(dense.in(base[t]).const_data_ptr());
+    if (!base.empty()) p.bases.push_back(dense.in(base[t]));
     if (!out.empty()) p.outs.push_back(dense.out(out[t]));
   }
   for (auto& [dtype, p] : plans) p.inputs.reserve(K * p.num_tensors());
   for (const auto k : c10::irange(K)) {
     for (const auto t : c10::irange(T)) {
       const at::Tensor& x = clients[k * T + t];
-      if (x.numel() > 0) plans.at(x.scalar_type()).inputs.push_back(dense.in(x).const_data_ptr());
+      if (x.numel() > 0) plans.at(x.scalar_type()).inputs.push_back(dense.in(x));
     }
   }
   return plans;
@@ -266,7 +243,7 @@ inline void run_robust(
         K <= kMaxRobustClientsCuda, "fedkernels.", op, ": the CUDA kernel takes at most ",
         kMaxRobustClientsCuda, " clients, got ", K);
   }
-  DenseInputs dense;
+  DenseBuffers dense;
   auto plans = make_plans(clients, K, T, {}, out, dense);
   for (auto& [dtype, p] : plans) {
     p.rule = rule;
@@ -295,7 +272,7 @@ inline at::Tensor pairwise_sq_distances_host(
   const int64_t T = check_clients(op, clients, K);
   const auto opts = at::TensorOptions().dtype(at::kDouble);
   at::Tensor d = at::zeros({K, K}, T > 0 ? opts.device(clients[0].device()) : opts);
-  DenseInputs dense;
+  DenseBuffers dense;
   auto plans = make_plans(clients, K, T, {}, {}, dense);
   for (auto& [dtype, p] : plans) {  // groups added in dtype order: a fixed order
     p.sums = at::zeros({K, K}, d.options());

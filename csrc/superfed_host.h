@@ -159,13 +159,7 @@ struct SuperfedPass {
 // Splits the pass into one plan per dtype, over contiguous inputs (strided ones are copied),
 // and runs each with the backend's runner.
 inline void run_superfed(at::TensorList g, const SuperfedPass& pass, SuperfedRunner runner) {
-  std::vector<at::Tensor> keep_alive;
-  keep_alive.reserve(4 * g.size());
-  auto dense = [&keep_alive](const at::Tensor& x) -> const void* {
-    if (is_contiguous_aligned(x)) return x.const_data_ptr();
-    keep_alive.push_back(contiguous_aligned(x));
-    return keep_alive.back().const_data_ptr();
-  };
+  DenseBuffers dense;  // only inputs: the outputs are this call's own dense tensors
   std::map<at::ScalarType, SuperfedPlan> plans;
   for (const auto t : c10::irange(g.size())) {
     if (g[t].numel() == 0) continue;  // nothing to compute; its outputs are empty too
@@ -185,7 +179,7 @@ inline void run_superfed(at::TensorList g, const SuperfedPass& pass, SuperfedRun
     p.index.push_back(static_cast<int64_t>(t));
     p.numels.push_back(g[t].numel());
     for (const auto j : c10::irange(4)) {
-      if (!pass.in[j].empty()) p.in[j].push_back(dense(pass.in[j][t]));
+      if (!pass.in[j].empty()) p.in[j].push_back(dense.in(pass.in[j][t]));
     }
     for (const auto j : c10::irange(3)) {
       if (pass.out[j] != nullptr && !pass.out[j]->empty()) {

@@ -249,14 +249,7 @@ inline void run_weighted_sum(
   const at::Device device = updates[0].device();
   const at::Tensor w = contiguous_aligned(weights.to(at::kDouble));
 
-  std::vector<at::Tensor> keep_alive;  // contiguous copies of strided inputs
-  auto dense = [&keep_alive](const at::Tensor& x) -> const at::Tensor& {
-    if (is_contiguous_aligned(x)) return x;
-    keep_alive.push_back(contiguous_aligned(x));
-    return keep_alive.back();
-  };
-  keep_alive.reserve(updates.size() + 2 * T);
-  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (dense result, strided out)
+  DenseBuffers dense;
 
   std::map<std::pair<at::ScalarType, at::ScalarType>, WeightedSumPlan> plans;
   for (const auto t : c10::irange(T)) {
@@ -277,15 +270,8 @@ inline void run_weighted_sum(
     }
     WeightedSumPlan& p = it->second;
     p.numels.push_back(numel);
-    if (!base.empty()) p.bases.push_back(dense(base[t]).const_data_ptr());
-    if (is_contiguous_aligned(out[t])) {
-      p.outs.push_back(out[t].data_ptr());
-    } else {
-      // The base is read before the dense result is copied back, so in place stays correct.
-      auto tmp = at::empty(out[t].sizes(), out[t].options());
-      p.outs.push_back(tmp.data_ptr());
-      write_back.emplace_back(tmp, out[t]);
-    }
+    if (!base.empty()) p.bases.push_back(dense.in(base[t]));
+    p.outs.push_back(dense.out(out[t]));
   }
   for (auto& [key, p] : plans) {
     const int64_t n = p.num_tensors();
@@ -300,11 +286,11 @@ inline void run_weighted_sum(
     const int64_t i = fill[key]++;
     const int64_t n = p.num_tensors();
     for (const auto k : c10::irange(K)) {
-      p.inputs[k * n + i] = dense(updates[k * T + t]).const_data_ptr();
+      p.inputs[k * n + i] = dense.in(updates[k * T + t]);
     }
   }
   for (auto& [key, p] : plans) runner(p);
-  for (auto& [dense_result, strided] : write_back) strided.copy_(dense_result);
+  dense.finish();
 }
 
 inline std::vector<at::Tensor> weighted_sum_functional(

@@ -92,6 +92,21 @@ __device__ __forceinline__ void pair_of(int64_t q, int64_t K, int& i, int& j) {
   j = static_cast<int>(row + 1 + q);
 }
 
+// The sum of a work item's lanes (this thread and the lanes - 1 after it), added in lane order,
+// for the threads that ask (an item's first lane, of an item that exists); every thread of the
+// block must call it, as it syncs.
+__device__ __forceinline__ double lane_sum(double acc, int lanes, bool ask, double* s_lane) {
+  __syncthreads();  // s_lane is free again
+  s_lane[threadIdx.x] = acc;
+  __syncthreads();
+  double sum = 0.0;
+  if (ask) {
+    sum = s_lane[threadIdx.x];
+    for (int l = 1; l < lanes; ++l) sum += s_lane[threadIdx.x + l];
+  }
+  return sum;
+}
+
 // Few pairs (K (K - 1) / 2 <= kThreads). One block per chunk; the chunk's K rows go through
 // shared memory kDistTile elements at a time (rows padded by one element, so the threads of a
 // warp reading one column of different rows hit different banks). Thread v is pair v / lanes,
@@ -140,13 +155,8 @@ __global__ void __launch_bounds__(kThreads) distances_kernel(
     if (busy) partial[c * pairs + q] = acc;
     return;
   }
-  s_lane[threadIdx.x] = acc;
-  __syncthreads();
-  if (lane == 0 && busy) {
-    double sum = s_lane[threadIdx.x];
-    for (int l = 1; l < lanes; ++l) sum += s_lane[threadIdx.x + l];
-    partial[c * pairs + q] = sum;
-  }
+  const double sum = lane_sum(acc, lanes, lane == 0 && busy, s_lane);
+  if (lane == 0 && busy) partial[c * pairs + q] = sum;
 }
 
 // Many pairs (K (K - 1) / 2 > kThreads): the pairs are cut into kBlock x kBlock blocks of
@@ -158,14 +168,11 @@ __global__ void __launch_bounds__(kThreads) distances_kernel(
 // the chunk's elements in the same order as in distances_kernel.
 constexpr int kBlock = 4;
 
+// Block q of the upper triangle with its diagonal (row-major over bi <= bj < nb): pair q of
+// nb + 1 rows, its second index moved down by one.
 __device__ __forceinline__ void block_of(int64_t q, int64_t nb, int& bi, int& bj) {
-  int64_t row = 0;
-  while (q >= nb - row) {
-    q -= nb - row;
-    ++row;
-  }
-  bi = static_cast<int>(row);
-  bj = static_cast<int>(row + q);
+  pair_of(q, nb + 1, bi, bj);
+  --bj;
 }
 
 template <typename T>
@@ -238,14 +245,8 @@ __global__ void __launch_bounds__(kThreads) distances_blocked_kernel(
           if (real) partial[c * pairs + pair] = acc[a][b];
           continue;
         }
-        __syncthreads();
-        s_lane[threadIdx.x] = acc[a][b];
-        __syncthreads();
-        if (lane == 0 && real) {
-          double sum = s_lane[threadIdx.x];
-          for (int l = 1; l < lanes; ++l) sum += s_lane[threadIdx.x + l];
-          partial[c * pairs + pair] = sum;
-        }
+        const double sum = lane_sum(acc[a][b], lanes, lane == 0 && real, s_lane);
+        if (lane == 0 && real) partial[c * pairs + pair] = sum;
       }
     }
   }
