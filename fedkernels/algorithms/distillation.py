@@ -181,7 +181,6 @@ class DistillationConfig:
             raise ConfigError("gp_weight and diversity_lambda must be >= 0")
 
 
-
 # ---------------------------------------------------------------- building blocks
 
 

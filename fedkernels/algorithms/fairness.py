@@ -64,7 +64,6 @@ class LossConfig:
     )
 
 
-
 class LossWeighted(Strategy):
     """Base class: reads :math:`f_k` and :math:`p_k`, logs the weights' range."""
 

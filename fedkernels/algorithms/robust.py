@@ -143,13 +143,9 @@ class MultiKrum(RobustRule):
         f, m = self.config.num_malicious, self.config.num_to_keep
         k = info.participants_per_round
         if k is not None:
-            keep = m if m is not None else k - f
-            if not 1 <= keep <= k:
-                raise ConfigError(
-                    f"multikrum keeps {keep} of the {k} participants of every round "
-                    f"(multikrum.num_to_keep, or K - multikrum.num_malicious): it must be in "
-                    f"[1, {k}]"
-                )
+            reason = self.too_few_participants(k)
+            if reason is not None:
+                raise ConfigError(f"{reason}, in every round: it must be in [1, {k}]")
         elif m is not None and m > info.num_clients:
             raise ConfigError(
                 f"multikrum.num_to_keep={m} exceeds the {info.num_clients} clients of the run"
@@ -204,16 +200,13 @@ class Bulyan(RobustRule):
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
-        f = self.config.num_malicious
         k = info.participants_per_round
         most = info.num_clients if k is None else k
-        if most < 4 * f + 3:
+        reason = self.too_few_participants(most)
+        if reason is not None:
             have = (f"{k} per round" if k is not None
                     else f"at most {most} (partition.num_clients)")
-            raise ConfigError(
-                f"bulyan with num_malicious={f} needs at least {4 * f + 3} participants per "
-                f"round (bulyan.num_malicious); this run has {have}"
-            )
+            raise ConfigError(f"{reason} per round (bulyan.num_malicious); this run has {have}")
 
     def too_few_participants(self, count: int) -> str | None:
         f = self.config.num_malicious

@@ -109,7 +109,6 @@ class Simulation:
         self.strategy = strategy
         trainer_class = BatchedTrainer if config.vmap else LocalTrainer
         self.trainer = trainer_class(model, config.client, strategy, seed)
-        self.used_vmap = False  # the last round's clients went through the batched trainer
         self.eval_model = copy.deepcopy(model)
         self.records: list[dict[str, Any]] = []
         self.next_round = 0
@@ -173,11 +172,10 @@ class Simulation:
                     self.eval_model, [c.train_x for c in clients], [c.train_y for c in clients]
                 ).loss
             start = time.perf_counter()
-            self.used_vmap = False
-            updates = self._train(global_state, clients, t, ids.tolist())
+            updates, batched = self._train(global_state, clients, t, ids.tolist())
             time_client = time.perf_counter() - start
             if self.config.vmap:  # a strategy that trains its own clients leaves vmap unused
-                record["vmap"] = self.used_vmap
+                record["vmap"] = batched
             if self.attack is not None:
                 updates = self.attack.corrupt(
                     updates, ids.tolist(), global_state, self.server.parameter_names, t
@@ -215,14 +213,15 @@ class Simulation:
             record["non_finite"] = bad
         return record
 
-    def _train(self, global_state, clients, t: int, ids: list[int]) -> list[ClientUpdate]:
+    def _train(self, global_state, clients, t: int, ids: list[int]
+               ) -> tuple[list[ClientUpdate], bool]:
+        """The participants' updates, and whether the batched (vmap) trainer made them."""
         own = [self.strategy.train_client(global_state, c, t, i) for c, i in zip(clients, ids)]
         if all(u is not None for u in own):
-            return own
+            return own, False
         if isinstance(self.trainer, BatchedTrainer):
-            self.used_vmap = True
-            return self.trainer.train(global_state, clients, t, ids)
-        return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)]
+            return self.trainer.train(global_state, clients, t, ids), True
+        return [self.trainer.train(global_state, c, t, i) for c, i in zip(clients, ids)], False
 
     def evaluate(self) -> ClientEvaluation:
         """The global model on every client's own test split (loss, accuracy, AUROC, ECE, MCE)."""
