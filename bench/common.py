@@ -5,7 +5,8 @@ traffic, that bandwidth as a fraction of probes measured in the same run (a larg
 read bandwidth, a large ``copy_``), and the peak memory the call allocates beyond its inputs.
 
 Where results go: every run writes a new file ``bench/results/runs/<time>-<device>-<name>.json``
-(git-ignored), so a quick or partial run never replaces the committed table; ``--save`` also
+(git-ignored; a CPU ``<device>`` names the model and the fedkernels CPU build, as in
+``cpu-amd-epyc-avx512``), so a quick or partial run never replaces the committed table; ``--save`` also
 merges the run into the committed ``bench/results/<device>.json``, and ``--out FILE`` writes the
 run to FILE instead of ``runs/``. A ``--device`` that this machine cannot run is a one-line error
 (exit status 2) before any work.
@@ -289,7 +290,11 @@ def device_name(device: torch.device) -> str:
                         break
         except OSError:
             pass
-        name = "cpu-" + name
+        # The build in the name: one model name covers CPUs with and without AVX-512 (AMD
+        # EPYC of two generations here), and their results must not overwrite each other.
+        import fedkernels
+
+        name = f"cpu-{name}-{fedkernels.ops.native.cpu_capability}"
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
