@@ -194,20 +194,16 @@ def _refuse_non_strided(layout: ModelLayout, names: list, floats: list[list[Tens
                                 "(call .to_dense())")
 
 
-_REQUIRES_GRAD = Tensor.requires_grad.__get__
-
-
 def _refuse_gradients_into_out(layout: ModelLayout, names: list, floats: list[list[Tensor]],
                                float_base: list[Tensor], float_out: list[Tensor]) -> None:
     """With grad mode on, ``out=`` takes no input that requires grad: the result is written into
     existing tensors and carries no graph (PyTorch's own ``out=`` functions refuse the same;
     the call without ``out`` is differentiable). Nor may it write a leaf that requires grad,
-    as no in-place op may."""
+    as no in-place op may. The op refuses both before writing anything (its autograd kernel,
+    csrc/ops.cpp), so this runs only after the op failed, to name the tensor: a pass over
+    every tensor in Python costs ~100 ns a tensor, a quarter of a call on a model of many
+    small tensors."""
     if not torch.is_grad_enabled():
-        return
-    # One pass in C over every tensor first (a model of thousands of tensors pays ~30 ns per
-    # tensor for it); the loops that name the offending tensor run only when one is found.
-    if not any(map(_REQUIRES_GRAD, itertools.chain(float_out, float_base, *floats))):
         return
     api = "fedkernels.aggregate"
     for name, o in zip(names, float_out):
@@ -355,7 +351,6 @@ def aggregate(
     if out_tensors is not None:
         _check_outputs(layout, out_tensors, int_results, clients, base_tensors)
         float_out = [t for t, f in zip(out_tensors, is_float) if f]
-        _refuse_gradients_into_out(layout, float_names, floats, float_base, float_out)
         op_out = float_out
         keep = _untied_entries(layout, float_names, float_out, floats, float_base)
         if keep is not None:  # tied entries: computed once, through their first key
@@ -379,6 +374,8 @@ def aggregate(
                 summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, op_out)
             results = float_out
     except (RuntimeError, ValueError, TypeError) as err:
+        if out_tensors is not None:
+            _refuse_gradients_into_out(layout, float_names, floats, float_base, op_out)
         _refuse_non_strided(layout, float_names, floats, float_base)
         raise _rename(err, layout, float_names) from None
 

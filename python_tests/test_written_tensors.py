@@ -84,6 +84,20 @@ def test_the_state_dict_idiom_protects_a_saved_graph():
         loss.backward()
 
 
+def test_aggregate_names_the_out_leaf_or_the_base_that_requires_grad():
+    # The op refuses them before writing; aggregate names the tensor only after that refusal.
+    clients = [{"a": torch.randn(2), "w": torch.randn(3)} for _ in range(2)]
+    leaf = {"a": torch.zeros(2), "w": torch.nn.Parameter(torch.zeros(3))}
+    with pytest.raises(RuntimeError, match=r"out tensor 'w' is a leaf that requires grad"):
+        fk.aggregate(clients, [1.0, 1.0], out=leaf)
+    assert torch.equal(leaf["a"], torch.zeros(2))
+    base = {"a": torch.zeros(2), "w": torch.zeros(3, requires_grad=True) * 1.0}
+    out = {"a": torch.zeros(2), "w": torch.zeros(3)}
+    with pytest.raises(RuntimeError, match=r"base tensor 'w' requires grad"):
+        fk.aggregate(clients, [1.0, 1.0], base=base, out=out)
+    assert torch.equal(out["a"], torch.zeros(2))
+
+
 def test_out_refuses_inputs_that_require_grad_and_names_them():
     clients = [{"w": torch.randn(3)}, {"w": torch.randn(3, requires_grad=True)}]
     out = {"w": torch.zeros(3)}
