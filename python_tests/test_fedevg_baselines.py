@@ -147,6 +147,22 @@ def test_cli_runs_fedcvae(tmp_path):
     assert "strategy_within_class_distance" in (out / "results.json").read_text()
 
 
+@pytest.mark.parametrize("algorithm", ["fedcvae", "fedevg"])
+def test_cli_flags_a_global_model_that_was_never_trained(tmp_path, capsys, algorithm):
+    out = tmp_path / "run"
+    args = ["run", "--algorithm", algorithm, "--rounds", "1", "--data.name", "digits",
+            "--partition.num_clients", "2", "--model.hidden", "8", "--out", str(out)]
+    if algorithm == "fedevg":
+        args += ["--fedevg.spc", "1", "--fedevg.sgld_steps", "1"]
+    assert main(args + [f"--{algorithm}.server_epochs", "0"]) == 0
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert len(summary["caveats"]) == 1 and "never trained" in summary["caveats"][0]
+    assert "warning: server_epochs = 0: the global model" in capsys.readouterr().err
+    assert main(args + ["--overwrite"]) == 0  # the default trains it: no caveat
+    assert "caveats" not in json.loads((out / "results.json").read_text())["summary"]
+    assert "never trained" not in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- diagnostics
 
 

@@ -266,6 +266,14 @@ def synthetic_set_diagnostics(
     return out
 
 
+def _untrained_classifier_caveat(server_epochs: int, what: str) -> list[str]:
+    """With no server epochs the global model is never trained: say so in the results."""
+    if server_epochs > 0:
+        return []
+    return [f"server_epochs = 0: the global model (the classifier trained on {what}) was never "
+            "trained, so its accuracies are those of an untrained model"]
+
+
 @register
 class FedEvg(Strategy):
     """The round of the module docstring."""
@@ -406,6 +414,9 @@ class FedEvg(Strategy):
 
     def save_images(self, path: str) -> None:
         save_synthetic_images(path, self.synth_x, self.config.image_shape, self.info.num_classes)
+
+    def result_caveats(self) -> list[str]:
+        return _untrained_classifier_caveat(self.config.server_epochs, "the synthetic set")
 
     def state_dict(self) -> dict[str, Any]:
         return {"synth_x": None if self.synth_x is None else self.synth_x.clone(),
@@ -568,6 +579,9 @@ class FedCVAE(Strategy):
                                          torch.zeros(()), 0.0, False)
         return {**extra, "client_lr": self.client_lr(info.round),
                 "within_class_distance": diag["within_class_distance"]}
+
+    def result_caveats(self) -> list[str]:
+        return _untrained_classifier_caveat(self.config.server_epochs, "the decoder's samples")
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_cvae": self.global_cvae,

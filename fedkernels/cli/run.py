@@ -488,6 +488,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary.get("vmap_rounds") == 0 and any(r["participants"] for r in results["rounds"]):
         print(f"fedkernels run: note: --vmap was not used: {results['config']['algorithm']} "
               "trains its clients itself (summary.vmap_rounds = 0)", file=sys.stderr)
+    for caveat in summary.get("caveats", []):
+        print(f"fedkernels run: warning: {caveat} (summary.caveats in results.json)",
+              file=sys.stderr)
     skipped = [r for r in results["rounds"] if "skipped" in r]
     if skipped:
         print(f"fedkernels run: warning: {len(skipped)} of {len(results['rounds'])} rounds were "

@@ -265,6 +265,9 @@ class Simulation:
         skipped = sum("skipped" in r for r in self.records)
         if skipped:
             summary["rounds_skipped"] = skipped
+        caveats = self.strategy.result_caveats()
+        if caveats:
+            summary["caveats"] = list(caveats)
         if self.attack is not None:
             summary["byzantine_clients"] = list(self.attack.clients)
         if self.server.private is not None:

@@ -112,6 +112,13 @@ class Strategy:
         :meth:`setup` refuses a run in which no round could be aggregated."""
         return None
 
+    def result_caveats(self) -> list[str]:
+        """What a reader of the run's results must know about them, as sentences, e.g. that
+        the configuration never trains the global model, so its accuracy is an untrained
+        model's. They go to results.json's ``summary.caveats`` and the command line prints
+        them as warnings. Default none."""
+        return []
+
     def local_penalty(
         self, params: Mapping[str, Tensor], global_params: Mapping[str, Tensor]
     ) -> Tensor | None:
