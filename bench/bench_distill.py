@@ -15,8 +15,12 @@ Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once
 [K, N, C] intermediates). Effective bandwidth counts the minimum traffic (read L and the scores,
 write y and w) and is compared with the read-bandwidth probe measured again right before the
 case (``read_probe_GBps``; common.ReadProbe). The machine may be shared: the variants are
-timed interleaved, and the ratio is the median over rounds of the per-round ratio. Results:
-bench/results/<device>.json under ``ensemble_pseudo_labels``.
+timed interleaved, and the ratio is the median over rounds of the per-round ratio. After the
+interleaved rounds the fused op runs again back to back (``fused_back_to_back_ms``): interleaved
+with the composition, whose large temporaries make the C library hand memory back to the
+system, the op's outputs land on fresh pages and every 4 KiB of them costs a page fault inside
+the call (``fused_faults_per_call``); back to back, the allocator reuses the previous call's
+pages. Results: bench/results/<device>.json under ``ensemble_pseudo_labels``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from common import (  # noqa: E402
     check_against_committed,
     check_output_arguments,
     environment,
+    minor_faults,
     resolve_device,
     timed,
     write_results,
@@ -51,15 +56,21 @@ CS = (10, 100, 1000)
 WEIGHTINGS = ("fedgo", "entropy")
 
 
-def interleaved(fns: dict, device, repeats: int) -> dict:
+def interleaved(fns: dict, device, repeats: int) -> tuple[dict, list[int]]:
+    """Times of every function over ``repeats`` interleaved rounds, and the page faults of
+    each ``fused`` call."""
     for fn in fns.values():  # warm-up
         fn()
         fn()
     times = {k: [] for k in fns}
+    faults = []
     for _ in range(repeats):
         for k, fn in fns.items():
+            before = minor_faults()
             times[k].append(timed(fn, device))
-    return times
+            if k == "fused":
+                faults.append(minor_faults() - before)
+    return times, faults
 
 
 def ratios(payload: dict) -> dict[str, float]:
@@ -110,9 +121,14 @@ def main() -> None:
                     }
                     read = probe.read_gbps()
                     big = K * N * C >= 40 * 4096 * 100
-                    times = interleaved(fns, device, max(3, args.repeats // 2) if big else args.repeats)
+                    reps = max(3, args.repeats // 2) if big else args.repeats
+                    times, faults = interleaved(fns, device, reps)
+                    before = minor_faults()
+                    back_to_back = [timed(fns["fused"], device) for _ in range(reps)]
+                    back_to_back_faults = (minor_faults() - before) / reps
                     nbytes = 4 * (K * N * C + (K * N if s is not None else 0) + N * C + K * N)
                     fused = statistics.median(times["fused"])
+                    repeated = statistics.median(back_to_back)
                     ref = statistics.median(times["torch"])
                     ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
                     row = {
@@ -123,6 +139,10 @@ def main() -> None:
                         "fused_GBps": nbytes / fused / 1e9,
                         "read_probe_GBps": read,
                         "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
+                        "fused_faults_per_call": statistics.median(faults),
+                        "fused_back_to_back_ms": 1e3 * repeated,
+                        "back_to_back_fraction_of_read_probe": nbytes / repeated / 1e9 / read,
+                        "back_to_back_faults_per_call": back_to_back_faults,
                         "torch_GBps": nbytes / ref / 1e9,
                     }
                     rows.append(row)
@@ -130,7 +150,10 @@ def main() -> None:
                           f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
                           f"{row['fused_GBps']:6.1f} GB/s "
                           f"({100*row['fused_fraction_of_read_probe']:.0f}% of read at "
-                          f"{read:.1f} GB/s)")
+                          f"{read:.1f} GB/s); back to back "
+                          f"{100*row['back_to_back_fraction_of_read_probe']:.0f}%; page faults "
+                          f"per call {row['fused_faults_per_call']:.0f} interleaved, "
+                          f"{back_to_back_faults:.0f} back to back")
                 L = z = fns = None  # free this size before allocating the next
     payload = {"environment": environment(device), "probes": probes, "rows": rows,
                "dtype": "float32", "repeats": args.repeats}

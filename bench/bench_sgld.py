@@ -32,7 +32,6 @@ under ``sgld_compose_step``.
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +47,7 @@ from common import (  # noqa: E402
     check_against_committed,
     check_output_arguments,
     environment,
+    minor_faults,
     resolve_device,
     timed,
     write_results,
@@ -58,11 +58,6 @@ import fedkernels  # noqa: E402
 KS = (10, 100)
 MS = (100, 1000)
 D = 3 * 32 * 32
-
-
-def minor_faults() -> int:
-    """Minor page faults of this process so far (first touches of fresh pages)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def torch_compose(x, grads, energies, log_w, beta, delta, gen):
