@@ -14,13 +14,15 @@ Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once
 ``entropy`` (a per-teacher softmax and entropy first: the composition materialises several
 [K, N, C] intermediates). Effective bandwidth counts the minimum traffic (read L and the scores,
 write y and w) and is compared with the read-bandwidth probe measured again right before the
-case (``read_probe_GBps``; common.ReadProbe). The machine may be shared: the variants are
-timed interleaved, and the ratio is the median over rounds of the per-round ratio. After the
-interleaved rounds the fused op runs again back to back (``fused_back_to_back_ms``): interleaved
-with the composition, whose large temporaries make the C library hand memory back to the
-system, the op's outputs land on fresh pages and every 4 KiB of them costs a page fault inside
-the call (``fused_faults_per_call``); back to back, the allocator reuses the previous call's
-pages. Results: bench/results/<device>.json under ``ensemble_pseudo_labels``.
+case (``read_probe_GBps``; common.ReadProbe). The machine may be shared: each fused op is
+timed interleaved with its composition, and a ratio is the median over rounds of the per-round
+ratio; ``entropy_over_fedgo_median_of_ratios`` (the entropy weighting's time over FedGO's)
+comes from rounds of the two fused calls alone. Each fused op also runs back to back
+(``fused_back_to_back_ms``): interleaved with the composition, whose large temporaries can make
+the C library hand memory back to the system, the op's outputs may land on fresh pages, and
+every 4 KiB of them then costs a page fault inside the call (``fused_faults_per_call``); back
+to back, the allocator reuses the previous call's pages. Results:
+bench/results/<device>.json under ``ensemble_pseudo_labels``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -56,20 +59,19 @@ CS = (10, 100, 1000)
 WEIGHTINGS = ("fedgo", "entropy")
 
 
-def interleaved(fns: dict, device, repeats: int) -> tuple[dict, list[int]]:
+def interleaved(fns: dict, device, repeats: int) -> tuple[dict, dict]:
     """Times of every function over ``repeats`` interleaved rounds, and the page faults of
-    each ``fused`` call."""
+    each call."""
     for fn in fns.values():  # warm-up
         fn()
         fn()
     times = {k: [] for k in fns}
-    faults = []
+    faults = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             before = minor_faults()
             times[k].append(timed(fn, device))
-            if k == "fused":
-                faults.append(minor_faults() - before)
+            faults[k].append(minor_faults() - before)
     return times, faults
 
 
@@ -81,6 +83,8 @@ def ratios(payload: dict) -> dict[str, float]:
         case = f"K={r['K']} N={r['N']} C={r['C']} {r['weighting']}"
         found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
         found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+        if r.get("entropy_over_fedgo_median_of_ratios"):
+            found[f"{case}: fedgo time / entropy time"] = 1 / r["entropy_over_fedgo_median_of_ratios"]
     return found
 
 
@@ -111,26 +115,38 @@ def main() -> None:
                 L = (3 * torch.randn(K, N, C, generator=g)).to(device)
                 z = torch.randn(K, N, generator=g).to(device)
                 n = torch.arange(1, K + 1, dtype=torch.float64) * 10
+                fns = {}
                 for weighting in WEIGHTINGS:
                     s = z if weighting == "fedgo" else None
-                    sizes = n if weighting == "fedgo" else None
-                    kw = dict(weighting=weighting, sample_sizes=sizes)
-                    fns = {
-                        "fused": lambda: fedkernels.ensemble_pseudo_labels(L, s, **kw),
-                        "torch": lambda: R.ensemble_pseudo_labels_reference(L, s, **kw),
-                    }
-                    read = probe.read_gbps()
-                    big = K * N * C >= 40 * 4096 * 100
-                    reps = max(3, args.repeats // 2) if big else args.repeats
-                    times, faults = interleaved(fns, device, reps)
+                    kw = dict(weighting=weighting, sample_sizes=n if s is not None else None)
+                    fns[f"{weighting}_fused"] = partial(fedkernels.ensemble_pseudo_labels, L, s, **kw)
+                    fns[f"{weighting}_torch"] = partial(R.ensemble_pseudo_labels_reference, L, s, **kw)
+                read = probe.read_gbps()
+                big = K * N * C >= 40 * 4096 * 100
+                reps = max(3, args.repeats // 2) if big else args.repeats
+                # Each fused op interleaved with its composition; then the two fused ops in
+                # rounds of their own, for their ratio side by side (with the compositions between
+                # them, one op would run after the other's large temporaries, the other not).
+                times, faults = {}, {}
+                for weighting in WEIGHTINGS:
+                    pair = {k: fns[f"{weighting}_{k}"] for k in ("fused", "torch")}
+                    t, f = interleaved(pair, device, reps)
+                    times.update({f"{weighting}_{k}": v for k, v in t.items()})
+                    faults.update({f"{weighting}_{k}": v for k, v in f.items()})
+                side_by_side, _ = interleaved(
+                    {w: fns[f"{w}_fused"] for w in WEIGHTINGS}, device, max(reps, args.repeats))
+                for weighting in WEIGHTINGS:
+                    fused_fn = fns[f"{weighting}_fused"]
                     before = minor_faults()
-                    back_to_back = [timed(fns["fused"], device) for _ in range(reps)]
+                    back_to_back = [timed(fused_fn, device) for _ in range(reps)]
                     back_to_back_faults = (minor_faults() - before) / reps
-                    nbytes = 4 * (K * N * C + (K * N if s is not None else 0) + N * C + K * N)
-                    fused = statistics.median(times["fused"])
+                    t_fused, t_torch = times[f"{weighting}_fused"], times[f"{weighting}_torch"]
+                    has_scores = weighting == "fedgo"
+                    nbytes = 4 * (K * N * C + (K * N if has_scores else 0) + N * C + K * N)
+                    fused = statistics.median(t_fused)
                     repeated = statistics.median(back_to_back)
-                    ref = statistics.median(times["torch"])
-                    ratio = statistics.median(t / f for t, f in zip(times["torch"], times["fused"]))
+                    ref = statistics.median(t_torch)
+                    ratio = statistics.median(t / f for t, f in zip(t_torch, t_fused))
                     row = {
                         "K": K, "N": N, "C": C, "weighting": weighting,
                         "fused_ms": 1e3 * fused, "torch_ms": 1e3 * ref,
@@ -139,18 +155,23 @@ def main() -> None:
                         "fused_GBps": nbytes / fused / 1e9,
                         "read_probe_GBps": read,
                         "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
-                        "fused_faults_per_call": statistics.median(faults),
+                        "fused_faults_per_call": statistics.median(faults[f"{weighting}_fused"]),
                         "fused_back_to_back_ms": 1e3 * repeated,
                         "back_to_back_fraction_of_read_probe": nbytes / repeated / 1e9 / read,
                         "back_to_back_faults_per_call": back_to_back_faults,
                         "torch_GBps": nbytes / ref / 1e9,
                     }
+                    versus = ""
+                    if weighting == "entropy":
+                        row["entropy_over_fedgo_median_of_ratios"] = statistics.median(
+                            e / f for e, f in zip(side_by_side["entropy"], side_by_side["fedgo"]))
+                        versus = f"; {row['entropy_over_fedgo_median_of_ratios']:.2f}x fedgo's time"
                     rows.append(row)
                     print(f"K={K:3d} N={N:5d} C={C:5d} {weighting:8s} fused {1e3*fused:9.3f} ms "
                           f"torch {1e3*ref:9.3f} ms  x{ratio:5.2f}  "
                           f"{row['fused_GBps']:6.1f} GB/s "
                           f"({100*row['fused_fraction_of_read_probe']:.0f}% of read at "
-                          f"{read:.1f} GB/s); back to back "
+                          f"{read:.1f} GB/s){versus}; back to back "
                           f"{100*row['back_to_back_fraction_of_read_probe']:.0f}%; page faults "
                           f"per call {row['fused_faults_per_call']:.0f} interleaved, "
                           f"{back_to_back_faults:.0f} back to back")

@@ -236,6 +236,9 @@ inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, fl
 // NaN logit makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The
 // exps are compute bound, so while they run the same span of the next block to be read (pf, if not
 // null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// Into L2 (locality 2), not L1: prefetches into L1 hold the core's few L1 miss buffers, and the
+// exps stalled behind them (one Zen 4 thread, this pass over 655 MB of logits: 0.33 ns a logit
+// into L2, 0.41 into L1, 0.58 without prefetching; 0.24 from the L3 cache).
 C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, float& t,
                                  const float* pf) {
   using Vec = Vectorized<float>;
@@ -250,7 +253,7 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, f
     if (pf) {
       const char* p = reinterpret_cast<const char*>(pf + c);
       for (int64_t o = 0; o < 2 * W * int64_t(sizeof(float)); o += kLine) {
-        __builtin_prefetch(p + o, 0, 3);
+        __builtin_prefetch(p + o, 0, 2);
       }
     }
     const Vec y0 = exp2_arg(Vec::loadu(x + c), b), y1 = exp2_arg(Vec::loadu(x + c + W), b);
