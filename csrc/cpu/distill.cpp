@@ -152,6 +152,41 @@ C10_ALWAYS_INLINE Vectorized<float> max_raw(Vectorized<float> a, Vectorized<floa
 #endif
 }
 
+// The sum and the (NaN-blind, as max_raw) maximum of a float vector's lanes. The sum adds in
+// ATen's vec_reduce_all order (lane i with lane i + 8, then i + 4, i + 2, i + 1), so its bits
+// are the same; the AVX-512 build goes through the register's halves, since Zen 4 runs 512-bit
+// shuffles at a fraction of the speed of 256-bit ones (the two reductions of a row of C = 100
+// logits took a fifth of its entropy pass).
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename Op256, typename Op128>
+C10_ALWAYS_INLINE float lane_reduce(Vectorized<float> v, Op256 op256, Op128 op128) {
+  const __m512 x = v;
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 h = op256(_mm512_castps512_ps256(x), hi);
+  __m128 q = op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = op128(q, _mm_movehl_ps(q, q));
+  q = op128(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
+  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+                     [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+}
+C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
+  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); },
+                     [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+}
+#else
+C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
+  using Vec = Vectorized<float>;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
+  using Vec = Vectorized<float>;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return max_raw(a, b); }, v);
+}
+#endif
+
 // p * 2^n, from k = n + 1.5 * 2^23 as a float (n an integer in its low mantissa bits): n << 23
 // added to p's bits, an integer add that leaves the multipliers free. Exact while the result
 // is a normal float.
@@ -236,9 +271,15 @@ inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, fl
 // NaN logit makes t NaN (through y), and the caller then redoes the row with exp_sums_full. The
 // exps are compute bound, so while they run the same span of the next block to be read (pf, if not
 // null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
-// Into L2 (locality 2), not L1: prefetches into L1 hold the core's few L1 miss buffers, and the
-// exps stalled behind them (one Zen 4 thread, this pass over 655 MB of logits: 0.33 ns a logit
-// into L2, 0.41 into L1, 0.58 without prefetching; 0.24 from the L3 cache).
+// Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3).
+// Measured on a 2-core Zen 4, both prefetch kinds timed in one process (K = 40, 655 MB): in
+// the AVX-512 build rows of 900 to 4000 classes took 12-18 % less time with L2 (long rows'
+// prefetches into L1 held the core's few L1 miss buffers, and the exps stalled behind them),
+// rows of 100 to 700 classes 10-25 % more; the AVX2 build was even (+-4 %) from 900 classes and
+// also lost with L2 below.
+constexpr int64_t kPrefetchToL2Classes = 800;
+
+template <int kLocality>
 C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, float& t,
                                  const float* pf) {
   using Vec = Vectorized<float>;
@@ -253,7 +294,7 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, f
     if (pf) {
       const char* p = reinterpret_cast<const char*>(pf + c);
       for (int64_t o = 0; o < 2 * W * int64_t(sizeof(float)); o += kLine) {
-        __builtin_prefetch(p + o, 0, 2);
+        __builtin_prefetch(p + o, 0, kLocality);
       }
     }
     const Vec y0 = exp2_arg(Vec::loadu(x + c), b), y1 = exp2_arg(Vec::loadu(x + c + W), b);
@@ -277,8 +318,8 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float& s, f
     sv = sv + e;
     tv = at::vec::fmadd(e, y, tv);
   }
-  s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, sv);
-  t = at::vec::vec_reduce_all<float>([](Vec& a, Vec& v) { return a + v; }, tv);
+  s = lane_sum(sv);
+  t = lane_sum(tv);
 }
 
 // s and t (above) of one row with the full exp (any m, any A), in one read. NaN and +-inf
@@ -354,12 +395,7 @@ C10_ALWAYS_INLINE float row_max_raw(const float* x, int64_t n) {
   }
   for (; c + W <= n; c += W) a = max_raw(a, Vec::loadu(x + c));
   if (c < n) b = max_raw(b, Vec::loadu(x + n - W));  // overlapping: max is idempotent
-  a = max_raw(a, b);
-  alignas(64) float lanes[W];
-  a.store(lanes);
-  float m = lanes[0];
-  for (int64_t l = 1; l < W; ++l) m = std::max(m, lanes[l]);
-  return m;
+  return lane_max_raw(max_raw(a, b));
 }
 
 // acc[r] += sum_k w[k * R + r] x_k[r] for rows r < rows of C elements, teacher k's rows at
@@ -654,7 +690,12 @@ struct DistillCpu {
                     const A m = row_max_raw(xr, C);
                     if (exp2_row_ok(m)) {
                       A t2;
-                      exp2_sums(xr, C, m, row_s[r], t2, pf && r < next_rows ? pf + r * C : nullptr);
+                      const float* pr = pf && r < next_rows ? pf + r * C : nullptr;
+                      if (C >= kPrefetchToL2Classes) {
+                        exp2_sums<2>(xr, C, m, row_s[r], t2, pr);
+                      } else {
+                        exp2_sums<3>(xr, C, m, row_s[r], t2, pr);
+                      }
                       if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
                         row_m[r] = m;
                         sk[r] = t2 * kLn2;
