@@ -44,3 +44,14 @@ def test_compare_flags_a_diverged_run(tmp_path):
     assert main(["compare", "--algorithms", "fedavg", *common, "--out", str(tmp_path / "ok")]) == 0
     entry = json.loads((tmp_path / "ok" / "compare.json").read_text())["entries"][0]
     assert entry["diverged_seeds"] == [] and "Diverged" not in (tmp_path / "ok" / "compare.md").read_text()
+
+
+def test_compare_carries_a_runs_caveats(tmp_path):
+    assert main(["compare", "--algorithms", "fedcvae:server_epochs=0@untrained,fedcvae",
+                 "--seeds", "0", "--set", "rounds=1", "--set", "partition.num_clients=2",
+                 "--set", "model.hidden=8", "--out", str(tmp_path)]) == 0
+    untrained, trained = json.loads((tmp_path / "compare.json").read_text())["entries"]
+    assert len(untrained["caveats"]) == 1 and "never trained" in untrained["caveats"][0]
+    assert untrained["runs"][0]["caveats"] == untrained["caveats"] and trained["caveats"] == []
+    table = (tmp_path / "compare.md").read_text()
+    assert "Caveats: untrained: server_epochs = 0" in table and "fedcvae: server" not in table

@@ -150,6 +150,7 @@ def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) 
         # results.json's flags of a run that blew up, kept out of the averaged summary
         "diverged": bool(result.summary.get("diverged", False)),
         "non_finite": list(result.summary.get("non_finite", [])),
+        "caveats": list(result.summary.get("caveats", [])),
         "summary": summary,
         "client_accuracy": [c["test_accuracy"] for c in result.clients],
         "client_auroc": [c.get("test_auroc") for c in result.clients],
@@ -354,6 +355,9 @@ def markdown_table(entries: list[dict[str, Any]]) -> str:
     if diverged:
         lines += ["", "Diverged (a global model with NaN/inf entries or an infinite test loss; "
                   f"its numbers above are not those of a trained model): {'; '.join(diverged)}"]
+    caveats = [f"{e['label']}: {c}" for e in entries for c in e.get("caveats", [])]
+    if caveats:
+        lines += ["", "Caveats: " + "; ".join(caveats)]
     return "\n".join(lines) + "\n"
 
 
@@ -470,6 +474,7 @@ def compare(
             "label": label, "algorithm": name, "params": params, "runs": runs,
             "mean": mean, "std": std,
             "diverged_seeds": [r["seed"] for r in runs if r["diverged"]],
+            "caveats": sorted({c for r in runs for c in r["caveats"]}),
         })
     if reference_index is not None:
         add_reference_comparison(entries, entries[reference_index], reference_split)
