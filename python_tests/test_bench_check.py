@@ -100,6 +100,38 @@ def _aggregate_payload(fused_ms: float, loop_ms: float, pct: float) -> dict:
     ]}
 
 
+def test_a_cpu_results_file_names_the_cpu_build(common, monkeypatch):
+    # One model name covers CPUs with and without AVX-512: their runs must not share a file.
+    import torch
+
+    import fedkernels
+
+    monkeypatch.setattr(fedkernels.ops.native, "cpu_capability", "avx512")
+    assert common.device_name(torch.device("cpu")).endswith("-avx512")
+    monkeypatch.setattr(fedkernels.ops.native, "cpu_capability", "avx2")
+    assert common.device_name(torch.device("cpu")).endswith("-avx2")
+
+
+def test_a_timed_calls_result_is_freed_after_the_clock(common, monkeypatch):
+    events = []
+
+    class Result:
+        def __del__(self):
+            events.append("freed")
+
+    ticks = iter(range(100))
+
+    def clock():
+        events.append("clock")
+        return next(ticks)
+
+    monkeypatch.setattr(common, "_CPU_CLOCK", clock)
+    import torch
+
+    assert common.timed(Result, torch.device("cpu")) == 1
+    assert events == ["clock", "clock", "freed"]
+
+
 def test_check_against_a_committed_file(common, tmp_path, capsys):
     import torch
 
