@@ -26,8 +26,10 @@ Each row is one way of computing sum_k w_k x_k over K client models:
   reference    fedkernels.ops.reference.aggregate_reference (fp32 accumulation, per tensor)
 
 The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
-GB/s is that traffic over the median time, and "% read" / "% copy" compare it with the
-bandwidth probes measured in the same run. "extra MB" is the peak memory one call allocates
+GB/s is that traffic over the median time; "% read" compares it with the read probe measured
+again right before the block (``read_probe_GBps`` in each row; the host's bandwidth moves within
+a run: 28-47 GB/s on the AVX-512 CI machine one morning), "% copy" with the copy probe of the
+run's start. "extra MB" is the peak memory one call allocates
 beyond its inputs, result included ("x out" in units of one result); on the CPU it is measured
 in a child process. "vs fused" is each method's time over the fused op's (higher = slower).
 """
@@ -46,6 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
+    ReadProbe,
     add_check_arguments,
     add_clock_argument,
     add_output_arguments,
@@ -244,6 +247,7 @@ def run(args, argv: list[str]) -> dict:
     device = torch.device(args.device)
     probes = bandwidth_probes(device, args.probe_bytes)
     print_probes(device, probes)
+    probe = ReadProbe(device, args.probe_bytes)
     env = environment(device)
     memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
     header = (f"{'model':<12}{'dtype':<10}{'K':>4}  {'method':<12}{'ms':>9}{'GB/s':>8}"
@@ -254,6 +258,8 @@ def run(args, argv: list[str]) -> dict:
     for model, dtype_name, num_clients, shapes, numel, esize, fns in configs(args):
         traffic = (num_clients + 1) * numel * esize
         out_bytes = numel * esize
+        read = probe.read_gbps()
+        print(f"# read probe {read:.1f} GB/s", flush=True)
         times = interleaved_medians(fns, device, repeats=args.repeats, warmup=2)
         for name in fns:
             t = times[name]
@@ -263,7 +269,8 @@ def run(args, argv: list[str]) -> dict:
                 "model": model, "tensors": len(shapes), "params": numel,
                 "dtype": dtype_name, "K": num_clients, "method": name,
                 "median_ms": t * 1e3, "GBps": gbps,
-                "pct_read_probe": 100 * gbps / probes["read_GBps"],
+                "read_probe_GBps": read,
+                "pct_read_probe": 100 * gbps / read,
                 "pct_copy_probe": 100 * gbps / probes["copy_GBps"],
                 "extra_MB": None if mem is None else mem / 1e6,
                 "extra_in_outputs": None if mem is None else mem / out_bytes,

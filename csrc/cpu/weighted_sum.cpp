@@ -36,6 +36,20 @@ struct TileArgs {
   int64_t len;
 };
 
+// Where the loads of client k's tile prefetch from: the same offsets of the client kClientGroup
+// further on, that is of the next group of this tile or, after the last group, of the first
+// clients of the next tile. The hardware prefetchers follow few of the K streams, which switch
+// every tile (8 KiB); prefetching into L2 a line per line loaded, a call of ResNet-18's or the
+// transformer's shapes into out= took 6-29 % less time (2-core Zen 4, AVX-512 and AVX2 builds,
+// K = 10 and 50, fp32 and bf16; both versions timed in one process, interleaved). Into L1 was
+// no faster than none: the prefetches then hold the core's few L1 miss buffers. The same
+// client's next tile gave the same gain, with K clients' next tiles in flight instead of 4.
+template <typename T>
+inline const T* prefetch_source(const T* const* src, int64_t num_clients, int64_t k) {
+  const int64_t next = k + kClientGroup;
+  return src[next % num_clients] + (next / num_clients) * kTile;
+}
+
 // acc[0, len) += sum over clients [k0, k0 + n) of w_k * (x_k - [delta] base).
 template <int n, typename T, typename U>
 inline void accumulate_clients(
@@ -44,15 +58,25 @@ inline void accumulate_clients(
   using A = acc_type<T>;
   using Vec = Vectorized<A>;
   constexpr int64_t step = 2 * Vec::size();
+  constexpr int64_t kStepBytes = step * int64_t(sizeof(T));
   const int64_t vec_len = a.len - a.len % step;
   Vec w[n];
-  for (int i = 0; i < n; ++i) w[i] = Vec(a.weights[k0 + i]);
+  const T* pf[n];
+  for (int i = 0; i < n; ++i) {
+    w[i] = Vec(a.weights[k0 + i]);
+    pf[i] = prefetch_source(a.src, a.num_clients, k0 + i);
+  }
   for (int64_t j = 0; j < vec_len; j += step) {
     Vec acc_lo = first ? Vec(A(0)) : Vec::loadu(acc + j);
     Vec acc_hi = first ? Vec(A(0)) : Vec::loadu(acc + j + Vec::size());
     Vec b_lo(A(0)), b_hi(A(0));
     if (math.delta) load2<U, A>(a.base + j, b_lo, b_hi);
     for (int i = 0; i < n; ++i) {
+      // A line per 64 bytes loaded (a step of 32 bytes prefetches every other time).
+      if (kStepBytes >= 64 || j % (64 / int64_t(sizeof(T))) == 0) {
+        const char* line = reinterpret_cast<const char*>(pf[i] + j);
+        for (int64_t o = 0; o < kStepBytes; o += 64) __builtin_prefetch(line + o, 0, 2);
+      }
       Vec x_lo, x_hi;
       load2<T, A>(a.src[k0 + i] + j, x_lo, x_hi);
       acc_lo = math.accumulate(acc_lo, w[i], x_lo, b_lo);
