@@ -28,7 +28,7 @@ Each row is one way of computing sum_k w_k x_k over K client models:
 The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
 GB/s is that traffic over the median time; "% read" compares it with the read probe measured
 again right before the block (``read_probe_GBps`` in each row; the host's bandwidth moves within
-a run: 28-47 GB/s on the AVX-512 CI machine one morning), "% copy" with the copy probe of the
+a run: 32-47 GB/s in one run on the AVX-512 CI machine), "% copy" with the copy probe of the
 run's start. "extra MB" is the peak memory one call allocates
 beyond its inputs, result included ("x out" in units of one result); on the CPU it is measured
 in a child process. "vs fused" is each method's time over the fused op's (higher = slower).
