@@ -167,9 +167,9 @@ C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
 // max_c x_c, NaN if any x_c is NaN (like at::vec::maximum). Branch-free: the comparisons of
 // random data would mispredict. Float rows take the maximum with max_raw in two accumulators and
 // OR the unordered lanes apart (a NaN lane's mask is all ones, itself a NaN): a step per vector
-// with no dependence through memory. The generic form passed its accumulator to
-// vec_reduce_all by reference, so it stayed on the stack, and a row of 1000 float classes took
-// four times as long as its exps (the output softmax of a pseudo-label call at K = 1).
+// with no dependence through memory. The generic form (kept for float64) passes its accumulator
+// to vec_reduce_all by reference, which kept it on the stack: with it a float pseudo-label call
+// at K = 1, N = 256, C = 1000 took 147 us instead of 125 (AVX-512, 2-core Zen 4).
 template <typename A>
 C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
   using Vec = Vectorized<A>;
