@@ -10,6 +10,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "../elementwise.h"
@@ -44,10 +45,13 @@ struct TileArgs {
 // K = 10 and 50, fp32 and bf16; both versions timed in one process, interleaved). Into L1 was
 // no faster than none: the prefetches then hold the core's few L1 miss buffers. The same
 // client's next tile gave the same gain, with K clients' next tiles in flight instead of 4.
+// An address, not a pointer: after a tensor's last tile it lies past the tensor's end, which is
+// prefetched (harmless) but never read, and a pointer there would be undefined behaviour.
 template <typename T>
-inline const T* prefetch_source(const T* const* src, int64_t num_clients, int64_t k) {
+inline uintptr_t prefetch_source(const T* const* src, int64_t num_clients, int64_t k) {
   const int64_t next = k + kClientGroup;
-  return src[next % num_clients] + (next / num_clients) * kTile;
+  return reinterpret_cast<uintptr_t>(src[next % num_clients]) +
+      static_cast<uintptr_t>((next / num_clients) * kTile) * sizeof(T);
 }
 
 // acc[0, len) += sum over clients [k0, k0 + n) of w_k * (x_k - [delta] base).
@@ -61,7 +65,7 @@ inline void accumulate_clients(
   constexpr int64_t kStepBytes = step * int64_t(sizeof(T));
   const int64_t vec_len = a.len - a.len % step;
   Vec w[n];
-  const T* pf[n];
+  uintptr_t pf[n];
   for (int i = 0; i < n; ++i) {
     w[i] = Vec(a.weights[k0 + i]);
     pf[i] = prefetch_source(a.src, a.num_clients, k0 + i);
@@ -74,7 +78,7 @@ inline void accumulate_clients(
     for (int i = 0; i < n; ++i) {
       // A line per 64 bytes loaded (a step of 32 bytes prefetches every other time).
       if (kStepBytes >= 64 || j % (64 / int64_t(sizeof(T))) == 0) {
-        const char* line = reinterpret_cast<const char*>(pf[i] + j);
+        const char* line = reinterpret_cast<const char*>(pf[i] + j * sizeof(T));
         for (int64_t o = 0; o < kStepBytes; o += 64) __builtin_prefetch(line + o, 0, 2);
       }
       Vec x_lo, x_hi;
