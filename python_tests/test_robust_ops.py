@@ -119,6 +119,45 @@ def test_update_norms_equal_reference(dtype):
     torch.testing.assert_close(n, ref.update_norms_reference(c, K, base), rtol=1e-13, atol=0)
 
 
+_BUILD_BITS = """
+import hashlib, sys, torch
+from fedkernels.ops import native, private as P
+sys.path.insert(0, sys.argv[1])
+from test_robust_ops import clients_of
+shapes = [(300, 7), (5,), (), (70001,), (3, 2048 * 9 + 5)]
+h = hashlib.sha256()
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    c, base = clients_of(7, dtype, seed=3, shapes=shapes), clients_of(1, dtype, seed=4, shapes=shapes)
+    h.update(P.update_norms(c, 7, base).numpy().tobytes())
+    coef = torch.linspace(0.05, 0.4, 7, dtype=torch.float64)
+    for t in P.private_sum(c, coef, base, 0.3, torch.Generator().manual_seed(5)):
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+print(native.cpu_capability, h.hexdigest())
+"""
+
+
+def test_norms_and_private_sum_are_the_same_bits_in_every_cpu_build():
+    # Fixed summation orders (sixteen interleaved float64 sums per norm, clients in order per
+    # element) and the same noise on every path: a release does not depend on the CPU.
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fedkernels.ops import native
+
+    digests = {}
+    for cap in native._supported_capabilities():
+        env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=cap, OMP_NUM_THREADS="2")
+        proc = subprocess.run([sys.executable, "-c", _BUILD_BITS, str(Path(__file__).parent)],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got_cap, digest = proc.stdout.split()
+        assert got_cap == cap
+        digests[cap] = digest
+    assert len(set(digests.values())) == 1, digests
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("K", [1, 3, 8])
 def test_private_sum_without_noise_equals_reference(dtype, K):
