@@ -320,12 +320,13 @@ def test_cuda_noise_matches_sgld_stream_on_cuda():
     torch.testing.assert_close(got, stream, rtol=0, atol=2e-6)
 
 
-@pytest.mark.cuda
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("K", [1, 2, 3, 8, 9, 16, 17, 32, 33, 50, 64, 65, 100, 128])
-def test_cuda_order_statistics_every_network_size(dtype, K):
-    # The CUDA kernel pads K to a network of 8, 16, 32, 64 or 128 values: every size, each
-    # side of a boundary, with ties, signed zeros, infinities and NaN, against the reference.
+@pytest.mark.parametrize("K", [1, 2, 3, 5, 6, 8, 9, 11, 16, 17, 31, 32, 33, 50, 64, 65, 100, 128])
+def test_order_statistics_every_network_size(device, dtype, K):
+    # Each K has its own sorting network (CPU: Batcher's for K, pruned from the next power of
+    # two; CUDA: padded to 8, 16, 32, 64 or 128 values): every size, each side of a boundary,
+    # with ties, signed zeros, infinities and NaN, against the reference.
     shapes = [(1030,), (3, 7), ()]
     g = torch.Generator().manual_seed(K)
     c = []
@@ -339,9 +340,9 @@ def test_cuda_order_statistics_every_network_size(dtype, K):
             t = torch.where(special == 3, torch.tensor(float("nan"), dtype=torch.float64), t)
             t = torch.where(special >= 30, torch.randn(s, generator=g, dtype=torch.float64), t)
             c.append(t.to(dtype))
-    on_gpu = [t.cuda() for t in c]
+    on_device = [t.to(device) for t in c]
     for _, op, reference in RULES:
-        for a, b in zip(op(on_gpu, K), reference(c, K)):
+        for a, b in zip(op(on_device, K), reference(c, K)):
             exact(a.cpu(), b)
 
 
