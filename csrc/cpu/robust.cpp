@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -35,6 +36,14 @@ constexpr int64_t kRobustChunk = 4096;     // coordinates per work item
 constexpr int64_t kDistChunk = 1 << 16;    // elements per distance work item (a partial row)
 constexpr int64_t kDistBlock = 256;        // elements converted to float64 at a time
 constexpr int kPairGroup = 4;              // pairs whose sums run together
+
+// Order statistics of more than kPrefetchFromClients clients prefetch each client's values
+// kPrefetchAhead bytes ahead into L2: the hardware prefetchers follow about that many streams.
+// Median of ResNet-18 (AVX-512, 2-core Zen 4, both versions in one process): K = 24, 32 and
+// 50 took 23-38 % less time, K = 16 the same, K = 10 ~10 % more; 1 KiB ahead was as good as
+// 2 KiB and better than 512 bytes, into L1 worse than into L2.
+constexpr int64_t kPrefetchFromClients = 16;
+constexpr int64_t kPrefetchAhead = 1024;
 
 // The compare-exchanges (i, j), i < j, of Batcher's odd-even merge sort of K values: the network
 // for the next power of two with every pair that reaches past K - 1 dropped (those would compare
@@ -135,6 +144,7 @@ struct RobustCpu {
     const int64_t K = p.K, n = p.num_tensors();
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
     const auto network = batcher_pairs(K);
+    const bool prefetch = K > kPrefetchFromClients;
     for_each_chunk(p.numels, kRobustChunk, bytes, [&](int64_t, const ChunkRange& r) {
       std::vector<A> v(K), lanes(K * W);
       std::vector<Vec> cols(K);
@@ -151,6 +161,11 @@ struct RobustCpu {
         if constexpr (std::is_same_v<T, A>) {
           Vec unordered(A(0));  // all ones in a lane where some client is NaN
           for (int64_t k = 0; k < K; ++k) {
+            if (prefetch) {  // an address: it may lie past the tensor's end (never read)
+              __builtin_prefetch(
+                  reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(x[k] + e) + kPrefetchAhead),
+                  0, 2);
+            }
             cols[k] = Vec::loadu(x[k] + e);
             unordered = unordered | (cols[k] != cols[k]);
           }
