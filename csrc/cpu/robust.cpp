@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -140,6 +141,78 @@ C10_ALWAYS_INLINE void pair_sums(const double* xi, const double* buf, int64_t j0
   }
 }
 
+// The same network as a compile-time list, run on K vectors held in registers: for up to
+// kFixedNetworkMax clients in the AVX-512 build (32 vector registers). Median of ResNet-18,
+// 2-core Zen 4, both versions in one process: K = 10 39 -> 19 ms, K = 16 79 -> 30 ms, K = 5
+// 13 % less time. The AVX2 build (16 registers) gained 9-12 % at K = 10 and 16 but lost 45 %
+// at K = 5, and the default build lost 15-35 %: they keep the list (sort_columns).
+template <int K>
+constexpr int batcher_size() {
+  int count = 0;
+  for (int p = 1; p < K; p <<= 1)
+    for (int k = p; k >= 1; k >>= 1)
+      for (int j = k % p; j + k < K; j += 2 * k)
+        for (int i = 0; i < std::min(k, K - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) ++count;
+  return count;
+}
+template <int K>
+constexpr std::array<std::pair<int, int>, batcher_size<K>()> batcher_array() {
+  std::array<std::pair<int, int>, batcher_size<K>()> out{};
+  int n = 0;
+  for (int p = 1; p < K; p <<= 1)
+    for (int k = p; k >= 1; k >>= 1)
+      for (int j = k % p; j + k < K; j += 2 * k)
+        for (int i = 0; i < std::min(k, K - j - k); ++i)
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) out[n++] = {i + j, i + j + k};
+  return out;
+}
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t kFixedNetworkMax = 16;
+#else
+constexpr int64_t kFixedNetworkMax = 0;  // none
+#endif
+
+template <typename A>
+C10_ALWAYS_INLINE void compare_exchange(Vectorized<A>& a, Vectorized<A>& b) {
+  const Vectorized<A> lo = min_number(a, b);
+  b = max_number(a, b);
+  a = lo;
+}
+
+template <int K, typename A>
+C10_ALWAYS_INLINE void sort_fixed(Vectorized<A>* v) {
+  constexpr auto net = batcher_array<K>();
+  Vectorized<A> r[K];
+  for (int k = 0; k < K; ++k) r[k] = v[k];
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (compare_exchange(r[net[I].first], r[net[I].second]), ...);
+  }(std::make_index_sequence<net.size()>{});
+  for (int k = 0; k < K; ++k) v[k] = r[k];
+}
+
+template <typename A>
+void sort_fixed_any(Vectorized<A>* v, int64_t K) {
+  switch (K) {
+    case 2: sort_fixed<2>(v); break;
+    case 3: sort_fixed<3>(v); break;
+    case 4: sort_fixed<4>(v); break;
+    case 5: sort_fixed<5>(v); break;
+    case 6: sort_fixed<6>(v); break;
+    case 7: sort_fixed<7>(v); break;
+    case 8: sort_fixed<8>(v); break;
+    case 9: sort_fixed<9>(v); break;
+    case 10: sort_fixed<10>(v); break;
+    case 11: sort_fixed<11>(v); break;
+    case 12: sort_fixed<12>(v); break;
+    case 13: sort_fixed<13>(v); break;
+    case 14: sort_fixed<14>(v); break;
+    case 15: sort_fixed<15>(v); break;
+    case 16: sort_fixed<16>(v); break;
+    default: break;
+  }
+}
+
 struct RobustCpu {
   template <typename T>
   static void robust(ClientListPlan& p) {
@@ -190,7 +263,14 @@ struct RobustCpu {
           for (int64_t l = 0; l < W; ++l) scalar(e + l);
           continue;
         }
-        sort_columns(cols.data(), network);
+        bool sorted = false;
+        if constexpr (kFixedNetworkMax > 0) {
+          if (K <= kFixedNetworkMax) {
+            sort_fixed_any(cols.data(), K);
+            sorted = true;
+          }
+        }
+        if (!sorted) sort_columns(cols.data(), network);
         A res[W];
         if (p.rule == RobustRule::kMedianWindow) {
           for (int64_t k = 0; k < K; ++k) cols[k].store(lanes.data() + k * W);
