@@ -55,19 +55,26 @@ constexpr int64_t kDistPrefetchAhead = 2048;
 // for the next power of two with every pair that reaches past K - 1 dropped (those would compare
 // with padding values above every number, which never move). K = 10 takes 32 of them and
 // K = 50 403, against 45 and 1225 for the odd-even transposition sort this replaces.
-std::vector<std::pair<int32_t, int32_t>> batcher_pairs(int64_t K) {
-  std::vector<std::pair<int32_t, int32_t>> pairs;
+// fn(i, j) for each compare-exchange in order; constexpr, so it also builds the compile-time
+// lists below.
+template <typename Fn>
+constexpr void for_each_batcher_pair(int64_t K, Fn&& fn) {
   for (int64_t p = 1; p < K; p <<= 1) {
     for (int64_t k = p; k >= 1; k >>= 1) {
       for (int64_t j = k % p; j + k < K; j += 2 * k) {
         for (int64_t i = 0; i < std::min(k, K - j - k); ++i) {
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) {
-            pairs.emplace_back(static_cast<int32_t>(i + j), static_cast<int32_t>(i + j + k));
-          }
+          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) fn(i + j, i + j + k);
         }
       }
     }
   }
+}
+
+std::vector<std::pair<int32_t, int32_t>> batcher_pairs(int64_t K) {
+  std::vector<std::pair<int32_t, int32_t>> pairs;
+  for_each_batcher_pair(K, [&](int64_t i, int64_t j) {
+    pairs.emplace_back(static_cast<int32_t>(i), static_cast<int32_t>(j));
+  });
   return pairs;
 }
 
@@ -149,22 +156,16 @@ C10_ALWAYS_INLINE void pair_sums(const double* xi, const double* buf, int64_t j0
 template <int K>
 constexpr int batcher_size() {
   int count = 0;
-  for (int p = 1; p < K; p <<= 1)
-    for (int k = p; k >= 1; k >>= 1)
-      for (int j = k % p; j + k < K; j += 2 * k)
-        for (int i = 0; i < std::min(k, K - j - k); ++i)
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) ++count;
+  for_each_batcher_pair(K, [&](int64_t, int64_t) { ++count; });
   return count;
 }
 template <int K>
 constexpr std::array<std::pair<int, int>, batcher_size<K>()> batcher_array() {
   std::array<std::pair<int, int>, batcher_size<K>()> out{};
   int n = 0;
-  for (int p = 1; p < K; p <<= 1)
-    for (int k = p; k >= 1; k >>= 1)
-      for (int j = k % p; j + k < K; j += 2 * k)
-        for (int i = 0; i < std::min(k, K - j - k); ++i)
-          if ((i + j) / (2 * p) == (i + j + k) / (2 * p)) out[n++] = {i + j, i + j + k};
+  for_each_batcher_pair(K, [&](int64_t i, int64_t j) {
+    out[n++] = {static_cast<int>(i), static_cast<int>(j)};
+  });
   return out;
 }
 #if defined(CPU_CAPABILITY_AVX512)
