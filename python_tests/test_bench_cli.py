@@ -19,7 +19,9 @@ import torch
 from conftest import copy_bench
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
-DEVICE_SCRIPTS = ["bench_aggregate.py", "bench_distill.py", "bench_sgld.py", "bench_superfed.py"]
+DEVICE_SCRIPTS = [
+    "bench_aggregate.py", "bench_distill.py", "bench_energy.py", "bench_sgld.py", "bench_superfed.py",
+]
 
 
 def _env() -> dict:
@@ -107,6 +109,7 @@ def test_out_writes_exactly_there(bench_copy, tmp_path):
 
 
 @pytest.mark.parametrize("script,key", [("bench_distill.py", "ensemble_pseudo_labels"),
+                                        ("bench_energy.py", "energy_from_logits"),
                                         ("bench_sgld.py", "sgld_compose_step"),
                                         ("bench_small_calls.py", "small_calls")])
 def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, key):

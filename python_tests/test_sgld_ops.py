@@ -77,6 +77,58 @@ def test_energy_empty_and_errors():
         fedkernels.energy_from_logits(torch.zeros(2, 3, dtype=torch.int64))
 
 
+# Rows the CPU energy must route or bound with care (its base-2 exps apply to rows whose max is
+# finite and at most 1e7 in size): -inf classes, a NaN, an all -inf row, a +inf, maxima far from
+# 0 (base 2 up to 1e7, the full exp above), a huge spread, and rows of equal logits near 1e6,
+# whose log-sum-exp m + log C is exact only if the rounding of m log2 e is taken back out.
+_ENERGY_ROWS = """
+import torch, fedkernels
+from fedkernels.ops import native
+
+g = torch.Generator().manual_seed(0)
+for C in (1, 2, 7, 10, 16, 17, 33, 100, 1000):
+    L = 3 * torch.randn(40, C, generator=g, dtype=torch.float64)
+    L[1, : C // 2] = float("-inf")
+    L[2, C - 1] = float("nan")
+    L[3, :] = float("-inf")
+    L[4, 0] = float("inf")
+    L[5, :] += 3e7
+    L[6, :] *= 1e6
+    L[7, :] = -1e30
+    L[7, 0] = 1e30
+    L[8:24, :] = torch.empty(16, 1, dtype=torch.float64).uniform_(1e5, 1e7, generator=g)
+    L[24:, :] += torch.empty(16, 1, dtype=torch.float64).uniform_(-1e4, 1e4, generator=g)
+    L = L.float()
+    got = fedkernels.energy_from_logits(L).double()
+    want = -torch.logsumexp(L.double(), 1)
+    torch.testing.assert_close(got, want, rtol=4e-7, atol=4e-7, equal_nan=True)
+    # Equal logits: within half a float32 spacing of the exact value, plus a hair.
+    spacing = torch.finfo(torch.float32).eps * want[8:24].abs()
+    assert ((got[8:24] - want[8:24]).abs() <= 0.5 * spacing + 1e-6).all(), C
+    # A row's energy does not depend on the rows around it (blocks and lane groups).
+    for i in (0, 5, 6, 17, 39):
+        alone = fedkernels.energy_from_logits(L[i : i + 1]).double()
+        assert torch.equal(alone, got[i : i + 1]) or alone.isnan().all() and got[i].isnan(), (C, i)
+print("OK", native.cpu_capability)
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_energy_edge_rows_in_every_cpu_build(capability):
+    """Each CPU build (its own exps and row layouts) gives float64's -logsumexp of the float32
+    logits to a few float32 roundings on the edge rows above, the same bits for a row alone or
+    in a batch, and equal logits near 1e6 to half a float32 spacing."""
+    from fedkernels.ops import native
+
+    if capability not in native._supported_capabilities():
+        pytest.skip(f"this CPU does not support the {capability} build")
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _ENERGY_ROWS], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["OK", capability], proc.stdout
+
+
 # ---------------------------------------------------------------- sgld_step
 
 

@@ -6,8 +6,9 @@
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
 // elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
 // block at once, and per-row constants sit in small per-block arrays. The entropy weighting's exps
-// take most of its time: float rows use exp2_sums (base 2, ten vector operations per vector of
-// logits). Short rows (C < 2 vector widths) go a vector's width of rows at a time, one row per lane
+// take most of its time: its per-row statistics come from SoftmaxStats (csrc/cpu/softmax_stats.h:
+// base-2 exps, short rows a vector's width of rows at a time). Short rows (C < 2 vector widths)
+// are combined and normalised a vector's width of rows at a time too, one row per lane
 // (RowLanes). Scores and weights are computed for a block of rows at once, vectorised across rows.
 // The weighted combination takes four teachers per pass over a row's accumulator (a third of the
 // loads and stores of one pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to
@@ -31,11 +32,13 @@
 #include "../distill_host.h"
 #include "../elementwise.h"
 #include "parallel.h"
+#include "softmax_stats.h"
 
 namespace fedkernels {
 namespace {
 
 using at::vec::Vectorized;
+using namespace softmax_stats;
 
 constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
@@ -117,161 +120,6 @@ C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
   axpy_group<1>(y, &x, &a, n);
 }
 
-// Raw lane-wise max(a, b): b where either is NaN (the x86 rule), so a NaN in b survives. One
-// instruction, against three for the NaN-propagating at::vec::maximum.
-C10_ALWAYS_INLINE Vectorized<float> max_raw(Vectorized<float> a, Vectorized<float> b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_max_ps(a, b);
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_max_ps(a, b);
-#else
-  return Vectorized<float>::blendv(Vectorized<float>::blendv(a, b, b > a), b, b != b);
-#endif
-}
-
-// The sum and the (NaN-blind, as max_raw) maximum of a float vector's lanes. The sum adds in
-// ATen's vec_reduce_all order (lane i with lane i + 8, then i + 4, i + 2, i + 1), so its bits
-// are the same; the AVX-512 build goes through the register's halves, since Zen 4 runs 512-bit
-// shuffles at a fraction of the speed of 256-bit ones (the two reductions of a row of C = 100
-// logits took a fifth of its entropy pass).
-#if defined(CPU_CAPABILITY_AVX512)
-template <typename Op256, typename Op128>
-C10_ALWAYS_INLINE float lane_reduce(Vectorized<float> v, Op256 op256, Op128 op128) {
-  const __m512 x = v;
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-  const __m256 h = op256(_mm512_castps512_ps256(x), hi);
-  __m128 q = op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-  q = op128(q, _mm_movehl_ps(q, q));
-  q = op128(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
-}
-C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
-  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
-                     [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
-}
-C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
-  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); },
-                     [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
-}
-#else
-C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
-  using Vec = Vectorized<float>;
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-}
-C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
-  using Vec = Vectorized<float>;
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return max_raw(a, b); }, v);
-}
-#endif
-
-// max_c x_c, NaN if any x_c is NaN (like at::vec::maximum). Branch-free: the comparisons of
-// random data would mispredict. Float rows take the maximum with max_raw in two accumulators and
-// OR the unordered lanes apart (a NaN lane's mask is all ones, itself a NaN): a step per vector
-// with no dependence through memory. The generic form (kept for float64) passes its accumulator
-// to vec_reduce_all by reference, which kept it on the stack: with it a float pseudo-label call
-// at K = 1, N = 256, C = 1000 took 147 us instead of 125 (AVX-512, 2-core Zen 4).
-template <typename A>
-C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
-  using Vec = Vectorized<A>;
-  constexpr int64_t W = Vec::size();
-  if (n < W) {
-    A m = x[0];
-    bool nan = x[0] != x[0];
-    for (int64_t c = 1; c < n; ++c) {
-      m = std::max(m, x[c]);
-      nan |= x[c] != x[c];
-    }
-    return nan ? std::numeric_limits<A>::quiet_NaN() : m;
-  }
-  if constexpr (std::is_same_v<A, float>) {
-    Vec a = Vec::loadu(x), b = a, nan = a != a;
-    int64_t c = W;
-    for (; c + 2 * W <= n; c += 2 * W) {
-      const Vec u = Vec::loadu(x + c), v = Vec::loadu(x + c + W);
-      a = max_raw(a, u);
-      b = max_raw(b, v);
-      nan = nan | (u != u) | (v != v);
-    }
-    // The rest as whole vectors, the last one overlapping: max is idempotent.
-    for (; c < n; c += W) {
-      const Vec u = Vec::loadu(x + std::min(c, n - W));
-      a = max_raw(a, u);
-      nan = nan | (u != u);
-    }
-    const float flag = lane_sum(nan);  // 0, or NaN when a lane was unordered
-    return flag != flag ? std::numeric_limits<float>::quiet_NaN() : lane_max_raw(max_raw(a, b));
-  } else {
-    Vec v = Vec::loadu(x);
-    int64_t c = W;
-    for (; c + W <= n; c += W) v = at::vec::maximum(v, Vec::loadu(x + c));
-    // The last partial vector as an overlapping full one: max is idempotent.
-    if (c < n) v = at::vec::maximum(v, Vec::loadu(x + n - W));
-    return at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
-  }
-}
-
-// p * 2^n, from k = n + 1.5 * 2^23 as a float (n an integer in its low mantissa bits): n << 23
-// added to p's bits, an integer add that leaves the multipliers free. Exact while the result
-// is a normal float.
-C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorized<float> k) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(k), 23)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_castsi256_ps(
-      _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(k), 23)));
-#else
-  // In uint32, which wraps like the vector integer adds above: exp2_softmax_row also passes
-  // y < kMinExp2 (lanes it masks to 0 afterwards), where p's bits plus n << 23 leave the int32
-  // range, which would be signed overflow.
-  using UVec = Vectorized<uint32_t>;
-  return at::vec::cast<float>(
-      at::vec::cast<uint32_t>(p) + (at::vec::cast<uint32_t>(k) << UVec(23)));
-#endif
-}
-
-// 2^y for y in [-125, ~0] (and NaN in, NaN or garbage out: callers check their sums): y = n + f
-// with n = round(y) by the 1.5 * 2^23 trick and f = y - n exact in [-1/2, 1/2], 2^f by a
-// degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 measured in float
-// arithmetic), and 2^n added to the exponent. Ten vector operations, five of them fused
-// multiply-adds: the base-2 form drops the two-part ln 2 reduction, and the integer scaling
-// drops a multiply.
-C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
-  using Vec = Vectorized<float>;
-  const Vec shift(12582912.0f);  // 1.5 * 2^23
-  const Vec k = y + shift;
-  const Vec f = y - (k - shift);
-  Vec p = at::vec::fmadd(Vec(0.0013202982f), f, Vec(0.0096749524f));
-  p = at::vec::fmadd(p, f, Vec(0.055510473f));
-  p = at::vec::fmadd(p, f, Vec(0.24022166f));
-  p = at::vec::fmadd(p, f, Vec(0.69314659f));
-  p = at::vec::fmadd(p, f, Vec(1.0f));
-  return scale_by_pow2(p, k);
-}
-
-// The entropy pass (docs/algorithms/distillation.md, "Ops") needs, per teacher row x with max
-// m, s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) (x_c - m), from which H = log s - t / s.
-// It is bound by those exps, so float rows take them in base 2: y_c = x_c log2 e - m log2 e in
-// one FMA (the rounding of m log2 e moves every y_c of the row alike, which H does not see),
-// clamped to y >= kMinExp2 so that 2^y stays a normal float (a logit more than 86 below the max
-// adds ~1e-38 where it should add 0: invisible next to the max's 1, and a -inf logit stays
-// finite), then s = sum 2^y and t = ln 2 * sum 2^y y. That needs |m log2 e| < 2^24, so that
-// the max's own y (the residual of that rounding) is at most 1/2: exp2_row_ok. Other rows
-// (NaN, +-inf or huge maxima, and float64) take the full exp (exp_sums_full).
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2 = 0.693147180559945309f;
-constexpr float kMinExp2 = -125.0f;
-
-template <typename A>
-C10_ALWAYS_INLINE bool exp2_row_ok(A m) {
-  return std::is_same_v<A, float> && std::abs(m) <= A(1e7);  // false for NaN and +-inf too
-}
-
-// y = max(kMinExp2, x log2 e + b) with b = -(m log2 e); a NaN x stays NaN (max_raw).
-C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<float> b) {
-  return max_raw(Vectorized<float>(kMinExp2), at::vec::fmadd(x, Vectorized<float>(kLog2e), b));
-}
-
 // e_c = e^(a_c / T - m) of one float row of C >= W values, m = max(a) / T with exp2_row_ok(m):
 // in base 2 as in exp2_sums, y_c = a_c (log2 e / T) - m log2 e, and e_c = 0 exactly where
 // y_c < kMinExp2 (a class more than ~86 below the max, or -inf), as the full exp gives 0 there
@@ -289,140 +137,6 @@ inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, fl
   if (c < C) one(C - W);
 }
 
-// s and t (above) of one long float row (n >= 2 W) with exp2_row_ok(m), in one read, in base 2 (t
-// is sum 2^y y, not yet times ln 2), as the vectors s[0..W) and t[0..W) whose lanes add up to
-// them: the caller adds the lanes of a block's rows after all their exps (a row's lane sums
-// right after its exps were a chain of dependent shuffles that held up the next row). The row
-// max m may come from max_raw, which can miss a NaN: a NaN logit makes t NaN (through y), and
-// the caller then redoes the row with exp_sums_full. The
-// exps are compute bound, so while they run the same span of the next block to be read (pf, if not
-// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
-// Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3).
-// Measured on a 2-core Zen 4, both prefetch kinds timed in one process (K = 40, 655 MB): in
-// the AVX-512 build rows of 900 to 4000 classes took 12-18 % less time with L2 (long rows'
-// prefetches into L1 held the core's few L1 miss buffers, and the exps stalled behind them),
-// rows of 100 to 700 classes 10-25 % more; the AVX2 build was even (+-4 %) from 900 classes and
-// also lost with L2 below.
-constexpr int64_t kPrefetchToL2Classes = 800;
-
-template <int kLocality>
-C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, float* t,
-                                const float* pf) {
-  using Vec = Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  const Vec b(-(m * kLog2e));
-  Vec sv(0.0f), tv(0.0f);
-  int64_t c = 0;
-  constexpr int64_t kLine = 64;
-  // Two vectors per step, each sum with one add (the pair summed first): two accumulators
-  // instead of four keep every register of the step in the register file.
-  for (; c + 2 * W <= n; c += 2 * W) {
-    if (pf) {
-      const char* p = reinterpret_cast<const char*>(pf + c);
-      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(float)); o += kLine) {
-        __builtin_prefetch(p + o, 0, kLocality);
-      }
-    }
-    const Vec y0 = exp2_arg(Vec::loadu(x + c), b), y1 = exp2_arg(Vec::loadu(x + c + W), b);
-    const Vec e0 = exp2_poly(y0), e1 = exp2_poly(y1);
-    sv = sv + (e0 + e1);
-    tv = tv + at::vec::fmadd(e1, y1, e0 * y0);
-  }
-  if (c + W <= n) {
-    const Vec y = exp2_arg(Vec::loadu(x + c), b);
-    const Vec e = exp2_poly(y);
-    sv = sv + e;
-    tv = at::vec::fmadd(e, y, tv);
-    c += W;
-  }
-  if (c < n) {
-    // The last partial vector as a full one ending at x + n (the row is long), its first
-    // lanes, counted already, masked to 0.
-    const Vec keep = Vec::arange(0.0f, 1.0f) >= Vec(static_cast<float>(W - (n - c)));
-    const Vec y = exp2_arg(Vec::loadu(x + n - W), b) & keep;
-    const Vec e = exp2_poly(y) & keep;
-    sv = sv + e;
-    tv = at::vec::fmadd(e, y, tv);
-  }
-  sv.store(s);
-  tv.store(t);
-}
-
-// s and t (above) of one row with the full exp (any m, any A), in one read. NaN and +-inf
-// carry through (a NaN or infinite max makes H NaN, as in the reference); a class with e = 0 (a
-// -inf logit) adds 0 to t, not 0 * -inf.
-template <typename A>
-void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t) {
-  using Vec = Vectorized<A>;
-  constexpr int64_t W = Vec::size();
-  const Vec mv(m), zero(A(0));
-  Vec sv(zero), tv(zero);
-  for (int64_t c = 0; c < n; c += W) {
-    const int64_t cnt = std::min<int64_t>(W, n - c);
-    const Vec d = Vec::set(zero, Vec::loadu(x + c, cnt) - mv, cnt);
-    const Vec e = Vec::set(zero, d.exp(), cnt);
-    sv = sv + e;
-    tv = tv + ((e * d) & (e != zero));
-  }
-  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, sv);
-  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, tv);
-}
-
-// at::vec::fmadd's rounding for one float: fused in the AVX2 and AVX-512 builds, a multiply and
-// an add in the default one.
-C10_ALWAYS_INLINE float fmadd1(float a, float b, float c) {
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
-  return std::fma(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-
-// e = 2^y over a whole block of exp2_arg values (the short rows' entropy pass).
-inline void exp2_inplace(const float* y, float* e, int64_t n) {
-  using Vec = Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  int64_t c = 0;
-  for (; c + W <= n; c += W) exp2_poly(Vec::loadu(y + c)).store(e + c);
-  if (c < n) exp2_poly(Vec::loadu(y + c, n - c)).store(e + c, n - c);
-}
-
-// s and t (t times ln 2) of one short float row (C < 2 vector widths) with exp2_row_ok(m),
-// summed in class order as RowLanes::entropy_stats does, so a row gets the same bits by lanes
-// or alone. y and e: C scratch values each.
-inline void exp2_sums_in_order(const float* x, int64_t C, float m, float* y, float* e, float& s,
-                               float& t) {
-  using Vec = Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  const Vec b(-(m * kLog2e));
-  for (int64_t c = 0; c < C; c += W) {
-    const int cnt = static_cast<int>(std::min<int64_t>(W, C - c));
-    exp2_arg(Vec::loadu(x + c, cnt), b).store(y + c, cnt);
-  }
-  exp2_inplace(y, e, C);
-  s = t = 0.0f;
-  for (int64_t c = 0; c < C; ++c) {
-    s += e[c];
-    t = fmadd1(e[c], y[c], t);
-  }
-  t *= kLn2;
-}
-
-// max_c x_c with max_raw: NaN-blind (a NaN may be skipped or returned); for exp2_sums only.
-C10_ALWAYS_INLINE float row_max_raw(const float* x, int64_t n) {
-  using Vec = Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  if (n < 2 * W) return row_max(x, n);
-  Vec a = Vec::loadu(x), b = Vec::loadu(x + W);
-  int64_t c = 2 * W;
-  for (; c + 2 * W <= n; c += 2 * W) {
-    a = max_raw(a, Vec::loadu(x + c));
-    b = max_raw(b, Vec::loadu(x + c + W));
-  }
-  for (; c + W <= n; c += W) a = max_raw(a, Vec::loadu(x + c));
-  if (c < n) b = max_raw(b, Vec::loadu(x + n - W));  // overlapping: max is idempotent
-  return lane_max_raw(max_raw(a, b));
-}
 
 // acc[r] += sum_k w[k * R + r] x_k[r] for rows r < rows of C elements, teacher k's rows at
 // x + k * stride, in client order: kCombineGroup teachers per pass over acc (axpy_group), which
@@ -556,62 +270,16 @@ void block_weights(
   }
 }
 
-// Short rows (C < 2 W, where the row helpers are mostly scalar): W rows at a time, one per vector
-// lane. The W x C tile is transposed to columns (col[c * W + l] = x[l * C + c]; W x W tiles, the
-// last one overlapping), so the per-row maxima and sums become vertical vector operations. They
-// run in class order like the scalar loops of the row helpers, so a row gets the same bits
-// either way.
+// Short rows (C < 2 W): W rows at a time, one per vector lane (RowColumns, whose stats give the
+// entropy's s and t), also for the combination and the output softmax.
 template <typename A>
-struct RowLanes {
+struct RowLanes : RowColumns<A> {
   using Vec = Vectorized<A>;
   static constexpr int64_t W = Vec::size();
+  using RowColumns<A>::C;
+  using RowColumns<A>::transpose;
 
-  static bool applies(int64_t C) { return C < 2 * W; }
-
-  explicit RowLanes(int64_t C) : C(C) {}
-
-  // col[c * W + l] = x[l * C + c].
-  void transpose(const A* x, A* col) const {
-    if (C < W) {
-      at::vec::transpose_mxn<A>(x, C, col, W, W, static_cast<int>(C));
-      return;
-    }
-    for (int64_t c = 0; c < C; c += W) {
-      const int64_t c0 = std::min(c, C - W);
-      at::vec::transpose_mxn<A, W, W>(x + c0, C, col + c0 * W, W);
-    }
-  }
-
-  // m = max x, s and t (as in exp2_sums, t times ln 2) of the W float rows at x, through col
-  // (C * W scratch values), in class order like exp2_sums_in_order, so a row gets the same bits
-  // either way. False, with nothing stored, when a row needs the full exp (exp2_row_ok), and
-  // for float64: the caller then takes those rows one by one.
-  bool entropy_stats(const A* x, A* col, A* m, A* s, A* t) const {
-    if constexpr (!std::is_same_v<A, float>) {
-      return false;
-    } else {
-      transpose(x, col);
-      Vec mv = Vec::loadu(col);
-      for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
-      alignas(64) A lanes[W];
-      mv.store(lanes);
-      for (int64_t l = 0; l < W; ++l) {
-        if (!exp2_row_ok(lanes[l])) return false;
-      }
-      const Vec b = (mv * Vec(kLog2e)).neg();
-      Vec sv(A(0)), tv(A(0));
-      for (int64_t c = 0; c < C; ++c) {
-        const Vec y = exp2_arg(Vec::loadu(col + c * W), b);
-        const Vec e = exp2_poly(y);
-        sv = sv + e;
-        tv = at::vec::fmadd(e, y, tv);
-      }
-      mv.store(m);
-      sv.store(s);
-      (tv * Vec(kLn2)).store(t);
-      return true;
-    }
-  }
+  explicit RowLanes(int64_t C) : RowColumns<A>(C) {}
 
   // acc[c * W + l] += w[l] x[l * C + c]: the combination of the W rows at x, kept by column.
   void axpy(A* acc, const A* x, const A* w, A* col) const {
@@ -641,8 +309,6 @@ struct RowLanes {
       for (int64_t c = 0; c < C; ++c) y[l * C + c] = static_cast<T>(col[c * W + l]);
     }
   }
-
-  int64_t C;
 };
 
 struct DistillCpu {
@@ -676,8 +342,7 @@ struct DistillCpu {
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
       std::vector<A> row_m(R), row_s(R);
-      std::vector<float> lane_s(C >= 2 * W ? R * W : 0), lane_t(lane_s.size());  // exp2_sums
-      std::vector<A> row_e(C < 2 * W ? C : 0);  // a short row's exps (exp2_sums_in_order)
+      SoftmaxStats<A> stats(entropy ? C : 0, entropy ? R : 0);  // the entropy's s and t
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
         auto block = [&](int64_t k) -> const A* {
@@ -699,69 +364,15 @@ struct DistillCpu {
           if (!entropy && !variance && !p.probs) continue;  // the rows are not needed yet
           const A* x = block(k);
           if (entropy) {
-            // s and t of each row (t in sk until entropy_scores; see exp2_sums): float rows in
-            // base 2 where exp2_row_ok, the others (and any row with a NaN) with the full exp.
-            // The next block this thread reads: teacher k + 1's rows, or teacher 0's of the next
-            // block.
+            // s and t of each row (t in sk until entropy_scores; SoftmaxStats). The next block
+            // this thread reads: teacher k + 1's rows, or teacher 0's of the next block.
             const T* next = k + 1 < K ? logits + ((k + 1) * N + i0) * C
                 : b + 1 < b1            ? logits + (i0 + R) * C
                                         : nullptr;
             const int64_t next_rows = k + 1 < K ? rows : std::min(R, N - i0 - R);
             const A* pf = nullptr;
             if constexpr (std::is_same_v<T, A>) pf = next;
-            auto by_rows = [&](int64_t ra, int64_t rb) {
-              if constexpr (std::is_same_v<A, float>) {
-                if (C >= 2 * W) {
-                  // Long rows in three passes over the rows, each of independent rows: the
-                  // maxima, the exps and their lane sums (exp2_sums), then the lanes added.
-                  // 4-9 % less time than the three steps row by row at C = 40-200 (AVX-512,
-                  // 2-core Zen 4, both timed in one process), the same bits.
-                  for (int64_t r = ra; r < rb; ++r) row_m[r] = row_max_raw(x + r * C, C);
-                  for (int64_t r = ra; r < rb; ++r) {
-                    if (!exp2_row_ok(row_m[r])) continue;
-                    const A* xr = x + r * C;
-                    const float* pr = pf && r < next_rows ? pf + r * C : nullptr;
-                    if (C >= kPrefetchToL2Classes) {
-                      exp2_sums<2>(xr, C, row_m[r], &lane_s[r * W], &lane_t[r * W], pr);
-                    } else {
-                      exp2_sums<3>(xr, C, row_m[r], &lane_s[r * W], &lane_t[r * W], pr);
-                    }
-                  }
-                  for (int64_t r = ra; r < rb; ++r) {
-                    if (exp2_row_ok(row_m[r])) {
-                      const A t2 = lane_sum(Vectorized<float>::loadu(&lane_t[r * W]));
-                      if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
-                        row_s[r] = lane_sum(Vectorized<float>::loadu(&lane_s[r * W]));
-                        sk[r] = t2 * kLn2;
-                        continue;
-                      }
-                    }
-                    row_m[r] = row_max(x + r * C, C);
-                    exp_sums_full(x + r * C, C, row_m[r], row_s[r], sk[r]);
-                  }
-                  return;
-                }
-              }
-              for (int64_t r = ra; r < rb; ++r) {
-                const A* xr = x + r * C;
-                if constexpr (std::is_same_v<A, float>) {  // short rows outside a lane group
-                  row_m[r] = row_max(xr, C);
-                  if (exp2_row_ok(row_m[r])) {
-                    exp2_sums_in_order(xr, C, row_m[r], tmp.data(), row_e.data(), row_s[r], sk[r]);
-                    continue;
-                  }
-                }
-                row_m[r] = row_max(xr, C);
-                exp_sums_full(xr, C, row_m[r], row_s[r], sk[r]);
-              }
-            };
-            int64_t r = 0;
-            for (; lanes && r + W <= rows; r += W) {
-              if (!lane.entropy_stats(x + r * C, col.data(), &row_m[r], &row_s[r], sk + r)) {
-                by_rows(r, r + W);
-              }
-            }
-            by_rows(r, rows);
+            stats.compute(x, rows, row_m.data(), row_s.data(), sk, pf, next_rows);
             entropy_scores<A>(sk, row_s.data(), rows, tau);
           } else if (variance) {
             for (int64_t r = 0; r < rows; ++r) {

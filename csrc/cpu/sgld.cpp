@@ -34,6 +34,7 @@
 #include "../sgld_host.h"
 #include "normal_lanes.h"
 #include "parallel.h"
+#include "softmax_stats.h"
 #include "vec_io.h"
 
 namespace fedkernels {
@@ -49,6 +50,7 @@ constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * k
 constexpr int kPrefetchLines = 3;
 
 constexpr int kClientGroup = 4;  // clients whose loads are in flight together
+constexpr int64_t kEnergyBlockElems = 2048;  // logits per block of energy_from_logits
 
 // x' = clamp(x - step a + std eps, lo, hi) (SgldMath::update), which the last group of clients
 // computes from the finished sums instead of storing them: pointers offset to the run.
@@ -186,35 +188,45 @@ uint64_t draw_seed(const SgldPlan& p) {
 }
 
 struct SgldCpu {
+  // Energies of blocks of about kEnergyBlockElems logits: the labelled ones read one logit a
+  // row; the marginal ones are -log-sum-exp from the rows' softmax statistics (softmax_stats.h;
+  // fp16/bf16 blocks converted to float first).
   template <typename T>
   static void energy(const EnergyPlan& p) {
     using A = acc_type<T>;
+    using Stats = softmax_stats::SoftmaxStats<A>;
     const T* logits = static_cast<const T*>(p.logits);
     T* out = static_cast<T*>(p.out);
-    const int64_t C = p.C;
-    const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(C, 1));
-    const int64_t bytes = p.N * (C + 1) * int64_t(sizeof(T));
-    parallel_for_bytes(0, p.N, grain, bytes, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const T* row = logits + i * C;
-        if (p.labels) {
-          out[i] = static_cast<T>(-static_cast<A>(row[p.labels[i]]));
-          continue;
+    const int64_t N = p.N, C = p.C;
+    if (p.labels) {
+      const int64_t label_bytes = N * int64_t(2 * sizeof(T) + sizeof(int64_t));
+      parallel_for_bytes(0, N, 4096, label_bytes, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) {
+          out[i] = static_cast<T>(-static_cast<A>(logits[i * C + p.labels[i]]));
         }
-        A m = -std::numeric_limits<A>::infinity();
-        bool has_nan = false;
-        for (int64_t c = 0; c < C; ++c) {
-          m = std::max(m, static_cast<A>(row[c]));
-          has_nan |= std::isnan(static_cast<A>(row[c]));
+      });
+      return;
+    }
+    int64_t R = std::max<int64_t>(1, std::min<int64_t>(N, kEnergyBlockElems / C));
+    if (Stats::short_rows(C) && R > Stats::W) R = R / Stats::W * Stats::W;  // whole lane groups
+    const int64_t blocks = (N + R - 1) / R;
+    const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
+    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+      Stats stats(C, R);
+      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R), t(R);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t i0 = b * R, rows = std::min(R, N - i0);
+        const T* src = logits + i0 * C;
+        const A* x = nullptr;
+        if constexpr (std::is_same_v<T, A>) {
+          x = src;
+        } else {
+          for (int64_t e = 0; e < rows * C; ++e) xa[e] = static_cast<A>(src[e]);
+          x = xa.data();
         }
-        // An infinite max is the log-sum-exp itself (x - m would give inf - inf = NaN).
-        if (std::isinf(m) || has_nan) {
-          out[i] = static_cast<T>(has_nan ? std::numeric_limits<A>::quiet_NaN() : -m);
-          continue;
-        }
-        A s = 0;
-        for (int64_t c = 0; c < C; ++c) s += std::exp(static_cast<A>(row[c]) - m);
-        out[i] = static_cast<T>(-(m + std::log(s)));
+        stats.compute(x, rows, m.data(), s.data(), t.data());
+        Stats::log_sum_exp(m.data(), s.data(), rows, s.data());
+        for (int64_t r = 0; r < rows; ++r) out[i0 + r] = static_cast<T>(-s[r]);
       }
     });
   }

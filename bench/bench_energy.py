@@ -1,0 +1,129 @@
+"""The fused energy op against the PyTorch expression a user writes (docs/algorithms/fedevg.md).
+
+    OMP_NUM_THREADS=2 python bench/bench_energy.py [--device cuda] [--repeats 7]
+    python bench/bench_energy.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
+
+For N in {256, 4096, 65536} samples and C in {10, 100, 1000} classes (fp32; the largest case is
+left out, 262 MB), the marginal energy E_i = -logsumexp_c f_ic that FedEvg computes for every
+SGLD step:
+
+- ``fused``: ``fedkernels.energy_from_logits(f)`` (one read of f: the row maxima, then the exps in
+  base 2 from the cached row; docs/algorithms/fedevg.md);
+- ``torch``: ``-torch.logsumexp(f, 1)``, eager.
+
+Effective bandwidth counts the minimum traffic (read f, write E) and is compared with the
+read-bandwidth probe measured again right before the case (``read_probe_GBps``;
+common.ReadProbe). The two are timed interleaved and the speedup is the median over rounds of
+the per-round ratio. Results: bench/results/<device>.json under ``energy_from_logits``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    ReadProbe,
+    add_check_arguments,
+    add_output_arguments,
+    bandwidth_probes,
+    check_against_committed,
+    check_output_arguments,
+    environment,
+    resolve_device,
+    timed,
+    write_results,
+)
+
+import fedkernels  # noqa: E402
+
+NS = (256, 4096, 65536)
+CS = (10, 100, 1000)
+MAX_ELEMENTS = 4096 * 1000 * 4  # leaves out N = 65536, C = 1000
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's ratios for --check, each higher-is-better."""
+    found = {}
+    for r in payload.get("rows", []):
+        case = f"N={r['N']} C={r['C']}"
+        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
+        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--tiny", action="store_true",
+                        help="N=8, C=5, 1 repeat, small probe: checks the script runs")
+    add_output_arguments(parser)
+    add_check_arguments(parser)
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    ns, cs = NS, CS
+    if args.tiny:
+        ns, cs, args.repeats = (8,), (5,), 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
+    probes = bandwidth_probes(device, args.probe_bytes)
+    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    probe = ReadProbe(device, args.probe_bytes)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for N in ns:
+        for C in cs:
+            if N * C > MAX_ELEMENTS:
+                continue
+            f = (3 * torch.randn(N, C, generator=g)).to(device)
+            fns = {"fused": lambda: fedkernels.energy_from_logits(f),
+                   "torch": lambda: -torch.logsumexp(f, 1)}
+            read = probe.read_gbps()
+            for fn in fns.values():  # warm-up
+                fn()
+                fn()
+            # Many calls per timing for the small cases, so that the clock's resolution and the
+            # call's own jitter do not decide the ratio.
+            calls = max(1, min(200, (1 << 22) // (N * C)))
+            times = {k: [] for k in fns}
+            for _ in range(args.repeats):
+                for k, fn in fns.items():
+                    times[k].append(timed(lambda fn=fn: [fn() for _ in range(calls)], device) / calls)
+            nbytes = 4 * (N * C + N)
+            fused, ref = statistics.median(times["fused"]), statistics.median(times["torch"])
+            row = {
+                "N": N, "C": C, "calls_per_timing": calls,
+                "fused_us": 1e6 * fused, "torch_us": 1e6 * ref,
+                "speedup_median_of_ratios": statistics.median(
+                    t / u for t, u in zip(times["torch"], times["fused"])),
+                "min_traffic_bytes": nbytes,
+                "fused_GBps": nbytes / fused / 1e9,
+                "read_probe_GBps": read,
+                "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
+                "torch_GBps": nbytes / ref / 1e9,
+            }
+            rows.append(row)
+            print(f"N={N:6d} C={C:5d} fused {row['fused_us']:9.1f} us torch {row['torch_us']:9.1f} us"
+                  f"  x{row['speedup_median_of_ratios']:5.2f}  {row['fused_GBps']:6.1f} GB/s "
+                  f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at {read:.1f} GB/s)")
+            f = fns = None
+    payload = {"environment": environment(device), "probes": probes, "rows": rows,
+               "dtype": "float32", "repeats": args.repeats}
+    print("wrote", write_results("energy_from_logits", device, payload, save=args.save,
+                                 out=args.out))
+    if args.check:
+        sys.exit(check_against_committed("energy_from_logits", device, payload, ratios,
+                                         args.tolerance))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,527 @@
+// Softmax statistics of rows of logits, for the CPU kernels that need them per row (the entropy
+// weighting of the pseudo-labels, the energies of FedEvg): the row maxima m, and
+// s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) (x_c - m), from which log-sum-exp = m + log s
+// and the entropy H = log s - t / s. They are bound by the exps, so float rows take them in base
+// 2 with a polynomial (exp2_poly); rows that need more range, and float64, take ATen's exp.
+// SoftmaxStats runs the whole computation over a block of rows; the helpers below it are also
+// used on their own by csrc/cpu/distill.cpp.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace fedkernels {
+namespace softmax_stats {
+
+using at::vec::Vectorized;
+
+// Raw lane-wise max(a, b): b where either is NaN (the x86 rule), so a NaN in b survives. One
+// instruction, against three for the NaN-propagating at::vec::maximum.
+C10_ALWAYS_INLINE Vectorized<float> max_raw(Vectorized<float> a, Vectorized<float> b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_max_ps(a, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_max_ps(a, b);
+#else
+  return Vectorized<float>::blendv(Vectorized<float>::blendv(a, b, b > a), b, b != b);
+#endif
+}
+
+// The sum and the (NaN-blind, as max_raw) maximum of a float vector's lanes. The sum adds in
+// ATen's vec_reduce_all order (lane i with lane i + 8, then i + 4, i + 2, i + 1), so its bits
+// are the same; the AVX-512 build goes through the register's halves, since Zen 4 runs 512-bit
+// shuffles at a fraction of the speed of 256-bit ones (the two reductions of a row of C = 100
+// logits took a fifth of its entropy pass).
+#if defined(CPU_CAPABILITY_AVX512)
+template <typename Op256, typename Op128>
+C10_ALWAYS_INLINE float lane_reduce(Vectorized<float> v, Op256 op256, Op128 op128) {
+  const __m512 x = v;
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  const __m256 h = op256(_mm512_castps512_ps256(x), hi);
+  __m128 q = op128(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = op128(q, _mm_movehl_ps(q, q));
+  q = op128(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
+  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_add_ps(a, b); },
+                     [](__m128 a, __m128 b) { return _mm_add_ps(a, b); });
+}
+C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
+  return lane_reduce(v, [](__m256 a, __m256 b) { return _mm256_max_ps(a, b); },
+                     [](__m128 a, __m128 b) { return _mm_max_ps(a, b); });
+}
+#else
+C10_ALWAYS_INLINE float lane_sum(Vectorized<float> v) {
+  using Vec = Vectorized<float>;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
+  using Vec = Vectorized<float>;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return max_raw(a, b); }, v);
+}
+#endif
+
+// max_c x_c, NaN if any x_c is NaN (like at::vec::maximum). Branch-free: the comparisons of
+// random data would mispredict. Float rows take the maximum with max_raw in two accumulators and
+// OR the unordered lanes apart (a NaN lane's mask is all ones, itself a NaN): a step per vector
+// with no dependence through memory. The generic form (kept for float64) passes its accumulator
+// to vec_reduce_all by reference, which kept it on the stack: with it a float pseudo-label call
+// at K = 1, N = 256, C = 1000 took 147 us instead of 125 (AVX-512, 2-core Zen 4).
+template <typename A>
+C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  if (n < W) {
+    A m = x[0];
+    bool nan = x[0] != x[0];
+    for (int64_t c = 1; c < n; ++c) {
+      m = std::max(m, x[c]);
+      nan |= x[c] != x[c];
+    }
+    return nan ? std::numeric_limits<A>::quiet_NaN() : m;
+  }
+  if constexpr (std::is_same_v<A, float>) {
+    Vec a = Vec::loadu(x), b = a, nan = a != a;
+    int64_t c = W;
+    for (; c + 2 * W <= n; c += 2 * W) {
+      const Vec u = Vec::loadu(x + c), v = Vec::loadu(x + c + W);
+      a = max_raw(a, u);
+      b = max_raw(b, v);
+      nan = nan | (u != u) | (v != v);
+    }
+    // The rest as whole vectors, the last one overlapping: max is idempotent.
+    for (; c < n; c += W) {
+      const Vec u = Vec::loadu(x + std::min(c, n - W));
+      a = max_raw(a, u);
+      nan = nan | (u != u);
+    }
+    const float flag = lane_sum(nan);  // 0, or NaN when a lane was unordered
+    return flag != flag ? std::numeric_limits<float>::quiet_NaN() : lane_max_raw(max_raw(a, b));
+  } else {
+    Vec v = Vec::loadu(x);
+    int64_t c = W;
+    for (; c + W <= n; c += W) v = at::vec::maximum(v, Vec::loadu(x + c));
+    // The last partial vector as an overlapping full one: max is idempotent.
+    if (c < n) v = at::vec::maximum(v, Vec::loadu(x + n - W));
+    return at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+  }
+}
+
+// p * 2^n, from k = n + 1.5 * 2^23 as a float (n an integer in its low mantissa bits): n << 23
+// added to p's bits, an integer add that leaves the multipliers free. Exact while the result
+// is a normal float. (The AVX-512 build scales with vscalefps instead: exp2_poly.)
+#if !defined(CPU_CAPABILITY_AVX512)
+C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorized<float> k) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(k), 23)));
+#else
+  // In uint32, which wraps like the vector integer adds above: exp2_softmax_row also passes
+  // y < kMinExp2 (lanes it masks to 0 afterwards), where p's bits plus n << 23 leave the int32
+  // range, which would be signed overflow.
+  using UVec = Vectorized<uint32_t>;
+  return at::vec::cast<float>(
+      at::vec::cast<uint32_t>(p) + (at::vec::cast<uint32_t>(k) << UVec(23)));
+#endif
+}
+#endif
+
+// 2^y for y in [-125, ~0] (and NaN in, NaN or garbage out: callers check their sums): y = n + f
+// with n = round(y) by the 1.5 * 2^23 trick and f = y - n exact in [-1/2, 1/2], 2^f by a
+// degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 measured in float
+// arithmetic), and 2^n added to the exponent. Ten vector operations, five of them fused
+// multiply-adds: the base-2 form drops the two-part ln 2 reduction, and the integer scaling
+// drops a multiply. The AVX-512 build rounds with vrndscaleps and scales with vscalefps (exact
+// for these normal results): eight operations, the same bits, 4-5 % less time for an in-cache
+// entropy pass on a 2-core Zen 4 (old and new builds in alternating processes).
+C10_ALWAYS_INLINE Vectorized<float> exp2_poly_of(Vectorized<float> f) {
+  using Vec = Vectorized<float>;
+  Vec p = at::vec::fmadd(Vec(0.0013202982f), f, Vec(0.0096749524f));
+  p = at::vec::fmadd(p, f, Vec(0.055510473f));
+  p = at::vec::fmadd(p, f, Vec(0.24022166f));
+  p = at::vec::fmadd(p, f, Vec(0.69314659f));
+  return at::vec::fmadd(p, f, Vec(1.0f));
+}
+
+C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
+  using Vec = Vectorized<float>;
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp2_poly_of(Vec(y) - Vec(n)), n);
+#else
+  const Vec shift(12582912.0f);  // 1.5 * 2^23
+  const Vec k = y + shift;
+  const Vec f = y - (k - shift);
+  return scale_by_pow2(exp2_poly_of(f), k);
+#endif
+}
+
+// The entropy pass (docs/algorithms/distillation.md, "Ops") needs, per teacher row x with max
+// m, s = sum_c e^(x_c - m) and t = sum_c e^(x_c - m) (x_c - m), from which H = log s - t / s.
+// It is bound by those exps, so float rows take them in base 2: y_c = x_c log2 e - m log2 e in
+// one FMA (the rounding of m log2 e moves every y_c of the row alike, which H does not see),
+// clamped to y >= kMinExp2 so that 2^y stays a normal float (a logit more than 86 below the max
+// adds ~1e-38 where it should add 0: invisible next to the max's 1, and a -inf logit stays
+// finite), then s = sum 2^y and t = ln 2 * sum 2^y y. That needs |m log2 e| < 2^24, so that
+// the max's own y (the residual of that rounding) is at most 1/2: exp2_row_ok. Other rows
+// (NaN, +-inf or huge maxima, and float64) take the full exp (exp_sums_full).
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2 = 0.693147180559945309f;
+constexpr float kMinExp2 = -125.0f;
+
+template <typename A>
+C10_ALWAYS_INLINE bool exp2_row_ok(A m) {
+  return std::is_same_v<A, float> && std::abs(m) <= A(1e7);  // false for NaN and +-inf too
+}
+
+// y = max(kMinExp2, x log2 e + b) with b = -(m log2 e); a NaN x stays NaN (max_raw).
+C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<float> b) {
+  return max_raw(Vectorized<float>(kMinExp2), at::vec::fmadd(x, Vectorized<float>(kLog2e), b));
+}
+
+// s and t (above) of one long float row (n >= 2 W) with exp2_row_ok(m), in one read, in base 2 (t
+// is sum 2^y y, not yet times ln 2), as the vectors s[0..W) and t[0..W) whose lanes add up to
+// them: the caller adds the lanes of a block's rows after all their exps (a row's lane sums
+// right after its exps were a chain of dependent shuffles that held up the next row). The row
+// max m may come from max_raw, which can miss a NaN: a NaN logit makes t NaN (through y), and
+// the caller then redoes the row with exp_sums_full. The
+// exps are compute bound, so while they run the same span of the next block to be read (pf, if not
+// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3).
+// Measured on a 2-core Zen 4, both prefetch kinds timed in one process (K = 40, 655 MB): in
+// the AVX-512 build rows of 900 to 4000 classes took 12-18 % less time with L2 (long rows'
+// prefetches into L1 held the core's few L1 miss buffers, and the exps stalled behind them),
+// rows of 100 to 700 classes 10-25 % more; the AVX2 build was even (+-4 %) from 900 classes and
+// also lost with L2 below.
+constexpr int64_t kPrefetchToL2Classes = 800;
+
+template <int kLocality>
+C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, float* t,
+                                const float* pf) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const Vec b(-(m * kLog2e));
+  Vec sv(0.0f), tv(0.0f);
+  int64_t c = 0;
+  constexpr int64_t kLine = 64;
+  // Two vectors per step, each sum with one add (the pair summed first): two accumulators
+  // instead of four keep every register of the step in the register file.
+  for (; c + 2 * W <= n; c += 2 * W) {
+    if (pf) {
+      const char* p = reinterpret_cast<const char*>(pf + c);
+      for (int64_t o = 0; o < 2 * W * int64_t(sizeof(float)); o += kLine) {
+        __builtin_prefetch(p + o, 0, kLocality);
+      }
+    }
+    const Vec y0 = exp2_arg(Vec::loadu(x + c), b), y1 = exp2_arg(Vec::loadu(x + c + W), b);
+    const Vec e0 = exp2_poly(y0), e1 = exp2_poly(y1);
+    sv = sv + (e0 + e1);
+    tv = tv + at::vec::fmadd(e1, y1, e0 * y0);
+  }
+  if (c + W <= n) {
+    const Vec y = exp2_arg(Vec::loadu(x + c), b);
+    const Vec e = exp2_poly(y);
+    sv = sv + e;
+    tv = at::vec::fmadd(e, y, tv);
+    c += W;
+  }
+  if (c < n) {
+    // The last partial vector as a full one ending at x + n (the row is long), its first
+    // lanes, counted already, masked to 0.
+    const Vec keep = Vec::arange(0.0f, 1.0f) >= Vec(static_cast<float>(W - (n - c)));
+    const Vec y = exp2_arg(Vec::loadu(x + n - W), b) & keep;
+    const Vec e = exp2_poly(y) & keep;
+    sv = sv + e;
+    tv = at::vec::fmadd(e, y, tv);
+  }
+  sv.store(s);
+  tv.store(t);
+}
+
+// s and t (above) of one row with the full exp (any m, any A), in one read. NaN and +-inf
+// carry through (a NaN or infinite max makes H NaN, as in the reference); a class with e = 0 (a
+// -inf logit) adds 0 to t, not 0 * -inf.
+template <typename A>
+void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t) {
+  using Vec = Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  const Vec mv(m), zero(A(0));
+  Vec sv(zero), tv(zero);
+  for (int64_t c = 0; c < n; c += W) {
+    const int64_t cnt = std::min<int64_t>(W, n - c);
+    const Vec d = Vec::set(zero, Vec::loadu(x + c, cnt) - mv, cnt);
+    const Vec e = Vec::set(zero, d.exp(), cnt);
+    sv = sv + e;
+    tv = tv + ((e * d) & (e != zero));
+  }
+  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, sv);
+  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, tv);
+}
+
+// at::vec::fmadd's rounding for one float: fused in the AVX2 and AVX-512 builds, a multiply and
+// an add in the default one.
+C10_ALWAYS_INLINE float fmadd1(float a, float b, float c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
+// e = 2^y over a whole block of exp2_arg values (the short rows' entropy pass).
+inline void exp2_inplace(const float* y, float* e, int64_t n) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  int64_t c = 0;
+  for (; c + W <= n; c += W) exp2_poly(Vec::loadu(y + c)).store(e + c);
+  if (c < n) exp2_poly(Vec::loadu(y + c, n - c)).store(e + c, n - c);
+}
+
+// s and t (t times ln 2) of one short float row (C < 2 vector widths) with exp2_row_ok(m),
+// summed in class order as RowLanes::entropy_stats does, so a row gets the same bits by lanes
+// or alone. y and e: C scratch values each.
+inline void exp2_sums_in_order(const float* x, int64_t C, float m, float* y, float* e, float& s,
+                               float& t) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const Vec b(-(m * kLog2e));
+  for (int64_t c = 0; c < C; c += W) {
+    const int cnt = static_cast<int>(std::min<int64_t>(W, C - c));
+    exp2_arg(Vec::loadu(x + c, cnt), b).store(y + c, cnt);
+  }
+  exp2_inplace(y, e, C);
+  s = t = 0.0f;
+  for (int64_t c = 0; c < C; ++c) {
+    s += e[c];
+    t = fmadd1(e[c], y[c], t);
+  }
+  t *= kLn2;
+}
+
+// max_c x_c with max_raw: NaN-blind (a NaN may be skipped or returned); for exp2_sums only.
+C10_ALWAYS_INLINE float row_max_raw(const float* x, int64_t n) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  if (n < 2 * W) return row_max(x, n);
+  Vec a = Vec::loadu(x), b = Vec::loadu(x + W);
+  int64_t c = 2 * W;
+  for (; c + 2 * W <= n; c += 2 * W) {
+    a = max_raw(a, Vec::loadu(x + c));
+    b = max_raw(b, Vec::loadu(x + c + W));
+  }
+  for (; c + W <= n; c += W) a = max_raw(a, Vec::loadu(x + c));
+  if (c < n) b = max_raw(b, Vec::loadu(x + n - W));  // overlapping: max is idempotent
+  return lane_max_raw(max_raw(a, b));
+}
+
+// Short rows (C < 2 W, where the row helpers are mostly scalar): W rows at a time, one per vector
+// lane. The W x C tile is transposed to columns (col[c * W + l] = x[l * C + c]; W x W tiles, the
+// last one overlapping), so the per-row maxima and sums become vertical vector operations. They
+// run in class order like the scalar loops of the row helpers, so a row gets the same bits
+// either way.
+template <typename A>
+struct RowColumns {
+  using Vec = Vectorized<A>;
+  static constexpr int64_t W = Vec::size();
+
+  static bool applies(int64_t C) { return C < 2 * W; }
+
+  explicit RowColumns(int64_t C) : C(C) {}
+
+  // col[c * W + l] = x[l * C + c].
+  void transpose(const A* x, A* col) const {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<A, float>) {
+      // Below 16 classes a gather per class beats ATen's 16 x 16 shuffle network (which costs
+      // the same for any C): energies of 65536 rows, one thread, 2-core Zen 4, both in
+      // alternating processes: C = 3 ~430 -> ~240 us, C = 10 ~560 -> ~530 us; the same values.
+      if (C < W) {
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512i row = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(C)));
+        for (int64_t c = 0; c < C; ++c) {
+          _mm512_storeu_ps(col + c * W, _mm512_i32gather_ps(row, x + c, 4));
+        }
+        return;
+      }
+    }
+#endif
+    if (C < W) {
+      at::vec::transpose_mxn<A>(x, C, col, W, W, static_cast<int>(C));
+      return;
+    }
+    for (int64_t c = 0; c < C; c += W) {
+      const int64_t c0 = std::min(c, C - W);
+      at::vec::transpose_mxn<A, W, W>(x + c0, C, col + c0 * W, W);
+    }
+  }
+
+  // m = max x, s and t (as in exp2_sums, t times ln 2) of the W float rows at x, through col
+  // (C * W scratch values), in class order like exp2_sums_in_order, so a row gets the same bits
+  // either way. False, with nothing stored, when a row needs the full exp (exp2_row_ok), and
+  // for float64: the caller then takes those rows one by one.
+  bool stats(const A* x, A* col, A* m, A* s, A* t) const {
+    if constexpr (!std::is_same_v<A, float>) {
+      return false;
+    } else {
+      transpose(x, col);
+      Vec mv = Vec::loadu(col);
+      for (int64_t c = 1; c < C; ++c) mv = at::vec::maximum(mv, Vec::loadu(col + c * W));
+      alignas(64) A lanes[W];
+      mv.store(lanes);
+      for (int64_t l = 0; l < W; ++l) {
+        if (!exp2_row_ok(lanes[l])) return false;
+      }
+      const Vec b = (mv * Vec(kLog2e)).neg();
+      Vec sv(A(0)), tv(A(0));
+      for (int64_t c = 0; c < C; ++c) {
+        const Vec y = exp2_arg(Vec::loadu(col + c * W), b);
+        const Vec e = exp2_poly(y);
+        sv = sv + e;
+        tv = at::vec::fmadd(e, y, tv);
+      }
+      mv.store(m);
+      sv.store(s);
+      (tv * Vec(kLn2)).store(t);
+      return true;
+    }
+  }
+
+  int64_t C;
+};
+
+// m, s and t of each of `rows` rows of C values at x (rows contiguous), for a block of rows that
+// fits in cache. Float rows take base 2 where exp2_row_ok (long rows with exp2_sums, short rows a
+// vector's width at a time with RowColumns, the rest with exp2_sums_in_order); rows with a NaN,
+// +-inf or huge maximum, and float64 rows, take the full exp. Each row's values depend on that
+// row alone (and C), never on its place in the block. Used via_exp2(m) tells a row's path: its
+// t is then in the same units, but s is sum 2^(y_c) with y_c carrying the rounding of m log2 e
+// (log_sum_exp corrects for it). R: the most rows a block has.
+template <typename A>
+class SoftmaxStats {
+ public:
+  using Vec = Vectorized<A>;
+  static constexpr int64_t W = Vec::size();
+
+  SoftmaxStats(int64_t C, int64_t R)
+      : C_(C),
+        columns_(C),
+        col_(RowColumns<A>::applies(C) ? C * W : 0),
+        lane_s_(C >= 2 * W ? R * W : 0),
+        lane_t_(lane_s_.size()),
+        row_y_(C < 2 * W ? C : 0),
+        row_e_(C < 2 * W ? C : 0) {}
+
+  // Rows worth a vector's width of rows at a time: R should then be a multiple of W.
+  static bool short_rows(int64_t C) { return RowColumns<A>::applies(C); }
+
+  // m, s, t of rows [0, rows) of x. pf (float rows only; may be null): the rows read next, with
+  // pf_rows of them, prefetched while the exps of this block run.
+  void compute(const A* x, int64_t rows, A* m, A* s, A* t, const A* pf = nullptr,
+               int64_t pf_rows = 0) {
+    int64_t r = 0;
+    if (short_rows(C_)) {
+      for (; r + W <= rows; r += W) {
+        if (!columns_.stats(x + r * C_, col_.data(), m + r, s + r, t + r)) {
+          by_rows(x, r, r + W, m, s, t, nullptr, 0);
+        }
+      }
+    }
+    by_rows(x, r, rows, m, s, t, pf, pf_rows);
+  }
+
+  static bool via_exp2(A m) { return exp2_row_ok(m); }
+
+  // log sum_c e^(x_c) of rows [0, rows) from compute's m and s, into out (may alias s): m + log s
+  // for finite m, less the rounding of m log2 e that every y_c of a base-2 row carries; m itself
+  // for an infinite m (x_c - m would be NaN there); NaN for a NaN m.
+  static void log_sum_exp(const A* m, const A* s, int64_t rows, A* out) {
+    for (int64_t r0 = 0; r0 < rows; r0 += W) {
+      const int cnt = static_cast<int>(std::min<int64_t>(W, rows - r0));
+      const Vec mv = cnt == W ? Vec::loadu(m + r0) : Vec::loadu(m + r0, cnt);
+      Vec v = (cnt == W ? Vec::loadu(s + r0) : Vec::loadu(s + r0, cnt)).log();
+      if constexpr (std::is_same_v<A, float>) {
+        // The rounding of m log2 e as the exps saw it: with b = -(m log2 e) rounded and
+        // y_c = x_c log2 e + b in one fused multiply-add, every y_c carries m log2 e + b, which
+        // the fused multiply-add below gives exactly. The default build does not fuse: its y_c
+        // round x_c log2 e first, which takes the same rounding out at x_c = m, and the
+        // unfused form below gives 0 too. Only base-2 rows (exp2_row_ok) carry it.
+        const Vec l2e(kLog2e);
+        const Vec shift = at::vec::fmadd(mv, l2e, (mv * l2e).neg()) * Vec(kLn2);
+        v = v - (shift & (mv.abs() <= Vec(1e7f)));
+      }
+      // m + log s where m is finite; an infinite or NaN m is the result itself.
+      v = Vec::blendv(mv, mv + v, (mv - mv) == Vec(A(0)));
+      if (cnt == W) {
+        v.store(out + r0);
+      } else {
+        v.store(out + r0, cnt);
+      }
+    }
+  }
+
+ private:
+  void by_rows(const A* x, int64_t ra, int64_t rb, A* m, A* s, A* t, const A* pf,
+               int64_t pf_rows) {
+    if constexpr (std::is_same_v<A, float>) {
+      if (C_ >= 2 * W) {
+        // Long rows in three passes over the rows, each of independent rows: the maxima, the
+        // exps and their lane sums (exp2_sums), then the lanes added. 4-9 % less time than the
+        // three steps row by row at C = 40-200 (AVX-512, 2-core Zen 4, both timed in one
+        // process), the same bits.
+        float* ls = lane_s_.data();
+        float* lt = lane_t_.data();
+        for (int64_t r = ra; r < rb; ++r) m[r] = row_max_raw(x + r * C_, C_);
+        for (int64_t r = ra; r < rb; ++r) {
+          if (!exp2_row_ok(m[r])) continue;
+          const float* pr = pf && r < pf_rows ? pf + r * C_ : nullptr;
+          if (C_ >= kPrefetchToL2Classes) {
+            exp2_sums<2>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pr);
+          } else {
+            exp2_sums<3>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pr);
+          }
+        }
+        for (int64_t r = ra; r < rb; ++r) {
+          if (exp2_row_ok(m[r])) {
+            const float t2 = lane_sum(Vectorized<float>::loadu(lt + r * W));
+            if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
+              s[r] = lane_sum(Vectorized<float>::loadu(ls + r * W));
+              t[r] = t2 * kLn2;
+              continue;
+            }
+          }
+          m[r] = row_max(x + r * C_, C_);
+          exp_sums_full(x + r * C_, C_, m[r], s[r], t[r]);
+        }
+        return;
+      }
+    }
+    for (int64_t r = ra; r < rb; ++r) {
+      const A* xr = x + r * C_;
+      m[r] = row_max(xr, C_);
+      if constexpr (std::is_same_v<A, float>) {  // short rows outside a lane group
+        if (exp2_row_ok(m[r])) {
+          exp2_sums_in_order(xr, C_, m[r], row_y_.data(), row_e_.data(), s[r], t[r]);
+          continue;
+        }
+      }
+      exp_sums_full(xr, C_, m[r], s[r], t[r]);
+    }
+  }
+
+  int64_t C_;
+  RowColumns<A> columns_;
+  std::vector<A> col_;                  // a short-row tile by columns (RowColumns)
+  std::vector<float> lane_s_, lane_t_;  // long rows: per-row lane vectors (exp2_sums)
+  std::vector<A> row_y_, row_e_;        // a short row's exponents and exps (exp2_sums_in_order)
+};
+
+}  // namespace softmax_stats
+}  // namespace fedkernels
