@@ -29,15 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     ReadProbe,
-    add_check_arguments,
-    add_output_arguments,
+    add_case_arguments,
     bandwidth_probes,
-    check_against_committed,
     check_output_arguments,
-    environment,
+    finish_case_run,
     resolve_device,
     timed,
-    write_results,
 )
 
 import fedkernels  # noqa: E402
@@ -59,13 +56,7 @@ def ratios(payload: dict) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
-    parser.add_argument("--tiny", action="store_true",
-                        help="N=8, C=5, 1 repeat, small probe: checks the script runs")
-    add_output_arguments(parser)
-    add_check_arguments(parser)
+    add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
     args = parser.parse_args()
     device = resolve_device(args.device)
     check_output_arguments(args)
@@ -116,13 +107,7 @@ def main() -> None:
                   f"  x{row['speedup_median_of_ratios']:5.2f}  {row['fused_GBps']:6.1f} GB/s "
                   f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at {read:.1f} GB/s)")
             f = fns = None
-    payload = {"environment": environment(device), "probes": probes, "rows": rows,
-               "dtype": "float32", "repeats": args.repeats}
-    print("wrote", write_results("energy_from_logits", device, payload, save=args.save,
-                                 out=args.out))
-    if args.check:
-        sys.exit(check_against_committed("energy_from_logits", device, payload, ratios,
-                                         args.tolerance))
+    finish_case_run("energy_from_logits", device, args, probes, rows, ratios)
 
 
 if __name__ == "__main__":

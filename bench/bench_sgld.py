@@ -41,16 +41,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     ReadProbe,
-    add_check_arguments,
-    add_output_arguments,
+    add_case_arguments,
     bandwidth_probes,
-    check_against_committed,
     check_output_arguments,
-    environment,
+    finish_case_run,
     minor_faults,
     resolve_device,
     timed,
-    write_results,
 )
 
 import fedkernels  # noqa: E402
@@ -84,15 +81,9 @@ def ratios(payload: dict) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    add_case_arguments(parser, "K=2, M=3, 1 repeat, small probe: checks the script runs")
     parser.add_argument("--max-elements", type=int, default=10**9,
                         help="skip sizes whose grads have more elements (memory)")
-    parser.add_argument("--tiny", action="store_true",
-                        help="K=2, M=3, 1 repeat, small probe: checks the script runs")
-    add_output_arguments(parser)
-    add_check_arguments(parser)
     args = parser.parse_args()
     device = resolve_device(args.device)
     check_output_arguments(args)
@@ -172,13 +163,7 @@ def main() -> None:
                   f"{row['fused_faults_per_call']:.0f} interleaved, {back_to_back_faults:.0f} back to "
                   f"back; read probe {read:.1f} GB/s")
             grads = fns = None  # free this size before allocating the next
-    payload = {"environment": environment(device), "probes": probes, "rows": rows,
-               "dtype": "float32", "repeats": args.repeats}
-    print("wrote", write_results("sgld_compose_step", device, payload, save=args.save,
-                                 out=args.out))
-    if args.check:
-        sys.exit(check_against_committed("sgld_compose_step", device, payload, ratios,
-                                         args.tolerance))
+    finish_case_run("sgld_compose_step", device, args, probes, rows, ratios)
 
 
 if __name__ == "__main__":

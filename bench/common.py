@@ -373,6 +373,28 @@ def write_results(name: str, device: torch.device, payload: dict, save: bool = F
     return " and ".join(written)
 
 
+def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> None:
+    """The arguments of the op benchmarks that time cases against a read probe: --device,
+    --repeats, --probe-bytes, --tiny, the output flags and --check."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
+    add_output_arguments(parser)
+    add_check_arguments(parser)
+
+
+def finish_case_run(name: str, device: torch.device, args: argparse.Namespace, probes: dict,
+                    rows: list, ratios: Callable[[dict], dict[str, float]]) -> None:
+    """Writes an op benchmark's fp32 run (``name``: its key in the results file) as
+    write_results does, and with --check exits with check_against_committed's status."""
+    payload = {"environment": environment(device), "probes": probes, "rows": rows,
+               "dtype": "float32", "repeats": args.repeats}
+    print("wrote", write_results(name, device, payload, save=args.save, out=args.out))
+    if args.check:
+        sys.exit(check_against_committed(name, device, payload, ratios, args.tolerance))
+
+
 # ---------------------------------------------------------------- --check
 
 
