@@ -54,9 +54,9 @@ inline int64_t block_rows(int64_t C, int64_t N) {
 // vector (ATen loads and stores those through a temporary buffer, which dominates short rows).
 // They are small and called once per row, so they are always inlined.
 
-// sum_c x_c (y == nullptr) or sum_c x_c y_c.
+// sum_c x_c (y == nullptr) or sum_c x_c y_c, of at most kSumChunk float values (row_sum).
 template <typename A>
-C10_ALWAYS_INLINE A row_sum(const A* x, const A* y, int64_t n) {
+C10_ALWAYS_INLINE A row_sum_span(const A* x, const A* y, int64_t n) {
   using Vec = Vectorized<A>;
   constexpr int64_t W = Vec::size();
   int64_t c = 0;
@@ -80,6 +80,22 @@ C10_ALWAYS_INLINE A row_sum(const A* x, const A* y, int64_t n) {
     for (; c < n; ++c) s += x[c];
   }
   return s;
+}
+
+// sum_c x_c (y == nullptr) or sum_c x_c y_c; long float rows in chunks whose sums are added in
+// float64 (kSumChunk, softmax_stats.h).
+template <typename A>
+C10_ALWAYS_INLINE A row_sum(const A* x, const A* y, int64_t n) {
+  if constexpr (std::is_same_v<A, float>) {
+    if (n > kSumChunk) {
+      double sum = 0;
+      for (int64_t c = 0; c < n; c += kSumChunk) {
+        sum += row_sum_span(x + c, y ? y + c : nullptr, std::min(kSumChunk, n - c));
+      }
+      return static_cast<float>(sum);
+    }
+  }
+  return row_sum_span(x, y, n);
 }
 
 // d_c = x_c * a - b.
