@@ -188,6 +188,8 @@ plan() {
     python_tests/test_misaligned_inputs.py -m "not cuda" -q -rs -p no:cacheprovider
   step "bench_distill" 60 bench_distill.log "$pyname" bench/bench_distill.py --device cuda \
     --out "$OUTDIR/bench_distill.json"
+  step "bench_energy" 30 bench_energy.log "$pyname" bench/bench_energy.py --device cuda \
+    --out "$OUTDIR/bench_energy.json"
   step "bench_sgld" 45 bench_sgld.log "$pyname" bench/bench_sgld.py --device cuda \
     --out "$OUTDIR/bench_sgld.json"
   step "bench_superfed" 60 bench_superfed.log "$pyname" bench/bench_superfed.py --device cuda \
@@ -330,7 +332,7 @@ plan
     grep -E 'ERROR SUMMARY|^result:' "$OUTDIR/sanitizer.log"
     echo '```'
   fi
-  for log in bench_distill bench_sgld bench_superfed bench_robust_ops; do
+  for log in bench_distill bench_energy bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
       echo "## $log (last lines of the log)"

@@ -199,7 +199,8 @@ def test_gpu_validate_dry_run_shows_every_step(tmp_path):
     assert "-m pytest python_tests -m cuda" in plan
     # every benchmark with a --device flag runs on the GPU, into the output folder
     for script in sorted(BENCH.glob("bench_*.py")):
-        if '"--device"' in script.read_text():
+        text = script.read_text()
+        if '"--device"' in text or "add_case_arguments(" in text:
             lines = [ln for ln in plan.splitlines() if f"bench/{script.name} --device cuda" in ln]
             assert lines and f"--out {out}/" in lines[0], script.name
     assert f"bench/gpu_profile.py --out {out}" in plan  # one ncu profile of every kernel
