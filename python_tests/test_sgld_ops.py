@@ -129,14 +129,16 @@ def test_energy_edge_rows_in_every_cpu_build(capability):
     assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
-def test_energy_of_a_million_classes_keeps_float32_accuracy():
-    """Long rows are summed in chunks added in float64: a float accumulator over 1e6 classes
-    was 2e-6 off in relative terms (torch.logsumexp's cascade sum: 3e-8)."""
+@pytest.mark.parametrize("device", DEVICES)
+def test_energy_of_a_million_classes_keeps_float32_accuracy(device):
+    """Long rows are summed in chunks added in float64 (CPU) or with compensated lane sums
+    (CUDA): a float accumulator over 1e6 classes was 2e-6 off in relative terms
+    (torch.logsumexp's cascade sum: 3e-8)."""
     g = _gen(3)
     logits = 5 * torch.randn(2, 1_000_000, generator=g)
     want = -torch.logsumexp(logits.double(), 1)
-    torch.testing.assert_close(fedkernels.energy_from_logits(logits).double(), want, rtol=2e-7,
-                               atol=0)
+    got = fedkernels.energy_from_logits(logits.to(device)).cpu().double()
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
 
 
 # ---------------------------------------------------------------- sgld_step

@@ -76,24 +76,23 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
           A m = -inf;
           for (int64_t c = lane; c < C; c += 32) m = MaxOp<A>()(m, static_cast<A>(x[c]));
           m = warp_reduce(m, MaxOp<A>());
-          A s = 0, t = 0, st = 0;
+          CompensatedSum<A> s, t, st;
           max_t = m * inv_t;
           for (int64_t c = lane; c < C; c += 32) {
             const A v = static_cast<A>(x[c]);
             if (entropy) {
               const A d = v - m;
               const A e = math_exp(d);
-              s += e;
-              if (e != A(0)) t += e * d;  // a -inf logit adds 0, not 0 * -inf
+              s.add(e);
+              if (e != A(0)) t.add(e * d);  // a -inf logit adds 0, not 0 * -inf
             }
-            if (a.probs) st += math_exp(v * inv_t - max_t);
+            if (a.probs) st.add(math_exp(v * inv_t - max_t));
           }
           if (entropy) {
-            s = warp_reduce(s, SumOp<A>());
-            t = warp_reduce(t, SumOp<A>());
-            ent = DistillMath::entropy(s, t);
+            ent = DistillMath::entropy(warp_reduce(s.sum, SumOp<A>()),
+                                       warp_reduce(t.sum, SumOp<A>()));
           }
-          if (a.probs) sum_t = warp_reduce(st, SumOp<A>());
+          if (a.probs) sum_t = warp_reduce(st.sum, SumOp<A>());
         }
         if (variance) {
           A s = 0;
@@ -176,13 +175,13 @@ __global__ void __launch_bounds__(kThreads) pseudo_labels_kernel(
     }
     if (a.probs) continue;
     const A m = block_reduce<kThreads>(local_max, MaxOp<A>(), s_red);
-    A local_sum = 0;
+    CompensatedSum<A> local_sum;
     for (int64_t c = tid; c < C; c += kThreads) {
       const A e = math_exp(acc[c] * inv_t - m);
       acc[c] = e;
-      local_sum += e;
+      local_sum.add(e);
     }
-    const A inv_sum = A(1) / block_reduce<kThreads>(local_sum, SumOp<A>(), s_red);
+    const A inv_sum = A(1) / block_reduce<kThreads>(local_sum.sum, SumOp<A>(), s_red);
     for (int64_t c = tid; c < C; c += kThreads) y[c] = static_cast<T>(acc[c] * inv_sum);
   }
 }
@@ -203,9 +202,9 @@ __global__ void __launch_bounds__(kThreads) distill_kl_rows_kernel(
     A m = -std::numeric_limits<A>::infinity();
     for (int64_t c = lane; c < C; c += 32) m = MaxOp<A>()(m, static_cast<A>(s[c]) * inv_t);
     m = warp_reduce(m, MaxOp<A>());
-    A sum = 0;
-    for (int64_t c = lane; c < C; c += 32) sum += math_exp(static_cast<A>(s[c]) * inv_t - m);
-    sum = warp_reduce(sum, SumOp<A>());
+    CompensatedSum<A> lane_sum;
+    for (int64_t c = lane; c < C; c += 32) lane_sum.add(math_exp(static_cast<A>(s[c]) * inv_t - m));
+    const A sum = warp_reduce(lane_sum.sum, SumOp<A>());
     const A log_sum = math_log(sum);
     const A inv_sum = A(1) / sum;
     A loss = 0, y_sum = 0;

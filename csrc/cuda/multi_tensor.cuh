@@ -44,6 +44,22 @@ struct SumOp {
   __device__ __forceinline__ A operator()(A a, A b) const { return a + b; }
 };
 
+// A thread's running sum of many finite values (a warp lane adds C / 32 of a row's exps):
+// Kahan's compensated sum keeps the error of a few additions at any length, as the CPU kernels'
+// chunked float64 sums do (csrc/cpu/softmax_stats.h); one float accumulator a lane grows its
+// error with C (2e-6 relative at C = 1e6 on the CPU). An infinite value would make the
+// compensation NaN, so callers add exps of arguments <= 0 and their finite products.
+template <typename A>
+struct CompensatedSum {
+  A sum = 0, lost = 0;
+  __device__ __forceinline__ void add(A v) {
+    const A y = v - lost;
+    const A t = sum + y;
+    lost = (t - sum) - y;
+    sum = t;
+  }
+};
+
 // Butterfly reduction over a warp: every lane ends with the same value (fp addition is
 // commutative, so the pairs are the same on every lane).
 template <typename A, typename Op>

@@ -58,9 +58,9 @@ __global__ void energy_kernel(const T* logits, const int64_t* labels, T* out, in
       if (lane == 0) out[i] = static_cast<T>(has_nan ? std::numeric_limits<A>::quiet_NaN() : -m);
       continue;
     }
-    A s = 0;
-    for (int64_t c = lane; c < C; c += 32) s += math_exp(static_cast<A>(row[c]) - m);
-    s = warp_reduce(s, SumOp<A>());
+    CompensatedSum<A> lane_s;
+    for (int64_t c = lane; c < C; c += 32) lane_s.add(math_exp(static_cast<A>(row[c]) - m));
+    const A s = warp_reduce(lane_s.sum, SumOp<A>());
     if (lane == 0) out[i] = static_cast<T>(-(m + math_log(s)));
   }
 }
