@@ -33,6 +33,7 @@
 #include "../elementwise.h"
 #include "parallel.h"
 #include "softmax_stats.h"
+#include "vec_io.h"
 
 namespace fedkernels {
 namespace {
@@ -366,7 +367,7 @@ struct DistillCpu {
           if constexpr (std::is_same_v<T, A>) {
             return src;
           } else {
-            for (int64_t e = 0; e < n; ++e) xk[e] = static_cast<A>(src[e]);
+            convert_to_acc(src, xk.data(), n);
             return xk.data();
           }
         };
@@ -496,8 +497,9 @@ struct DistillCpu {
           const int64_t rows = std::min(R, end - i0), n = rows * C;
           const T* s = student + i0 * C;
           const T* y = target + i0 * C;
-          for (int64_t j = 0; j < n; ++j) z[j] = static_cast<A>(s[j]) * inv_t;
-          for (int64_t j = 0; j < n; ++j) yv[j] = static_cast<A>(y[j]);
+          convert_to_acc(s, z.data(), n);
+          for (int64_t j = 0; j < n; ++j) z[j] *= inv_t;
+          convert_to_acc(y, yv.data(), n);
           for (int64_t r = 0; r < rows; ++r) {
             row_m[r] = row_max(z.data() + r * C, C);
             scale_sub(e.data() + r * C, z.data() + r * C, A(1), row_m[r], C);

@@ -213,7 +213,7 @@ struct SgldCpu {
     const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);
-      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R), t(R);
+      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0);
         const T* src = logits + i0 * C;
@@ -221,10 +221,10 @@ struct SgldCpu {
         if constexpr (std::is_same_v<T, A>) {
           x = src;
         } else {
-          for (int64_t e = 0; e < rows * C; ++e) xa[e] = static_cast<A>(src[e]);
+          convert_to_acc(src, xa.data(), rows * C);
           x = xa.data();
         }
-        stats.compute(x, rows, m.data(), s.data(), t.data());
+        stats.compute(x, rows, m.data(), s.data(), nullptr);
         Stats::log_sum_exp(m.data(), s.data(), rows, s.data());
         for (int64_t r = 0; r < rows; ++r) out[i0 + r] = static_cast<T>(-s[r]);
       }

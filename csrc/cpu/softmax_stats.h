@@ -69,6 +69,36 @@ C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
 }
 #endif
 
+// The sum and the maximum (NaN if a lane is NaN) of a float64 vector's lanes, in registers:
+// ATen's vec_reduce_all went through the stack, and with it a float64 row of 100 logits spent
+// more time on its two reductions than on its exps.
+C10_ALWAYS_INLINE double lane_sum(Vectorized<double> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_pd(v);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+#else
+  using Vec = Vectorized<double>;
+  return at::vec::vec_reduce_all<double>([](Vec& a, Vec& b) { return a + b; }, v);
+#endif
+}
+C10_ALWAYS_INLINE double lane_max(Vectorized<double> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (_mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q) != 0) return std::numeric_limits<double>::quiet_NaN();
+  return _mm512_reduce_max_pd(v);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (_mm256_movemask_pd(_mm256_cmp_pd(v, v, _CMP_UNORD_Q)) != 0) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  const __m128d h = _mm_max_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+  return _mm_cvtsd_f64(_mm_max_sd(h, _mm_unpackhi_pd(h, h)));
+#else
+  using Vec = Vectorized<double>;
+  return at::vec::vec_reduce_all<double>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+#endif
+}
+
 // max_c x_c, NaN if any x_c is NaN (like at::vec::maximum). Branch-free: the comparisons of
 // random data would mispredict. Float rows take the maximum with max_raw in two accumulators and
 // OR the unordered lanes apart (a NaN lane's mask is all ones, itself a NaN): a step per vector
@@ -111,7 +141,7 @@ C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
     for (; c + W <= n; c += W) v = at::vec::maximum(v, Vec::loadu(x + c));
     // The last partial vector as an overlapping full one: max is idempotent.
     if (c < n) v = at::vec::maximum(v, Vec::loadu(x + n - W));
-    return at::vec::vec_reduce_all<A>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+    return lane_max(v);
   }
 }
 
@@ -278,24 +308,42 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, f
   }
 }
 
-// s and t (above) of one row with the full exp (any m, any A), in one read. NaN and +-inf
-// carry through (a NaN or infinite max makes H NaN, as in the reference); a class with e = 0 (a
-// -inf logit) adds 0 to t, not 0 * -inf.
+// s and t (above; t only with with_t) of one row with the full exp (any m, any A), in one read:
+// whole vectors, the last partial one as a full vector ending at x + n with its lanes counted
+// already masked to 0, and a row shorter than a vector one value at a time with std::exp (a
+// partial vector goes through a buffer, which made short float64 rows 3x slower than a scalar
+// loop). NaN and +-inf carry through (a NaN or infinite max makes H NaN, as in the reference); a
+// class with e = 0 (a -inf logit) adds 0 to t, not 0 * -inf.
 template <typename A>
-void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t) {
+void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t, bool with_t) {
   using Vec = Vectorized<A>;
   constexpr int64_t W = Vec::size();
   const Vec mv(m), zero(A(0));
   Vec sv(zero), tv(zero);
-  for (int64_t c = 0; c < n; c += W) {
-    const int64_t cnt = std::min<int64_t>(W, n - c);
-    const Vec d = Vec::set(zero, Vec::loadu(x + c, cnt) - mv, cnt);
-    const Vec e = Vec::set(zero, d.exp(), cnt);
-    sv = sv + e;
-    tv = tv + ((e * d) & (e != zero));
+  s = t = A(0);
+  if (n < W) {
+    for (int64_t c = 0; c < n; ++c) {
+      const A d = x[c] - m;
+      const A e = std::exp(d);
+      s += e;
+      if (with_t && e != A(0)) t += e * d;
+    }
+    return;
   }
-  s = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, sv);
-  t = at::vec::vec_reduce_all<A>([](Vec& a, Vec& v) { return a + v; }, tv);
+  auto add = [&](Vec d, Vec keep) {
+    const Vec e = d.exp() & keep;
+    sv = sv + e;
+    if (with_t) tv = tv + ((e * d) & (e != zero));
+  };
+  const Vec all = zero == zero;
+  int64_t c = 0;
+  for (; c + W <= n; c += W) add(Vec::loadu(x + c) - mv, all);
+  if (c < n) {
+    add(Vec::loadu(x + n - W) - mv,
+        Vec::arange(A(0), A(1)) >= Vec(static_cast<A>(W - (n - c))));
+  }
+  s = lane_sum(sv);
+  if (with_t) t = lane_sum(tv);
 }
 
 // at::vec::fmadd's rounding for one float: fused in the AVX2 and AVX-512 builds, a multiply and
@@ -449,15 +497,19 @@ class SoftmaxStats {
         lane_s_(C >= 2 * W ? R * W : 0),
         lane_t_(lane_s_.size()),
         row_y_(C < 2 * W ? C : 0),
-        row_e_(C < 2 * W ? C : 0) {}
+        row_e_(C < 2 * W ? C : 0),
+        t_unused_(R) {}
 
   // Rows worth a vector's width of rows at a time: R should then be a multiple of W.
   static bool short_rows(int64_t C) { return RowColumns<A>::applies(C); }
 
-  // m, s, t of rows [0, rows) of x. pf (float rows only; may be null): the rows read next, with
-  // pf_rows of them, prefetched while the exps of this block run.
+  // m, s, t of rows [0, rows) of x; t may be null (not wanted: rows on the full exp then skip
+  // it). pf (float rows only; may be null): the rows read next, with pf_rows of them, prefetched
+  // while the exps of this block run.
   void compute(const A* x, int64_t rows, A* m, A* s, A* t, const A* pf = nullptr,
                int64_t pf_rows = 0) {
+    with_t_ = t != nullptr;
+    if (!with_t_) t = t_unused_.data();
     int64_t r = 0;
     if (short_rows(C_)) {
       for (; r + W <= rows; r += W) {
@@ -530,7 +582,7 @@ class SoftmaxStats {
             }
           }
           m[r] = row_max(x + r * C_, C_);
-          exp_sums_full(x + r * C_, C_, m[r], s[r], t[r]);
+          exp_sums_full(x + r * C_, C_, m[r], s[r], t[r], with_t_);
         }
         return;
       }
@@ -544,7 +596,7 @@ class SoftmaxStats {
           continue;
         }
       }
-      exp_sums_full(xr, C_, m[r], s[r], t[r]);
+      exp_sums_full(xr, C_, m[r], s[r], t[r], with_t_);
     }
   }
 
@@ -553,6 +605,8 @@ class SoftmaxStats {
   std::vector<A> col_;                  // a short-row tile by columns (RowColumns)
   std::vector<float> lane_s_, lane_t_;  // long rows: per-row lane vectors (exp2_sums)
   std::vector<A> row_y_, row_e_;        // a short row's exponents and exps (exp2_sums_in_order)
+  std::vector<A> t_unused_;             // t when the caller does not want it
+  bool with_t_ = true;
 };
 
 }  // namespace softmax_stats

@@ -22,6 +22,23 @@ inline void load2(const T* p, at::vec::Vectorized<A>& lo, at::vec::Vectorized<A>
   }
 }
 
+// dst[0..n) = src[0..n) in the accumulate type A: pairs of vectors through load2, then one by
+// one. fp16 to float with a scalar cast does not vectorize (energies of fp16 rows of 1000
+// classes took 1.7x torch.logsumexp's time with it); the values are the same.
+template <typename T, typename A>
+inline void convert_to_acc(const T* src, A* dst, int64_t n) {
+  using Vec = at::vec::Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    Vec lo, hi;
+    load2<T, A>(src + i, lo, hi);
+    lo.store(dst + i);
+    hi.store(dst + i + W);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<A>(src[i]);
+}
+
 // Stores two vectors of the accumulate type A as 2 * Vectorized<A>::size() elements of type U.
 template <typename U, typename A>
 inline void store2(U* p, const at::vec::Vectorized<A>& lo, const at::vec::Vectorized<A>& hi) {
