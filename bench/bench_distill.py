@@ -37,13 +37,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ReadProbe,
     add_case_arguments,
-    bandwidth_probes,
-    check_output_arguments,
     finish_case_run,
     minor_faults,
-    resolve_device,
+    start_case_run,
     timed,
 )
 
@@ -88,16 +85,8 @@ def ratios(payload: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "K=2, N=8, C=5, 1 repeat, small probe: checks the script runs")
-    args = parser.parse_args()
-    device = resolve_device(args.device)
-    check_output_arguments(args)
-    ks, ns, cs = (KS, NS, CS)
-    if args.tiny:
-        ks, ns, cs, args.repeats = (2,), (8,), (5,), 1
-        args.probe_bytes = min(args.probe_bytes, 1 << 23)
-    probes = bandwidth_probes(device, args.probe_bytes)
-    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
-    probe = ReadProbe(device, args.probe_bytes)
+    args, device, probes, probe = start_case_run(parser)
+    ks, ns, cs = ((2,), (8,), (5,)) if args.tiny else (KS, NS, CS)
     rows = []
     g = torch.Generator().manual_seed(0)
     for K in ks:

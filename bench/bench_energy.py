@@ -28,12 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ReadProbe,
     add_case_arguments,
-    bandwidth_probes,
-    check_output_arguments,
     finish_case_run,
-    resolve_device,
+    start_case_run,
     timed,
 )
 
@@ -57,18 +54,8 @@ def ratios(payload: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
-    args = parser.parse_args()
-    device = resolve_device(args.device)
-    check_output_arguments(args)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    ns, cs = NS, CS
-    if args.tiny:
-        ns, cs, args.repeats = (8,), (5,), 1
-        args.probe_bytes = min(args.probe_bytes, 1 << 23)
-    probes = bandwidth_probes(device, args.probe_bytes)
-    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
-    probe = ReadProbe(device, args.probe_bytes)
+    args, device, probes, probe = start_case_run(parser)
+    ns, cs = ((8,), (5,)) if args.tiny else (NS, CS)
     g = torch.Generator().manual_seed(0)
     rows = []
     for N in ns:

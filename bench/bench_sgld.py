@@ -40,13 +40,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ReadProbe,
     add_case_arguments,
-    bandwidth_probes,
-    check_output_arguments,
     finish_case_run,
     minor_faults,
-    resolve_device,
+    start_case_run,
     timed,
 )
 
@@ -84,16 +81,8 @@ def main() -> None:
     add_case_arguments(parser, "K=2, M=3, 1 repeat, small probe: checks the script runs")
     parser.add_argument("--max-elements", type=int, default=10**9,
                         help="skip sizes whose grads have more elements (memory)")
-    args = parser.parse_args()
-    device = resolve_device(args.device)
-    check_output_arguments(args)
-    ks, ms = (KS, MS)
-    if args.tiny:
-        ks, ms, args.repeats = (2,), (3,), 1
-        args.probe_bytes = min(args.probe_bytes, 1 << 23)
-    probes = bandwidth_probes(device, args.probe_bytes)
-    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
-    probe = ReadProbe(device, args.probe_bytes)
+    args, device, probes, probe = start_case_run(parser)
+    ks, ms = ((2,), (3,)) if args.tiny else (KS, MS)
     rows = []
     for K in ks:
         for M in ms:

@@ -384,6 +384,25 @@ def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> None:
     add_check_arguments(parser)
 
 
+def start_case_run(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.device,
+                                                              dict, ReadProbe]:
+    """Parses and checks the arguments of add_case_arguments (and the script's own), shrinks a
+    --tiny run to one repeat and a small probe, and measures and prints the bandwidth probes.
+    Returns (args, device, probes, a ReadProbe to measure again before each case); the script
+    then picks its --tiny sizes."""
+    args = parser.parse_args()
+    device = resolve_device(args.device)
+    check_output_arguments(args)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.tiny:
+        args.repeats = 1
+        args.probe_bytes = min(args.probe_bytes, 1 << 23)
+    probes = bandwidth_probes(device, args.probe_bytes)
+    print(f"probes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
+    return args, device, probes, ReadProbe(device, args.probe_bytes)
+
+
 def finish_case_run(name: str, device: torch.device, args: argparse.Namespace, probes: dict,
                     rows: list, ratios: Callable[[dict], dict[str, float]]) -> None:
     """Writes an op benchmark's fp32 run (``name``: its key in the results file) as
