@@ -206,10 +206,12 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kLn2 = 0.693147180559945309f;
 constexpr float kMinExp2 = -125.0f;
+constexpr float kExp2RowMaxAbs = 1e7f;  // the largest |m| of a base-2 row (exp2_row_ok)
 
 template <typename A>
 C10_ALWAYS_INLINE bool exp2_row_ok(A m) {
-  return std::is_same_v<A, float> && std::abs(m) <= A(1e7);  // false for NaN and +-inf too
+  // false for NaN and +-inf too
+  return std::is_same_v<A, float> && std::abs(m) <= A(kExp2RowMaxAbs);
 }
 
 // y = max(kMinExp2, x log2 e + b) with b = -(m log2 e); a NaN x stays NaN (max_raw).
@@ -481,9 +483,9 @@ struct RowColumns {
 // fits in cache. Float rows take base 2 where exp2_row_ok (long rows with exp2_sums, short rows a
 // vector's width at a time with RowColumns, the rest with exp2_sums_in_order); rows with a NaN,
 // +-inf or huge maximum, and float64 rows, take the full exp. Each row's values depend on that
-// row alone (and C), never on its place in the block. Used via_exp2(m) tells a row's path: its
-// t is then in the same units, but s is sum 2^(y_c) with y_c carrying the rounding of m log2 e
-// (log_sum_exp corrects for it). R: the most rows a block has.
+// row alone (and C), never on its place in the block. A base-2 row's s is sum 2^(y_c), with every
+// y_c carrying the rounding of m log2 e: H does not see it, log_sum_exp takes it out. R: the
+// most rows a block has.
 template <typename A>
 class SoftmaxStats {
  public:
@@ -521,8 +523,6 @@ class SoftmaxStats {
     by_rows(x, r, rows, m, s, t, pf, pf_rows);
   }
 
-  static bool via_exp2(A m) { return exp2_row_ok(m); }
-
   // log sum_c e^(x_c) of rows [0, rows) from compute's m and s, into out (may alias s): m + log s
   // for finite m, less the rounding of m log2 e that every y_c of a base-2 row carries; m itself
   // for an infinite m (x_c - m would be NaN there); NaN for a NaN m.
@@ -539,7 +539,7 @@ class SoftmaxStats {
         // unfused form below gives 0 too. Only base-2 rows (exp2_row_ok) carry it.
         const Vec l2e(kLog2e);
         const Vec shift = at::vec::fmadd(mv, l2e, (mv * l2e).neg()) * Vec(kLn2);
-        v = v - (shift & (mv.abs() <= Vec(1e7f)));
+        v = v - (shift & (mv.abs() <= Vec(kExp2RowMaxAbs)));  // exp2_row_ok
       }
       // m + log s where m is finite; an infinite or NaN m is the result itself.
       v = Vec::blendv(mv, mv + v, (mv - mv) == Vec(A(0)));
