@@ -558,6 +558,32 @@ def test_errors_name_the_tensor():
         fedkernels.proximal_term(g, l, 1.0, "squared")
 
 
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf")])
+def test_regularizer_coefficients_must_be_finite_and_non_negative(bad):
+    """A negative nu or mu would reward what the term penalises, a NaN or inf would reach every
+    gradient: each entry point refuses them and names the coefficient."""
+    g, l = make_pair([(3, 4), (5,)], torch.float32)
+    calls = {
+        "mu": [
+            lambda: fedkernels.proximal_term(g, l, mu=bad),
+            lambda: fedkernels.superfed_regularizer(g, l, l, nu=0.1, mu=bad),
+            lambda: fedkernels.superfed_mix(g, l, 0.5, l, nu=0.1, mu=bad),
+        ],
+        "nu": [
+            lambda: fedkernels.superfed_regularizer(g, l, l, nu=bad, mu=0.1),
+            lambda: fedkernels.superfed_mix(g, l, 0.5, l, nu=bad, mu=0.1),
+        ],
+        "eps": [lambda: fedkernels.cosine_orthogonality(g, l, eps=bad)],
+        "numerator_eps": [lambda: fedkernels.cosine_orthogonality(g, l, numerator_eps=bad)],
+    }
+    for name, fns in calls.items():
+        for fn in fns:
+            with pytest.raises(ValueError, match=f" {name} must be finite and >= 0, got "):
+                fn()
+    # 0 stays allowed: it leaves the term out
+    assert float(fedkernels.superfed_regularizer(g, l, l, nu=0.0, mu=0.0)) == 0.0
+
+
 # ---------------------------------------------------------------- CUDA against the CPU op
 
 

@@ -30,10 +30,14 @@ The regularizers (with :math:`s = \langle g, l\rangle`, :math:`A = \|g\|^2`, :ma
   :math:`\mu \sum_p \|g^p - a^p\|` (unsquared, a sum of per-tensor norms), whose gradient
   :math:`\mu (g^p - a^p)/\|g^p - a^p\|` is taken as 0 where the norm is 0 (the first step of every
   round), as torch's ``norm`` does.
+
+The coefficients :math:`\nu`, :math:`\mu`, ``eps`` and ``numerator_eps`` must be finite and
+:math:`\ge 0` (a ``ValueError`` names the one that is not); 0 leaves a term out.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -140,6 +144,7 @@ def cosine_orthogonality(
     r""":math:`\cos^2(g, l)` over the whole flattened model (or per tensor, ``[T]``); see the
     module docstring for ``numerator_eps`` and ``eps``. Float32 (float64 for float64
     parameters)."""
+    _check_coefficients("cosine_orthogonality", numerator_eps=numerator_eps, eps=eps)
     g = list(global_params)
     stats = superfed_stats(g, local_params)
     value = orthogonality_from_stats(stats, [x.numel() for x in g], per_tensor, numerator_eps, eps)
@@ -154,6 +159,7 @@ def proximal_term(
 ) -> Tensor:
     r"""FedProx-style anchor term: ``"paper"`` :math:`\tfrac{\mu}{2}\|g - a\|^2`, ``"code"``
     :math:`\mu\sum_p\|g^p - a^p\|`. Float32 (float64 for float64 parameters)."""
+    _check_coefficients("proximal_term", mu=mu)
     g = list(global_params)
     return proximal_from_stats(superfed_stats(g, (), anchor), mu, form).to(_loss_dtype(g))
 
@@ -173,6 +179,7 @@ def superfed_regularizer(
     r"""SuPerFed's :math:`\Omega = \nu\cos^2(g, l) + R_{prox}(g, a)` from ONE fused statistics
     pass (forward) and one fused elementwise pass (backward). A term whose coefficient is 0, or
     whose list is ``None``, is left out (its inputs are not read). Per-tensor cosines are summed."""
+    _check_coefficients("superfed_regularizer", nu=nu, mu=mu, numerator_eps=numerator_eps, eps=eps)
     g = list(global_params)
     use_orth = nu != 0 and local_params is not None
     use_prox = mu != 0 and anchor is not None
@@ -230,6 +237,7 @@ def superfed_mix(
     (as :func:`superfed_regularizer`), from one fused pass over ``g``, ``l``, ``anchor``; the
     backward is one fused pass too (``(1-\lambda)G + \partial\Omega/\partial g`` and
     ``\lambda G + \partial\Omega/\partial l`` written once, with no separate accumulation)."""
+    _check_coefficients("superfed_mix", nu=nu, mu=mu, numerator_eps=numerator_eps, eps=eps)
     g = list(global_params)
     use_prox = mu != 0 and anchor is not None
     theta, stats = mix_endpoints_with_stats(g, local_params, lam, list(anchor) if use_prox else ())
@@ -242,6 +250,16 @@ def superfed_mix(
     if use_prox:
         total = total + proximal_from_stats(stats, mu, prox_form)
     return theta, total.to(_loss_dtype(g))
+
+
+def _check_coefficients(op: str, **coefficients) -> None:
+    """The regularizers' weights (nu, mu) and the cosine's epsilons must be finite and >= 0: a
+    negative weight would reward what the term penalises, and a NaN would reach every gradient.
+    Plain numbers only; a tensor coefficient is the caller's to check (reading it here would
+    synchronise a GPU and break a compiled graph)."""
+    for name, value in coefficients.items():
+        if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"fedkernels.{op}: {name} must be finite and >= 0, got {value}")
 
 
 def _loss_dtype(params: Sequence[Tensor]) -> torch.dtype:
