@@ -51,8 +51,9 @@ inline int64_t block_rows(int64_t C, int64_t N) {
   return std::max<int64_t>(1, std::min<int64_t>(N, kBlockElems / C));
 }
 
-// The helpers below run over one row x[0..n): full vectors and a scalar tail, never a partial
-// vector (ATen loads and stores those through a temporary buffer, which dominates short rows).
+// The helpers below run over one row x[0..n): full vectors and a scalar tail (axpy_group: an
+// overlapping last vector), never a partial vector (ATen loads and stores those through a
+// temporary buffer, which dominates short rows).
 // They are small and called once per row, so they are always inlined.
 
 // sum_c x_c (y == nullptr) or sum_c x_c y_c, of at most kSumChunk float values (row_sum).
@@ -118,17 +119,27 @@ C10_ALWAYS_INLINE void axpy_group(A* y, const A* const* x, const A* a, int64_t n
   constexpr int64_t W = Vec::size();
   Vec av[G];
   for (int g = 0; g < G; ++g) av[g] = Vec(a[g]);
-  int64_t c = 0;
-  for (; c + W <= n; c += W) {
+  auto at = [&](int64_t c) {
     Vec acc = Vec::loadu(y + c);
     for (int g = 0; g < G; ++g) acc = acc + av[g] * Vec::loadu(x[g] + c);
-    acc.store(y + c);
+    return acc;
+  };
+  if (n < W) {
+    for (int64_t c = 0; c < n; ++c) {
+      A acc = y[c];
+      for (int g = 0; g < G; ++g) acc += a[g] * x[g][c];
+      y[c] = acc;
+    }
+    return;
   }
-  for (; c < n; ++c) {
-    A acc = y[c];
-    for (int g = 0; g < G; ++g) acc += a[g] * x[g][c];
-    y[c] = acc;
-  }
+  // The last partial vector as a full one ending at y + n, taken from the values before the
+  // loop writes them and stored after it: where it overlaps the loop's last vector it holds the
+  // same sums, rounded alike. Against a scalar tail, FedGO pseudo-labels at C = 40-100 took 1-4 %
+  // less time (one thread, in cache, old and new builds in alternating processes), same bits.
+  const bool partial = n % W != 0;
+  const Vec tail = partial ? at(n - W) : Vec(A(0));
+  for (int64_t c = 0; c + W <= n; c += W) at(c).store(y + c);
+  if (partial) tail.store(y + n - W);
 }
 
 // y_c += a * x_c.
