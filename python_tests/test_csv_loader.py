@@ -46,7 +46,8 @@ def test_header_problems(tmp_path):
     fails(write(tmp_path, "a,,label\n1,2,0\n"), "column 2 of the header has no name",
           "row 2 holds '2'")
     fails(write(tmp_path, ",a,label\n0,5,0\n1,6,1\n"), "column 1", "ignore_columns")
-    fails(write(tmp_path, "a;b;label\n1;2;0\n"), "no column 'label'", "only commas")
+    fails(write(tmp_path, "a;b;label\n1;2;0\n"), "no column 'label'",
+          "holds semicolons: pass --data.delimiter ';'")
     fails(write(tmp_path, "a,b\n1,0\n"), "no column 'label'", "columns: a, b")
 
 
@@ -408,9 +409,78 @@ def test_quoted_fields_spanning_lines_keep_spreadsheet_row_numbers(tmp_path):
     assert d.info["features"]["one_hot"]["note"]["levels"] == ["b", 'multi\nline "q"']
 
 
-def test_semicolons_with_decimal_commas_say_only_commas_separate(tmp_path):
+def test_semicolons_with_decimal_commas_name_the_delimiter_to_pass(tmp_path):
     fails(write(tmp_path, "age;bp;label\n71;118,7;0\n22;121,0;1\n"), "row 2", "2 fields",
-          "only commas separate fields")
+          "split at commas, the header is one column", "pass --data.delimiter ';'")
+
+
+# Spreadsheet exports of one table: comma-separated with '.' decimals, a European Excel's
+# semicolons with decimal commas and '.' thousands, a tab-separated file, '|'.
+_ROWS = [("71", "1234.5", "a b", "yes"), ("22", "-0.25", "c", "no"), ("35", "3", "a b", "no"),
+         ("40", "", "c", "yes")]
+
+
+def _table(sep: str, number=lambda v: v) -> str:
+    lines = [sep.join(("age", "bp (mm, Hg)" if sep != "," else "bp", "kind", "label"))]
+    lines += [sep.join((a, number(b), k, lab)) for a, b, k, lab in _ROWS]
+    return "\n".join(lines) + "\n"
+
+
+def _decimal_comma(v: str) -> str:
+    whole, _, frac = v.partition(".")
+    sign = "-" if whole.startswith("-") else ""
+    whole = whole.lstrip("-")
+    grouped = f"{int(whole):,}".replace(",", ".") if whole else ""
+    return sign + grouped + ("," + frac if frac else "")
+
+
+@pytest.mark.parametrize("name, text, options", [
+    ("semi.csv", _table(";", _decimal_comma), {"delimiter": ";", "decimal": ","}),
+    ("tabs.tsv", _table("\t"), {}),  # a .tsv file is tab-separated by default
+    ("tabs.txt", _table("\t"), {"delimiter": "tab"}),
+    ("pipes.csv", _table("|"), {"delimiter": "|"}),
+    ("gz.tsv.gz", None, {}),
+])
+def test_other_delimiters_and_decimal_commas_read_the_same_table(tmp_path, name, text, options):
+    reference = load_csv(write(tmp_path, _table(","), "ref.csv"), client_column=None)
+    if text is None:  # a gzipped .tsv
+        import gzip
+        path = tmp_path / name
+        path.write_bytes(gzip.compress(_table("\t").encode()))
+    else:
+        path = write(tmp_path, text, name)
+    d = load_csv(path, client_column=None, **options)
+    torch.testing.assert_close(d.x, reference.x)
+    assert d.y.tolist() == reference.y.tolist()
+    assert d.info["features"]["one_hot"] == reference.info["features"]["one_hot"]
+
+
+def test_decimal_comma_rewrites_numbers_only(tmp_path):
+    from fedkernels.sim.tabular import point_decimal
+    cases = {"3,5": "3.5", "-0,25": "-0.25", ",5": ".5", "1.234,5": "1234.5",
+             "1.234.567": "1234567", "12": "12", "1.5": "1.5", "01.02.2023": "01.02.2023",
+             "a,b": "a,b", "5,": "5,", ",": ",", "1,2,3": "1,2,3", "12,5 %": "12,5 %"}
+    for text, expected in cases.items():
+        assert point_decimal(text) == expected, text
+    # The header keeps its names as written, and a text column with commas stays text.
+    path = write(tmp_path, "w;x,y;label\n1,5;a,b;0\n2,5;c;1\n", "h.csv")
+    d = load_csv(path, client_column=None, delimiter=";", decimal=",")
+    assert d.info["features"]["one_hot"]["x,y"]["levels"] == ["a,b", "c"]
+
+
+def test_delimiter_and_decimal_hints_and_settings(tmp_path):
+    tabs = write(tmp_path, "a\tb\tlabel\n1\t2\t0\n3\t4\t1\n", "t.csv")
+    fails(tabs, "holds tabs: pass --data.delimiter tab")
+    many = "".join(f"{i},{i % 7};{i % 2}\n" for i in range(60))
+    fails(write(tmp_path, "v;label\n" + many, "m.csv"), "pass --data.decimal ,",
+          delimiter=";")
+    fails(write(tmp_path, "a,label\n1,0\n2,1\n", "ok.csv"), "data.delimiter must be one of",
+          delimiter=":")
+    fails(write(tmp_path, "a,label\n1,0\n2,1\n", "ok2.csv"), "data.decimal must be",
+          decimal=";")
+    for bad in ({"delimiter": ":"}, {"decimal": ";"}):
+        with pytest.raises(ConfigError, match="data.(delimiter|decimal)"):
+            DataConfig(name="csv", path="x.csv", **bad)
 
 
 def test_not_utf8_names_the_file_offset_and_row(tmp_path):

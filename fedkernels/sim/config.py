@@ -72,6 +72,16 @@ class DataConfig:
     num_classes: int = _field(5, "gaussian_mixture: number of classes (one Gaussian each)")
     separation: float = _field(2.0, "gaussian_mixture: scale of the class means (unit noise)")
     path: str | None = _field(None, "csv: path of the file (header row required)")
+    delimiter: str | None = _field(
+        None,
+        "csv: the character between fields: ',', ';', 'tab' or '|' (default: tab for a .tsv "
+        "file, else ',')",
+    )
+    decimal: str = _field(
+        ".",
+        "csv: the decimal mark of numbers: '.', or ',' to read numbers as spreadsheets in "
+        "decimal-comma locales write them (3,5 and 1.234,5)",
+    )
     label_column: str = _field("label", "csv: name of the label column")
     client_column: str | None = _field(
         None,
@@ -119,6 +129,10 @@ class DataConfig:
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
         _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
+        _require(self.delimiter in (None, ",", ";", "tab", "\t", "|"),
+                 f"data.delimiter must be one of ',', ';', 'tab' or '|', got {self.delimiter!r}")
+        _require(self.decimal in (".", ","), f"data.decimal must be '.' or ',', got "
+                 f"{self.decimal!r}")
         _require(0.0 <= self.noise_rate < 1.0, "data.noise_rate must be in [0, 1)")
         _require(
             self.label_noise != "none" or self.noise_rate == 0.0,

@@ -206,6 +206,8 @@ def load_csv(
     categorical_columns: Sequence[str] | None = None,
     ignore_columns: Sequence[str] | None = None,
     standardize: bool = True,
+    delimiter: str | None = None,
+    decimal: str = ".",
 ) -> Dataset:
     """A CSV file with a header row: one label column, optionally one client column (the
     natural partition), and feature columns (all the others but ``ignore_columns``).
@@ -217,10 +219,11 @@ def load_csv(
     ``categorical_columns``) are one-hot encoded with a ``missing`` level. Missing markers:
     ``''``, ``?``, ``NA``, ``N/A``, ``nan``, ``null``. The encoding here is fitted on every
     row; a simulation refits it on the clients' training rows (:meth:`Dataset.fit_features`).
-    Every problem raises :class:`ConfigError` naming the row and column. Rules in
-    ``docs/data.md``.
+    Every problem raises :class:`ConfigError` naming the row and column. ``delimiter``: ``","``,
+    ``";"``, ``"tab"`` or ``"|"`` (None: a tab for a ``.tsv`` file, else a comma); ``decimal``
+    ``","`` reads ``3,5`` and ``1.234,5`` as 3.5 and 1234.5. Rules in ``docs/data.md``.
     """
-    table = read_table(path)
+    table = read_table(path, delimiter, decimal)
     require_columns(table, {"data.label_column": label_column,
                             "data.client_column": client_column})
     if client_column is not None and client_column == label_column:
@@ -290,4 +293,6 @@ def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
         categorical_columns=config.categorical_columns,
         ignore_columns=config.ignore_columns,
         standardize=config.standardize,
+        delimiter=config.delimiter,
+        decimal=config.decimal,
     )

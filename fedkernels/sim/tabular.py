@@ -9,6 +9,10 @@ told are training rows, so that no test row leaks into the features.
 
 Rules (documented in ``docs/data.md``):
 
+- fields are separated by a comma, or by the ``data.delimiter`` given (``;``, tab, ``|``; a
+  tab by default for a ``.tsv`` file); with ``data.decimal`` ``,`` numbers are read with a
+  decimal comma and ``.`` thousands separators (``1.234,5``), as spreadsheets in those
+  locales write them;
 - a field is missing when, stripped of spaces, it is one of ``MISSING_MARKERS`` (any case);
 - a field is a number when ``float()`` reads it and it is finite; ``1``, ``1.0``, ``01`` and
   ``+1`` are the same value, compared exactly (so 17-digit identifiers stay distinct);
@@ -46,6 +50,37 @@ MISSING_LEVEL = "missing"
 # An automatically detected text column with more distinct values than this (and than half
 # its present values) looks like an identifier or free text, not a category.
 MAX_AUTO_LEVELS = 50
+
+# data.delimiter's spellings, and each separator's name in messages.
+DELIMITERS = {",": ",", ";": ";", "tab": "\t", "\t": "\t", "|": "|"}
+_DELIMITER_NAMES = {",": "commas", ";": "semicolons", "\t": "tabs", "|": "'|'"}
+_DELIMITER_FLAGS = {",": "','", ";": "';'", "\t": "tab", "|": "'|'"}
+DECIMAL_MARKS = (".", ",")
+
+
+def field_separator(setting: str | None, path: str | Path) -> str:
+    """The character data.delimiter names (``None``: a tab for a ``.tsv`` file, gzipped or
+    not, else a comma)."""
+    if setting is None:
+        name = Path(path).name.lower()
+        return "\t" if name.endswith((".tsv", ".tsv.gz")) else ","
+    if setting not in DELIMITERS:
+        raise ConfigError(f"data.delimiter must be one of ',', ';', 'tab' or '|', got {setting!r}")
+    return DELIMITERS[setting]
+
+
+# A number with a decimal comma and optional '.' thousands separators: 3,5  -0,25  1.234,5
+# 1.234.567 (and 1.234, the thousands separator alone). Plain digits match too (unchanged).
+_DECIMAL_COMMA_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:\.\d{3})+|\d*)(?:,\d+)?")
+
+
+def point_decimal(text: str) -> str:
+    """``text`` with a decimal comma number rewritten as float() reads it (``1.234,5`` ->
+    ``1234.5``); anything else unchanged."""
+    if ("," in text or "." in text) and any(ch.isdigit() for ch in text) and \
+            _DECIMAL_COMMA_NUMBER.fullmatch(text):
+        return text.replace(".", "").replace(",", ".")
+    return text
 
 
 def is_missing(text: str) -> bool:
@@ -127,6 +162,10 @@ def _locale_hint(texts: Sequence[str]) -> str:
         return ""
     kind = max({k for k, _ in found}, key=[k for k, _ in found].count)
     example = next(t for k, t in found if k == kind)
+    if kind == "a decimal comma":
+        return (f"its values look like numbers written with {kind} (e.g. {example!r}), which "
+                "are read as text; pass --data.decimal , (data.decimal: ',') to read numbers "
+                "with a decimal comma, or clean the column ('.' as the decimal point)")
     return (f"its values look like numbers written with {kind} (e.g. {example!r}), which are "
             "read as text; clean the column (plain digits, '.' as the decimal point, no "
             "separators or % sign) to read it as numbers")
@@ -135,13 +174,15 @@ def _locale_hint(texts: Sequence[str]) -> str:
 @dataclass
 class Table:
     """A CSV file's header and rows (fields stripped), with each row's number as a spreadsheet
-    shows it (the header is row 1; a quoted field spanning lines is still one row)."""
+    shows it (the header is row 1; a quoted field spanning lines is still one row), and the
+    field separator it was read with."""
 
     path: Path
     header: list[str]
     rows: list[list[str]]
     row_numbers: list[int]
     empty_unnamed_columns: list[int] = dataclasses.field(default_factory=list)  # dropped (1-based)
+    delimiter: str = ","
 
     def column(self, name: str) -> list[str]:
         j = self.header.index(name)
@@ -198,9 +239,15 @@ def _csv_problem(err: csv.Error) -> str:
     return f"cannot be read as CSV ({text})"
 
 
-def _separator_hint(header: list[str]) -> str:
-    if len(header) == 1 and any(s in header[0] for s in ";\t|"):
-        return " (the header reads as one column: only commas separate fields)"
+def _separator_hint(header: list[str], delimiter: str) -> str:
+    """For a header that reads as one column, the separator it seems to use instead."""
+    if len(header) == 1:
+        found = [d for d in _DELIMITER_NAMES if d != delimiter and d in header[0]]
+        if found:
+            other = max(found, key=header[0].count)
+            return (f" (split at {_DELIMITER_NAMES[delimiter]}, the header is one column, "
+                    f"but it holds {_DELIMITER_NAMES[other]}: pass --data.delimiter "
+                    f"{_DELIMITER_FLAGS[other]})")
     return _no_header_hint(header)
 
 
@@ -213,20 +260,27 @@ def _no_header_hint(header: list[str]) -> str:
     return ""
 
 
-def read_table(path: str | Path) -> Table:
-    """Reads a comma-separated file with a header row; every problem is a :class:`ConfigError`
-    naming the row (and column) at fault. Malformed quoting is refused rather than read as a
-    field that swallows the following rows."""
+def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".") -> Table:
+    """Reads a delimited file with a header row (``delimiter``: a data.delimiter setting, see
+    :func:`field_separator`; ``decimal``: ``"."``, or ``","`` to read ``1.234,5`` as 1234.5);
+    every problem is a :class:`ConfigError` naming the row (and column) at fault. Malformed
+    quoting is refused rather than read as a field that swallows the following rows."""
     path = Path(path)
+    separator = field_separator(delimiter, path)
+    if decimal not in DECIMAL_MARKS:
+        raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
     reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True,
-                        skipinitialspace=True)
+                        skipinitialspace=True, delimiter=separator)
     rows, numbers = [], []
     number = 0  # the spreadsheet row of the record being read
     try:
         for number, record in enumerate(reader, start=1):
             if record and not (len(record) == 1 and not record[0].strip()):
-                rows.append([field.strip() for field in record])
+                fields = [field.strip() for field in record]
+                if decimal == "," and rows:  # the header's names stay as written
+                    fields = [point_decimal(field) for field in fields]
+                rows.append(fields)
                 numbers.append(number)
     except csv.Error as err:
         raise ConfigError(f"{path}, row {number + 1}: {_csv_problem(err)}") from None
@@ -244,7 +298,7 @@ def read_table(path: str | Path) -> Table:
             body[i] = row = row + [""] * (len(header) - len(row))
         if len(row) != len(header):
             raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
-                              f"{len(header)}{_separator_hint(header)}")
+                              f"{len(header)}{_separator_hint(header, separator)}")
     # Columns without a name: empty ones (a spreadsheet's trailing ",,") are dropped; one
     # holding values cannot be named in a setting, so it is refused.
     unnamed = [j for j, name in enumerate(header) if not name]
@@ -268,7 +322,7 @@ def read_table(path: str | Path) -> Table:
                               f"{seen[name]} and {j}); every column needs its own name"
                               f"{_no_header_hint(header)}")
         seen[name] = j
-    return Table(path, header, body, body_numbers, [j + 1 for j in unnamed])
+    return Table(path, header, body, body_numbers, [j + 1 for j in unnamed], separator)
 
 
 def require_columns(table: Table, names: dict[str, str | None]) -> None:
@@ -276,7 +330,8 @@ def require_columns(table: Table, names: dict[str, str | None]) -> None:
     for option, column in names.items():
         if column is not None and column not in table.header:
             raise ConfigError(f"{table.path}: no column {column!r} for {option} (columns: "
-                              f"{', '.join(table.header)}){_separator_hint(table.header)}")
+                              f"{', '.join(table.header)})"
+                              f"{_separator_hint(table.header, table.delimiter)}")
 
 
 # ---------------------------------------------------------------- labels and clients
