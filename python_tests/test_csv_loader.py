@@ -468,6 +468,22 @@ def test_decimal_comma_rewrites_numbers_only(tmp_path):
     assert d.info["features"]["one_hot"]["x,y"]["levels"] == ["a,b", "c"]
 
 
+def test_a_windows_excel_export_reads_with_its_encoding(tmp_path):
+    """Semicolons, decimal commas and cp1252 text: what Excel's "CSV (semicolon delimited)"
+    writes in a German or French Windows."""
+    text = "Größe;Farbe;label\n1,5;grün;ja\n2,25;rot;nein\n3;grün;nein\n"
+    path = tmp_path / "excel.csv"
+    path.write_bytes(text.encode("cp1252"))
+    message = fails(path, "not UTF-8", "--data.encoding", "cp1252", delimiter=";")
+    assert "row 1" in message
+    d = load_csv(path, "label", None, delimiter=";", decimal=",", encoding="cp1252")
+    assert d.info["features"]["one_hot"]["Farbe"]["levels"] == ["grün", "rot"]
+    assert d.y.tolist() == [0, 1, 1]  # sorted: 'ja' < 'nein'
+    fails(path, "unknown text encoding", delimiter=";", encoding="klingon")
+    with pytest.raises(ConfigError, match="unknown text encoding"):
+        DataConfig(name="csv", path="x.csv", encoding="klingon")
+
+
 def test_delimiter_and_decimal_hints_and_settings(tmp_path):
     tabs = write(tmp_path, "a\tb\tlabel\n1\t2\t0\n3\t4\t1\n", "t.csv")
     fails(tabs, "holds tabs: pass --data.delimiter tab")

@@ -11,6 +11,7 @@ unknown keys; every dataclass checks its ranges in ``__post_init__``. All proble
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import math
 import types
@@ -41,6 +42,14 @@ def _require_finite(config: Any, section: str) -> None:
                 not isinstance(v, float) or math.isfinite(v),
                 f"{section}.{f.name} must be a finite number, got {value!r}",
             )
+
+
+def _known_encoding(name: str) -> bool:
+    try:
+        codecs.lookup(name)
+    except LookupError:
+        return False
+    return True
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
@@ -81,6 +90,9 @@ class DataConfig:
         ".",
         "csv: the decimal mark of numbers: '.', or ',' to read numbers as spreadsheets in "
         "decimal-comma locales write them (3,5 and 1.234,5)",
+    )
+    encoding: str = _field(
+        "utf-8", "csv: the file's text encoding (cp1252 for a Windows Excel export, latin-1)"
     )
     label_column: str = _field("label", "csv: name of the label column")
     client_column: str | None = _field(
@@ -133,6 +145,8 @@ class DataConfig:
                  f"data.delimiter must be one of ',', ';', 'tab' or '|', got {self.delimiter!r}")
         _require(self.decimal in (".", ","), f"data.decimal must be '.' or ',', got "
                  f"{self.decimal!r}")
+        _require(_known_encoding(self.encoding), f"data.encoding: unknown text encoding "
+                 f"{self.encoding!r} (e.g. utf-8, cp1252, latin-1)")
         _require(0.0 <= self.noise_rate < 1.0, "data.noise_rate must be in [0, 1)")
         _require(
             self.label_noise != "none" or self.noise_rate == 0.0,

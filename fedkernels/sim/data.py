@@ -208,6 +208,7 @@ def load_csv(
     standardize: bool = True,
     delimiter: str | None = None,
     decimal: str = ".",
+    encoding: str = "utf-8",
 ) -> Dataset:
     """A CSV file with a header row: one label column, optionally one client column (the
     natural partition), and feature columns (all the others but ``ignore_columns``).
@@ -221,9 +222,10 @@ def load_csv(
     row; a simulation refits it on the clients' training rows (:meth:`Dataset.fit_features`).
     Every problem raises :class:`ConfigError` naming the row and column. ``delimiter``: ``","``,
     ``";"``, ``"tab"`` or ``"|"`` (None: a tab for a ``.tsv`` file, else a comma); ``decimal``
-    ``","`` reads ``3,5`` and ``1.234,5`` as 3.5 and 1234.5. Rules in ``docs/data.md``.
+    ``","`` reads ``3,5`` and ``1.234,5`` as 3.5 and 1234.5; ``encoding``: the file's text
+    encoding (UTF-8 by default). Rules in ``docs/data.md``.
     """
-    table = read_table(path, delimiter, decimal)
+    table = read_table(path, delimiter, decimal, encoding)
     require_columns(table, {"data.label_column": label_column,
                             "data.client_column": client_column})
     if client_column is not None and client_column == label_column:
@@ -295,4 +297,5 @@ def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
         standardize=config.standardize,
         delimiter=config.delimiter,
         decimal=config.decimal,
+        encoding=config.encoding,
     )

@@ -25,6 +25,7 @@ Rules (documented in ``docs/data.md``):
 
 from __future__ import annotations
 
+import codecs
 import csv
 import dataclasses
 import gzip
@@ -197,8 +198,14 @@ GZIP_MAGIC = b"\x1f\x8b"
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
-def _read_text(path: Path) -> str:
-    """The file as text: UTF-8 with or without a byte-order mark, gzip-compressed or not."""
+def _read_text(path: Path, encoding: str = "utf-8") -> str:
+    """The file as text: UTF-8 with or without a byte-order mark (or ``encoding``, such as
+    ``cp1252``, the Windows Excel's), gzip-compressed or not."""
+    try:
+        codec = codecs.lookup(encoding).name
+    except LookupError:
+        raise ConfigError(f"data.encoding: unknown text encoding {encoding!r} (e.g. utf-8, "
+                          "cp1252, latin-1)") from None
     if path.is_dir():
         raise ConfigError(f"data.path: {path} is a folder, not a file")
     if not path.exists():
@@ -216,18 +223,21 @@ def _read_text(path: Path) -> str:
         where = "byte of the decompressed data"
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ConfigError(f"{path}: UTF-16 text; save it as UTF-8 (CSV UTF-8 in a spreadsheet)")
-    skip = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
+    skip = len(UTF8_BOM) if codec == "utf-8" and data.startswith(UTF8_BOM) else 0
     try:
-        return data[skip:].decode("utf-8")
+        return data[skip:].decode(codec)
     except UnicodeDecodeError as err:
         offset = skip + err.start
-        prefix = data[skip:offset].decode("utf-8")
+        prefix = data[skip:offset].decode(codec)
         complete = list(csv.reader(io.StringIO(prefix, newline=""), skipinitialspace=True))
         # the bad byte is in the last, unfinished record, or starts the next one
         row = len(complete) + (not prefix or prefix.endswith(("\n", "\r")))
-        raise ConfigError(f"{path}, row {row}: not UTF-8 text ({err.reason} at {where} "
-                          f"{offset}: {data[offset:offset + 1]!r}); save the file as UTF-8"
-                          ) from None
+        fix = ("save the file as UTF-8, or name its encoding with --data.encoding (cp1252 for "
+               "a Windows Excel export, latin-1)" if codec == "utf-8" else
+               "name the file's encoding with --data.encoding")
+        shown = "UTF-8" if codec == "utf-8" else codec
+        raise ConfigError(f"{path}, row {row}: not {shown} text ({err.reason} at {where} "
+                          f"{offset}: {data[offset:offset + 1]!r}); {fix}") from None
 
 
 def _csv_problem(err: csv.Error) -> str:
@@ -260,17 +270,19 @@ def _no_header_hint(header: list[str]) -> str:
     return ""
 
 
-def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".") -> Table:
+def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".",
+               encoding: str = "utf-8") -> Table:
     """Reads a delimited file with a header row (``delimiter``: a data.delimiter setting, see
-    :func:`field_separator`; ``decimal``: ``"."``, or ``","`` to read ``1.234,5`` as 1234.5);
-    every problem is a :class:`ConfigError` naming the row (and column) at fault. Malformed
-    quoting is refused rather than read as a field that swallows the following rows."""
+    :func:`field_separator`; ``decimal``: ``"."``, or ``","`` to read ``1.234,5`` as 1234.5;
+    ``encoding``: the file's text encoding); every problem is a :class:`ConfigError` naming
+    the row (and column) at fault. Malformed quoting is refused rather than read as a field
+    that swallows the following rows."""
     path = Path(path)
     separator = field_separator(delimiter, path)
     if decimal not in DECIMAL_MARKS:
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
-    reader = csv.reader(io.StringIO(_read_text(path), newline=""), strict=True,
+    reader = csv.reader(io.StringIO(_read_text(path, encoding), newline=""), strict=True,
                         skipinitialspace=True, delimiter=separator)
     rows, numbers = [], []
     number = 0  # the spreadsheet row of the record being read
