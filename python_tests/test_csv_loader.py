@@ -468,6 +468,15 @@ def test_decimal_comma_rewrites_numbers_only(tmp_path):
     assert d.info["features"]["one_hot"]["x,y"]["levels"] == ["a,b", "c"]
 
 
+@pytest.mark.parametrize("head, what", [(b"PK\x03\x04\x14\x00", "Excel .xlsx"),
+                                        (b"\xd0\xcf\x11\xe0\xa1\xb1", "Excel .xls"),
+                                        (b"PAR1\x15\x04", "Parquet")])
+def test_a_workbook_or_binary_table_is_named_as_such(tmp_path, head, what):
+    path = tmp_path / "table.csv"
+    path.write_bytes(head + bytes(range(256)) * 4)
+    fails(path, what, "export it as CSV")
+
+
 def test_a_windows_excel_export_reads_with_its_encoding(tmp_path):
     """Semicolons, decimal commas and cp1252 text: what Excel's "CSV (semicolon delimited)"
     writes in a German or French Windows."""

@@ -195,6 +195,13 @@ class Table:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+# Files people pass for a table that are not text, by their first bytes.
+_NOT_TEXT = (
+    (b"PK\x03\x04", "a ZIP archive (an Excel .xlsx or OpenDocument .ods workbook is one)"),
+    (b"\xd0\xcf\x11\xe0", "an old Office file (an Excel .xls workbook)"),
+    (b"PAR1", "a Parquet file"),
+    (b"\x89HDF", "an HDF5 file"),
+)
 UTF8_BOM = b"\xef\xbb\xbf"
 
 
@@ -221,6 +228,9 @@ def _read_text(path: Path, encoding: str = "utf-8") -> str:
         except (OSError, EOFError) as err:
             raise ConfigError(f"{path}: a damaged gzip file ({err})") from None
         where = "byte of the decompressed data"
+    for magic, what in _NOT_TEXT:
+        if data.startswith(magic):
+            raise ConfigError(f"{path}: {what}, not a text table; export it as CSV (UTF-8) first")
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ConfigError(f"{path}: UTF-16 text; save it as UTF-8 (CSV UTF-8 in a spreadsheet)")
     skip = len(UTF8_BOM) if codec == "utf-8" and data.startswith(UTF8_BOM) else 0
