@@ -458,6 +458,89 @@ def test_distill_kl_is_nan_for_a_nan_or_negative_target(device, dtype, bad):
     assert torch.isfinite(fedkernels.distill_kl(s, y))
 
 
+_KL_EDGE_ROWS = textwrap.dedent(
+    """
+    import sys, torch, fedkernels
+
+    def expected(s, y, T):
+        # float64, per row: sum_c y (log y - log q), 0 where y = 0 (even where q = 0), and the
+        # gradient of the sum, (q sum y - y) / T
+        log_q = torch.log_softmax(s / T, -1)
+        terms = torch.where(y > 0, y * (torch.log(y) - log_q), torch.zeros_like(y))
+        terms = torch.where(torch.isnan(y) | (y < 0), torch.full_like(y, float("nan")), terms)
+        q = torch.exp(log_q)
+        return terms.sum(-1), (q * y.sum(-1, keepdim=True) - y) / T
+
+    device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    for C in (1, 7, 16, 17, 100, 1000, 5000):
+        g = torch.Generator().manual_seed(C)
+        s = 3 * torch.randn(12, C, generator=g, dtype=torch.float64)
+        y = torch.softmax(2 * torch.randn(12, C, generator=g, dtype=torch.float64), -1)
+        h = max(C // 2, 1)
+        s[1, :h] = float("-inf")            # classes of probability 0 that the target skips...
+        y[1, :h] = 0
+        y[1] /= y[1].sum()
+        s[2, 0] = float("-inf")             # ...and one it does not: an infinite loss
+        s[3, C - 1] = float("nan")
+        s[4, 0] = float("inf")
+        s[5] += 3e7                         # beyond the base-2 range: the full exp
+        s[6] *= 1e6
+        s[7] = -1e30
+        s[7, 0] = 1e30
+        y[8] = 0
+        y[8, C - 1] = 1                     # one-hot target
+        y[9, 0] = -0.1                      # a negative target: NaN
+        s, y = s.float(), y.float()
+        for T in (1.0, 2.0):
+            rows = torch.stack([fedkernels.distill_kl(s[i:i + 1].to(device), y[i:i + 1].to(device),
+                                                      T, reduction="sum").cpu() / (T * T)
+                                for i in range(12)])
+            x = s.clone().to(device).requires_grad_(True)
+            fedkernels.distill_kl(x, y.to(device), T, reduction="sum").backward()
+            want, want_grad = expected(s.double(), y.double(), T)
+            torch.testing.assert_close(rows.double(), want, rtol=2e-6, atol=1e-6, equal_nan=True)
+            finite = torch.isfinite(want_grad).all(-1)
+            finite[5] = finite[6] = False   # logits near 3e7 and 1e6: float32 spacing decides
+            torch.testing.assert_close(x.grad.cpu().double()[finite] / (T * T),
+                                       want_grad[finite], rtol=1e-5, atol=1e-6)
+            assert torch.isnan(x.grad[3:5].cpu()).all(), (C, T)
+    print("OK", fedkernels.ops.native.cpu_capability)
+    """
+)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_distill_kl_edge_rows_in_every_cpu_build(capability):
+    """Each CPU build's KL loss and gradient (base-2 rows, full-exp rows, short rows) against
+    float64 on edge rows: classes at -inf that the target skips add 0, one it does not makes
+    the loss infinite, NaN and +inf logits and negative targets give NaN, and rows far beyond
+    the base-2 range take the full exp."""
+    _run_in_cpu_build(_KL_EDGE_ROWS, capability, threads=2)
+
+
+@pytest.mark.cuda
+def test_distill_kl_edge_rows_on_cuda():
+    proc = subprocess.run([sys.executable, "-c", _KL_EDGE_ROWS, "cuda"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[:1] == ["OK"], proc.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distill_kl_of_a_million_classes_keeps_float32_accuracy(device):
+    g = torch.Generator().manual_seed(6)
+    s = 3 * torch.randn(2, 1_000_000, generator=g)
+    y = torch.softmax(2 * torch.randn(2, 1_000_000, generator=g), -1)
+    x = s.clone().to(device).requires_grad_(True)
+    loss = fedkernels.distill_kl(x, y.to(device), 2.0)
+    loss.backward()
+    xr = s.double().requires_grad_(True)
+    ref = R.distill_kl_reference(xr, y.double(), 2.0)
+    ref.backward()
+    torch.testing.assert_close(loss.detach().cpu().double(), ref.detach(), rtol=2e-6, atol=0)
+    torch.testing.assert_close(x.grad.cpu().double(), xr.grad, rtol=1e-4, atol=1e-12)
+
+
 def test_distill_kl_errors():
     s = torch.randn(4, 5)
     y = torch.softmax(torch.randn(4, 5), -1)

@@ -50,6 +50,17 @@ inline void store2(U* p, const at::vec::Vectorized<A>& lo, const at::vec::Vector
   }
 }
 
+// dst[0..n) = src[0..n) in the storage dtype U (the inverse of convert_to_acc): pairs of
+// vectors through store2, then one by one.
+template <typename A, typename U>
+inline void convert_from_acc(const A* src, U* dst, int64_t n) {
+  using Vec = at::vec::Vectorized<A>;
+  constexpr int64_t W = Vec::size();
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) store2<U, A>(dst + i, Vec::loadu(src + i), Vec::loadu(src + i + W));
+  for (; i < n; ++i) dst[i] = static_cast<U>(src[i]);
+}
+
 // The lanes of two vectors added in lane order, in float64.
 template <typename A>
 inline double horizontal_sum(const at::vec::Vectorized<A>& lo, const at::vec::Vectorized<A>& hi) {

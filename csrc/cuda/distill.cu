@@ -207,22 +207,25 @@ __global__ void __launch_bounds__(kThreads) distill_kl_rows_kernel(
     const A sum = warp_reduce(lane_sum.sum, SumOp<A>());
     const A log_sum = math_log(sum);
     const A inv_sum = A(1) / sum;
-    A loss = 0, y_sum = 0;
+    // A lane adds C / 32 terms: in float64, so that rows of 1e6 classes keep float32
+    // accuracy (a compensated float sum would turn an infinite term into NaN).
+    double loss = 0, y_total = 0;
     for (int64_t c = lane; c < C; c += 32) {
       const A yc = static_cast<A>(y[c]);
-      loss += DistillMath::kl_term<A>(yc, static_cast<A>(s[c]) * inv_t - m - log_sum);
-      y_sum += yc;
+      loss += static_cast<double>(
+          DistillMath::kl_term<A>(yc, static_cast<A>(s[c]) * inv_t - m - log_sum));
+      y_total += static_cast<double>(yc);
     }
-    loss = warp_reduce(loss, SumOp<A>());
+    loss = warp_reduce(loss, SumOp<double>());
     if (grad) {
-      y_sum = warp_reduce(y_sum, SumOp<A>());
+      const A y_sum = static_cast<A>(warp_reduce(y_total, SumOp<double>()));
       for (int64_t c = lane; c < C; c += 32) {
         const A q = math_exp(static_cast<A>(s[c]) * inv_t - m) * inv_sum;
         grad[i * C + c] =
             static_cast<T>(DistillMath::kl_grad<A>(q, static_cast<A>(y[c]), y_sum, scale_over_t));
       }
     }
-    if (lane == 0) row_loss[i] = static_cast<double>(loss);
+    if (lane == 0) row_loss[i] = loss;
   }
 }
 

@@ -1,0 +1,134 @@
+"""The fused distillation loss against the PyTorch expression a user writes
+(docs/algorithms/distillation.md, section 4).
+
+    OMP_NUM_THREADS=2 python bench/bench_distill_kl.py [--device cuda] [--repeats 7]
+    python bench/bench_distill_kl.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
+
+For N in {256, 4096, 65536} samples and C in {10, 100, 1000} classes (fp32; the largest case is
+left out, 262 MB per tensor), the loss T^2 / N * KL(y || softmax(s / T)) of a student's logits s
+against pseudo-labels y at T = 2, in two modes:
+
+- ``forward``: the loss alone (evaluation);
+- ``train``: the loss and its gradient to s (``loss.backward()`` on logits that require grad,
+  as a distillation step runs it).
+
+``fused`` is ``fedkernels.distill_kl(s, y, T)`` (one read of s and y; in train mode the gradient
+is written in the same pass); ``torch`` is
+``F.kl_div(F.log_softmax(s / T, 1), y, reduction="batchmean") * T * T``, eager, with autograd's
+backward in train mode. Effective bandwidth counts the minimum traffic (read s and y, and write
+the gradient in train mode) and is compared with the read-bandwidth probe measured again right
+before the case (``read_probe_GBps``; common.ReadProbe). The two are timed interleaved and the
+speedup is the median over rounds of the per-round ratio. Results: bench/results/<device>.json
+under ``distill_kl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    add_case_arguments,
+    finish_case_run,
+    start_case_run,
+    timed,
+)
+
+import fedkernels  # noqa: E402
+
+NS = (256, 4096, 65536)
+CS = (10, 100, 1000)
+MODES = ("forward", "train")
+MAX_ELEMENTS = 4096 * 1000 * 4  # leaves out N = 65536, C = 1000
+T = 2.0
+
+
+def torch_loss(s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.kl_div(F.log_softmax(s / T, 1), y, reduction="batchmean") * (T * T)
+
+
+def fused_loss(s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return fedkernels.distill_kl(s, y, T)
+
+
+def step(loss_fn, s: torch.Tensor, y: torch.Tensor, mode: str):
+    """One call of ``mode``: the loss, or the loss and s.grad (cleared first)."""
+    if mode == "forward":
+        return lambda: loss_fn(s, y)
+
+    def train():
+        s.grad = None
+        loss_fn(s, y).backward()
+    return train
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's ratios for --check, each higher-is-better."""
+    found = {}
+    for r in payload.get("rows", []):
+        case = f"N={r['N']} C={r['C']} {r['mode']}"
+        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
+        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
+    args, device, probes, probe = start_case_run(parser)
+    ns, cs = ((8,), (5,)) if args.tiny else (NS, CS)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for N in ns:
+        for C in cs:
+            if N * C > MAX_ELEMENTS:
+                continue
+            s = (3 * torch.randn(N, C, generator=g)).to(device)
+            y = torch.softmax(3 * torch.randn(N, C, generator=g), 1).to(device)
+            for mode in MODES:
+                x = s.detach().requires_grad_(mode == "train")
+                fns = {"fused": step(fused_loss, x, y, mode), "torch": step(torch_loss, x, y, mode)}
+                read = probe.read_gbps()
+                for fn in fns.values():  # warm-up
+                    fn()
+                    fn()
+                # Many calls per timing for the small cases, so that the clock's resolution and
+                # the call's own jitter do not decide the ratio.
+                calls = max(1, min(200, (1 << 22) // (N * C)))
+                times = {k: [] for k in fns}
+                for _ in range(args.repeats):
+                    for k, fn in fns.items():
+                        times[k].append(
+                            timed(lambda fn=fn: [fn() for _ in range(calls)], device) / calls)
+                nbytes = 4 * N * C * (3 if mode == "train" else 2)
+                fused, ref = statistics.median(times["fused"]), statistics.median(times["torch"])
+                row = {
+                    "N": N, "C": C, "mode": mode, "calls_per_timing": calls,
+                    "fused_us": 1e6 * fused, "torch_us": 1e6 * ref,
+                    "speedup_median_of_ratios": statistics.median(
+                        t / u for t, u in zip(times["torch"], times["fused"])),
+                    "min_traffic_bytes": nbytes,
+                    "fused_GBps": nbytes / fused / 1e9,
+                    "read_probe_GBps": read,
+                    "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
+                    "torch_GBps": nbytes / ref / 1e9,
+                }
+                rows.append(row)
+                print(f"N={N:6d} C={C:5d} {mode:8s} fused {row['fused_us']:9.1f} us torch "
+                      f"{row['torch_us']:9.1f} us  x{row['speedup_median_of_ratios']:5.2f}  "
+                      f"{row['fused_GBps']:6.1f} GB/s "
+                      f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at "
+                      f"{read:.1f} GB/s)")
+                x = fns = None
+            s = y = None
+    finish_case_run("distill_kl", device, args, probes, rows, ratios)
+
+
+if __name__ == "__main__":
+    main()
