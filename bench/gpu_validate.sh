@@ -190,6 +190,8 @@ plan() {
     --out "$OUTDIR/bench_distill.json"
   step "bench_energy" 30 bench_energy.log "$pyname" bench/bench_energy.py --device cuda \
     --out "$OUTDIR/bench_energy.json"
+  step "bench_distill_kl" 30 bench_distill_kl.log "$pyname" bench/bench_distill_kl.py \
+    --device cuda --out "$OUTDIR/bench_distill_kl.json"
   step "bench_sgld" 45 bench_sgld.log "$pyname" bench/bench_sgld.py --device cuda \
     --out "$OUTDIR/bench_sgld.json"
   step "bench_superfed" 60 bench_superfed.log "$pyname" bench/bench_superfed.py --device cuda \
@@ -332,7 +334,7 @@ plan
     grep -E 'ERROR SUMMARY|^result:' "$OUTDIR/sanitizer.log"
     echo '```'
   fi
-  for log in bench_distill bench_energy bench_sgld bench_superfed bench_robust_ops; do
+  for log in bench_distill bench_distill_kl bench_energy bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
       echo "## $log (last lines of the log)"

@@ -20,7 +20,8 @@ from conftest import copy_bench
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 DEVICE_SCRIPTS = [
-    "bench_aggregate.py", "bench_distill.py", "bench_energy.py", "bench_sgld.py", "bench_superfed.py",
+    "bench_aggregate.py", "bench_distill.py", "bench_distill_kl.py", "bench_energy.py",
+    "bench_sgld.py", "bench_superfed.py",
 ]
 
 
@@ -109,6 +110,7 @@ def test_out_writes_exactly_there(bench_copy, tmp_path):
 
 
 @pytest.mark.parametrize("script,key", [("bench_distill.py", "ensemble_pseudo_labels"),
+                                        ("bench_distill_kl.py", "distill_kl"),
                                         ("bench_energy.py", "energy_from_logits"),
                                         ("bench_sgld.py", "sgld_compose_step"),
                                         ("bench_small_calls.py", "small_calls")])
