@@ -45,6 +45,8 @@ constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
 constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 constexpr int kCombineGroup = 4;  // teachers per pass of the combination (8 was no faster)
+// Most exps a thread keeps for combine = "probs" (K teachers' rows of a block): 16 MB of float.
+constexpr int64_t kKeptExpsElems = int64_t(1) << 22;
 
 // Rows per block for rows of C elements: about kBlockElems elements, at least one row.
 inline int64_t block_rows(int64_t C, int64_t N) {
@@ -567,10 +569,16 @@ struct DistillCpu {
     if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
     const int64_t blocks = (N + R - 1) / R;
 
+    // combine = "probs" with float rows of a vector's width or more keeps every teacher's exps
+    // of a block (base 2, exp2_softmax_row) for the combination, which then takes
+    // kCombineGroup teachers per pass (combine_rows); otherwise the exps are taken again there.
+    const bool keep_exps = p.probs && std::is_same_v<A, float> && C >= W &&
+        K * R * C <= kKeptExpsElems;
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
       const Lanes lane(C);
       const int64_t E = R * C;
+      std::vector<A> kept(keep_exps ? K * E : 0), coef(keep_exps ? K * R : 0);  // [K][E], [K][R]
       std::vector<A> col(lanes ? C * W : 0);
       std::vector<A> xk(std::is_same_v<T, A> ? 0 : E);  // teacher k's block in A (fp16/bf16)
       std::vector<A> tmp(E), acc(E);
@@ -624,12 +632,30 @@ struct DistillCpu {
               for (int64_t r = 0; r < rows; ++r) row_m[r] = row_max(x + r * C, C);
             }
             A* mk = max_t.data() + k * R;
-            for (int64_t r = 0; r < rows; ++r) {
-              mk[r] = row_m[r] * inv_t;
-              scale_sub(tmp.data() + r * C, x + r * C, inv_t, mk[r], C);
+            if (keep_exps) {
+              if constexpr (std::is_same_v<A, float>) {
+                for (int64_t r = 0; r < rows; ++r) {
+                  mk[r] = row_m[r] * inv_t;
+                  A* e = kept.data() + k * E + r * C;
+                  if (exp2_row_ok(mk[r])) {
+                    exp2_softmax_row(x + r * C, C, inv_t, mk[r], e);
+                  } else {
+                    scale_sub(e, x + r * C, inv_t, mk[r], C);
+                    exp_inplace(e, C);
+                  }
+                  sum_t[k * R + r] = row_sum<A>(e, nullptr, C);
+                }
+              }
+            } else {
+              for (int64_t r = 0; r < rows; ++r) {
+                mk[r] = row_m[r] * inv_t;
+                scale_sub(tmp.data() + r * C, x + r * C, inv_t, mk[r], C);
+              }
+              exp_inplace(tmp.data(), n);
+              for (int64_t r = 0; r < rows; ++r) {
+                sum_t[k * R + r] = row_sum<A>(tmp.data() + r * C, nullptr, C);
+              }
             }
-            exp_inplace(tmp.data(), n);
-            for (int64_t r = 0; r < rows; ++r) sum_t[k * R + r] = row_sum<A>(tmp.data() + r * C, nullptr, C);
           }
         }
         block_weights<A>(w.data(), K, R, rows, log_prior, p.weighting, row_m.data());
@@ -640,8 +666,13 @@ struct DistillCpu {
         // Combination in client order: y = sum_k w_k L_k, per row. Long rows of fp32/fp64 logits
         // take kCombineGroup teachers per read and write of the accumulator.
         std::fill(acc.begin(), acc.begin() + n, A(0));
-        const bool grouped = std::is_same_v<T, A> && !p.probs && !lanes;
-        if constexpr (std::is_same_v<T, A>) {
+        const bool grouped = (std::is_same_v<T, A> && !p.probs && !lanes) || keep_exps;
+        if (keep_exps) {  // y = sum_k (w_k / s_k) e_k from the kept exps
+          for (int64_t k = 0; k < K; ++k) {
+            for (int64_t r = 0; r < rows; ++r) coef[k * R + r] = w[k * R + r] / sum_t[k * R + r];
+          }
+          combine_rows(acc.data(), kept.data(), coef.data(), K, R, rows, E, C);
+        } else if constexpr (std::is_same_v<T, A>) {
           if (grouped) combine_rows(acc.data(), logits + i0 * C, w.data(), K, R, rows, N * C, C);
         }
         for (int64_t k = 0; k < K && !grouped; ++k) {
