@@ -25,7 +25,6 @@ under ``distill_kl``.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_case_arguments,
     finish_case_run,
+    fused_versus_torch,
+    fused_versus_torch_line,
+    fused_versus_torch_ratios,
     start_case_run,
-    timed,
 )
 
 import fedkernels  # noqa: E402
@@ -70,12 +71,7 @@ def step(loss_fn, s: torch.Tensor, y: torch.Tensor, mode: str):
 
 def ratios(payload: dict) -> dict[str, float]:
     """The run's ratios for --check, each higher-is-better."""
-    found = {}
-    for r in payload.get("rows", []):
-        case = f"N={r['N']} C={r['C']} {r['mode']}"
-        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
-        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
-    return found
+    return fused_versus_torch_ratios(payload, lambda r: f"N={r['N']} C={r['C']} {r['mode']}")
 
 
 def main() -> None:
@@ -93,39 +89,14 @@ def main() -> None:
             y = torch.softmax(3 * torch.randn(N, C, generator=g), 1).to(device)
             for mode in MODES:
                 x = s.detach().requires_grad_(mode == "train")
-                fns = {"fused": step(fused_loss, x, y, mode), "torch": step(torch_loss, x, y, mode)}
-                read = probe.read_gbps()
-                for fn in fns.values():  # warm-up
-                    fn()
-                    fn()
-                # Many calls per timing for the small cases, so that the clock's resolution and
-                # the call's own jitter do not decide the ratio.
-                calls = max(1, min(200, (1 << 22) // (N * C)))
-                times = {k: [] for k in fns}
-                for _ in range(args.repeats):
-                    for k, fn in fns.items():
-                        times[k].append(
-                            timed(lambda fn=fn: [fn() for _ in range(calls)], device) / calls)
-                nbytes = 4 * N * C * (3 if mode == "train" else 2)
-                fused, ref = statistics.median(times["fused"]), statistics.median(times["torch"])
-                row = {
-                    "N": N, "C": C, "mode": mode, "calls_per_timing": calls,
-                    "fused_us": 1e6 * fused, "torch_us": 1e6 * ref,
-                    "speedup_median_of_ratios": statistics.median(
-                        t / u for t, u in zip(times["torch"], times["fused"])),
-                    "min_traffic_bytes": nbytes,
-                    "fused_GBps": nbytes / fused / 1e9,
-                    "read_probe_GBps": read,
-                    "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
-                    "torch_GBps": nbytes / ref / 1e9,
-                }
+                row = {"N": N, "C": C, "mode": mode, **fused_versus_torch(
+                    step(fused_loss, x, y, mode), step(torch_loss, x, y, mode), device,
+                    args.repeats, calls=max(1, min(200, (1 << 22) // (N * C))),
+                    nbytes=4 * N * C * (3 if mode == "train" else 2),
+                    read_gbps=probe.read_gbps())}
                 rows.append(row)
-                print(f"N={N:6d} C={C:5d} {mode:8s} fused {row['fused_us']:9.1f} us torch "
-                      f"{row['torch_us']:9.1f} us  x{row['speedup_median_of_ratios']:5.2f}  "
-                      f"{row['fused_GBps']:6.1f} GB/s "
-                      f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at "
-                      f"{read:.1f} GB/s)")
-                x = fns = None
+                print(f"N={N:6d} C={C:5d} {mode:8s} {fused_versus_torch_line(row)}")
+                x = None
             s = y = None
     finish_case_run("distill_kl", device, args, probes, rows, ratios)
 

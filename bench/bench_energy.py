@@ -20,7 +20,6 @@ the per-round ratio. Results: bench/results/<device>.json under ``energy_from_lo
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,8 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_case_arguments,
     finish_case_run,
+    fused_versus_torch,
+    fused_versus_torch_line,
+    fused_versus_torch_ratios,
     start_case_run,
-    timed,
 )
 
 import fedkernels  # noqa: E402
@@ -43,12 +44,7 @@ MAX_ELEMENTS = 4096 * 1000 * 4  # leaves out N = 65536, C = 1000
 
 def ratios(payload: dict) -> dict[str, float]:
     """The run's ratios for --check, each higher-is-better."""
-    found = {}
-    for r in payload.get("rows", []):
-        case = f"N={r['N']} C={r['C']}"
-        found[f"{case}: torch time / fused time"] = r.get("speedup_median_of_ratios")
-        found[f"{case}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
-    return found
+    return fused_versus_torch_ratios(payload, lambda r: f"N={r['N']} C={r['C']}")
 
 
 def main() -> None:
@@ -63,37 +59,13 @@ def main() -> None:
             if N * C > MAX_ELEMENTS:
                 continue
             f = (3 * torch.randn(N, C, generator=g)).to(device)
-            fns = {"fused": lambda: fedkernels.energy_from_logits(f),
-                   "torch": lambda: -torch.logsumexp(f, 1)}
-            read = probe.read_gbps()
-            for fn in fns.values():  # warm-up
-                fn()
-                fn()
-            # Many calls per timing for the small cases, so that the clock's resolution and the
-            # call's own jitter do not decide the ratio.
-            calls = max(1, min(200, (1 << 22) // (N * C)))
-            times = {k: [] for k in fns}
-            for _ in range(args.repeats):
-                for k, fn in fns.items():
-                    times[k].append(timed(lambda fn=fn: [fn() for _ in range(calls)], device) / calls)
-            nbytes = 4 * (N * C + N)
-            fused, ref = statistics.median(times["fused"]), statistics.median(times["torch"])
-            row = {
-                "N": N, "C": C, "calls_per_timing": calls,
-                "fused_us": 1e6 * fused, "torch_us": 1e6 * ref,
-                "speedup_median_of_ratios": statistics.median(
-                    t / u for t, u in zip(times["torch"], times["fused"])),
-                "min_traffic_bytes": nbytes,
-                "fused_GBps": nbytes / fused / 1e9,
-                "read_probe_GBps": read,
-                "fused_fraction_of_read_probe": nbytes / fused / 1e9 / read,
-                "torch_GBps": nbytes / ref / 1e9,
-            }
+            row = {"N": N, "C": C, **fused_versus_torch(
+                lambda: fedkernels.energy_from_logits(f), lambda: -torch.logsumexp(f, 1),
+                device, args.repeats, calls=max(1, min(200, (1 << 22) // (N * C))),
+                nbytes=4 * (N * C + N), read_gbps=probe.read_gbps())}
             rows.append(row)
-            print(f"N={N:6d} C={C:5d} fused {row['fused_us']:9.1f} us torch {row['torch_us']:9.1f} us"
-                  f"  x{row['speedup_median_of_ratios']:5.2f}  {row['fused_GBps']:6.1f} GB/s "
-                  f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at {read:.1f} GB/s)")
-            f = fns = None
+            print(f"N={N:6d} C={C:5d} {fused_versus_torch_line(row)}")
+            f = None
     finish_case_run("energy_from_logits", device, args, probes, rows, ratios)
 
 

@@ -164,6 +164,55 @@ def timed_calls(fn: Callable[[], object], device: torch.device, number: int) -> 
     return timed(calls, device) / number
 
 
+def fused_versus_torch(fused: Callable[[], object], torch_fn: Callable[[], object],
+                       device: torch.device, repeats: int, calls: int, nbytes: int,
+                       read_gbps: float) -> dict:
+    """A fused op against the PyTorch expression it replaces, after two warm-up calls each:
+    ``repeats`` interleaved rounds, each timing ``calls`` back-to-back calls of both (many calls
+    per timing for small cases, so that the clock's resolution and a call's own jitter do not
+    decide the ratio). Returns a results row's timing fields: median microseconds per call,
+    the median of per-round ratios, and each side's bandwidth for ``nbytes`` of minimum
+    traffic, the fused op's also as a fraction of ``read_gbps``."""
+    fns = {"fused": fused, "torch": torch_fn}
+    for fn in fns.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            times[k].append(timed_calls(fn, device, calls))
+    t_fused, t_torch = statistics.median(times["fused"]), statistics.median(times["torch"])
+    return {
+        "calls_per_timing": calls,
+        "fused_us": 1e6 * t_fused, "torch_us": 1e6 * t_torch,
+        "speedup_median_of_ratios": statistics.median(
+            t / u for t, u in zip(times["torch"], times["fused"])),
+        "min_traffic_bytes": nbytes,
+        "fused_GBps": nbytes / t_fused / 1e9,
+        "read_probe_GBps": read_gbps,
+        "fused_fraction_of_read_probe": nbytes / t_fused / 1e9 / read_gbps,
+        "torch_GBps": nbytes / t_torch / 1e9,
+    }
+
+
+def fused_versus_torch_line(row: dict) -> str:
+    """The printed end of a :func:`fused_versus_torch` row."""
+    return (f"fused {row['fused_us']:9.1f} us torch {row['torch_us']:9.1f} us  "
+            f"x{row['speedup_median_of_ratios']:5.2f}  {row['fused_GBps']:6.1f} GB/s "
+            f"({100 * row['fused_fraction_of_read_probe']:.0f}% of read at "
+            f"{row['read_probe_GBps']:.1f} GB/s)")
+
+
+def fused_versus_torch_ratios(payload: dict, case: Callable[[dict], str]) -> dict[str, float]:
+    """--check's ratios of :func:`fused_versus_torch` rows, each higher-is-better; ``case``
+    names a row."""
+    found = {}
+    for r in payload.get("rows", []):
+        found[f"{case(r)}: torch time / fused time"] = r.get("speedup_median_of_ratios")
+        found[f"{case(r)}: fused GB/s / read probe"] = r.get("fused_fraction_of_read_probe")
+    return found
+
+
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: torch.device,
                         repeats: int = 7, warmup: int = 1,
                         sample_s: float = 2e-3) -> dict[str, float]:
