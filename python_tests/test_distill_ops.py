@@ -189,7 +189,12 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
 @pytest.mark.cuda
 def test_entropy_edge_rows_on_cuda():
     """The CUDA kernel (its one-pass combination of the warps' rows included) on the same rows."""
-    proc = subprocess.run([sys.executable, "-c", _EDGE_ROWS, "cuda"], capture_output=True,
+    _run_on_cuda(_EDGE_ROWS)
+
+
+def _run_on_cuda(script: str) -> None:
+    """Runs ``script`` (which prints ``OK``) in a fresh process on the GPU."""
+    proc = subprocess.run([sys.executable, "-c", script, "cuda"], capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[:1] == ["OK"], proc.stdout
@@ -522,10 +527,7 @@ def test_distill_kl_edge_rows_in_every_cpu_build(capability):
 
 @pytest.mark.cuda
 def test_distill_kl_edge_rows_on_cuda():
-    proc = subprocess.run([sys.executable, "-c", _KL_EDGE_ROWS, "cuda"], capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[:1] == ["OK"], proc.stdout
+    _run_on_cuda(_KL_EDGE_ROWS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
