@@ -45,8 +45,9 @@ constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
 constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 constexpr int kCombineGroup = 4;  // teachers per pass of the combination (8 was no faster)
-// Most exps a thread keeps for combine = "probs" (K teachers' rows of a block): 16 MB of float.
-constexpr int64_t kKeptExpsElems = int64_t(1) << 22;
+// Most values a thread keeps of a block's K teachers (their exps for combine = "probs", or
+// fp16/bf16 rows converted to float): 16 MB of float each.
+constexpr int64_t kKeptBlocksElems = int64_t(1) << 22;
 
 // Rows per block for rows of C elements: about kBlockElems elements, at least one row.
 inline int64_t block_rows(int64_t C, int64_t N) {
@@ -573,14 +574,18 @@ struct DistillCpu {
     // of a block (base 2, exp2_softmax_row) for the combination, which then takes
     // kCombineGroup teachers per pass (combine_rows); otherwise the exps are taken again there.
     const bool keep_exps = p.probs && std::is_same_v<A, float> && C >= W &&
-        K * R * C <= kKeptExpsElems;
+        K * R * C <= kKeptBlocksElems;
+    const bool keep_converted = !std::is_same_v<T, A> && K * R * C <= kKeptBlocksElems;
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
       const Lanes lane(C);
       const int64_t E = R * C;
       std::vector<A> kept(keep_exps ? K * E : 0), coef(keep_exps ? K * R : 0);  // [K][E], [K][R]
       std::vector<A> col(lanes ? C * W : 0);
-      std::vector<A> xk(std::is_same_v<T, A> ? 0 : E);  // teacher k's block in A (fp16/bf16)
+      // fp16/bf16 teachers' blocks in A: every teacher's, converted once per block (for the
+      // scores and the combination), or, past kKeptBlocksElems, teacher k's at a time.
+      std::vector<A> xk(keep_converted ? K * E : std::is_same_v<T, A> ? 0 : E);
+      std::vector<char> converted(K);
       std::vector<A> tmp(E), acc(E);
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
@@ -588,13 +593,16 @@ struct DistillCpu {
       SoftmaxStats<A> stats(entropy ? C : 0, entropy ? R : 0);  // the entropy's s and t
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
+        std::fill(converted.begin(), converted.end(), 0);
         auto block = [&](int64_t k) -> const A* {
           const T* src = logits + (k * N + i0) * C;
           if constexpr (std::is_same_v<T, A>) {
             return src;
           } else {
-            convert_to_acc(src, xk.data(), n);
-            return xk.data();
+            A* dst = xk.data() + (keep_converted ? k * E : 0);
+            if (!keep_converted || !converted[k]) convert_to_acc(src, dst, n);
+            converted[k] = 1;
+            return dst;
           }
         };
 
@@ -666,14 +674,20 @@ struct DistillCpu {
         // Combination in client order: y = sum_k w_k L_k, per row. Long rows of fp32/fp64 logits
         // take kCombineGroup teachers per read and write of the accumulator.
         std::fill(acc.begin(), acc.begin() + n, A(0));
-        const bool grouped = (std::is_same_v<T, A> && !p.probs && !lanes) || keep_exps;
+        const bool grouped =
+            ((std::is_same_v<T, A> || keep_converted) && !p.probs && !lanes) || keep_exps;
         if (keep_exps) {  // y = sum_k (w_k / s_k) e_k from the kept exps
           for (int64_t k = 0; k < K; ++k) {
             for (int64_t r = 0; r < rows; ++r) coef[k * R + r] = w[k * R + r] / sum_t[k * R + r];
           }
           combine_rows(acc.data(), kept.data(), coef.data(), K, R, rows, E, C);
-        } else if constexpr (std::is_same_v<T, A>) {
-          if (grouped) combine_rows(acc.data(), logits + i0 * C, w.data(), K, R, rows, N * C, C);
+        } else if (grouped) {
+          if constexpr (std::is_same_v<T, A>) {
+            combine_rows(acc.data(), logits + i0 * C, w.data(), K, R, rows, N * C, C);
+          } else {
+            for (int64_t k = 0; k < K; ++k) block(k);  // those the scores did not need
+            combine_rows(acc.data(), xk.data(), w.data(), K, R, rows, E, C);
+          }
         }
         for (int64_t k = 0; k < K && !grouped; ++k) {
           const A* x = block(k);
@@ -693,7 +707,7 @@ struct DistillCpu {
         }
         T* y = out_y + i0 * C;
         if (p.probs) {
-          for (int64_t e = 0; e < n; ++e) y[e] = static_cast<T>(acc[e]);
+          convert_from_acc(acc.data(), y, n);
           continue;
         }
         // y = softmax(acc / T).
@@ -714,9 +728,14 @@ struct DistillCpu {
           exp_inplace(e, C);
         }
         for (int64_t r = r0; r < rows; ++r) {
-          const A* e = tmp.data() + r * C;
+          A* e = tmp.data() + r * C;
           const A inv_sum = A(1) / row_sum<A>(e, nullptr, C);
-          for (int64_t c = 0; c < C; ++c) y[r * C + c] = static_cast<T>(e[c] * inv_sum);
+          if constexpr (std::is_same_v<T, A>) {
+            for (int64_t c = 0; c < C; ++c) y[r * C + c] = e[c] * inv_sum;
+          } else {  // scaled in place, then converted by vector instructions
+            for (int64_t c = 0; c < C; ++c) e[c] *= inv_sum;
+            convert_from_acc(e, y + r * C, C);
+          }
         }
       }
     });
