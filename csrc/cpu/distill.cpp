@@ -357,8 +357,7 @@ struct RowLanes : RowColumns<A> {
 // inputs), and the rows' exps (and scaled logits, full-exp rows) in A.
 template <typename A>
 struct KlScratch {
-  KlScratch(int64_t n, bool convert, bool by_row)
-      : s(convert ? n : 0), y(convert ? n : 0), z(n), e(n), by_row(by_row) {}
+  KlScratch(int64_t n, bool convert) : s(convert ? n : 0), y(convert ? n : 0), z(n), e(n) {}
 
   // src as A: src itself when it already is, else converted into buf.
   template <typename T>
@@ -372,11 +371,10 @@ struct KlScratch {
   }
 
   std::vector<A> s, y, z, e;
-  bool by_row;
 };
 
 // The KL loss of `rows` rows of C values (student logits s, target y, rows contiguous) with
-// the full exp, any dtype and any row: z = s / T, log q = z - (m + log sum e^(z - m)), terms
+// the full exp, any dtype and any row: z = s / T, log q = (z - m) - log sum e^(z - m), terms
 // y (log y - log q) (0 where y = 0; DistillMath::kl_term), and the gradient into g (null: not
 // wanted). The rows' exps run over the whole block at once, which short rows need.
 template <typename T, typename A>
@@ -571,7 +569,7 @@ struct DistillCpu {
     const int64_t blocks = (N + R - 1) / R;
 
     // combine = "probs" with float rows of a vector's width or more keeps every teacher's exps
-    // of a block (base 2, exp2_softmax_row) for the combination, which then takes
+    // of a block (base 2, exp2_row_sum) for the combination, which then takes
     // kCombineGroup teachers per pass (combine_rows); otherwise the exps are taken again there.
     const bool keep_exps = p.probs && std::is_same_v<A, float> && C >= W &&
         K * R * C <= kKeptBlocksElems;
@@ -645,13 +643,14 @@ struct DistillCpu {
                 for (int64_t r = 0; r < rows; ++r) {
                   mk[r] = row_m[r] * inv_t;
                   A* e = kept.data() + k * E + r * C;
-                  if (exp2_row_ok(mk[r])) {
-                    exp2_softmax_row(x + r * C, C, inv_t, mk[r], e);
+                  if (exp2_row_ok(mk[r])) {  // the exps and their sum in one pass
+                    sum_t[k * R + r] =
+                        exp2_row_sum(x + r * C, C, inv_t * kLog2e, -(mk[r] * kLog2e), e);
                   } else {
                     scale_sub(e, x + r * C, inv_t, mk[r], C);
                     exp_inplace(e, C);
+                    sum_t[k * R + r] = row_sum<A>(e, nullptr, C);
                   }
-                  sum_t[k * R + r] = row_sum<A>(e, nullptr, C);
                 }
               }
             } else {
@@ -760,7 +759,7 @@ struct DistillCpu {
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
-      KlScratch<A> w(R * C, !std::is_same_v<T, A>, by_row);
+      KlScratch<A> w(R * C, !std::is_same_v<T, A>);
       for (int64_t b = b0; b < b1; ++b) {
         double block_loss = 0;
         const int64_t end = std::min(N, (b + 1) * kRowBlock);

@@ -44,7 +44,14 @@ def _require_finite(config: Any, section: str) -> None:
             )
 
 
-def _known_encoding(name: str) -> bool:
+# data.delimiter's spellings and the characters they name; data.decimal's marks (the CSV
+# reader, fedkernels.sim.tabular, checks them again for load_csv called without a config).
+CSV_DELIMITERS = {",": ",", ";": ";", "tab": "\t", "\t": "\t", "|": "|"}
+CSV_DECIMAL_MARKS = (".", ",")
+
+
+def known_encoding(name: str) -> bool:
+    """Whether Python has a text codec of this name (data.encoding)."""
     try:
         codecs.lookup(name)
     except LookupError:
@@ -141,11 +148,11 @@ class DataConfig:
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
         _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
-        _require(self.delimiter in (None, ",", ";", "tab", "\t", "|"),
+        _require(self.delimiter is None or self.delimiter in CSV_DELIMITERS,
                  f"data.delimiter must be one of ',', ';', 'tab' or '|', got {self.delimiter!r}")
-        _require(self.decimal in (".", ","), f"data.decimal must be '.' or ',', got "
+        _require(self.decimal in CSV_DECIMAL_MARKS, f"data.decimal must be '.' or ',', got "
                  f"{self.decimal!r}")
-        _require(_known_encoding(self.encoding), f"data.encoding: unknown text encoding "
+        _require(known_encoding(self.encoding), f"data.encoding: unknown text encoding "
                  f"{self.encoding!r} (e.g. utf-8, cp1252, latin-1)")
         _require(0.0 <= self.noise_rate < 1.0, "data.noise_rate must be in [0, 1)")
         _require(

@@ -44,7 +44,7 @@ import numpy as np
 
 from fedkernels.aggregate import FLOAT32_MAX
 
-from .config import ConfigError
+from .config import CSV_DECIMAL_MARKS, CSV_DELIMITERS, ConfigError, known_encoding
 
 MISSING_MARKERS = ("", "?", "na", "n/a", "nan", "null")
 MISSING_LEVEL = "missing"
@@ -52,11 +52,9 @@ MISSING_LEVEL = "missing"
 # its present values) looks like an identifier or free text, not a category.
 MAX_AUTO_LEVELS = 50
 
-# data.delimiter's spellings, and each separator's name in messages.
-DELIMITERS = {",": ",", ";": ";", "tab": "\t", "\t": "\t", "|": "|"}
+# Each separator's name in messages.
 _DELIMITER_NAMES = {",": "commas", ";": "semicolons", "\t": "tabs", "|": "'|'"}
 _DELIMITER_FLAGS = {",": "','", ";": "';'", "\t": "tab", "|": "'|'"}
-DECIMAL_MARKS = (".", ",")
 
 
 def field_separator(setting: str | None, path: str | Path) -> str:
@@ -65,9 +63,9 @@ def field_separator(setting: str | None, path: str | Path) -> str:
     if setting is None:
         name = Path(path).name.lower()
         return "\t" if name.endswith((".tsv", ".tsv.gz")) else ","
-    if setting not in DELIMITERS:
+    if setting not in CSV_DELIMITERS:
         raise ConfigError(f"data.delimiter must be one of ',', ';', 'tab' or '|', got {setting!r}")
-    return DELIMITERS[setting]
+    return CSV_DELIMITERS[setting]
 
 
 # A number with a decimal comma and optional '.' thousands separators: 3,5  -0,25  1.234,5
@@ -208,11 +206,10 @@ UTF8_BOM = b"\xef\xbb\xbf"
 def _read_text(path: Path, encoding: str = "utf-8") -> str:
     """The file as text: UTF-8 with or without a byte-order mark (or ``encoding``, such as
     ``cp1252``, the Windows Excel's), gzip-compressed or not."""
-    try:
-        codec = codecs.lookup(encoding).name
-    except LookupError:
+    if not known_encoding(encoding):
         raise ConfigError(f"data.encoding: unknown text encoding {encoding!r} (e.g. utf-8, "
-                          "cp1252, latin-1)") from None
+                          "cp1252, latin-1)")
+    codec = codecs.lookup(encoding).name
     if path.is_dir():
         raise ConfigError(f"data.path: {path} is a folder, not a file")
     if not path.exists():
@@ -289,7 +286,7 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
     that swallows the following rows."""
     path = Path(path)
     separator = field_separator(delimiter, path)
-    if decimal not in DECIMAL_MARKS:
+    if decimal not in CSV_DECIMAL_MARKS:
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
     reader = csv.reader(io.StringIO(_read_text(path, encoding), newline=""), strict=True,
