@@ -1,8 +1,9 @@
 """Small inputs run on the calling thread (csrc/cpu/parallel.h): in a fresh process whose
-OpenMP team has not been started yet, every CPU op on inputs touching ~0.3-3 MiB (below the
-4 MiB threshold, above the old per-op grains; the cases bench/bench_small_calls.py times) leaves
-the process's thread count alone; a large input then starts the team, which shows the count does
-see it."""
+OpenMP team has not been started yet, every CPU op on inputs touching ~0.3-1.5 MiB (below its
+threshold: 4 MiB for streaming passes, 1 MiB for arithmetic ones; the cases
+bench/bench_small_calls.py times) leaves the process's thread count alone, and so does a 3 MiB
+weighted sum; a 2 MiB energy pass, arithmetic, then starts the team, which shows both that the
+count sees it and that the threshold weighs a pass's cost."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ _SCRIPT = textwrap.dedent(
         if threads() != start:
             print("TEAM", name)
             sys.exit(1)
-    big = torch.randn(20000, 100)  # 8 MB: above the threshold
-    torch.ops.fedkernels.energy_from_logits(big, None)
+    w2 = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    streaming = [torch.randn(1 << 18) for _ in range(2)]  # 3 MiB touched in all
+    torch.ops.fedkernels.weighted_sum(streaming, w2, [], 1.0, False)
+    if threads() != start:
+        print("TEAM weighted_sum of 3 MiB")
+        sys.exit(1)
+    arithmetic = torch.randn(5000, 100)  # 2 MiB touched: above the 1 MiB of an exp pass
+    torch.ops.fedkernels.energy_from_logits(arithmetic, None)
     print("OK", start, threads(), len(cases))
     """
 )
@@ -52,7 +59,7 @@ def test_small_inputs_stay_on_the_calling_thread():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     word, start, after, count = proc.stdout.split()
     assert word == "OK"
-    assert int(after) > int(start), "a large input did not start the thread team"
+    assert int(after) > int(start), "a 2 MiB energy pass did not start the thread team"
     assert int(count) == 29
 
 

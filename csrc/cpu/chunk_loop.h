@@ -19,9 +19,10 @@ struct ChunkRange {
 };
 
 // Calls fn(chunk index, range) for every chunk of tensors of numels[i] elements, chunk
-// elements a chunk; `bytes` is what the whole pass reads and writes.
+// elements a chunk; `bytes` is what the whole pass reads and writes, at `cost` (parallel.h).
 template <typename Fn>
-void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, int64_t bytes, Fn fn) {
+void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, int64_t bytes,
+                    PassCost cost, Fn fn) {
   const int64_t n = static_cast<int64_t>(numels.size());
   std::vector<int64_t> prefix(n + 1);
   const int64_t total = fill_chunk_prefix(numels.data(), n, chunk, prefix.data());
@@ -33,12 +34,12 @@ void for_each_chunk(const std::vector<int64_t>& numels, int64_t chunk, int64_t b
       fn(c, ChunkRange{i, begin, std::min(numels[i], begin + chunk)});
     }
   };
-  parallel_for_bytes(0, total, 1, bytes, body);
+  parallel_for_bytes(0, total, 1, bytes, cost, body);
 }
 
 // A flag is not a byte count: it would turn every pass serial.
 template <typename Fn>
-void for_each_chunk(const std::vector<int64_t>&, int64_t, bool, Fn) = delete;
+void for_each_chunk(const std::vector<int64_t>&, int64_t, bool, PassCost, Fn) = delete;
 
 inline int64_t total_numel(const std::vector<int64_t>& numels) {
   int64_t total = 0;

@@ -575,7 +575,7 @@ struct DistillCpu {
         K * R * C <= kKeptBlocksElems;
     const bool keep_converted = !std::is_same_v<T, A> && K * R * C <= kKeptBlocksElems;
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
-    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+    parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       const Lanes lane(C);
       const int64_t E = R * C;
       std::vector<A> kept(keep_exps ? K * E : 0), coef(keep_exps ? K * R : 0);  // [K][E], [K][R]
@@ -758,7 +758,7 @@ struct DistillCpu {
     std::vector<double> partial(blocks, 0.0);
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
-    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+    parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       KlScratch<A> w(R * C, !std::is_same_v<T, A>);
       for (int64_t b = b0; b < b1; ++b) {
         double block_loss = 0;

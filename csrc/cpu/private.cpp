@@ -59,7 +59,7 @@ struct PrivateCpu {
     const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, kNormChunk, prefix.data());
     std::vector<double> partial(static_cast<size_t>(chunks * K), 0.0);
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kNormChunk, bytes, [&](int64_t c, const ChunkRange& r) {
+    for_each_chunk(p.numels, kNormChunk, bytes, PassCost::kArithmetic, [&](int64_t c, const ChunkRange& r) {
       const T* b = static_cast<const T*>(p.bases[r.tensor]);
       for (int64_t k = 0; k < K; ++k) {
         const T* x = static_cast<const T*>(p.inputs[k * n + r.tensor]);
@@ -103,7 +103,7 @@ struct PrivateCpu {
     const bool noise = p.noise_std != 0;
     const WeightedSumMath math{true, true};  // acc + c_k * (x_k - base), in client order
     const int64_t bytes = (K + 2) * total_numel(p.numels) * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kSumChunk, bytes, [&](int64_t, const ChunkRange& r) {
+    for_each_chunk(p.numels, kSumChunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       alignas(64) A acc[kTile];

@@ -225,7 +225,7 @@ struct RobustCpu {
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
     const auto network = batcher_pairs(K);
     const bool prefetch = K > kPrefetchFromClients;
-    for_each_chunk(p.numels, kRobustChunk, bytes, [&](int64_t, const ChunkRange& r) {
+    for_each_chunk(p.numels, kRobustChunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       std::vector<A> v(K), lanes(K * W);
       std::vector<Vec> cols(K);
       // Client k's coordinates [r.begin, r.end) as A at x[k][0..len): the input itself, or
@@ -316,7 +316,7 @@ struct RobustCpu {
     const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, kDistChunk, prefix.data());
     std::vector<double> partial(static_cast<size_t>(chunks * pairs), 0.0);
     const int64_t bytes = K * total_numel(p.numels) * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kDistChunk, bytes, [&](int64_t c, const ChunkRange& r) {
+    for_each_chunk(p.numels, kDistChunk, bytes, PassCost::kArithmetic, [&](int64_t c, const ChunkRange& r) {
       double* row = partial.data() + c * pairs;
       std::vector<double> buf(static_cast<size_t>(K * kDistBlock));
       for (int64_t b0 = r.begin; b0 < r.end; b0 += kDistBlock) {

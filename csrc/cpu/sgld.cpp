@@ -159,7 +159,8 @@ void client_weights(const SgldPlan& p) {
   const A* log_w = static_cast<const A*>(p.log_weights);
   A* pi = static_cast<A*>(p.pi);
   const int64_t bytes = 2 * K * M * int64_t(sizeof(A));
-  parallel_for_bytes(0, M, std::max<int64_t>(1, 4096 / K), bytes, [&](int64_t j0, int64_t j1) {
+  const int64_t grain = std::max<int64_t>(1, 4096 / K);
+  parallel_for_bytes(0, M, grain, bytes, PassCost::kArithmetic, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       A m = -std::numeric_limits<A>::infinity();
       for (int64_t k = 0; k < K; ++k) {
@@ -200,7 +201,7 @@ struct SgldCpu {
     const int64_t N = p.N, C = p.C;
     if (p.labels) {
       const int64_t label_bytes = N * int64_t(2 * sizeof(T) + sizeof(int64_t));
-      parallel_for_bytes(0, N, 4096, label_bytes, [&](int64_t i0, int64_t i1) {
+      parallel_for_bytes(0, N, 4096, label_bytes, PassCost::kStreaming, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) {
           out[i] = static_cast<T>(-static_cast<A>(logits[i * C + p.labels[i]]));
         }
@@ -211,7 +212,7 @@ struct SgldCpu {
     if (Stats::short_rows(C) && R > Stats::W) R = R / Stats::W * Stats::W;  // whole lane groups
     const int64_t blocks = (N + R - 1) / R;
     const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
-    parallel_for_bytes(0, blocks, 1, bytes, [&](int64_t b0, int64_t b1) {
+    parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);
       std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R);
       for (int64_t b = b0; b < b1; ++b) {
@@ -250,7 +251,7 @@ struct SgldCpu {
     const int64_t clients = K > 0 ? K : 1;
     const int64_t bytes = n * int64_t(sizeof(T)) * (clients + 2 + (noise ? 1 : 0));
 
-    parallel_for_bytes(0, groups, kGroupGrain, bytes, [&](int64_t g0, int64_t g1) {
+    parallel_for_bytes(0, groups, kGroupGrain, bytes, PassCost::kArithmetic, [&](int64_t g0, int64_t g1) {
       alignas(64) A acc[kTile];
       alignas(64) A eps[kTile];
       alignas(64) A conv[kTile];  // x' of an fp16/bf16 x in A, rounded to T at the tile's end
@@ -260,7 +261,7 @@ struct SgldCpu {
         // The noise, first: drawing it is arithmetic, during which the tile's gradients are
         // prefetched (kPrefetchLines cache lines at a time), client by client.
         if (noise) {
-          for (int64_t i = 0; i < len; ++i) eps[i] = static_cast<A>(noise[e0 + i]);
+          convert_to_acc(noise + e0, eps, len);
         } else if (p.draw_noise) {
           const int64_t tile_bytes = len * int64_t(sizeof(T));
           int64_t pk = 0, poff = 0;
@@ -307,9 +308,7 @@ struct SgldCpu {
             s += run;
           }
         }
-        if constexpr (!std::is_same_v<T, A>) {
-          for (int64_t i = 0; i < len; ++i) out[e0 + i] = static_cast<T>(conv[i]);
-        }
+        if constexpr (!std::is_same_v<T, A>) convert_from_acc(conv, out + e0, len);
       }
     });
   }

@@ -63,7 +63,7 @@ struct SuperfedCpu {
     for (int j = 0; j < 4; ++j) streams += has[j];
     for (int j = 0; j < 3; ++j) streams += wants[j];
     const int64_t bytes = total_numel(p.numels) * streams * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kChunk, bytes, [&](int64_t c, const ChunkRange& r) {
+    for_each_chunk(p.numels, kChunk, bytes, PassCost::kStreaming, [&](int64_t c, const ChunkRange& r) {
       const T* in[4];
       T* out[3];
       for (int j = 0; j < 4; ++j) {

@@ -83,7 +83,7 @@ struct WeightedSumCpu {
     const A scale = static_cast<A>(p.scale);
     const int64_t bytes = total_numel(p.numels) *
         (K * int64_t(sizeof(T)) + int64_t(sizeof(U)) * (p.bases.empty() ? 1 : 2));
-    for_each_chunk(p.numels, kChunk, bytes, [&](int64_t, const ChunkRange& r) {
+    for_each_chunk(p.numels, kChunk, bytes, PassCost::kStreaming, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       for (int64_t off = r.begin; off < r.end; off += kTile) {
