@@ -12,6 +12,9 @@ On the ResNet-18 shape (62 float32 tensors, 11.69 M parameters), for each K:
   ``torch.stack`` + ``torch.sort`` + the mean of the two middle rows (the NumPy rule);
 - trimmed mean (beta = 0.2): the op against ``torch.stack`` + ``torch.sort`` + a mean of the
   kept rows;
+- window (Bulyan's coordinate step, beta = K - 4f with f = (K - 3) // 4): the op against
+  ``torch.stack`` + ``torch.sort`` for the median, then ``argsort`` of the distances to it,
+  ``gather`` and a mean (the NumPy rule Flower's Bulyan follows, in PyTorch);
 - distances: the op (one pass, float64) against ``torch.cdist`` of the flattened clients in
   float64 (one [K, P] concatenation, skipped above --max-fp64-bytes) and the Gram form in
   float32;
@@ -69,6 +72,17 @@ def stack_sort_trimmed(clients, K, T, cut):
             .values[cut:K - cut].mean(dim=0) for t in range(T)]
 
 
+def stack_sort_window(clients, K, T, window):
+    out = []
+    for t in range(T):
+        x = torch.stack([clients[k * T + t] for k in range(K)])
+        s = torch.sort(x, dim=0).values
+        med = s[K // 2] if K % 2 else (s[K // 2 - 1] + s[K // 2]) / 2
+        nearest = torch.argsort((x - med).abs(), dim=0)[:window]
+        out.append(torch.gather(x, 0, nearest).mean(dim=0))
+    return out
+
+
 def cdist_distances(clients, K, T):
     flat = torch.stack([torch.cat([clients[k * T + t].reshape(-1) for t in range(T)])
                         for k in range(K)]).double()
@@ -107,7 +121,7 @@ def main() -> None:
     parser.add_argument("--ks", default="10,50")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
-    parser.add_argument("--cases", default="median,trimmed,distances,private")
+    parser.add_argument("--cases", default="median,trimmed,window,distances,private")
     parser.add_argument("--max-fp64-bytes", type=int, default=2 << 30,
                         help="skip the cdist baseline when its [K, P] float64 copy is larger")
     add_output_arguments(parser)
@@ -129,12 +143,15 @@ def main() -> None:
         base = [torch.randn(s, generator=g).to(device) for s in shapes]
         gen = torch.Generator(device=device).manual_seed(0)
         cut = int(0.2 * K)
+        window = max(1, K - 4 * ((K - 3) // 4))
         groups = {
             "median": {"fedkernels": lambda: robust_ops.coordinate_median(clients, K),
                        "stack+median": lambda: stack_median(clients, K, T),
                        "stack+sort": lambda: stack_sort_median(clients, K, T)},
             "trimmed": {"fedkernels": lambda: robust_ops.trimmed_mean(clients, K, cut),
                         "stack+sort": lambda: stack_sort_trimmed(clients, K, T, cut)},
+            "window": {"fedkernels": lambda: robust_ops.median_window_mean(clients, K, window),
+                       "stack+sort+argsort": lambda: stack_sort_window(clients, K, T, window)},
             "distances": {"fedkernels": lambda: robust_ops.pairwise_sq_distances(clients, K),
                           "cdist fp64": lambda: cdist_distances(clients, K, T),
                           "gram fp32": lambda: gram_distances(clients, K, T)},

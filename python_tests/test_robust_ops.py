@@ -73,6 +73,29 @@ def test_order_statistics_nan_inf_and_strided(name, op, reference):
         exact(a, b)
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("K", [1, 2, 3, 5, 8, 17, 24])
+def test_median_window_of_every_width_with_ties_infinities_and_overflow(dtype, K):
+    # The CPU kernel finds the window of whole vectors of coordinates at once by counting the
+    # starts it moves past, and takes the scalar growth where a value or the median is
+    # infinite: long rows (both paths, every window width), exact ties, huge values whose
+    # median overflows, and infinities must all give the reference's bits.
+    g = torch.Generator().manual_seed(K)
+    n = 1000
+    values = torch.randint(-3, 4, (K, n), generator=g).to(torch.float64)  # exact ties
+    values[:, : n // 2] = torch.randn(K, n // 2, generator=g, dtype=torch.float64)
+    huge = torch.finfo(dtype).max
+    signs = torch.randint(0, 2, (K, 40), generator=g).to(torch.float64) * 2 - 1
+    values[:, 600:640] = signs * huge
+    values[0, 700:705] = float("inf")
+    values[K // 2, 706:711] = float("-inf")
+    values = values.to(dtype)
+    clients = list(values.unbind(0))
+    for window in range(1, K + 1):
+        got = robust_ops.median_window_mean(clients, K, window)[0]
+        exact(got, ref.median_window_mean_reference(clients, K, window)[0])
+
+
 def test_out_variants_and_errors():
     K = 5
     c = clients_of(K, torch.float64, seed=3)
