@@ -67,9 +67,9 @@ def _expected(kind: str) -> dict:
 
 # NVFlare's simulator picks its ports by binding to port 0 and closing the socket before its
 # server binds them, so simulators started side by side can race for a port. A lost race shows
-# in the log as this error, after which the run waits for that client forever (seen about once
-# in ten CI runs, in NVFlare's own runs as well as ours). Such a run is stopped and started
-# afresh, up to STARTS times; any other failure fails the test at once.
+# in the log as this error, after which the run waits for that client forever (seen twice in
+# one day on the CI machine, both times in a job with NVFlare's own aggregator). Such a run is
+# stopped and started afresh, up to STARTS times; any other failure fails the test at once.
 TRANSPORT_ERROR = b"Communication error with client"
 STARTS = 3
 
