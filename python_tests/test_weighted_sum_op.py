@@ -371,6 +371,32 @@ def test_backward_matches_reference_autograd():
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("wanted", ["updates", "weights", "base", "one update"])
+def test_backward_forms_only_the_gradients_asked_for(wanted):
+    """With only some inputs requiring grad, those get the reference's gradients and the rest
+    none (the weights' gradient, a float64 read of every update, is not formed unless asked)."""
+    g = torch.Generator().manual_seed(15)
+    shapes = [(4,), (3, 2)]
+    clients = [[torch.randn(s, generator=g) for s in shapes] for _ in range(3)]
+    base = [torch.randn(s, generator=g) for s in shapes]
+    w = torch.rand(3, generator=g)
+    upstream = [torch.randn(s, generator=g) for s in shapes]
+    inputs = {"updates": [t for c in clients for t in c], "weights": [w], "base": base,
+              "one update": [clients[1][0]]}[wanted]
+    for t in inputs:
+        t.requires_grad_()
+
+    def grads(outputs):
+        loss = sum((o * u).sum() for o, u in zip(outputs, upstream) if o.requires_grad)
+        return torch.autograd.grad(loss, inputs)
+
+    native = grads(ops.weighted_sum(flat(clients), w, base, 0.9, True))
+    reference = grads([b + 0.9 * sum(w[k] * (clients[k][t] - b) for k in range(3))
+                       for t, b in enumerate(base)])
+    for a, e in zip(native, reference):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- torch.compile
 
 

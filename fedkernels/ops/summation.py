@@ -118,31 +118,32 @@ def _weighted_sum_setup(ctx, inputs, output):
 
 def _weighted_sum_backward(ctx, grads):
     """d out_t / d x_kt = scale·w_k;  d out_t / d b_t = 1 − [delta]·scale·Σw (or 0 without base);
-    d out / d w_k = scale·Σ_t ⟨G_t, x_kt − [delta] b_t⟩."""
+    d out / d w_k = scale·Σ_t ⟨G_t, x_kt − [delta] b_t⟩. Only the gradients asked for are formed
+    (the weights' reads every update in float64)."""
     weights, *rest = ctx.saved_tensors
     n = ctx.num_tensors
     k_count = weights.numel()
     updates, base = rest[: k_count * n], rest[k_count * n :]
+    need_updates, need_weights, need_base = ctx.needs_input_grad[:3]
     grads = [torch.zeros_like(u) if g is None else g for g, u in zip(grads, updates[:n])]
     scale = ctx.scale
     grad_updates = [
-        (grads[i % n] * (scale * weights[i // n])).to(updates[i].dtype) for i in range(len(updates))
+        (grads[i % n] * (scale * weights[i // n])).to(updates[i].dtype) if need_updates[i] else None
+        for i in range(len(updates))
     ]
-    grad_weights = torch.stack(
-        [
-            scale
-            * sum(
-                (
-                    grads[t].double()
-                    * (updates[k * n + t].double() - (base[t].double() if ctx.delta else 0))
-                ).sum()
-                for t in range(n)
-            )
+    grad_weights = None
+    if need_weights and n:
+        grad_weights = torch.stack([
+            scale * sum(
+                (grads[t].double()
+                 * (updates[k * n + t].double() - (base[t].double() if ctx.delta else 0))).sum()
+                for t in range(n))
             for k in range(k_count)
-        ]
-    ).to(device=weights.device, dtype=weights.dtype) if n else torch.zeros_like(weights)
-    grad_base = []
-    if ctx.has_base:
+        ]).to(device=weights.device, dtype=weights.dtype)
+    elif need_weights:
+        grad_weights = torch.zeros_like(weights)
+    grad_base = [None] * len(base)
+    if any(need_base):
         factor = 1.0 - scale * weights.sum() if ctx.delta else 1.0
         grad_base = [(grads[t] * factor).to(base[t].dtype) for t in range(n)]
     return grad_updates, grad_weights, grad_base, None, None
