@@ -371,6 +371,26 @@ def test_pseudo_labels_gradcheck(weighting, combine, double_sigmoid):
     assert torch.autograd.gradcheck(f, tuple(inputs))
 
 
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("combine", ["logits", "probs"])
+def test_pseudo_labels_backward_without_the_logits_gradient(weighting, combine):
+    # With fixed logits the backward skips their [K, N, C] terms; the scores' and the
+    # prior's gradients must be those of the full backward.
+    def grads(logits_need_grad):
+        logits, scores = make_inputs((3, 4, 5), torch.float64, weighting, seed=6)
+        logits.requires_grad_(logits_need_grad)
+        prior = torch.tensor([0.1, 0.7, 1.3], dtype=torch.float64, requires_grad=True)
+        inputs = [prior] + ([scores.requires_grad_(True)] if scores is not None else [])
+        y, w = ops.ensemble_pseudo_labels(logits, scores, prior, weighting, combine, 1.3, 0.8,
+                                          True)
+        upstream = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape)
+        loss = (y * upstream).sum() + (w * w).sum()
+        return torch.autograd.grad(loss, inputs)
+
+    for a, b in zip(grads(False), grads(True)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_pseudo_labels_compile():
     logits, scores = make_inputs((4, 6, 5), torch.float32, "fedgo")
 

@@ -193,15 +193,21 @@ def _pseudo_backward(ctx, grad_y, grad_w):
     T = ctx.temperature
     gy = torch.zeros_like(y) if grad_y is None else grad_y.to(acc)
     gw = torch.zeros_like(w) if grad_w is None else grad_w.to(acc)
+    # The logits' [K, N, C] terms only when the logits need a gradient (the scores' and the
+    # prior's need gw alone).
+    need_L = ctx.needs_input_grad[0]
+    grad_L = None
     # Combine.
     if ctx.combine == "logits":
         gm = y * (gy - (y * gy).sum(-1, keepdim=True)) / T  # [N, C]
-        grad_L = w[:, :, None] * gm[None]
+        if need_L:
+            grad_L = w[:, :, None] * gm[None]
         gw = gw + (L * gm[None]).sum(-1)
     else:
         p = torch.softmax(L / T, dim=-1)
-        wg = w[:, :, None] * gy[None]
-        grad_L = p * (wg - (p * wg).sum(-1, keepdim=True)) / T
+        if need_L:
+            wg = w[:, :, None] * gy[None]
+            grad_L = p * (wg - (p * wg).sum(-1, keepdim=True)) / T
         gw = gw + (p * gy[None]).sum(-1)
     # Normalisation over clients: d/d(score) of softmax or linear weights.
     centred = gw - (w * gw).sum(0, keepdim=True)  # [K, N]
@@ -209,7 +215,7 @@ def _pseudo_backward(ctx, grad_y, grad_w):
     weighting = ctx.weighting
     if weighting in ("uniform", "entropy", "fedgo"):
         g_a = w * centred
-        if weighting == "entropy":
+        if weighting == "entropy" and need_L:
             # a = -H/tau; dH/dL = -P (log P + H).
             logp = torch.log_softmax(L, dim=-1)
             p1 = logp.exp()
@@ -235,14 +241,15 @@ def _pseudo_backward(ctx, grad_y, grad_w):
         total = mass.sum(0, keepdim=True)
         g_s = torch.where(total > 0, centred / total.clamp_min(torch.finfo(acc).tiny), 0.0)
         if weighting == "variance":
-            C = L.shape[-1]
-            grad_L = grad_L + (g_s * n[:, None])[:, :, None] * 2.0 / C * (
-                L - L.mean(-1, keepdim=True))
+            if need_L:
+                C = L.shape[-1]
+                grad_L = grad_L + (g_s * n[:, None])[:, :, None] * 2.0 / C * (
+                    L - L.mean(-1, keepdim=True))
         else:
             grad_scores = g_s * n[:, None] * base * (1 - base)
         if ctx.has_prior:
             grad_prior = (g_s * mass).sum(1)
-    grad_logits = grad_L.to(logits.dtype)
+    grad_logits = grad_L.to(logits.dtype) if need_L else None
     if grad_scores is not None:
         grad_scores = grad_scores.to(scores.dtype)
     elif ctx.has_scores:
