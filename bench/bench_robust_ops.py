@@ -59,12 +59,14 @@ def stack_median(clients, K, T):
             for t in range(T)]
 
 
+def sorted_median(s, K):
+    """The NumPy median from values sorted along dim 0."""
+    return s[K // 2] if K % 2 else (s[K // 2 - 1] + s[K // 2]) / 2
+
+
 def stack_sort_median(clients, K, T):
-    out = []
-    for t in range(T):
-        s = torch.sort(torch.stack([clients[k * T + t] for k in range(K)]), dim=0).values
-        out.append(s[K // 2] if K % 2 else (s[K // 2 - 1] + s[K // 2]) / 2)
-    return out
+    return [sorted_median(torch.sort(torch.stack([clients[k * T + t] for k in range(K)]),
+                                     dim=0).values, K) for t in range(T)]
 
 
 def stack_sort_trimmed(clients, K, T, cut):
@@ -76,8 +78,7 @@ def stack_sort_window(clients, K, T, window):
     out = []
     for t in range(T):
         x = torch.stack([clients[k * T + t] for k in range(K)])
-        s = torch.sort(x, dim=0).values
-        med = s[K // 2] if K % 2 else (s[K // 2 - 1] + s[K // 2]) / 2
+        med = sorted_median(torch.sort(x, dim=0).values, K)
         nearest = torch.argsort((x - med).abs(), dim=0)[:window]
         out.append(torch.gather(x, 0, nearest).mean(dim=0))
     return out
