@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     fused_versus_torch,
     fused_versus_torch_line,
     fused_versus_torch_ratios,
+    rows_by_classes,
     start_case_run,
 )
 
@@ -78,26 +79,21 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
     args, device, probes, probe = start_case_run(parser)
-    ns, cs = ((8,), (5,)) if args.tiny else (NS, CS)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for N in ns:
-        for C in cs:
-            if N * C > MAX_ELEMENTS:
-                continue
-            s = (3 * torch.randn(N, C, generator=g)).to(device)
-            y = torch.softmax(3 * torch.randn(N, C, generator=g), 1).to(device)
-            for mode in MODES:
-                x = s.detach().requires_grad_(mode == "train")
-                row = {"N": N, "C": C, "mode": mode, **fused_versus_torch(
-                    step(fused_loss, x, y, mode), step(torch_loss, x, y, mode), device,
-                    args.repeats, calls=max(1, min(200, (1 << 22) // (N * C))),
-                    nbytes=4 * N * C * (3 if mode == "train" else 2),
-                    read_gbps=probe.read_gbps())}
-                rows.append(row)
-                print(f"N={N:6d} C={C:5d} {mode:8s} {fused_versus_torch_line(row)}")
-                x = None
-            s = y = None
+    for N, C, calls in rows_by_classes(args, NS, CS, MAX_ELEMENTS):
+        s = (3 * torch.randn(N, C, generator=g)).to(device)
+        y = torch.softmax(3 * torch.randn(N, C, generator=g), 1).to(device)
+        for mode in MODES:
+            x = s.detach().requires_grad_(mode == "train")
+            row = {"N": N, "C": C, "mode": mode, **fused_versus_torch(
+                step(fused_loss, x, y, mode), step(torch_loss, x, y, mode), device,
+                args.repeats, calls=calls, nbytes=4 * N * C * (3 if mode == "train" else 2),
+                read_gbps=probe.read_gbps())}
+            rows.append(row)
+            print(f"N={N:6d} C={C:5d} {mode:8s} {fused_versus_torch_line(row)}")
+            x = None
+        s = y = None
     finish_case_run("distill_kl", device, args, probes, rows, ratios)
 
 

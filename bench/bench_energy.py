@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     fused_versus_torch,
     fused_versus_torch_line,
     fused_versus_torch_ratios,
+    rows_by_classes,
     start_case_run,
 )
 
@@ -51,21 +52,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
     args, device, probes, probe = start_case_run(parser)
-    ns, cs = ((8,), (5,)) if args.tiny else (NS, CS)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for N in ns:
-        for C in cs:
-            if N * C > MAX_ELEMENTS:
-                continue
-            f = (3 * torch.randn(N, C, generator=g)).to(device)
-            row = {"N": N, "C": C, **fused_versus_torch(
-                lambda: fedkernels.energy_from_logits(f), lambda: -torch.logsumexp(f, 1),
-                device, args.repeats, calls=max(1, min(200, (1 << 22) // (N * C))),
-                nbytes=4 * (N * C + N), read_gbps=probe.read_gbps())}
-            rows.append(row)
-            print(f"N={N:6d} C={C:5d} {fused_versus_torch_line(row)}")
-            f = None
+    for N, C, calls in rows_by_classes(args, NS, CS, MAX_ELEMENTS):
+        f = (3 * torch.randn(N, C, generator=g)).to(device)
+        row = {"N": N, "C": C, **fused_versus_torch(
+            lambda: fedkernels.energy_from_logits(f), lambda: -torch.logsumexp(f, 1),
+            device, args.repeats, calls=calls, nbytes=4 * (N * C + N),
+            read_gbps=probe.read_gbps())}
+        rows.append(row)
+        print(f"N={N:6d} C={C:5d} {fused_versus_torch_line(row)}")
+        f = None
     finish_case_run("energy_from_logits", device, args, probes, rows, ratios)
 
 

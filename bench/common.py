@@ -452,6 +452,18 @@ def start_case_run(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace,
     return args, device, probes, ReadProbe(device, args.probe_bytes)
 
 
+def rows_by_classes(args: argparse.Namespace, ns: tuple[int, ...], cs: tuple[int, ...],
+                    max_elements: int):
+    """(N, C, calls) of a benchmark over N rows of C logits: every pair of the grid up to
+    max_elements values, or (8, 5) for --tiny; calls is how many calls one timing sample makes
+    (up to 200, fewer as the case grows past 2^22 values)."""
+    ns, cs = ((8,), (5,)) if args.tiny else (ns, cs)
+    for n in ns:
+        for c in cs:
+            if n * c <= max_elements:
+                yield n, c, max(1, min(200, (1 << 22) // (n * c)))
+
+
 def finish_case_run(name: str, device: torch.device, args: argparse.Namespace, probes: dict,
                     rows: list, ratios: Callable[[dict], dict[str, float]]) -> None:
     """Writes an op benchmark's fp32 run (``name``: its key in the results file) as
