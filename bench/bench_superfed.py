@@ -5,7 +5,8 @@ PyTorch, and against a plain FedAvg step, for a CNN and a ResNet-18-sized model.
     OMP_NUM_THREADS=1 python bench/bench_superfed.py [--device cuda] [--repeats 15]
 
 Variants of the step (all use torch.optim.SGD(momentum=0.9, weight_decay=1e-4) with its
-default implementation for the device, and the same network code via functional_call):
+default implementation for the device, or all with ``fused=True`` under ``--sgd fused``, and the
+same network code via functional_call):
 
 - ``fedavg``: the module's own parameters, CE, backward, step (the reference cost);
 - ``superfed_fused_mm`` / ``_lm``: fedkernels.superfed_mix (one lambda / one per module): the
@@ -22,7 +23,7 @@ Also the ops alone (mix forward+backward and regularizer forward+backward, no ne
 their effective bandwidth over their minimum traffic and its fraction of a copy probe.
 The machine is shared: the variants are timed interleaved, round-robin, and each ratio is
 the median over rounds of the per-round ratio. Results: bench/results/<device>.json under
-``superfed``.
+``superfed`` (``superfed_fused_sgd`` for ``--sgd fused``).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class ResNet18(nn.Module):
 
 
 class Setup:
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+                 fused_sgd: bool = False) -> None:
         self.model, self.x, self.y = model, x, y
         self.names = [n for n, _ in model.named_parameters()]
         params = [p.detach() for p in model.parameters()]
@@ -134,12 +136,9 @@ class Setup:
         self.lam_lm_modules = torch.rand(len(modules), generator=gen)
         self.lam_lm = self.lam_lm_modules[torch.tensor([modules.index(o) for o in owners])]
         self.lam_mm = torch.tensor(0.37)
-        self.opt_fedavg = torch.optim.SGD(
-            model.parameters(), lr=1e-3, momentum=0.9, weight_decay=1e-4
-        )
-        self.opt_superfed = torch.optim.SGD(
-            self.g + self.l, lr=1e-3, momentum=0.9, weight_decay=1e-4
-        )
+        sgd = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4, **({"fused": True} if fused_sgd else {}))
+        self.opt_fedavg = torch.optim.SGD(model.parameters(), **sgd)
+        self.opt_superfed = torch.optim.SGD(self.g + self.l, **sgd)
 
     def forward_loss(self, theta):
         logits = functional_call(self.model, dict(zip(self.names, theta)), (self.x,))
@@ -248,8 +247,9 @@ def ratio(times: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def bench_model(name: str, model: nn.Module, x, y, device, repeats: int) -> dict:
-    s = Setup(model.to(device), x.to(device), y.to(device))
+def bench_model(name: str, model: nn.Module, x, y, device, repeats: int,
+                fused_sgd: bool = False) -> dict:
+    s = Setup(model.to(device), x.to(device), y.to(device), fused_sgd)
     n_params = sum(p.numel() for p in s.g)
     fns = {
         "fedavg": lambda: step_fedavg(s),
@@ -316,6 +316,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=10, help="the paper's B = 10")
     parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"])
     parser.add_argument("--probe-bytes", type=int, default=1 << 30)
+    parser.add_argument("--sgd", choices=("default", "fused"), default="default",
+                        help="torch.optim.SGD's implementation in every step: the device's "
+                        "default (foreach), or fused=True (one pass per tensor)")
     parser.add_argument("--tiny", action="store_true",
                         help="the CNN only, batch 2, 1 repeat, small probe: checks the script runs")
     add_output_arguments(parser)
@@ -326,7 +329,9 @@ def main() -> None:
         args.models, args.batch, args.repeats = ["cnn"], 2, 1
         args.probe_bytes = min(args.probe_bytes, 1 << 23)
     torch.manual_seed(0)
-    payload = {"environment": environment(device), "nu": NU, "mu": MU, "models": {}}
+    payload = {"environment": environment(device), "nu": NU, "mu": MU, "sgd": args.sgd,
+               "models": {}}
+    fused_sgd = args.sgd == "fused"
     b = args.batch
     if "cnn" in args.models:
         payload["models"]["cnn"] = bench_model(
@@ -336,6 +341,7 @@ def main() -> None:
             torch.randint(0, 10, (b,)),
             device,
             args.repeats,
+            fused_sgd,
         )
     if "resnet18" in args.models:
         payload["models"]["resnet18"] = bench_model(
@@ -345,12 +351,14 @@ def main() -> None:
             torch.randint(0, 10, (b,)),
             device,
             args.repeats,
+            fused_sgd,
         )
     payload["probes"] = probes = bandwidth_probes(device, args.probe_bytes)
     for m in payload["models"].values():
         m["ops_fused_fraction_of_copy_probe"] = m["ops_fused_effective_GBps"] / probes["copy_GBps"]
     print(f"\nprobes: read {probes['read_GBps']:.1f} GB/s, copy {probes['copy_GBps']:.1f} GB/s")
-    path = write_results("superfed", device, payload, save=args.save, out=args.out)
+    name = "superfed_fused_sgd" if fused_sgd else "superfed"
+    path = write_results(name, device, payload, save=args.save, out=args.out)
     print(f"\nwritten to {path}")
 
 
