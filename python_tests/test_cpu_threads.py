@@ -129,3 +129,31 @@ def test_calls_from_several_python_threads_give_the_bits_of_one_call():
     for t in threads:
         t.join()
     assert not errors and not mismatches
+
+
+@pytest.mark.parametrize("sizes", [(99_900, 100), (2047, 4097, 65_537), (2_000_003,), (3,) * 40])
+def test_weighted_sum_bits_do_not_depend_on_the_thread_count(sizes):
+    """The weighted sum's chunks shrink for small passes (balanced_chunk, csrc/cpu/chunk_loop.h)
+    so that two threads share the work; each value is still the same sum of the clients in
+    order, whatever the chunking and the number of threads."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    K = 10
+    clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(K)]
+    weights = torch.rand(K, generator=gen, dtype=torch.float64)
+    flat = [t for c in clients for t in c]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(torch.ops.fedkernels.weighted_sum(flat, weights, [], 1.0, False))
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
+    expected = [sum(float(w) * c[i].double() for w, c in zip(weights, clients))
+                for i in range(len(sizes))]
+    for got, want in zip(results[1], expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

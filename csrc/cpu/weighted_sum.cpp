@@ -27,7 +27,7 @@ using client_tiles::TileArgs;
 using client_tiles::accumulate_tile;
 using client_tiles::kTile;
 
-constexpr int64_t kChunk = 65536;  // elements per parallel work item
+constexpr int64_t kChunk = 65536;  // the most elements per parallel work item (balanced_chunk)
 
 template <typename T, typename U>
 void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc_type<T> scale) {
@@ -83,7 +83,8 @@ struct WeightedSumCpu {
     const A scale = static_cast<A>(p.scale);
     const int64_t bytes = total_numel(p.numels) *
         (K * int64_t(sizeof(T)) + int64_t(sizeof(U)) * (p.bases.empty() ? 1 : 2));
-    for_each_chunk(p.numels, kChunk, bytes, PassCost::kStreaming, [&](int64_t, const ChunkRange& r) {
+    const int64_t chunk = balanced_chunk(total_numel(p.numels), kChunk, kTile);
+    for_each_chunk(p.numels, chunk, bytes, PassCost::kStreaming, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       for (int64_t off = r.begin; off < r.end; off += kTile) {
