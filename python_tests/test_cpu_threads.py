@@ -157,3 +157,27 @@ def test_weighted_sum_bits_do_not_depend_on_the_thread_count(sizes):
                 for i in range(len(sizes))]
     for got, want in zip(results[1], expected):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [(99_900, 100), (2047, 4097, 65_537), (3,) * 40])
+def test_pairwise_distances_do_not_depend_on_the_thread_count(sizes):
+    """The distance pass keeps a row of partial sums per chunk, its chunks sized from the model
+    alone (balanced_chunk): one and two threads give the same bits, close to float64 sums."""
+    import torch
+
+    import fedkernels
+
+    gen = torch.Generator().manual_seed(2)
+    clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(7)]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(fedkernels.pairwise_sq_distances(clients))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    flat = torch.stack([torch.cat([t.double() for t in c]) for c in clients])
+    torch.testing.assert_close(results[1].double(), torch.cdist(flat, flat).pow(2),
+                               rtol=1e-9, atol=1e-9)

@@ -47,9 +47,9 @@ inline int64_t total_numel(const std::vector<int64_t>& numels) {
   return total;
 }
 
-// Elements per chunk of an elementwise pass over `total` elements (one whose values do not
-// depend on where the chunks fall): at most max_chunk, a multiple of align, and small enough
-// for about kBalanceChunks chunks. at::parallel_for gives each thread an equal run of chunk
+// Elements per chunk of a pass over `total` elements: at most max_chunk, a multiple of align,
+// and small enough for about kBalanceChunks chunks. It depends on the sizes alone, so a pass
+// whose chunks keep partial sums still gives the same values for any number of threads. at::parallel_for gives each thread an equal run of chunk
 // indices, so a pass of few chunks was split by count, not work: a 100 K-element weight and its
 // bias were two chunks and a tiny one, and one of two threads did all of it (K = 10: 175 us on
 // two threads, 189 on one; 2-core Xeon).

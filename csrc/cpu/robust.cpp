@@ -7,10 +7,11 @@
 // scalar rule of csrc/order_stats.h (NaN last), which gives the same values for numbers. No
 // [K, P] stack is built: each client is read once, in place.
 //
-// Distances: fixed chunks of kDistChunk elements are the work items; a chunk converts its K
-// slices to float64 a block at a time and adds sum_e (x_i[e] - x_j[e])^2 for every pair i < j
-// to its own row of partial sums, which are added chunk by chunk in chunk order at the end, so
-// the result is the same for any number of threads.
+// Distances: chunks of up to kDistChunk elements, sized from the model alone (balanced_chunk),
+// are the work items; a chunk converts its K slices to float64 a block at a time and adds
+// sum_e (x_i[e] - x_j[e])^2 for every pair i < j to its own row of partial sums, which are added
+// chunk by chunk in chunk order at the end, so the result is the same for any number of
+// threads.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
@@ -35,7 +36,7 @@ namespace {
 using at::vec::Vectorized;
 
 constexpr int64_t kRobustChunk = 4096;     // coordinates per work item
-constexpr int64_t kDistChunk = 1 << 16;    // elements per distance work item (a partial row)
+constexpr int64_t kDistChunk = 1 << 16;    // most elements per distance work item (a partial row)
 constexpr int64_t kDistBlock = 256;        // elements converted to float64 at a time
 constexpr int kPairGroup = 4;              // pairs whose sums run together
 
@@ -349,12 +350,14 @@ struct RobustCpu {
     const int64_t K = p.K, n = p.num_tensors();
     const int64_t pairs = K * (K - 1) / 2;
     std::vector<int64_t> prefix(n + 1);
-    const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, kDistChunk, prefix.data());
+    const int64_t chunk = balanced_chunk(total_numel(p.numels), kDistChunk, kDistBlock);
+    const int64_t chunks = fill_chunk_prefix(p.numels.data(), n, chunk, prefix.data());
     std::vector<double> partial(static_cast<size_t>(chunks * pairs), 0.0);
     const int64_t bytes = K * total_numel(p.numels) * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kDistChunk, bytes, PassCost::kArithmetic, [&](int64_t c, const ChunkRange& r) {
+    for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t c, const ChunkRange& r) {
       double* row = partial.data() + c * pairs;
-      std::vector<double> buf(static_cast<size_t>(K * kDistBlock));
+      thread_local std::vector<double> buf;  // reused: small models have many small chunks
+      buf.resize(static_cast<size_t>(K * kDistBlock));
       for (int64_t b0 = r.begin; b0 < r.end; b0 += kDistBlock) {
         const int64_t len = std::min(kDistBlock, r.end - b0);
         for (int64_t k = 0; k < K; ++k) {
