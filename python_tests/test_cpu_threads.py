@@ -181,3 +181,28 @@ def test_pairwise_distances_do_not_depend_on_the_thread_count(sizes):
     flat = torch.stack([torch.cat([t.double() for t in c]) for c in clients])
     torch.testing.assert_close(results[1].double(), torch.cdist(flat, flat).pow(2),
                                rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("sizes", [(99_900, 100), (2047, 4097, 65_537)])
+def test_update_norms_do_not_depend_on_the_thread_count(sizes):
+    """The norms keep a partial sum per chunk and client, their chunks sized from the model
+    alone (balanced_chunk): one and two threads give the same bits."""
+    import torch
+
+    import fedkernels
+
+    gen = torch.Generator().manual_seed(3)
+    clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(12)]
+    base = [torch.randn(n, generator=gen) for n in sizes]
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(fedkernels.update_norms(clients, base))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0], results[1])
+    want = torch.stack([torch.cat([(x - b).double() for x, b in zip(c, base)]).norm()
+                        for c in clients])
+    torch.testing.assert_close(results[1].double(), want, rtol=1e-9, atol=1e-9)
