@@ -131,6 +131,21 @@ def test_calls_from_several_python_threads_give_the_bits_of_one_call():
     assert not errors and not mismatches
 
 
+def on_one_and_two_threads(fn):
+    """[fn() with torch's thread count at 1, fn() at 2]; the count is restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(fn())
+        return results
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("sizes", [(99_900, 100), (2047, 4097, 65_537), (2_000_003,), (3,) * 40])
 def test_weighted_sum_bits_do_not_depend_on_the_thread_count(sizes):
     """The weighted sum's chunks shrink for small passes (balanced_chunk, csrc/cpu/chunk_loop.h)
@@ -143,14 +158,7 @@ def test_weighted_sum_bits_do_not_depend_on_the_thread_count(sizes):
     clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(K)]
     weights = torch.rand(K, generator=gen, dtype=torch.float64)
     flat = [t for c in clients for t in c]
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(torch.ops.fedkernels.weighted_sum(flat, weights, [], 1.0, False))
-    finally:
-        torch.set_num_threads(before)
+    results = on_one_and_two_threads(lambda: torch.ops.fedkernels.weighted_sum(flat, weights, [], 1.0, False))
     for one, two in zip(*results):
         assert torch.equal(one, two)
     expected = [sum(float(w) * c[i].double() for w, c in zip(weights, clients))
@@ -169,14 +177,7 @@ def test_pairwise_distances_do_not_depend_on_the_thread_count(sizes):
 
     gen = torch.Generator().manual_seed(2)
     clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(7)]
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(fedkernels.pairwise_sq_distances(clients))
-    finally:
-        torch.set_num_threads(before)
+    results = on_one_and_two_threads(lambda: fedkernels.pairwise_sq_distances(clients))
     assert torch.equal(results[0], results[1])
     flat = torch.stack([torch.cat([t.double() for t in c]) for c in clients])
     torch.testing.assert_close(results[1].double(), torch.cdist(flat, flat).pow(2),
@@ -194,14 +195,7 @@ def test_update_norms_do_not_depend_on_the_thread_count(sizes):
     gen = torch.Generator().manual_seed(3)
     clients = [[torch.randn(n, generator=gen) for n in sizes] for _ in range(12)]
     base = [torch.randn(n, generator=gen) for n in sizes]
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(fedkernels.update_norms(clients, base))
-    finally:
-        torch.set_num_threads(before)
+    results = on_one_and_two_threads(lambda: fedkernels.update_norms(clients, base))
     assert torch.equal(results[0], results[1])
     want = torch.stack([torch.cat([(x - b).double() for x, b in zip(c, base)]).norm()
                         for c in clients])
