@@ -139,6 +139,11 @@ class Setup:
         sgd = dict(lr=1e-3, momentum=0.9, weight_decay=1e-4, **({"fused": True} if fused_sgd else {}))
         self.opt_fedavg = torch.optim.SGD(model.parameters(), **sgd)
         self.opt_superfed = torch.optim.SGD(self.g + self.l, **sgd)
+        sgd.pop("fused", None)
+        self.opt_step = {
+            name: fedkernels.SuPerFedSGD(self.g, self.l, self.anchor, nu=NU, mu=MU, **sgd)
+            for name in ("mm", "lm")
+        }
 
     def forward_loss(self, theta):
         logits = functional_call(self.model, dict(zip(self.names, theta)), (self.x,))
@@ -160,6 +165,14 @@ def step_fused(s: Setup, layerwise: bool) -> None:
     s.opt_superfed.zero_grad(set_to_none=True)
     (loss + reg).backward()
     s.opt_superfed.step()
+
+
+def step_fused_sgd(s: Setup, layerwise: bool) -> None:
+    opt = s.opt_step["lm" if layerwise else "mm"]
+    theta, reg = opt.mix(s.lam_lm if layerwise else s.lam_mm)
+    loss = s.forward_loss(theta)
+    (loss + reg).backward()
+    opt.step()
 
 
 def step_two_ops(s: Setup) -> None:
@@ -255,6 +268,8 @@ def bench_model(name: str, model: nn.Module, x, y, device, repeats: int,
         "fedavg": lambda: step_fedavg(s),
         "superfed_fused_mm": lambda: step_fused(s, False),
         "superfed_fused_lm": lambda: step_fused(s, True),
+        "superfed_sgd_step_mm": lambda: step_fused_sgd(s, False),
+        "superfed_sgd_step_lm": lambda: step_fused_sgd(s, True),
         "superfed_loops_mm": lambda: step_loops(s, False),
         "superfed_loops_lm": lambda: step_loops(s, True),
         "superfed_foreach_lm": lambda: step_foreach_lm(s),
@@ -279,6 +294,9 @@ def bench_model(name: str, model: nn.Module, x, y, device, repeats: int,
         "ratios": {
             "fused_mm_over_fedavg": ratio(times, "superfed_fused_mm", "fedavg"),
             "fused_lm_over_fedavg": ratio(times, "superfed_fused_lm", "fedavg"),
+            "sgd_step_mm_over_fedavg": ratio(times, "superfed_sgd_step_mm", "fedavg"),
+            "sgd_step_lm_over_fedavg": ratio(times, "superfed_sgd_step_lm", "fedavg"),
+            "fused_mm_over_sgd_step_mm": ratio(times, "superfed_fused_mm", "superfed_sgd_step_mm"),
             "loops_mm_over_fused_mm": ratio(times, "superfed_loops_mm", "superfed_fused_mm"),
             "loops_lm_over_fused_lm": ratio(times, "superfed_loops_lm", "superfed_fused_lm"),
             "foreach_lm_over_fused_lm": ratio(times, "superfed_foreach_lm", "superfed_fused_lm"),
@@ -289,6 +307,8 @@ def bench_model(name: str, model: nn.Module, x, y, device, repeats: int,
         "cpu_time_ratios": {
             "fused_mm_over_fedavg": ratio(cpu, "superfed_fused_mm", "fedavg"),
             "fused_lm_over_fedavg": ratio(cpu, "superfed_fused_lm", "fedavg"),
+            "sgd_step_mm_over_fedavg": ratio(cpu, "superfed_sgd_step_mm", "fedavg"),
+            "sgd_step_lm_over_fedavg": ratio(cpu, "superfed_sgd_step_lm", "fedavg"),
         },
     }
     print(

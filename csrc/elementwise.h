@@ -82,10 +82,39 @@ struct StatsMath {
   }
 };
 
+// torch.optim.SGD's update of one parameter p with gradient d, in its foreach order (weight decay
+// into the gradient, then momentum, then the step); b is the momentum buffer, written to b_out.
+// The first step of a buffer takes it as d itself, as torch does (no dampening).
+struct SgdMath {
+  template <typename V, typename C>
+  FEDKERNELS_HD static V step(const C& c, V p, V d, V b, V& b_out) {
+    if (c.decay) d = d + c.weight_decay * p;
+    if (c.momentum_on) {
+      b_out = c.first_step ? d : b * c.momentum + c.one_minus_dampening * d;
+      d = c.nesterov ? d + c.momentum * b_out : b_out;
+    }
+    return p - c.lr * d;
+  }
+};
+
 // The kernels of the SuPerFed ops. Each reads some of the inputs, by slot g, l, a (anchor), G
-// (the upstream gradient of theta), writes some of the outputs, by slot theta or grad_g, grad_l,
-// grad_a, and sums some per-tensor reductions (the four statistics, or the lam gradient).
-enum class SuperfedKind { kMix, kMixBackward, kStats, kStatsBackward, kMixStats, kMixStatsBackward };
+// (the upstream gradient of theta), and for kMixStatsStep the momentum buffers of g and l; writes
+// some of the outputs, by slot theta or grad_g, grad_l, grad_a (kMixStatsStep: g, l and their
+// buffers, in place); and sums some per-tensor reductions (the four statistics, or the lam
+// gradient). kMixStatsStep is kMixStatsBackward's gradients fed straight into SgdMath::step.
+enum class SuperfedKind {
+  kMix, kMixBackward, kStats, kStatsBackward, kMixStats, kMixStatsBackward, kMixStatsStep
+};
+constexpr int kSuperfedInputs = 6;   // slots g, l, a, G, g's buffer, l's buffer
+constexpr int kSuperfedOutputs = 4;  // slots theta or grad_g (or g), grad_l (or l), grad_a or
+                                     // g's buffer, l's buffer
+
+// torch.optim.SGD's settings for kMixStatsStep (host side; float64 as torch keeps them).
+struct SgdSettings {
+  double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+  bool first_step = false;  // the buffers are not read, only written (torch: buffer = d)
+};
 
 // Per-tensor constants of the element functions, in the value type V (a scalar, or a CPU vector
 // of that scalar in every lane): the mixing weight w = lam_t and the gradient coefficients of the
@@ -96,6 +125,9 @@ struct SuperfedCoef {
   bool low;  // w < 0.5: the lerp form of MixMath::mix
   V h0, h1x2, h2x2, h3x2;
   V zero;
+  // kMixStatsStep's SGD settings (SgdMath::step; zero and off for the other kinds).
+  V lr, momentum, one_minus_dampening, weight_decay;
+  bool decay, momentum_on, nesterov, first_step;
 
   // From lam [T] and H [T, 4] (float64; either may be null) at row t.
   FEDKERNELS_HD static SuperfedCoef load(
@@ -110,19 +142,37 @@ struct SuperfedCoef {
     c.h2x2 = row && has_local ? static_cast<V>(2 * row[2]) : V(0);
     c.h3x2 = row && has_anchor ? static_cast<V>(2 * row[3]) : V(0);
     c.zero = V(0);
+    c.lr = c.momentum = c.one_minus_dampening = c.weight_decay = V(0);
+    c.decay = c.momentum_on = c.nesterov = c.first_step = false;
+    return c;
+  }
+
+  FEDKERNELS_HD SuperfedCoef with_sgd(const SgdSettings& s) const {
+    SuperfedCoef c = *this;
+    c.lr = static_cast<V>(s.lr);
+    c.momentum = static_cast<V>(s.momentum);
+    c.one_minus_dampening = static_cast<V>(1 - s.dampening);
+    c.weight_decay = static_cast<V>(s.weight_decay);
+    c.decay = s.weight_decay != 0;
+    c.momentum_on = s.momentum != 0;
+    c.nesterov = s.nesterov;
+    c.first_step = s.first_step;
     return c;
   }
 
   // The same constants in another value type (e.g. every lane of a CPU vector).
   template <typename W>
   SuperfedCoef<W> as() const {
-    return {W(w), W(omw), low, W(h0), W(h1x2), W(h2x2), W(h3x2), W(zero)};
+    return {W(w), W(omw), low, W(h0), W(h1x2), W(h2x2), W(h3x2), W(zero),
+            W(lr), W(momentum), W(one_minus_dampening), W(weight_decay),
+            decay, momentum_on, nesterov, first_step};
   }
 };
 
-// The per-element arithmetic of one kernel kind: x = {g, l, a, G} (inputs the kind or the call
-// does not have are 0 and unused), y = {theta or grad_g, grad_l, grad_a}, s += the kSums
-// per-tensor sums (when `reduce`). Both backends run their element loops through apply, so the
+// The per-element arithmetic of one kernel kind: x = {g, l, a, G[, buffer_g, buffer_l]} (inputs
+// the kind or the call does not have are 0 and unused), y = {theta or grad_g, grad_l, grad_a}
+// (kMixStatsStep: {g, l, buffer_g, buffer_l} after the step), s += the kSums per-tensor sums
+// (when `reduce`). Both backends run their element loops through apply, so the
 // CPU tests check the arithmetic the GPU runs.
 template <SuperfedKind kKind>
 struct SuperfedOp {
@@ -134,14 +184,26 @@ struct SuperfedOp {
       kKind == SuperfedKind::kMixBackward || kKind == SuperfedKind::kMixStatsBackward;
   static constexpr bool kStatsGrad =
       kKind == SuperfedKind::kStatsBackward || kKind == SuperfedKind::kMixStatsBackward;
+  static constexpr bool kStep = kKind == SuperfedKind::kMixStatsStep;
   // Sums per tensor: the statistics row, or the lam gradient.
   static constexpr int kSums = kStats ? 4 : (kMixGrad ? 1 : 0);
+  // Slots the kind uses (the buffers only by the step).
+  static constexpr int kInputs = kStep ? 6 : 4;
+  static constexpr int kOutputs = kStep ? 4 : 3;
 
   template <typename V>
   FEDKERNELS_HD static void apply(
       const SuperfedCoef<V>& c, bool has_local, bool has_anchor, bool reduce, const V* x, V* y,
       V* s) {
     const V g = x[0], l = x[1], a = x[2], G = x[3];
+    if constexpr (kStep) {
+      const V d = has_anchor ? StatsMath::diff(g, a) : c.zero;
+      const V grad_g = c.omw * G + StatsMath::grad_global(g, l, d, c.h0, c.h1x2, c.h3x2);
+      const V grad_l = c.w * G + StatsMath::grad_local(g, l, c.h0, c.h2x2);
+      y[0] = SgdMath::step(c, g, grad_g, x[4], y[2]);
+      y[1] = SgdMath::step(c, l, grad_l, x[5], y[3]);
+      return;
+    }
     if constexpr (kMixes) y[0] = MixMath::mix(g, l, c.w, c.omw, c.low);
     if constexpr (kStats) StatsMath::accumulate(s, g, l, a, has_local, has_anchor);
     if constexpr (kStatsGrad) {

@@ -5,6 +5,7 @@
 // by one kernel call of the backend, and the registration of a backend's kernels.
 #pragma once
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -36,18 +37,20 @@ namespace fedkernels {
 //   kStatsBackward:    in g, l?, a?;     out grad_g?, grad_l?, grad_a?;      h
 //   kMixStats:         in g, l, a?;      out theta;                          lam; result stats [T, 4]
 //   kMixStatsBackward: in g, l, a?, G;   out grad_g?, grad_l?, grad_a?;      lam, h; result dlam [T]
+//   kMixStatsStep:     in g, l, a?, G, buffers?; out g, l, buffers? (in place); lam, h, sgd
 struct SuperfedPlan {
   SuperfedKind kind;
   at::ScalarType dtype;
   at::Device device = at::kCPU;
   std::vector<int64_t> index;
   std::vector<int64_t> numels;
-  std::array<std::vector<const void*>, 4> in;
-  std::array<std::vector<void*>, 3> out;
+  std::array<std::vector<const void*>, kSuperfedInputs> in;
+  std::array<std::vector<void*>, kSuperfedOutputs> out;
   bool reduce = false;  // the kind's per-tensor sums are wanted (into result)
   at::Tensor lam;       // float64 [T], contiguous, on `device`; undefined when unused
   at::Tensor h;         // float64 [T, 4], contiguous, on `device`; undefined when unused
   at::Tensor result;    // float64, contiguous, zero-filled, on `device`, when reduce
+  SgdSettings sgd;      // kMixStatsStep only
 
   int64_t num_tensors() const { return static_cast<int64_t>(numels.size()); }
   bool has_input(int slot) const { return !in[slot].empty(); }
@@ -67,6 +70,7 @@ void dispatch_superfed_kind(SuperfedKind kind, F&& f) {
     case K::kStatsBackward: return f(std::integral_constant<K, K::kStatsBackward>{});
     case K::kMixStats: return f(std::integral_constant<K, K::kMixStats>{});
     case K::kMixStatsBackward: return f(std::integral_constant<K, K::kMixStatsBackward>{});
+    case K::kMixStatsStep: return f(std::integral_constant<K, K::kMixStatsStep>{});
   }
 }
 
@@ -148,12 +152,13 @@ inline void check_grad_stats(const char* op, const at::Tensor& grad_stats, int64
 // as in SuperfedPlan; an empty input list or a null/empty output list is not in the pass).
 struct SuperfedPass {
   SuperfedKind kind;
-  std::array<at::TensorList, 4> in;
-  std::array<std::vector<at::Tensor>*, 3> out = {nullptr, nullptr, nullptr};
+  std::array<at::TensorList, kSuperfedInputs> in;
+  std::array<std::vector<at::Tensor>*, kSuperfedOutputs> out = {};
   at::Tensor lam;
   at::Tensor h;
   at::Tensor result;
   bool reduce = false;
+  SgdSettings sgd;
 };
 
 // Splits the pass into one plan per dtype, over contiguous inputs (strided ones are copied),
@@ -173,15 +178,16 @@ inline void run_superfed(at::TensorList g, const SuperfedPass& pass, SuperfedRun
       p.h = pass.h;
       p.result = pass.result;
       p.reduce = pass.reduce;
+      p.sgd = pass.sgd;
       it = plans.emplace(p.dtype, std::move(p)).first;
     }
     SuperfedPlan& p = it->second;
     p.index.push_back(static_cast<int64_t>(t));
     p.numels.push_back(g[t].numel());
-    for (const auto j : c10::irange(4)) {
+    for (const auto j : c10::irange(kSuperfedInputs)) {
       if (!pass.in[j].empty()) p.in[j].push_back(dense.in(pass.in[j][t]));
     }
-    for (const auto j : c10::irange(3)) {
+    for (const auto j : c10::irange(kSuperfedOutputs)) {
       if (pass.out[j] != nullptr && !pass.out[j]->empty()) {
         p.out[j].push_back((*pass.out[j])[t].data_ptr());
       }
@@ -364,6 +370,123 @@ mix_endpoints_with_stats_backward_host(
           std::move(grad_a)};
 }
 
+// A dense tensor to compute an in-place result in: the tensor itself when it is dense, else a
+// dense copy that `finish` writes back.
+struct InPlaceDense {
+  std::vector<std::pair<at::Tensor, at::Tensor>> write_back;  // (dense copy, the tensor)
+
+  std::vector<at::Tensor> list(at::TensorList xs) {
+    std::vector<at::Tensor> out;
+    out.reserve(xs.size());
+    for (const auto& x : xs) {
+      if (is_contiguous_aligned(x) || x.numel() == 0) {
+        out.push_back(x);
+      } else {
+        out.push_back(x.clone(at::MemoryFormat::Contiguous));
+        write_back.emplace_back(out.back(), x);
+      }
+    }
+    return out;
+  }
+  void finish() {
+    for (auto& [dense, x] : write_back) x.copy_(dense);
+  }
+};
+
+// `xs` (a list updated in place) overlaps neither itself nor the other lists of the call.
+inline void check_no_alias(
+    const char* op, at::TensorList xs, const char* name,
+    std::initializer_list<std::pair<at::TensorList, const char*>> others) {
+  for (const auto t : c10::irange(xs.size())) {
+    if (xs[t].numel() == 0) continue;
+    TORCH_CHECK_VALUE(
+        at::has_internal_overlap(xs[t]) != at::MemOverlap::Yes, "fedkernels.", op, ": ", name,
+        " tensor ", t, " has elements that share memory (an expanded view); it is updated in "
+        "place");
+    for (const auto& [ys, other] : others) {
+      for (const auto u : c10::irange(ys.size())) {
+        if (ys[u].numel() == 0 || (ys.data() == xs.data() && u == t)) continue;
+        const auto overlap = at::get_overlap_status(xs[t], ys[u]);
+        TORCH_CHECK_VALUE(
+            overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
+            "fedkernels.", op, ": ", name, " tensor ", t, " overlaps ", other, " tensor ", u,
+            " in memory; it is updated in place");
+      }
+    }
+  }
+}
+
+inline void check_sgd_settings(const char* op, const SgdSettings& s) {
+  const std::pair<const char*, double> values[] = {
+      {"lr", s.lr}, {"momentum", s.momentum}, {"dampening", s.dampening},
+      {"weight_decay", s.weight_decay}};
+  for (const auto& [name, v] : values) {
+    TORCH_CHECK_VALUE(
+        std::isfinite(v) && v >= 0, "fedkernels.", op, ": ", name, " must be finite and >= 0, got ",
+        v);
+  }
+  TORCH_CHECK_VALUE(
+      !s.nesterov || (s.momentum > 0 && s.dampening == 0), "fedkernels.", op,
+      ": nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
+}
+
+// One SGD step of both endpoints from the mixed model's gradient G and H = d loss / d stats:
+// mix_endpoints_with_stats_backward's grad_g and grad_l, given to torch.optim.SGD's update,
+// without writing the gradients anywhere. Updates g, l and (momentum > 0) their buffers in place.
+inline void superfed_sgd_step_host(
+    at::TensorList g, at::TensorList l, at::TensorList buffer_g, at::TensorList buffer_l,
+    at::TensorList grads, const at::Tensor& grad_stats, const at::Tensor& lam, at::TensorList a,
+    const SgdSettings& sgd, SuperfedRunner runner) {
+  const char* op = "superfed_sgd_step_";
+  check_global_list(op, g);
+  check_matching_list(op, g, l, "global_params", "local_params");
+  check_matching_list(op, g, grads, "global_params", "grads");
+  check_stats_inputs(op, g, l, a);
+  const int64_t T = static_cast<int64_t>(g.size());
+  const at::Device device = list_device(g, lam);
+  check_lam(op, lam, T, device);
+  check_grad_stats(op, grad_stats, T, device);
+  check_sgd_settings(op, sgd);
+  const bool momentum_on = sgd.momentum != 0;
+  if (momentum_on || !buffer_g.empty() || !buffer_l.empty()) {
+    TORCH_CHECK_VALUE(
+        momentum_on, "fedkernels.", op, ": momentum buffers given with momentum 0");
+    check_matching_list(op, g, buffer_g, "global_params", "global_momentum");
+    check_matching_list(op, g, buffer_l, "global_params", "local_momentum");
+  }
+  check_no_alias(op, g, "global_params",
+                 {{g, "global_params"}, {l, "local_params"}, {buffer_g, "global_momentum"},
+                  {buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
+  check_no_alias(op, l, "local_params",
+                 {{l, "local_params"}, {buffer_g, "global_momentum"},
+                  {buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
+  check_no_alias(op, buffer_g, "global_momentum",
+                 {{buffer_g, "global_momentum"}, {buffer_l, "local_momentum"}, {grads, "grads"},
+                  {a, "anchor"}});
+  check_no_alias(op, buffer_l, "local_momentum",
+                 {{buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
+  if (T == 0) return;
+  InPlaceDense dense;
+  auto gd = dense.list(g);
+  auto ld = dense.list(l);
+  auto bg = dense.list(buffer_g);
+  auto bl = dense.list(buffer_l);
+  const at::TensorList none;
+  // A first step only writes the buffers.
+  const bool read_buffers = momentum_on && !sgd.first_step;
+  SuperfedPass pass{
+      SuperfedKind::kMixStatsStep,
+      {gd, ld, a, grads, read_buffers ? at::TensorList(bg) : none,
+       read_buffers ? at::TensorList(bl) : none},
+      {&gd, &ld, momentum_on ? &bg : nullptr, momentum_on ? &bl : nullptr}};
+  pass.lam = lam_per_tensor(lam, T, device);
+  pass.h = contiguous_aligned(
+      grad_stats.to(at::TensorOptions().device(device).dtype(at::kDouble)));
+  pass.sgd = sgd;
+  run_superfed(g, pass, runner);
+  dense.finish();
+}
+
 // Registers the SuPerFed ops of one backend (CPU, CUDA), whose kernels are the templates
 // Kernels::run<T, kind>(const SuperfedPlan&).
 template <typename Kernels>
@@ -397,6 +520,16 @@ void register_superfed(torch::Library& m) {
          const at::Tensor& lam, at::TensorList a, std::array<bool, 4> mask) {
         return mix_endpoints_with_stats_backward_host(
             grads, grad_stats, g, l, lam, a, mask, &run_superfed_plan<Kernels>);
+      });
+  m.impl(
+      "superfed_sgd_step_",
+      [](at::TensorList g, at::TensorList l, at::TensorList buffer_g, at::TensorList buffer_l,
+         at::TensorList grads, const at::Tensor& grad_stats, const at::Tensor& lam,
+         at::TensorList a, double lr, double momentum, double dampening, double weight_decay,
+         bool nesterov, bool first_step) {
+        const SgdSettings sgd{lr, momentum, dampening, weight_decay, nesterov, first_step};
+        superfed_sgd_step_host(
+            g, l, buffer_g, buffer_l, grads, grad_stats, lam, a, sgd, &run_superfed_plan<Kernels>);
       });
 }
 

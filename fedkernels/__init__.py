@@ -20,6 +20,7 @@ from .ops.mixing import (
     superfed_mix,
     superfed_regularizer,
 )
+from .ops.mixing_sgd import SuPerFedSGD
 from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
 from .private import adaptive_clip_norm, adaptive_noise_params, private_aggregate, update_norms
 from .robust import (
@@ -36,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "aggregate", "Accumulator", "ops", "reference", "native",
     "mix_endpoints", "cosine_orthogonality", "proximal_term", "superfed_mix",
-    "superfed_regularizer", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
+    "superfed_regularizer", "SuPerFedSGD", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
     "sgld_step", "sgld_step_", "sgld_compose_step", "check",
     "coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum", "bulyan",
     "nearest_to_median_mean",

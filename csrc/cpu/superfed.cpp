@@ -3,7 +3,8 @@
 // csrc/cpu/*.cpp this file is compiled once per instruction set (see setup.py) into a library of
 // its own.
 //
-// One loop serves every kind: the plan's tensors are cut into chunks of kChunk elements (the
+// One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each
+// element is read before it is written): the plan's tensors are cut into chunks of kChunk elements (the
 // parallel unit), each walked in tiles of kTile elements, two vectors of the accumulate type at
 // a time, through SuperfedOp<kind>::apply. The reductions (the lam gradient, the four
 // statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64 inputs) in vector
@@ -48,11 +49,13 @@ struct SuperfedCpu {
     using A = acc_type<T>;
     using Vec = Vectorized<A>;
     constexpr int kSums = Op::kSums;
+    constexpr int kIn = Op::kInputs, kOut = Op::kOutputs;
     constexpr int kWidth = kSums > 0 ? kSums : 1;  // arrays of at least one element
     constexpr int64_t step = 2 * Vec::size();
     const bool reduce = kSums > 0 && p.reduce;
-    const bool has[4] = {p.has_input(0), p.has_input(1), p.has_input(2), p.has_input(3)};
-    const bool wants[3] = {p.has_output(0), p.has_output(1), p.has_output(2)};
+    bool has[kIn], wants[kOut];
+    for (int j = 0; j < kIn; ++j) has[j] = p.has_input(j);
+    for (int j = 0; j < kOut; ++j) wants[j] = p.has_output(j);
     const double* lam = p.lam.defined() ? p.lam.const_data_ptr<double>() : nullptr;
     const double* h = p.h.defined() ? p.h.const_data_ptr<double>() : nullptr;
     int64_t chunks = 0;
@@ -60,19 +63,20 @@ struct SuperfedCpu {
     std::vector<double> partials(reduce ? kSums * chunks : 0, 0.0);
 
     int64_t streams = 0;  // tensors read or written per element
-    for (int j = 0; j < 4; ++j) streams += has[j];
-    for (int j = 0; j < 3; ++j) streams += wants[j];
+    for (int j = 0; j < kIn; ++j) streams += has[j];
+    for (int j = 0; j < kOut; ++j) streams += wants[j];
     const int64_t bytes = total_numel(p.numels) * streams * int64_t(sizeof(T));
     for_each_chunk(p.numels, kChunk, bytes, PassCost::kStreaming, [&](int64_t c, const ChunkRange& r) {
-      const T* in[4];
-      T* out[3];
-      for (int j = 0; j < 4; ++j) {
+      const T* in[kIn];
+      T* out[kOut];
+      for (int j = 0; j < kIn; ++j) {
         in[j] = has[j] ? static_cast<const T*>(p.in[j][r.tensor]) + r.begin : nullptr;
       }
-      for (int j = 0; j < 3; ++j) {
+      for (int j = 0; j < kOut; ++j) {
         out[j] = wants[j] ? static_cast<T*>(p.out[j][r.tensor]) + r.begin : nullptr;
       }
-      const auto coef = SuperfedCoef<A>::load(lam, h, p.index[r.tensor], has[1], has[2]);
+      const auto coef =
+          SuperfedCoef<A>::load(lam, h, p.index[r.tensor], has[1], has[2]).with_sgd(p.sgd);
       const auto coef_v = coef.template as<Vec>();
       double sums[kWidth] = {};
       for (int64_t t0 = 0; t0 < r.end - r.begin; t0 += kTile) {
@@ -81,8 +85,8 @@ struct SuperfedCpu {
         Vec acc[2][kWidth];
         for (auto& half : acc) std::fill(half, half + kWidth, Vec(A(0)));
         for (int64_t j = t0; j < t0 + vec_len; j += step) {
-          Vec x[2][4], y[2][3];
-          for (int i = 0; i < 4; ++i) {
+          Vec x[2][kIn], y[2][kOut];
+          for (int i = 0; i < kIn; ++i) {
             if (in[i]) {
               load2<T, A>(in[i] + j, x[0][i], x[1][i]);
             } else {
@@ -92,16 +96,16 @@ struct SuperfedCpu {
           for (int half = 0; half < 2; ++half) {
             Op::apply(coef_v, has[1], has[2], reduce, x[half], y[half], acc[half]);
           }
-          for (int o = 0; o < 3; ++o) {
+          for (int o = 0; o < kOut; ++o) {
             if (out[o]) store2<T, A>(out[o] + j, y[0][o], y[1][o]);
           }
         }
         A tail[kWidth] = {};
         for (int64_t j = t0 + vec_len; j < t0 + len; ++j) {
-          A x[4], y[3];
-          for (int i = 0; i < 4; ++i) x[i] = in[i] ? static_cast<A>(in[i][j]) : A(0);
+          A x[kIn], y[kOut];
+          for (int i = 0; i < kIn; ++i) x[i] = in[i] ? static_cast<A>(in[i][j]) : A(0);
           Op::apply(coef, has[1], has[2], reduce, x, y, tail);
-          for (int o = 0; o < 3; ++o) {
+          for (int o = 0; o < kOut; ++o) {
             if (out[o]) out[o][j] = static_cast<T>(y[o]);
           }
         }

@@ -30,17 +30,18 @@ constexpr int kChunk = kThreads * kPerThread;  // 2048 elements per block-chunk
 constexpr int64_t kMaxBlocks = 65535;
 
 struct SuperfedMeta {
-  const uint64_t* in;           // [4][n] input pointers (0: absent)
-  const uint64_t* out;          // [3][n] output pointers (0: not wanted)
+  const uint64_t* in;           // [kSuperfedInputs][n] input pointers (0: absent)
+  const uint64_t* out;          // [kSuperfedOutputs][n] output pointers (0: not wanted)
   const int64_t* numels;        // [n], all > 0
   const int64_t* chunk_prefix;  // [n + 1]
   const int64_t* index;         // [n]: position in the op's lists (row of lam, h, result)
   const double* lam;            // [T] or null
   const double* h;              // [T, 4] or null
+  SgdSettings sgd;              // kMixStatsStep only
   double* partials;             // [total_chunks][kSums]; null without a reduction
   int64_t num_tensors;
   int64_t total_chunks;
-  bool has[4];                  // which inputs the call reads
+  bool has[kSuperfedInputs];    // which inputs the call reads
 };
 
 template <typename T, SuperfedKind kKind>
@@ -48,6 +49,7 @@ __global__ void __launch_bounds__(kThreads) superfed_kernel(const SuperfedMeta m
   using A = acc_type<T>;
   using Op = SuperfedOp<kKind>;
   constexpr int kWidth = Op::kSums > 0 ? Op::kSums : 1;
+  constexpr int kIn = Op::kInputs, kOut = Op::kOutputs;
   __shared__ A s_red[kThreads / 32];
   const bool reduce = m.partials != nullptr;
   for (int64_t c = blockIdx.x; c < m.total_chunks; c += gridDim.x) {
@@ -55,29 +57,30 @@ __global__ void __launch_bounds__(kThreads) superfed_kernel(const SuperfedMeta m
     const int64_t begin = (c - m.chunk_prefix[t]) * kChunk;
     const int64_t rest = m.numels[t] - begin;
     const int len = static_cast<int>(rest < kChunk ? rest : kChunk);
-    const T* in[4];
-    T* out[3];
+    const T* in[kIn];
+    T* out[kOut];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kIn; ++i) {
       const auto ptr = reinterpret_cast<const T*>(m.in[i * m.num_tensors + t]);
       in[i] = ptr ? ptr + begin : nullptr;
     }
 #pragma unroll
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < kOut; ++i) {
       const auto ptr = reinterpret_cast<T*>(m.out[i * m.num_tensors + t]);
       out[i] = ptr ? ptr + begin : nullptr;
     }
-    const auto coef = SuperfedCoef<A>::load(m.lam, m.h, m.index[t], m.has[1], m.has[2]);
+    const auto coef =
+        SuperfedCoef<A>::load(m.lam, m.h, m.index[t], m.has[1], m.has[2]).with_sgd(m.sgd);
     A sums[kWidth];
 #pragma unroll
     for (int k = 0; k < kWidth; ++k) sums[k] = A(0);
     for (int j = threadIdx.x; j < len; j += kThreads) {
-      A x[4], y[3];
+      A x[kIn], y[kOut];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) x[i] = in[i] ? static_cast<A>(in[i][j]) : A(0);
+      for (int i = 0; i < kIn; ++i) x[i] = in[i] ? static_cast<A>(in[i][j]) : A(0);
       Op::apply(coef, m.has[1], m.has[2], reduce, x, y, sums);
 #pragma unroll
-      for (int i = 0; i < 3; ++i) {
+      for (int i = 0; i < kOut; ++i) {
         if (out[i]) out[i][j] = static_cast<T>(y[i]);
       }
     }
@@ -120,8 +123,8 @@ struct SuperfedCuda {
         "validated there)");
 
     MetadataLayout layout;
-    const size_t in_at = layout.add<uint64_t>(4 * n);
-    const size_t out_at = layout.add<uint64_t>(3 * n);
+    const size_t in_at = layout.add<uint64_t>(kSuperfedInputs * n);
+    const size_t out_at = layout.add<uint64_t>(kSuperfedOutputs * n);
     const size_t numels_at = layout.add<int64_t>(n);
     const size_t prefix_at = layout.add<int64_t>(n + 1);
     const size_t index_at = layout.add<int64_t>(n);
@@ -130,12 +133,14 @@ struct SuperfedCuda {
     auto* h_out = meta.host<uint64_t>(out_at);
     auto* h_numels = meta.host<int64_t>(numels_at);
     auto* h_index = meta.host<int64_t>(index_at);
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kSuperfedInputs; ++j) {
       for (int64_t i = 0; i < n; ++i) {
         h_in[j * n + i] = p.has_input(j) ? reinterpret_cast<uint64_t>(p.in[j][i]) : 0;
-        if (j < 3) {
-          h_out[j * n + i] = p.has_output(j) ? reinterpret_cast<uint64_t>(p.out[j][i]) : 0;
-        }
+      }
+    }
+    for (int j = 0; j < kSuperfedOutputs; ++j) {
+      for (int64_t i = 0; i < n; ++i) {
+        h_out[j * n + i] = p.has_output(j) ? reinterpret_cast<uint64_t>(p.out[j][i]) : 0;
       }
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -164,7 +169,8 @@ struct SuperfedCuda {
     m.partials = reduce ? partials.mutable_data_ptr<double>() : nullptr;
     m.num_tensors = n;
     m.total_chunks = total_chunks;
-    for (int j = 0; j < 4; ++j) m.has[j] = p.has_input(j);
+    for (int j = 0; j < kSuperfedInputs; ++j) m.has[j] = p.has_input(j);
+    m.sgd = p.sgd;
 
     superfed_kernel<T, kKind>
         <<<grid_size(total_chunks, 1, kMaxBlocks), kThreads, 0, launch.stream>>>(m);

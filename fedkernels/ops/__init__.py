@@ -12,7 +12,7 @@ from . import native
 native.load()
 
 # The modules below register fake and autograd implementations, so the schemas must exist first.
-from . import distill, mixing, private, reference, robust, sgld, summation  # noqa: E402
+from . import distill, mixing, mixing_sgd, private, reference, robust, sgld, summation  # noqa: E402
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
 from .mixing import (  # noqa: E402
     cosine_orthogonality,
@@ -23,6 +23,7 @@ from .mixing import (  # noqa: E402
     superfed_regularizer,
     superfed_stats,
 )
+from .mixing_sgd import SuPerFedSGD, superfed_sgd_step_  # noqa: E402
 from .private import private_sum, private_sum_, update_norms  # noqa: E402
 from .robust import (  # noqa: E402
     coordinate_median,
@@ -37,7 +38,8 @@ __all__ = [
     "native", "reference", "summation", "mixing", "distill", "sgld",
     "weighted_sum", "weighted_sum_out", "weighted_sum_",
     "mix_endpoints", "superfed_stats", "mix_endpoints_with_stats", "cosine_orthogonality",
-    "proximal_term", "superfed_regularizer", "superfed_mix",
+    "proximal_term", "superfed_regularizer", "superfed_mix", "mixing_sgd", "SuPerFedSGD",
+    "superfed_sgd_step_",
     "ensemble_pseudo_labels", "distill_kl",
     "energy_from_logits", "sgld_step", "sgld_step_", "sgld_compose_step",
     "robust", "private", "coordinate_median", "trimmed_mean", "median_window_mean",
