@@ -84,13 +84,13 @@ struct StatsMath {
 
 // torch.optim.SGD's update of one parameter p with gradient d, in its foreach order (weight decay
 // into the gradient, then momentum, then the step); b is the momentum buffer, written to b_out.
-// The first step of a buffer takes it as d itself, as torch does (no dampening).
+// A buffer's first step (`first`) takes it as d itself, as torch does (no dampening).
 struct SgdMath {
   template <typename V, typename C>
-  FEDKERNELS_HD static V step(const C& c, V p, V d, V b, V& b_out) {
+  FEDKERNELS_HD static V step(const C& c, bool first, V p, V d, V b, V& b_out) {
     if (c.decay) d = d + c.weight_decay * p;
     if (c.momentum_on) {
-      b_out = c.first_step ? d : b * c.momentum + c.one_minus_dampening * d;
+      b_out = first ? d : b * c.momentum + c.one_minus_dampening * d;
       d = c.nesterov ? d + c.momentum * b_out : b_out;
     }
     return p - c.lr * d;
@@ -113,7 +113,8 @@ constexpr int kSuperfedOutputs = 4;  // slots theta or grad_g (or g), grad_l (or
 struct SgdSettings {
   double lr = 0, momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
-  bool first_step = false;  // the buffers are not read, only written (torch: buffer = d)
+  // Per endpoint (g, l): its buffers are not read, only written (torch: buffer = d).
+  bool first_step_global = false, first_step_local = false;
 };
 
 // Per-tensor constants of the element functions, in the value type V (a scalar, or a CPU vector
@@ -127,7 +128,7 @@ struct SuperfedCoef {
   V zero;
   // kMixStatsStep's SGD settings (SgdMath::step; zero and off for the other kinds).
   V lr, momentum, one_minus_dampening, weight_decay;
-  bool decay, momentum_on, nesterov, first_step;
+  bool decay, momentum_on, nesterov, first_global, first_local;
 
   // From lam [T] and H [T, 4] (float64; either may be null) at row t.
   FEDKERNELS_HD static SuperfedCoef load(
@@ -143,7 +144,7 @@ struct SuperfedCoef {
     c.h3x2 = row && has_anchor ? static_cast<V>(2 * row[3]) : V(0);
     c.zero = V(0);
     c.lr = c.momentum = c.one_minus_dampening = c.weight_decay = V(0);
-    c.decay = c.momentum_on = c.nesterov = c.first_step = false;
+    c.decay = c.momentum_on = c.nesterov = c.first_global = c.first_local = false;
     return c;
   }
 
@@ -156,7 +157,8 @@ struct SuperfedCoef {
     c.decay = s.weight_decay != 0;
     c.momentum_on = s.momentum != 0;
     c.nesterov = s.nesterov;
-    c.first_step = s.first_step;
+    c.first_global = s.first_step_global;
+    c.first_local = s.first_step_local;
     return c;
   }
 
@@ -165,7 +167,7 @@ struct SuperfedCoef {
   SuperfedCoef<W> as() const {
     return {W(w), W(omw), low, W(h0), W(h1x2), W(h2x2), W(h3x2), W(zero),
             W(lr), W(momentum), W(one_minus_dampening), W(weight_decay),
-            decay, momentum_on, nesterov, first_step};
+            decay, momentum_on, nesterov, first_global, first_local};
   }
 };
 
@@ -200,8 +202,8 @@ struct SuperfedOp {
       const V d = has_anchor ? StatsMath::diff(g, a) : c.zero;
       const V grad_g = c.omw * G + StatsMath::grad_global(g, l, d, c.h0, c.h1x2, c.h3x2);
       const V grad_l = c.w * G + StatsMath::grad_local(g, l, c.h0, c.h2x2);
-      y[0] = SgdMath::step(c, g, grad_g, x[4], y[2]);
-      y[1] = SgdMath::step(c, l, grad_l, x[5], y[3]);
+      y[0] = SgdMath::step(c, c.first_global, g, grad_g, x[4], y[2]);
+      y[1] = SgdMath::step(c, c.first_local, l, grad_l, x[5], y[3]);
       return;
     }
     if constexpr (kMixes) y[0] = MixMath::mix(g, l, c.w, c.omw, c.low);

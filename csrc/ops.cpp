@@ -71,12 +71,13 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   // gradient G and H = d loss / d stats: the gradients of mix_endpoints_with_stats_backward,
   //   grad_g = (1 - lam) G + H0 l + 2 H1 g + 2 H3 (g - a),  grad_l = lam G + H0 g + 2 H2 l,
   // are used where they are computed and never stored. The momentum buffers are given when
-  // momentum > 0 (written, not read, when first_step: torch's buffer = gradient).
+  // momentum > 0; first_step (g's, l's): that endpoint's buffers are written, not read (torch's
+  // first step sets a buffer to the gradient).
   m.def(
       "superfed_sgd_step_(Tensor(a!)[] global_params, Tensor(b!)[] local_params, "
       "Tensor(c!)[] global_momentum, Tensor(d!)[] local_momentum, Tensor[] grads, "
       "Tensor grad_stats, Tensor lam, Tensor[] anchor, float lr, float momentum, "
-      "float dampening, float weight_decay, bool nesterov, bool first_step) -> ()");
+      "float dampening, float weight_decay, bool nesterov, bool[2] first_step) -> ()");
 }
 
 // ---------------------------------------------------------------- Ensemble distillation

@@ -473,11 +473,11 @@ inline void superfed_sgd_step_host(
   auto bl = dense.list(buffer_l);
   const at::TensorList none;
   // A first step only writes the buffers.
-  const bool read_buffers = momentum_on && !sgd.first_step;
+  const bool read_g = momentum_on && !sgd.first_step_global;
+  const bool read_l = momentum_on && !sgd.first_step_local;
   SuperfedPass pass{
       SuperfedKind::kMixStatsStep,
-      {gd, ld, a, grads, read_buffers ? at::TensorList(bg) : none,
-       read_buffers ? at::TensorList(bl) : none},
+      {gd, ld, a, grads, read_g ? at::TensorList(bg) : none, read_l ? at::TensorList(bl) : none},
       {&gd, &ld, momentum_on ? &bg : nullptr, momentum_on ? &bl : nullptr}};
   pass.lam = lam_per_tensor(lam, T, device);
   pass.h = contiguous_aligned(
@@ -526,8 +526,9 @@ void register_superfed(torch::Library& m) {
       [](at::TensorList g, at::TensorList l, at::TensorList buffer_g, at::TensorList buffer_l,
          at::TensorList grads, const at::Tensor& grad_stats, const at::Tensor& lam,
          at::TensorList a, double lr, double momentum, double dampening, double weight_decay,
-         bool nesterov, bool first_step) {
-        const SgdSettings sgd{lr, momentum, dampening, weight_decay, nesterov, first_step};
+         bool nesterov, std::array<bool, 2> first_step) {
+        const SgdSettings sgd{
+            lr, momentum, dampening, weight_decay, nesterov, first_step[0], first_step[1]};
         superfed_sgd_step_host(
             g, l, buffer_g, buffer_l, grads, grad_stats, lam, a, sgd, &run_superfed_plan<Kernels>);
       });

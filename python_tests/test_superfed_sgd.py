@@ -1,9 +1,9 @@
 """Tests of ``fedkernels::superfed_sgd_step_`` and :class:`fedkernels.SuPerFedSGD`
 (fedkernels/ops/mixing_sgd.py; docs/algorithms/superfed.md, section 8): the fused step against
 the composition it replaces, ``fedkernels.superfed_mix`` + ``torch.optim.SGD(g + l)`` (parameters
-and momentum buffers, over several steps), its skip semantics against torch's (a parameter whose
-grad is None), state_dict and lr schedulers as with SGD, strided / empty / mixed-dtype tensors,
-thread-count determinism, opcheck, and the errors (which write nothing)."""
+and momentum buffers, over several steps), tensors the loss does not use, state_dict and lr
+schedulers as with SGD, strided / empty / mixed-dtype tensors, thread-count determinism, opcheck,
+and the errors (which write nothing)."""
 
 from __future__ import annotations
 
@@ -141,18 +141,6 @@ class Composition:
         theta, reg = fedkernels.superfed_mix(self.g, self.l, lam, self.anchor, **self.reg)
         self.opt.zero_grad()
         (loss(theta) + reg if with_reg else loss(theta)).backward()
-        self.opt.step()
-
-
-class PlainTorch(Composition):
-    """The mixing in plain PyTorch (theta_t = lerp(g_t, l_t, lam_t)) with no regularizer: a
-    tensor whose theta the loss does not use gets grad None, which torch.optim.SGD skips."""
-
-    def step(self, lam, loss, with_reg=False):
-        lam = torch.as_tensor(lam, dtype=torch.float64).reshape(-1).expand(len(self.g))
-        theta = [torch.lerp(g, l, float(w)) for g, l, w in zip(self.g, self.l, lam)]
-        self.opt.zero_grad()
-        loss(theta).backward()
         self.opt.step()
 
 
@@ -308,34 +296,26 @@ def test_low_level_op_matches_the_backward_op_and_torch_sgd():
                                            **TOL[torch.float64])
 
 
-# ---------------------------------------------------------------- skip semantics
+# ---------------------------------------------------------------- tensors the loss does not use
 
 
 @pytest.mark.parametrize("reg_name", ["paper", "none"])
 @pytest.mark.parametrize("sgd_name", ["decay", "damped_decay", "nesterov_decay"])
-def test_unused_tensor_is_skipped_like_a_grad_none_parameter(sgd_name, reg_name):
+def test_unused_tensor_is_updated_as_in_the_composition(sgd_name, reg_name):
     """Loss without the regularizer (or nu = 0, no anchor: a constant regularizer) and theta_1
-    unused: g_1 and l_1 are left alone with no momentum buffer, as torch.optim.SGD leaves a
-    parameter whose grad is None (plain-PyTorch mixing gives that None); a later step that uses
-    theta_1 gives them torch's first-step buffer while the others continue theirs."""
+    unused: superfed_mix's backward still gives g_1 and l_1 a (zero) gradient, so SGD applies
+    weight decay and momentum to them; the fused step does the same."""
     g, l, anchor, w = make_model([(5, 7), (129,), (3, 4)], torch.float64, seed=5)
     with_anchor, reg = reg_kwargs(reg_name)
     anchor = anchor if with_anchor else None
     sgd = sgd_kwargs(sgd_name)
     with_reg = reg_name == "none"  # reg is then a constant 0 that no tensor depends on
-    fused, ref = Fused(g, l, anchor, sgd, reg), PlainTorch(g, l, anchor, sgd, reg)
-    lams = lam_schedule("lm", len(g), steps=4, seed=5)
-    for lam in lams[:2]:
+    fused, ref = Fused(g, l, anchor, sgd, reg), Composition(g, l, anchor, sgd, reg)
+    for lam in lam_schedule("lm", len(g), steps=4, seed=5):
         fused.step(lam, smooth_loss(w, use={0, 2}), with_reg=with_reg)
-        ref.step(lam, smooth_loss(w, use={0, 2}))
-    assert bitwise_equal(fused.g[1], g[1]) and bitwise_equal(fused.l[1], l[1])
-    assert buffer(fused.opt, fused.g[1]) is None and buffer(fused.opt, fused.l[1]) is None
-    assert not torch.equal(fused.g[0], g[0])
-    assert_same_run(fused, ref)
-    for lam in lams[2:]:
-        fused.step(lam, smooth_loss(w), with_reg=with_reg)
-        ref.step(lam, smooth_loss(w))
-    assert not torch.equal(fused.g[1], g[1])
+        ref.step(lam, smooth_loss(w, use={0, 2}), with_reg=with_reg)
+    assert (buffer(fused.opt, fused.g[1]) is not None) == (sgd["momentum"] != 0)
+    assert not torch.equal(fused.g[1], g[1])  # weight decay moved it
     assert_same_run(fused, ref)
 
 
@@ -366,13 +346,6 @@ def test_regularizer_only_loss_updates_every_tensor():
     assert_same_run(fused, ref)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SuPerFedSGD's docstring says its skips are those of superfed_mix + torch.optim.SGD, "
-    "but superfed_mix's backward gives every g and l a zero gradient (never None) when any theta "
-    "is used, so SGD applies weight decay and momentum to the unused tensor; SuPerFedSGD leaves "
-    "it alone (torch's grad-None semantics, as plain-PyTorch mixing gives)",
-)
 def test_skips_match_the_superfed_mix_composition():
     g, l, anchor, w = make_model([(5, 7), (129,), (3, 4)], torch.float64, seed=5)
     _, reg = reg_kwargs("paper")
@@ -421,13 +394,6 @@ def test_state_dict_moves_between_superfed_sgd_and_torch_sgd(direction):
         assert_same_run(fused, first)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SuPerFedSGD.step runs a tensor pair as a first step (first_step=True) when either "
-    "g_t or l_t lacks a buffer, and replaces both buffers: g_0's loaded buffer is discarded and "
-    "restarted as its gradient, where torch.optim.SGD continues it (buf * momentum + "
-    "(1 - dampening) * d); the pair's two buffers need their own first-step flag",
-)
 def test_state_dict_with_one_buffer_of_a_pair():
     """A torch SGD state where g_0 has a momentum buffer and l_0 none (l_0 had grad None in the
     step that made it): the loaded SuPerFedSGD continues g_0's buffer and starts l_0's, as SGD."""
@@ -597,9 +563,10 @@ def _opcheck_cases():
     h = torch.randn(4, 4, generator=gen, dtype=torch.float64)
     lam_mm, lam_lm = torch.tensor(0.3, dtype=torch.float64), torch.tensor([0.1, 0.5, 0.9, 0.2])
     return [
-        (lst(), lst(), [], [], lst(), h, lam_mm, lst(), 0.1, 0.0, 0.0, 0.0, False, False),
-        (lst(), lst(), lst(), lst(), lst(), h, lam_lm, [], 0.1, 0.9, 0.0, 0.01, True, False),
-        (lst(), lst(), lst(), lst(), lst(), h, lam_lm, lst(), 0.1, 0.9, 0.3, 0.01, False, True),
+        (lst(), lst(), [], [], lst(), h, lam_mm, lst(), 0.1, 0.0, 0.0, 0.0, False, [False] * 2),
+        (lst(), lst(), lst(), lst(), lst(), h, lam_lm, [], 0.1, 0.9, 0.0, 0.01, True, [False] * 2),
+        (lst(), lst(), lst(), lst(), lst(), h, lam_lm, lst(), 0.1, 0.9, 0.3, 0.01, False,
+         [True, False]),
     ]
 
 
@@ -623,7 +590,7 @@ def _valid_call():
                 grad_stats=torch.randn(4, 4, generator=gen, dtype=torch.float64),
                 lam=torch.tensor([0.2, 0.4, 0.6, 0.8], dtype=torch.float64), anchor=lst(),
                 lr=0.1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=False,
-                first_step=False)
+                first_step=[False, False])
 
 
 def _replace(name, index, value):
@@ -721,7 +688,8 @@ def test_op_errors_name_the_argument_and_write_nothing(case):
     edit, error, match = OP_ERRORS[case]
     call = _valid_call()
     edit(call)
-    tensors = [x for v in call.values() if isinstance(v, list) for x in v]
+    tensors = [x for v in call.values() if isinstance(v, list) for x in v
+               if isinstance(x, torch.Tensor)]
     tensors += [call["grad_stats"], call["lam"]]
     before = [x.clone() for x in tensors]
     args = list(call.values())

@@ -9,15 +9,15 @@ Client :math:`k` in round :math:`t` (1-based), with :math:`a` the round's global
   (:math:`\lambda = 0`, the local model frozen).
 - Phase II: for every minibatch draw :math:`\lambda \sim U(0,1)` (MM: one for the whole model;
   LM: one per module, shared by the module's tensors), form
-  :math:`\theta = (1-\lambda) g + \lambda l_k` with :func:`fedkernels.superfed_mix`, and take one
-  SGD step on both endpoints of
+  :math:`\theta = (1-\lambda) g + \lambda l_k`, and take one SGD step on both endpoints of
 
   .. math:: \mathrm{CE}(f(x;\theta), y) + \nu\cos^2(g, l_k) + R_{prox}(g, a)
 
   (one forward/backward through the mixed model via ``torch.func.functional_call``; the
   mixed weights and the regularizers' statistics come from one fused pass over both endpoints
-  and the anchor, and their gradients from one fused pass back). The optimizer is
-  ``torch.optim.SGD`` with the run's client settings, re-created every round.
+  and the anchor, and the SGD update of both from one fused pass back:
+  :class:`fedkernels.SuPerFedSGD`). The optimizer has the run's client settings (those of
+  ``torch.optim.SGD``) and is re-created every round.
 
 Only :math:`g` goes to the server, which averages it by training-set size (FedAvg's fused
 aggregate); :math:`l_k` never leaves the client. Local models start from an initialisation of
@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.func import functional_call
 
-from fedkernels.ops.mixing import mix_endpoints, superfed_mix, superfed_regularizer
+from fedkernels.ops.mixing import mix_endpoints, superfed_regularizer
+from fedkernels.ops.mixing_sgd import SuPerFedSGD
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
 from fedkernels.sim.config import ConfigError
@@ -204,15 +205,18 @@ class _SuPerFed(FedAvg):
         model.train()
         mixing = round_index + 1 > self.start_round  # the paper counts rounds from 1
         anchor = [global_state[n].detach() for n in self.names]
-        g = [a.clone().requires_grad_() for a in anchor]
-        local = self.local_model(client_id, global_state)
-        l_params = [x.clone().requires_grad_(mixing) for x in local]
-        optimizer = torch.optim.SGD(
-            g + (l_params if mixing else []),
-            lr=local_lr(client, round_index),
-            momentum=client.momentum,
-            weight_decay=client.weight_decay,
-        )
+        sgd = dict(lr=local_lr(client, round_index), momentum=client.momentum,
+                   weight_decay=client.weight_decay)
+        if mixing:  # SGD on both endpoints, fused with the mixing backward
+            g = [a.clone() for a in anchor]
+            l_params = [x.clone() for x in self.local_model(client_id, global_state)]
+            optimizer = SuPerFedSGD(
+                g, l_params, anchor, nu=cfg.nu, mu=cfg.mu, prox_form=cfg.prox_form,
+                numerator_eps=cfg.numerator_eps, **sgd,
+            )
+        else:  # Phase I: FedProx on the global endpoint
+            g = [a.clone().requires_grad_() for a in anchor]
+            optimizer = torch.optim.SGD(g, **sgd)
         plan = batch_plan(
             data.num_train,
             client,
@@ -224,17 +228,8 @@ class _SuPerFed(FedAvg):
             for rows in plan:
                 index = torch.from_numpy(rows)
                 if mixing:  # theta and the regularizers from one fused pass (and one back)
-                    theta, reg = superfed_mix(
-                        g,
-                        l_params,
-                        self.sample_lambda(lam_rng),
-                        anchor,
-                        nu=cfg.nu,
-                        mu=cfg.mu,
-                        prox_form=cfg.prox_form,
-                        numerator_eps=cfg.numerator_eps,
-                    )
-                else:  # Phase I: FedProx on the global endpoint
+                    theta, reg = optimizer.mix(self.sample_lambda(lam_rng))
+                else:
                     theta = g
                     reg = superfed_regularizer(
                         g, None, anchor, nu=0.0, mu=cfg.mu, prox_form=cfg.prox_form

@@ -62,7 +62,7 @@ def superfed_sgd_step_(
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
-    first_step: bool = False,
+    first_step: bool | tuple[bool, bool] = False,
 ) -> None:
     r"""One SGD step of both endpoints, in place, from the gradient ``grads`` of the mixed
     parameters :math:`\theta = (1-\lambda) g + \lambda l` and ``grad_stats``
@@ -71,16 +71,18 @@ def superfed_sgd_step_(
 
     The update is torch.optim.SGD's (weight decay, momentum with ``dampening``, ``nesterov``).
     With ``momentum > 0`` the buffers ``global_momentum`` and ``local_momentum`` are updated in
-    place; with ``first_step`` they are only written (torch's first step sets a buffer to the
-    gradient). With ``momentum == 0`` they must be empty lists.
+    place; with ``first_step`` (one flag, or one for ``g``'s and one for ``l``'s) they are only
+    written (torch's first step sets a buffer to the gradient). With ``momentum == 0`` they must
+    be empty lists.
     """
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64)
+    first = (first_step, first_step) if isinstance(first_step, bool) else tuple(first_step)
     with torch.no_grad():
         _ops.superfed_sgd_step_(
             list(global_params), list(local_params), list(global_momentum), list(local_momentum),
             list(grads), grad_stats, lam, list(anchor), float(lr), float(momentum),
-            float(dampening), float(weight_decay), bool(nesterov), bool(first_step),
+            float(dampening), float(weight_decay), bool(nesterov), [bool(x) for x in first],
         )
 
 
@@ -124,10 +126,11 @@ class SuPerFedSGD(torch.optim.Optimizer):
     ``nesterov`` the update, as in ``torch.optim.SGD``.
 
     The result is that of :func:`~fedkernels.superfed_mix` with ``torch.optim.SGD(g + l, ...)``
-    (up to rounding; see the module docstring), including which tensors a step skips: a tensor
-    whose mixed copy got no gradient, in a step whose loss did not use the regularizer, is left
-    alone as SGD leaves a parameter whose ``grad`` is None. The parameters form one group (``g``
-    then ``l``), so a learning-rate scheduler and ``state_dict`` work as with SGD over ``g + l``.
+    (up to rounding; see the module docstring). As there, every tensor of both endpoints is
+    updated in every step, also one whose mixed copy the loss did not use (its gradient is then
+    the regularizer's alone, or zero: weight decay and momentum still apply). The parameters
+    form one group (``g`` then ``l``), so a learning-rate scheduler and ``state_dict`` work as
+    with SGD over ``g + l``, momentum buffers included.
     """
 
     def __init__(
@@ -233,21 +236,16 @@ class SuPerFedSGD(torch.optim.Optimizer):
         group = self.param_groups[0]
         n = self.num_tensors
         g, l = self.global_params, self.local_params
-        # The regularizer reaches every tensor of both endpoints; without it, a tensor whose
-        # mixed copy got no gradient is skipped, as SGD skips a parameter whose grad is None.
-        used = [grad_stats is not None or t.grad is not None for t in theta]
         if grad_stats is None:
             grad_stats = torch.zeros((n, 4), dtype=torch.float64, device=stats.device)
         momentum = group["momentum"]
-        # One call per kind of momentum state (all tensors share one in an ordinary run).
-        calls: dict[bool, list[int]] = {}
+        # One call per kind of momentum state: (g's buffer is new, l's buffer is new). All
+        # tensors share one in an ordinary run; a loaded SGD state may hold some buffers only.
+        calls: dict[tuple[bool, bool], list[int]] = {}
         for t in range(n):
-            if used[t]:
-                first = momentum != 0 and (
-                    "momentum_buffer" not in self.state[g[t]]
-                    or "momentum_buffer" not in self.state[l[t]]
-                )
-                calls.setdefault(first, []).append(t)
+            first = tuple(momentum != 0 and self.state[p].get("momentum_buffer") is None
+                          for p in (g[t], l[t]))
+            calls.setdefault(first, []).append(t)
         for first, pick in calls.items():
             grads = [theta[t].grad if theta[t].grad is not None else torch.zeros_like(theta[t])
                      for t in pick]
@@ -256,14 +254,16 @@ class SuPerFedSGD(torch.optim.Optimizer):
                 for t in pick:
                     for p, out in ((g[t], buffers_g), (l[t], buffers_l)):
                         state = self.state[p]
-                        if first or "momentum_buffer" not in state:
+                        if state.get("momentum_buffer") is None:
                             state["momentum_buffer"] = torch.empty_like(
                                 p, memory_format=torch.preserve_format)
                         out.append(state["momentum_buffer"])
+            every = len(pick) == n  # the whole model: the lists as they are
             superfed_sgd_step_(
-                [g[t] for t in pick], [l[t] for t in pick], buffers_g, buffers_l, grads,
-                grad_stats[pick], lam if lam.numel() == 1 else lam.reshape(-1)[pick],
-                [self.anchor[t] for t in pick] if self.anchor else [],
+                g if every else [g[t] for t in pick], l if every else [l[t] for t in pick],
+                buffers_g, buffers_l, grads, grad_stats if every else grad_stats[pick],
+                lam if every or lam.numel() == 1 else lam.reshape(-1)[pick],
+                (self.anchor if every else [self.anchor[t] for t in pick]) if self.anchor else [],
                 lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], first_step=first,
             )
