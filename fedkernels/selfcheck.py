@@ -303,6 +303,27 @@ def check_mix_endpoints_with_stats_backward(op, device, dtype):
     return out
 
 
+def check_superfed_sgd_step(op, device, dtype):
+    g, l, a, up, bg, bl = (_tensors(dtype, device, s) for s in (0, 1, 2, 4, 5, 6))
+    h = _stats_upstream(len(g), device)
+    out = []
+    settings = (((False, False), False, 0.1), ((True, False), False, 0.1),
+                ((False, True), True, 0.0))
+    for kind, lam in _lams(len(g)).items():
+        for first, nesterov, dampening in settings:
+            sgd = dict(lr=0.1, momentum=0.9, dampening=dampening, weight_decay=0.01,
+                       nesterov=nesterov)
+            got = [[x.clone() for x in xs] for xs in (g, l, bg, bl)]
+            op(*got, up, h, lam, a, *sgd.values(), list(first))
+            want = R.superfed_sgd_step_reference(g, l, bg, bl, up, h, lam, a, **sgd,
+                                                 first_step=first)
+            name = f"{kind} first={first}{' nesterov' if nesterov else ''}"
+            out += [Comparison(f"{name} {part}", x, y, _tol(dtype))
+                    for part, x, y in zip(("global", "local", "global buffer", "local buffer"),
+                                          got, want)]
+    return out
+
+
 def check_ensemble_pseudo_labels(op, device, dtype):
     K, N, C = 4, 9, 11
     g = _gen(0)
@@ -528,6 +549,7 @@ CHECKS: dict[str, OpCheck] = {
     "superfed_stats_backward": check_superfed_stats_backward,
     "mix_endpoints_with_stats": check_mix_endpoints_with_stats,
     "mix_endpoints_with_stats_backward": check_mix_endpoints_with_stats_backward,
+    "superfed_sgd_step_": check_superfed_sgd_step,
     "ensemble_pseudo_labels": check_ensemble_pseudo_labels,
     "distill_kl": check_distill_kl,
     "energy_from_logits": check_energy_from_logits,

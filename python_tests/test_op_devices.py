@@ -89,6 +89,15 @@ def _mix_stats_backward_args():
                 output_mask=[True, True, True, True])
 
 
+def _superfed_sgd_step_args():
+    g, l, a = _superfed_lists()
+    return dict(global_params=g, local_params=l, global_momentum=[_randn(*x.shape) for x in g],
+                local_momentum=[_randn(*x.shape) for x in g], grads=[_randn(*x.shape) for x in g],
+                grad_stats=torch.randn(3, 4, dtype=torch.float64),
+                lam=torch.tensor(0.3, dtype=torch.float64), anchor=a, lr=0.1, momentum=0.9,
+                dampening=0.0, weight_decay=0.01, nesterov=False, first_step=[False, False])
+
+
 def _pseudo_labels_args():
     K, N, C = 3, 5, 4
     return dict(logits=_randn(K, N, C), scores=_randn(K, N),
@@ -197,6 +206,16 @@ CASES = [
         (("local_params", 0), ["local_params tensor 0", "meta"]),
         ("lam", ["lam", "meta"]),
         (("anchor", 1), ["anchor tensor 1", "meta"]),
+    ]),
+    (OPS.superfed_sgd_step_.default, _superfed_sgd_step_args, [
+        (("global_params", 1), ["global_params tensor 1", "meta"]),
+        (("local_params", 2), ["local_params tensor 2", "meta"]),
+        (("global_momentum", 0), ["global_momentum tensor 0", "meta"]),
+        (("local_momentum", 1), ["local_momentum tensor 1", "meta"]),
+        (("grads", 0), ["grads tensor 0", "meta"]),
+        ("grad_stats", ["grad_stats", "meta"]),
+        ("lam", ["lam", "meta"]),
+        (("anchor", 2), ["anchor tensor 2", "meta"]),
     ]),
     (OPS.ensemble_pseudo_labels.default, _pseudo_labels_args, [
         ("logits", ["scores", "meta"]),

@@ -149,6 +149,61 @@ def superfed_stats_reference(
     return torch.stack(rows)
 
 
+def superfed_sgd_step_reference(
+    global_params: Sequence[Tensor],
+    local_params: Sequence[Tensor],
+    global_momentum: Sequence[Tensor],
+    local_momentum: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    grad_stats: Tensor,
+    lam,
+    anchor: Sequence[Tensor] = (),
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    first_step: bool | tuple[bool, bool] = False,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor]]:
+    """New ``(g, l, global_momentum, local_momentum)`` of ``fedkernels::superfed_sgd_step_``
+    (out of place; the buffer lists are empty with momentum 0): the mixing-with-statistics
+    gradients given to torch.optim.SGD's update, in fp32 for half types."""
+    n = len(global_params)
+    lams = torch.as_tensor(lam, dtype=torch.float64).reshape(-1).expand(n)
+    firsts = (first_step, first_step) if isinstance(first_step, bool) else tuple(first_step)
+    h = grad_stats.double().cpu()
+
+    def sgd(p, d, buf, first):
+        if weight_decay:
+            d = d + weight_decay * p
+        if momentum:
+            buf = d.clone() if first else buf * momentum + (1 - dampening) * d
+            d = d + momentum * buf if nesterov else buf
+        return p - lr * d, buf
+
+    out: tuple[list[Tensor], ...] = ([], [], [], [])
+    for t in range(n):
+        dtype = global_params[t].dtype
+        acc = _acc_dtype(dtype)
+        g, l, G = (x[t].to(acc) for x in (global_params, local_params, grads))
+        w = float(lams[t])
+        h0, h1, h2, h3 = (float(v) for v in h[t])
+        grad_g = (1 - w) * G + h0 * l + 2 * h1 * g
+        if len(anchor):
+            grad_g = grad_g + 2 * h3 * (g - anchor[t].to(acc))
+        grad_l = w * G + h0 * g + 2 * h2 * l
+        bufs = ([x[t].to(acc) for x in (global_momentum, local_momentum)] if momentum
+                else [None, None])
+        for p, d, buf, first, k in ((g, grad_g, bufs[0], firsts[0], 0),
+                                    (l, grad_l, bufs[1], firsts[1], 1)):
+            new_p, new_buf = sgd(p, d, buf, first)
+            out[k].append(new_p.to(dtype))
+            if momentum:
+                out[k + 2].append(new_buf.to(dtype))
+    return out
+
+
 def cosine_orthogonality_reference(
     global_params: Sequence[Tensor],
     local_params: Sequence[Tensor],
