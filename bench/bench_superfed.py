@@ -4,11 +4,15 @@ PyTorch, and against a plain FedAvg step, for a CNN and a ResNet-18-sized model.
 
     OMP_NUM_THREADS=1 python bench/bench_superfed.py [--device cuda] [--repeats 15]
 
-Variants of the step (all use torch.optim.SGD(momentum=0.9, weight_decay=1e-4) with its
-default implementation for the device, or all with ``fused=True`` under ``--sgd fused``, and the
-same network code via functional_call):
+Variants of the step (all with SGD(momentum=0.9, weight_decay=1e-4): torch.optim.SGD with its
+default implementation for the device, or with ``fused=True`` under ``--sgd fused``, except the
+SuPerFedSGD variants; the same network code via functional_call):
 
 - ``fedavg``: the module's own parameters, CE, backward, step (the reference cost);
+- ``superfed_sgd_step_mm`` / ``_lm``: fedkernels.SuPerFedSGD (what the simulation runs): the
+  forward of superfed_mix, then one pass after the backward that applies the SGD update to both
+  endpoints and their momentum buffers without writing their gradients (its own update, so
+  ``--sgd`` does not change it);
 - ``superfed_fused_mm`` / ``_lm``: fedkernels.superfed_mix (one lambda / one per module): the
   mixed weights and nu cos^2 + prox from one fused pass, their gradients from one pass back;
 - ``superfed_two_ops_lm``: fedkernels.mix_endpoints + fedkernels.superfed_regularizer (two
