@@ -194,7 +194,7 @@ namespace {
 constexpr const char* kMutatingOps[] = {
     "weighted_sum.out", "weighted_sum_", "sgld_step_", "sgld_compose_step_",
     "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
-    "private_sum_",
+    "private_sum_", "superfed_sgd_step_",
 };
 
 // Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the

@@ -336,12 +336,11 @@ inline std::tuple<std::vector<at::Tensor>, at::Tensor> mix_endpoints_with_stats_
   return {std::move(theta), stats};
 }
 
-inline std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
-                  std::vector<at::Tensor>>
-mix_endpoints_with_stats_backward_host(
-    at::TensorList grads, const at::Tensor& grad_stats, at::TensorList g, at::TensorList l,
-    const at::Tensor& lam, at::TensorList a, std::array<bool, 4> mask, SuperfedRunner runner) {
-  const char* op = "mix_endpoints_with_stats_backward";
+// The inputs of a backward of mix_endpoints_with_stats (the backward op, or the fused SGD
+// step): G and H for theta and the stats rows of (g, l, lam, anchor). Returns the device.
+inline at::Device check_mix_stats_backward_inputs(
+    const char* op, at::TensorList grads, const at::Tensor& grad_stats, at::TensorList g,
+    at::TensorList l, const at::Tensor& lam, at::TensorList a) {
   check_global_list(op, g);
   check_matching_list(op, g, l, "global_params", "local_params");
   check_matching_list(op, g, grads, "global_params", "grads");
@@ -350,6 +349,17 @@ mix_endpoints_with_stats_backward_host(
   const at::Device device = list_device(g, lam);
   check_lam(op, lam, T, device);
   check_grad_stats(op, grad_stats, T, device);
+  return device;
+}
+
+inline std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor,
+                  std::vector<at::Tensor>>
+mix_endpoints_with_stats_backward_host(
+    at::TensorList grads, const at::Tensor& grad_stats, at::TensorList g, at::TensorList l,
+    const at::Tensor& lam, at::TensorList a, std::array<bool, 4> mask, SuperfedRunner runner) {
+  const char* op = "mix_endpoints_with_stats_backward";
+  const at::Device device = check_mix_stats_backward_inputs(op, grads, grad_stats, g, l, lam, a);
+  const int64_t T = static_cast<int64_t>(g.size());
   // mask: grad_g, grad_l, grad_lam, grad_a
   mask[3] = mask[3] && !a.empty();
   auto grad_g = empty_like_list_if(mask[0], g);
@@ -438,14 +448,8 @@ inline void superfed_sgd_step_host(
     at::TensorList grads, const at::Tensor& grad_stats, const at::Tensor& lam, at::TensorList a,
     const SgdSettings& sgd, SuperfedRunner runner) {
   const char* op = "superfed_sgd_step_";
-  check_global_list(op, g);
-  check_matching_list(op, g, l, "global_params", "local_params");
-  check_matching_list(op, g, grads, "global_params", "grads");
-  check_stats_inputs(op, g, l, a);
+  const at::Device device = check_mix_stats_backward_inputs(op, grads, grad_stats, g, l, lam, a);
   const int64_t T = static_cast<int64_t>(g.size());
-  const at::Device device = list_device(g, lam);
-  check_lam(op, lam, T, device);
-  check_grad_stats(op, grad_stats, T, device);
   check_sgd_settings(op, sgd);
   const bool momentum_on = sgd.momentum != 0;
   if (momentum_on || !buffer_g.empty() || !buffer_l.empty()) {

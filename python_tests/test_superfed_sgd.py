@@ -13,26 +13,11 @@ import math
 import pytest
 import torch
 from conftest import bitwise_equal, dtype_id, randn
+from test_cpu_threads import on_one_and_two_threads
 
 import fedkernels
 from fedkernels import SuPerFedSGD
 from fedkernels.ops.mixing_sgd import superfed_sgd_step_
-
-try:
-    from test_cpu_threads import on_one_and_two_threads
-except ImportError:  # pragma: no cover - the helper moved
-
-    def on_one_and_two_threads(fn):
-        before = torch.get_num_threads()
-        try:
-            results = []
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                results.append(fn())
-            return results
-        finally:
-            torch.set_num_threads(before)
-
 
 ops = torch.ops.fedkernels
 
@@ -704,6 +689,31 @@ def test_the_valid_call_of_the_error_cases_runs():
     before = [x.clone() for x in call["global_params"]]
     ops.superfed_sgd_step_(*call.values())
     assert all(not torch.equal(x, b) for x, b in zip(call["global_params"], before))
+
+
+@pytest.mark.parametrize("name", ["global_params", "local_momentum"])
+def test_grad_mode_refuses_a_written_leaf_that_requires_grad(name):
+    """As PyTorch's in-place ops: with grad mode on, a written leaf that requires grad is
+    refused (nothing written); under torch.no_grad() the same call runs and advances the
+    written tensors' version counters."""
+    call = _valid_call()
+    call[name][1].requires_grad_()
+    before = [x.detach().clone() for x in call["global_params"]]
+    with pytest.raises(RuntimeError, match=rf"{name}\[1\] is a leaf tensor that requires grad"):
+        superfed_sgd_step_(**call)
+    assert all(bitwise_equal(x.detach(), b) for x, b in zip(call["global_params"], before))
+    versions = [x._version for x in call["global_params"] + call["local_momentum"]]
+    with torch.no_grad():
+        superfed_sgd_step_(**call)
+    assert all(x._version > v
+               for x, v in zip(call["global_params"] + call["local_momentum"], versions))
+
+
+def test_grad_mode_refuses_a_read_input_that_requires_grad():
+    call = _valid_call()
+    call["grads"][0].requires_grad_()
+    with pytest.raises(RuntimeError, match=r"grads\[0\] requires grad"):
+        superfed_sgd_step_(**call)
 
 
 def _opt():

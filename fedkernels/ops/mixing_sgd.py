@@ -73,17 +73,17 @@ def superfed_sgd_step_(
     With ``momentum > 0`` the buffers ``global_momentum`` and ``local_momentum`` are updated in
     place; with ``first_step`` (one flag, or one for ``g``'s and one for ``l``'s) they are only
     written (torch's first step sets a buffer to the gradient). With ``momentum == 0`` they must
-    be empty lists.
+    be empty lists. As PyTorch's in-place ops, with grad mode on it refuses parameters that
+    are leaves requiring grad: call it under ``torch.no_grad()``, as an optimizer's step is.
     """
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64)
     first = (first_step, first_step) if isinstance(first_step, bool) else tuple(first_step)
-    with torch.no_grad():
-        _ops.superfed_sgd_step_(
-            list(global_params), list(local_params), list(global_momentum), list(local_momentum),
-            list(grads), grad_stats, lam, list(anchor), float(lr), float(momentum),
-            float(dampening), float(weight_decay), bool(nesterov), [bool(x) for x in first],
-        )
+    _ops.superfed_sgd_step_(
+        list(global_params), list(local_params), list(global_momentum), list(local_momentum),
+        list(grads), grad_stats, lam, list(anchor), float(lr), float(momentum),
+        float(dampening), float(weight_decay), bool(nesterov), [bool(x) for x in first],
+    )
 
 
 @torch.library.register_fake("fedkernels::superfed_sgd_step_")
