@@ -820,3 +820,24 @@ def test_cuda_matches_cpu():
         torch.testing.assert_close(p.cpu(), q, **TOL[torch.float32])
         torch.testing.assert_close(buffer(gpu.opt, p).cpu(), buffer(cpu.opt, q),
                                    **TOL[torch.float32])
+
+
+def test_a_failing_step_leaves_the_optimizer_as_it_was():
+    """A step the op refuses (here a negative lr set in the group, as a bad scheduler could)
+    writes nothing and keeps no half-made momentum buffer; the same step then runs once the lr
+    is fixed, and matches the composition."""
+    g, l, anchor, w = make_model([(5, 7), (129,)], torch.float64, seed=21)
+    _, reg = reg_kwargs("paper")
+    sgd = sgd_kwargs("damped_decay")
+    fused, ref = Fused(g, l, anchor, sgd, reg), Composition(g, l, anchor, sgd, reg)
+    theta, penalty = fused.opt.mix(0.4)
+    (smooth_loss(w)(theta) + penalty).backward()
+    fused.opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr must be finite and >= 0"):
+        fused.opt.step()
+    assert all(bitwise_equal(p, q) for p, q in zip(fused.params, g + l))
+    assert all(buffer(fused.opt, p) is None for p in fused.params)
+    fused.opt.param_groups[0]["lr"] = sgd["lr"]
+    fused.opt.step()
+    ref.step(0.4, smooth_loss(w))
+    assert_same_run(fused, ref)

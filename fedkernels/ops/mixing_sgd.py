@@ -232,7 +232,6 @@ class SuPerFedSGD(torch.optim.Optimizer):
                 "fedkernels.SuPerFedSGD.step: no gradient reached the mixed parameters or the "
                 "regularizer; call backward() on a loss that uses them first"
             )
-        self._pending = None
         group = self.param_groups[0]
         n = self.num_tensors
         g, l = self.global_params, self.local_params
@@ -250,14 +249,15 @@ class SuPerFedSGD(torch.optim.Optimizer):
             grads = [theta[t].grad if theta[t].grad is not None else torch.zeros_like(theta[t])
                      for t in pick]
             buffers_g, buffers_l = [], []
+            created = []  # new buffers enter the state only once the op has filled them
             if momentum != 0:
                 for t in pick:
                     for p, out in ((g[t], buffers_g), (l[t], buffers_l)):
-                        state = self.state[p]
-                        if state.get("momentum_buffer") is None:
-                            state["momentum_buffer"] = torch.empty_like(
-                                p, memory_format=torch.preserve_format)
-                        out.append(state["momentum_buffer"])
+                        buf = self.state[p].get("momentum_buffer")
+                        if buf is None:
+                            buf = torch.empty_like(p, memory_format=torch.preserve_format)
+                            created.append((p, buf))
+                        out.append(buf)
             every = len(pick) == n  # the whole model: the lists as they are
             superfed_sgd_step_(
                 g if every else [g[t] for t in pick], l if every else [l[t] for t in pick],
@@ -267,3 +267,6 @@ class SuPerFedSGD(torch.optim.Optimizer):
                 lr=group["lr"], momentum=momentum, dampening=group["dampening"],
                 weight_decay=group["weight_decay"], nesterov=group["nesterov"], first_step=first,
             )
+            for p, buf in created:
+                self.state[p]["momentum_buffer"] = buf
+        self._pending = None
