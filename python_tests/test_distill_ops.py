@@ -186,6 +186,75 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
     _run_in_cpu_build(_EDGE_ROWS, capability, threads=2)
 
 
+# The CPU softmax statistics take a block's row maxima while the block before it runs its exps,
+# and prefetch the block after (softmax_stats.h, SoftmaxStats::Ahead): for the energies, block
+# after block; for the entropy weighting, teacher after teacher and then block after block. Rows
+# of very different scales and offsets (a maximum taken from the wrong row, or a part of a row
+# missed, would change the results), edge rows at block boundaries, rows longer than one
+# summation chunk, and a short last block: every row must get the same bits as alone in a call
+# of its own (where nothing is taken ahead), and match float64.
+_LOOKAHEAD_ROWS = textwrap.dedent(
+    """
+    import torch, fedkernels
+    from fedkernels.ops import reference as R
+
+    def rows(n, C, seed):
+        g = torch.Generator().manual_seed(seed)
+        scale = torch.exp(torch.empty(n, 1, dtype=torch.float64).uniform_(-2, 3.4, generator=g))
+        shift = torch.empty(n, 1, dtype=torch.float64).uniform_(-1000, 1000, generator=g)
+        x = torch.randn(n, C, generator=g, dtype=torch.float64) * scale + shift
+        x[0, -1] += 80  # maxima in the last (overlapping) vector and in the first
+        x[1, 0] += 80
+        edges = {2: "nan", 7: "inf", 8: "-inf", 9: "huge", n - 2: "nan", n - 1: "spike"}
+        for i, kind in edges.items():
+            if kind == "nan":
+                x[i, C // 3] = float("nan")
+            elif kind == "inf":
+                x[i, -1] = float("inf")
+            elif kind == "-inf":
+                x[i, :] = float("-inf")
+            elif kind == "huge":
+                x[i, :] += 3e7
+            else:
+                x[i, C // 2] = 1e4
+        return x.float()
+
+    for C in (40, 100, 1000, 5000):
+        # energies: several blocks per thread, the last one short
+        x = rows(37 * max(1, 2048 // C) + 5, C, C)
+        e = fedkernels.energy_from_logits(x)
+        for i in range(x.shape[0]):
+            alone = fedkernels.energy_from_logits(x[i : i + 1])
+            assert torch.equal(alone, e[i : i + 1]) or (alone.isnan() & e[i].isnan()).all(), (C, i)
+        ref = -torch.logsumexp(x.double(), -1)
+        ok = torch.isfinite(ref) & (x.double().amax(-1).abs() < 1e6)
+        torch.testing.assert_close(e[ok].double(), ref[ok], rtol=2e-6, atol=2e-6)
+        # entropy pseudo-labels: three teachers, each with its own edge rows
+        N = 9 * max(1, 2048 // C) + 3
+        L = torch.stack([rows(N, C, C + k) for k in (1, 2, 3)])
+        y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
+        for i in range(N):
+            ya, wa = fedkernels.ensemble_pseudo_labels(L[:, i : i + 1], weighting="entropy",
+                                                       return_weights=True)
+            assert torch.equal(ya.nan_to_num(7.0), y[i : i + 1].nan_to_num(7.0)), (C, i)
+            assert torch.equal(wa.nan_to_num(7.0), w[:, i : i + 1].nan_to_num(7.0)), (C, i)
+        w_ref = R.ensemble_pseudo_labels_reference(L.double(), weighting="entropy",
+                                                   return_weights=True)[1]
+        ok = torch.isfinite(w_ref).all(0)
+        torch.testing.assert_close(w[:, ok].double(), w_ref[:, ok], rtol=1e-4, atol=1e-6)
+    print("OK", fedkernels.ops.native.cpu_capability)
+    """
+)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_row_maxima_taken_ahead_in_every_cpu_build(capability, threads):
+    """Energies and entropy pseudo-labels over many blocks: the maxima taken ahead and the
+    prefetches change no bit of any row (see the script above)."""
+    _run_in_cpu_build(_LOOKAHEAD_ROWS, capability, threads=threads)
+
+
 @pytest.mark.cuda
 def test_entropy_edge_rows_on_cuda():
     """The CUDA kernel (its one-pass combination of the warps' rows included) on the same rows."""

@@ -587,7 +587,8 @@ struct DistillCpu {
       std::vector<A> tmp(E), acc(E);
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
-      std::vector<A> row_m(R), row_s(R);
+      std::vector<A> row_m(R), row_s(R), next_m(entropy ? R : 0);
+      bool has_max = false;  // row_m holds the entropy's next teacher rows' maxima (Ahead)
       SoftmaxStats<A> stats(entropy ? C : 0, entropy ? R : 0);  // the entropy's s and t
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
@@ -613,15 +614,22 @@ struct DistillCpu {
           if (!entropy && !variance && !p.probs) continue;  // the rows are not needed yet
           const A* x = block(k);
           if (entropy) {
-            // s and t of each row (t in sk until entropy_scores; SoftmaxStats). The next block
-            // this thread reads: teacher k + 1's rows, or teacher 0's of the next block.
-            const T* next = k + 1 < K ? logits + ((k + 1) * N + i0) * C
-                : b + 1 < b1            ? logits + (i0 + R) * C
-                                        : nullptr;
-            const int64_t next_rows = k + 1 < K ? rows : std::min(R, N - i0 - R);
-            const A* pf = nullptr;
-            if constexpr (std::is_same_v<T, A>) pf = next;
-            stats.compute(x, rows, row_m.data(), row_s.data(), sk, pf, next_rows);
+            // s and t of each row (t in sk until entropy_scores; SoftmaxStats). Float rows read
+            // straight from L: the two blocks this thread reads next (SoftmaxStats::Ahead),
+            // teacher by teacher and block by block.
+            typename SoftmaxStats<A>::Ahead ahead;
+            if constexpr (std::is_same_v<T, A>) {
+              auto later = [&](int64_t by, const A*& at, int64_t& at_rows) {
+                const int64_t bb = b + (k + by) / K, kk = (k + by) % K;
+                if (bb >= b1) return;
+                at = logits + (kk * N + bb * R) * C;
+                at_rows = std::min(R, N - bb * R);
+              };
+              later(1, ahead.next, ahead.next_rows);
+              later(2, ahead.after, ahead.after_rows);
+              ahead.next_max = next_m.data();
+            }
+            has_max = stats.compute(x, rows, row_m.data(), row_s.data(), sk, has_max, ahead);
             entropy_scores<A>(sk, row_s.data(), rows, tau);
           } else if (variance) {
             for (int64_t r = 0; r < rows; ++r) {
@@ -664,6 +672,7 @@ struct DistillCpu {
               }
             }
           }
+          if (has_max) row_m.swap(next_m);  // the next teacher's (or block's) maxima
         }
         block_weights<A>(w.data(), K, R, rows, log_prior, p.weighting, row_m.data());
         for (int64_t k = 0; k < K; ++k) {

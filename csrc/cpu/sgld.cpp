@@ -214,20 +214,32 @@ struct SgldCpu {
     const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);
-      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R);
+      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), next_m(R), s(R);
+      bool has_max = false;  // m holds the block's maxima (Stats::Ahead)
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0);
         const T* src = logits + i0 * C;
         const A* x = nullptr;
+        typename Stats::Ahead ahead;  // float rows: the next two blocks this thread reads
         if constexpr (std::is_same_v<T, A>) {
           x = src;
+          if (b + 1 < b1) {
+            ahead.next = src + R * C;
+            ahead.next_rows = std::min(R, N - i0 - R);
+            ahead.next_max = next_m.data();
+          }
+          if (b + 2 < b1) {
+            ahead.after = src + 2 * R * C;
+            ahead.after_rows = std::min(R, N - i0 - 2 * R);
+          }
         } else {
           convert_to_acc(src, xa.data(), rows * C);
           x = xa.data();
         }
-        stats.compute(x, rows, m.data(), s.data(), nullptr);
+        has_max = stats.compute(x, rows, m.data(), s.data(), nullptr, has_max, ahead);
         Stats::log_sum_exp(m.data(), s.data(), rows, s.data());
         for (int64_t r = 0; r < rows; ++r) out[i0 + r] = static_cast<T>(-s[r]);
+        if (has_max) m.swap(next_m);
       }
     });
   }

@@ -225,8 +225,9 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<flo
 // right after its exps were a chain of dependent shuffles that held up the next row). The row
 // max m may come from max_raw, which can miss a NaN: a NaN logit makes t NaN (through y), and
 // the caller then redoes the row with exp_sums_full. The
-// exps are compute bound, so while they run the same span of the next block to be read (pf, if not
-// null) is prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// exps are compute bound, so while they run the same span of a block read later (pf, if not
+// null: SoftmaxStats::Ahead) is prefetched, a cache line per line of x: its loads then overlap
+// this row's arithmetic.
 // Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3).
 // Measured on a 2-core Zen 4, both prefetch kinds timed in one process (K = 40, 655 MB): in
 // the AVX-512 build rows of 900 to 4000 classes took 12-18 % less time with L2 (long rows'
@@ -242,23 +243,28 @@ constexpr int64_t kPrefetchToL2Classes = 800;
 constexpr int64_t kSumChunk = 4096;
 
 // exp2_sums of kRows rows of n >= W values each, row j at x + j * stride (s + j * W, t + j * W,
-// prefetching pf[j] unless null), x + n - W inside each row (the last partial vector is loaded
-// as a full one ending at x + n). Two rows at once interleave two independent chains of the
-// same operations, row by row in the same order (the same bits as one row at a time): a row's
-// last, unpaired vector is one long chain of dependent operations, which took about twice the
-// time of a vector in the paired loop (rows of 112 classes as long as rows of 128); next to the
-// other row's chain it overlaps. Energies at C = 34-200 took 6-8 % less time, entropy
+// prefetching pf[j] unless null, and taking the NaN-blind maximum of the n values at nx[j] into
+// nmax[j] unless nx or nx[j] is null: SoftmaxStats::Ahead), x + n - W inside each row (the last
+// partial vector is loaded as a full one ending at x + n). Two rows at once interleave two
+// independent chains of the same operations, row by row in the same order (the same bits as
+// one row at a time): a row's last, unpaired vector is one long chain of dependent operations,
+// which took about twice the time of a vector in the paired loop (rows of 112 classes as long
+// as rows of 128); next to the other row's chain it overlaps. Energies at C = 34-200 took 6-8 % less time, entropy
 // pseudo-labels 3-9 % (one thread, in cache, 2-core Zen 4, old and new builds in alternating
 // processes); rows of 1000 classes or more, unchanged.
 template <int kRows, int kLocality>
 C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n, const float* m,
-                                     float* s, float* t, const float* const* pf) {
+                                     float* s, float* t, const float* const* pf,
+                                     const float* const* nx = nullptr, float* nmax = nullptr) {
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  Vec b[kRows], sv[kRows], tv[kRows];
+  Vec b[kRows], sv[kRows], tv[kRows], mx[kRows];
+  const float* nj[kRows];
   for (int j = 0; j < kRows; ++j) {
     b[j] = Vec(-(m[j] * kLog2e));
     sv[j] = tv[j] = Vec(0.0f);
+    nj[j] = nx ? nx[j] : nullptr;
+    if (nj[j]) mx[j] = Vec::loadu(nj[j] + n - W);  // the last vector, which the loop skips
   }
   int64_t c = 0;
   constexpr int64_t kLine = 64;
@@ -280,10 +286,12 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
       const Vec e0 = exp2_poly(y0), e1 = exp2_poly(y1);
       sv[j] = sv[j] + (e0 + e1);
       tv[j] = tv[j] + at::vec::fmadd(e1, y1, e0 * y0);
+      if (nj[j]) mx[j] = max_raw(mx[j], max_raw(Vec::loadu(nj[j] + c), Vec::loadu(nj[j] + c + W)));
     }
   }
   if (c + W <= n) {
     for (int j = 0; j < kRows; ++j) {
+      if (nj[j]) mx[j] = max_raw(mx[j], Vec::loadu(nj[j] + c));
       const Vec y = exp2_arg(Vec::loadu(x + j * stride + c), b[j]);
       const Vec e = exp2_poly(y);
       sv[j] = sv[j] + e;
@@ -305,22 +313,29 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
   for (int j = 0; j < kRows; ++j) {
     sv[j].store(s + j * W);
     tv[j].store(t + j * W);
+    if (nj[j]) nmax[j] = lane_max_raw(mx[j]);
   }
 }
 
+// exp2_sums_span of one row; rows longer than kSumChunk in chunks (their side maximum, if nx,
+// the maximum of the chunks').
 template <int kLocality>
 C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, float* t,
-                                const float* pf) {
+                                const float* pf, const float* nx, float* nmax) {
   if (n <= kSumChunk) {
-    exp2_sums_span<1, kLocality>(x, n, n, &m, s, t, &pf);
+    exp2_sums_span<1, kLocality>(x, n, n, &m, s, t, &pf, &nx, nmax);
     return;
   }
   constexpr int64_t W = Vectorized<float>::size();
   double sum_s[W] = {}, sum_t[W] = {};
   alignas(64) float chunk_s[W], chunk_t[W];
+  float chunk_max = 0.0f;
   for (int64_t c = 0; c < n; c += kSumChunk) {  // chunks of whole vector pairs but the last
     const float* pfc = pf ? pf + c : nullptr;
-    exp2_sums_span<1, kLocality>(x + c, 0, std::min(kSumChunk, n - c), &m, chunk_s, chunk_t, &pfc);
+    const float* nxc = nx ? nx + c : nullptr;
+    exp2_sums_span<1, kLocality>(x + c, 0, std::min(kSumChunk, n - c), &m, chunk_s, chunk_t, &pfc,
+                                 &nxc, &chunk_max);
+    if (nx) *nmax = c == 0 ? chunk_max : std::max(*nmax, chunk_max);
     for (int64_t l = 0; l < W; ++l) {
       sum_s[l] += chunk_s[l];
       sum_t[l] += chunk_t[l];
@@ -527,22 +542,43 @@ class SoftmaxStats {
   // Rows worth a vector's width of rows at a time: R should then be a multiple of W.
   static bool short_rows(int64_t C) { return RowColumns<A>::applies(C); }
 
+  // What a compute() call does on the side for the blocks of rows (of the same C) its caller
+  // reads next: the row maxima of `next`, taken in the exps loop, so that the call for `next`
+  // (given them: has_max) needs no max pass of its own, and a prefetch of `after`, the block read
+  // after that. Only float rows of 2 W classes or more do this work. A block's exps are bound by
+  // arithmetic and its max pass by the reads; as separate passes, the max pass left the memory
+  // idle while the exps ran and the exps the memory idle while the max pass waited: energies of
+  // 655 MB of logits (K N = 163840 rows of 1000) took 39 ms with the prefetch alone, 26 ms with
+  // the maxima on the side (FedGO's pseudo-labels, which read the same logits once, 26 ms; 2-core
+  // Xeon, AVX-512).
+  struct Ahead {
+    const A* next = nullptr;  // the next block's rows (nullptr: none)
+    int64_t next_rows = 0;
+    A* next_max = nullptr;     // out: their NaN-blind maxima, when compute returns true
+    const A* after = nullptr;  // the block after it, prefetched (nullptr: none)
+    int64_t after_rows = 0;
+  };
+
   // m, s, t of rows [0, rows) of x; t may be null (not wanted: rows on the full exp then skip
-  // it). pf (float rows only; may be null): the rows read next, with pf_rows of them, prefetched
-  // while the exps of this block run.
-  void compute(const A* x, int64_t rows, A* m, A* s, A* t, const A* pf = nullptr,
-               int64_t pf_rows = 0) {
+  // it). has_max: m holds the rows' maxima already, from the call that returned true for them.
+  // Returns whether ahead.next_max now holds the maxima of ahead.next's rows.
+  bool compute(const A* x, int64_t rows, A* m, A* s, A* t, bool has_max = false,
+               const Ahead& ahead = {}) {
     with_t_ = t != nullptr;
     if (!with_t_) t = t_unused_.data();
+    if constexpr (std::is_same_v<A, float>) {
+      if (C_ >= 2 * W) return long_rows(x, rows, m, s, t, has_max, ahead);
+    }
     int64_t r = 0;
     if (short_rows(C_)) {
       for (; r + W <= rows; r += W) {
         if (!columns_.stats(x + r * C_, col_.data(), m + r, s + r, t + r)) {
-          by_rows(x, r, r + W, m, s, t, nullptr, 0);
+          by_rows(x, r, r + W, m, s, t);
         }
       }
     }
-    by_rows(x, r, rows, m, s, t, pf, pf_rows);
+    by_rows(x, r, rows, m, s, t);
+    return false;
   }
 
   // log sum_c e^(x_c) of rows [0, rows) from compute's m and s, into out (may alias s): m + log s
@@ -574,56 +610,71 @@ class SoftmaxStats {
   }
 
  private:
-  void by_rows(const A* x, int64_t ra, int64_t rb, A* m, A* s, A* t, const A* pf,
-               int64_t pf_rows) {
-    if constexpr (std::is_same_v<A, float>) {
-      if (C_ >= 2 * W) {
-        // Long rows in three passes over the rows, each of independent rows: the maxima, the
-        // exps and their lane sums (exp2_sums), then the lanes added. 4-9 % less time than the
-        // three steps row by row at C = 40-200 (AVX-512, 2-core Zen 4, both timed in one
-        // process), the same bits.
-        float* ls = lane_s_.data();
-        float* lt = lane_t_.data();
-        for (int64_t r = ra; r < rb; ++r) m[r] = row_max_raw(x + r * C_, C_);
-        auto pf_row = [&](int64_t r) -> const float* {
-          return pf && r < pf_rows ? pf + r * C_ : nullptr;
-        };
-        int64_t q = ra;
-        if (C_ <= kSumChunk) {  // two rows at a time (exp2_sums_span)
-          for (; q + 2 <= rb; q += 2) {
-            if (!exp2_row_ok(m[q]) || !exp2_row_ok(m[q + 1])) {
-              exp2_row(x, q, m, ls, lt, pf_row(q));
-              exp2_row(x, q + 1, m, ls, lt, pf_row(q + 1));
-              continue;
-            }
-            const float* prs[2] = {pf_row(q), pf_row(q + 1)};
-            if (C_ >= kPrefetchToL2Classes) {
-              exp2_sums_span<2, 2>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs);
-            } else {
-              exp2_sums_span<2, 3>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs);
-            }
-          }
+  // Float rows of 2 W classes or more (compute) in three passes over the rows, each of
+  // independent rows: the maxima (unless has_max), the exps and their lane sums (exp2_sums, two
+  // rows at a time), then the lanes added. 4-9 % less time than the three steps row by row at
+  // C = 40-200 (AVX-512, 2-core Zen 4, both timed in one process), the same bits.
+  bool long_rows(const float* x, int64_t rows, float* m, float* s, float* t, bool has_max,
+                 const Ahead& ahead) {
+    float* ls = lane_s_.data();
+    float* lt = lane_t_.data();
+    if (!has_max) {
+      for (int64_t r = 0; r < rows; ++r) m[r] = row_max_raw(x + r * C_, C_);
+    }
+    auto next_row = [&](int64_t r) -> const float* {
+      return ahead.next && r < ahead.next_rows ? ahead.next + r * C_ : nullptr;
+    };
+    auto after_row = [&](int64_t r) -> const float* {
+      return ahead.after && r < ahead.after_rows ? ahead.after + r * C_ : nullptr;
+    };
+    auto next_max = [&](int64_t r) { return ahead.next ? ahead.next_max + r : nullptr; };
+    int64_t q = 0;
+    if (C_ <= kSumChunk) {  // two rows at a time (exp2_sums_span)
+      for (; q + 2 <= rows; q += 2) {
+        if (!exp2_row_ok(m[q]) || !exp2_row_ok(m[q + 1])) {
+          exp2_row(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
+          exp2_row(x, q + 1, m, ls, lt, after_row(q + 1), next_row(q + 1), next_max(q + 1));
+          continue;
         }
-        for (; q < rb; ++q) exp2_row(x, q, m, ls, lt, pf_row(q));
-        for (int64_t r = ra; r < rb; ++r) {
-          if (exp2_row_ok(m[r])) {
-            const float t2 = lane_sum(Vectorized<float>::loadu(lt + r * W));
-            if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
-              s[r] = lane_sum(Vectorized<float>::loadu(ls + r * W));
-              t[r] = t2 * kLn2;
-              continue;
-            }
-          }
-          m[r] = row_max(x + r * C_, C_);
-          exp_sums_full(x + r * C_, C_, m[r], s[r], t[r], with_t_);
+        const float* prs[2] = {after_row(q), after_row(q + 1)};
+        const float* nxs[2] = {next_row(q), next_row(q + 1)};
+        if (C_ >= kPrefetchToL2Classes) {
+          exp2_sums_span<2, 2>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs, nxs,
+                               next_max(q));
+        } else {
+          exp2_sums_span<2, 3>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs, nxs,
+                               next_max(q));
         }
-        return;
       }
     }
+    for (; q < rows; ++q) {
+      exp2_row(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
+    }
+    // Rows of the next block past this one's (its callers' blocks shrink, never grow: none).
+    for (int64_t r = rows; r < ahead.next_rows && ahead.next; ++r) {
+      ahead.next_max[r] = row_max_raw(ahead.next + r * C_, C_);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      if (exp2_row_ok(m[r])) {
+        const float t2 = lane_sum(Vectorized<float>::loadu(lt + r * W));
+        if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
+          s[r] = lane_sum(Vectorized<float>::loadu(ls + r * W));
+          t[r] = t2 * kLn2;
+          continue;
+        }
+      }
+      m[r] = row_max(x + r * C_, C_);
+      exp_sums_full(x + r * C_, C_, m[r], s[r], t[r], with_t_);
+    }
+    return ahead.next != nullptr;
+  }
+
+  // Rows [ra, rb) one at a time: short rows outside a lane group, and float64 rows.
+  void by_rows(const A* x, int64_t ra, int64_t rb, A* m, A* s, A* t) {
     for (int64_t r = ra; r < rb; ++r) {
       const A* xr = x + r * C_;
       m[r] = row_max(xr, C_);
-      if constexpr (std::is_same_v<A, float>) {  // short rows outside a lane group
+      if constexpr (std::is_same_v<A, float>) {
         if (exp2_row_ok(m[r])) {
           exp2_sums_in_order(xr, C_, m[r], row_y_.data(), row_e_.data(), s[r], t[r]);
           continue;
@@ -633,14 +684,18 @@ class SoftmaxStats {
     }
   }
 
-  // exp2_sums of row r (nothing where !exp2_row_ok(m[r]): the full exp redoes it).
-  void exp2_row(const float* x, int64_t r, const float* m, float* ls, float* lt,
-                const float* pf) const {
-    if (!exp2_row_ok(m[r])) return;
+  // exp2_sums of row r, prefetching pf and taking the maximum of nx into *nmax (unless null).
+  // Where !exp2_row_ok(m[r]) no exps (the full exp redoes the row), nx's maximum alone.
+  void exp2_row(const float* x, int64_t r, const float* m, float* ls, float* lt, const float* pf,
+                const float* nx, float* nmax) const {
+    if (!exp2_row_ok(m[r])) {
+      if (nx) *nmax = row_max_raw(nx, C_);
+      return;
+    }
     if (C_ >= kPrefetchToL2Classes) {
-      exp2_sums<2>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf);
+      exp2_sums<2>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
     } else {
-      exp2_sums<3>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf);
+      exp2_sums<3>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
     }
   }
 
