@@ -333,7 +333,7 @@ def main(argv=None) -> None:
     payload = run(args, argv)
     if args.check:
         sys.exit(check_against_committed("aggregate", torch.device(args.device), payload, ratios,
-                                         args.tolerance))
+                                         args.tolerance, recheck=True))
 
 
 if __name__ == "__main__":

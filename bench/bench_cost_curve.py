@@ -596,7 +596,7 @@ def main(argv=None) -> None:
     payload = run(args, argv, settings)
     if args.check:
         sys.exit(check_against_committed(results_name(args), CPU, payload, ratios,
-                                         args.tolerance))
+                                         args.tolerance, recheck=True))
 
 
 if __name__ == "__main__":

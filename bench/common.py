@@ -16,7 +16,11 @@ timing the case and all its baselines once (:func:`interleaved_medians`): a burs
 them all alike, and their ratios stay meaningful even when absolute times move. ``--check``
 runs the benchmark afresh and compares those ratios (never absolute times) with the committed
 results for this device (:func:`check_against_committed`): exit status 1 when one regressed by
-more than ``--tolerance`` (20 % by default), 2 when there is nothing to compare with.
+more than ``--tolerance`` (20 % by default), 2 when there is nothing to compare with. A ratio
+flagged by the run is timed again before it counts: the script runs once more in a fresh
+process (same arguments; it writes no results) and a ratio is reported as regressed only when
+the better of its two fresh values is still worse by more than the tolerance. One burst of load
+on a shared machine then no longer fails a check.
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ import platform
 import re
 import resource
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -402,7 +408,10 @@ def write_results(name: str, device: torch.device, payload: dict, save: bool = F
                   out: str | None = None) -> str:
     """Writes ``{name: payload}`` to ``out``, or to a new file under bench/results/runs/; with
     ``save`` also merges it under key ``name`` into the committed bench/results/<device>.json.
-    Returns the paths written, joined by " and "."""
+    Returns the paths written, joined by " and ". A --check confirmation run (RECHECK_ENV)
+    writes nothing."""
+    if os.environ.get(RECHECK_ENV):
+        return "nothing (a run confirming --check's flags)"
     written = []
     if out:
         parent = os.path.dirname(os.path.abspath(out))
@@ -472,7 +481,8 @@ def finish_case_run(name: str, device: torch.device, args: argparse.Namespace, p
                "dtype": "float32", "repeats": args.repeats}
     print("wrote", write_results(name, device, payload, save=args.save, out=args.out))
     if args.check:
-        sys.exit(check_against_committed(name, device, payload, ratios, args.tolerance))
+        sys.exit(check_against_committed(name, device, payload, ratios, args.tolerance,
+                                         recheck=True))
 
 
 # ---------------------------------------------------------------- --check
@@ -518,12 +528,43 @@ def ratio_regressions(committed: dict[str, float], fresh: dict[str, float],
     return regressions, compared
 
 
+# Set in the environment of a run that confirms --check's flags (rerun_ratios): the file to
+# which that run writes its fresh ratios instead of checking them.
+RECHECK_ENV = "FEDKERNELS_BENCH_RECHECK_TO"
+
+
+def rerun_ratios() -> dict[str, float] | None:
+    """Runs this benchmark script once more, in a fresh process with the same arguments, and
+    returns its fresh ratios (None if that run failed, or if no script is running: a main()
+    called from other code)."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or not sys.argv or os.path.abspath(sys.argv[0]) != os.path.abspath(script):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "ratios.json")
+        env = dict(os.environ, **{RECHECK_ENV: out})
+        proc = subprocess.run([sys.executable, *sys.argv], env=env, stdout=subprocess.DEVNULL)
+        if proc.returncode != 0 or not os.path.exists(out):
+            return None
+        with open(out) as f:
+            return json.load(f)
+
+
 def check_against_committed(name: str, device: torch.device, fresh_payload: dict,
                             ratios: Callable[[dict], dict[str, float]],
-                            tolerance: float = 0.2, path: str | None = None) -> int:
+                            tolerance: float = 0.2, path: str | None = None,
+                            recheck: bool = False) -> int:
     """Prints the comparison of ``fresh_payload``'s ratios with the committed run ``name`` of
     this device and returns the exit status: 0 (no regression), 1 (some ratio regressed by
-    more than ``tolerance``), 2 (no committed run, or no ratio in common)."""
+    more than ``tolerance``), 2 (no committed run, or no ratio in common). With ``recheck``
+    (the benchmark scripts' own call), flagged ratios are timed again by a second run of the
+    script (rerun_ratios) and count only if the better of the two values still regressed.
+    In that second run this only writes its ratios to the file RECHECK_ENV names."""
+    recheck_to = os.environ.get(RECHECK_ENV)
+    if recheck and recheck_to:
+        with open(recheck_to, "w") as f:
+            json.dump(ratios(fresh_payload), f)
+        return 0
     path = path or committed_path(device)
     try:
         with open(path) as f:
@@ -542,6 +583,19 @@ def check_against_committed(name: str, device: torch.device, fresh_payload: dict
         return 2
     print(f"# check: {len(compared)} ratios compared with the committed run of {when} "
           f"(higher is better; flagged when more than {tolerance:.0%} worse)")
+    if regressions and recheck:
+        print(f"# check: {len(regressions)} flagged; timing them again in a second run",
+              flush=True)
+        again = rerun_ratios()
+        if again is None:
+            print("# check: no second run (it failed, or this is not a script run); "
+                  "reporting the first run's flags")
+        else:
+            best = {key: max(new, again.get(key, new)) for key, _, new, _ in regressions}
+            regressions, _ = ratio_regressions(ratios(committed), best, tolerance)
+            cleared = len(best) - len(regressions)
+            print(f"# check: {cleared} of {len(best)} flagged ratios did not regress in the "
+                  "second run (the better of the two values is compared)")
     for key, old, new, factor in regressions:
         print(f"REGRESSED  {key}: {old:.3g} -> {new:.3g} ({factor:.2f}x worse)")
     if regressions:

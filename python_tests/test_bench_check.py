@@ -266,3 +266,38 @@ def test_check_of_the_op_benchmarks(tmp_path, common, script, key, row, flagged)
     committed.write_text(json.dumps({key: {"rows": [other]}}))
     run = check()
     assert run.returncode == 2 and "no case in common" in run.stderr, run.stdout + run.stderr
+
+
+_FAKE_BENCH = """
+import json, os, sys
+import torch
+from common import RECHECK_ENV, check_against_committed
+values = json.loads(sys.argv[1])
+fresh = values["second" if os.environ.get(RECHECK_ENV) else "first"]
+sys.exit(check_against_committed("fake", torch.device("cpu"), {"ratios": fresh},
+                                 lambda payload: payload["ratios"], 0.2, path=sys.argv[2],
+                                 recheck=True))
+"""
+
+
+@pytest.mark.parametrize("first,second,status,regressed", [
+    ({"a": 0.5, "b": 0.5, "c": 1.0}, {"a": 1.0, "b": 0.5, "c": 0.1}, 1, ["b"]),
+    ({"a": 0.5, "b": 1.0}, {"a": 0.95, "b": 0.1}, 0, []),  # c: not flagged, so not timed again
+    ({"a": 0.5}, {"a": 0.6}, 1, ["a"]),  # the better value, 0.6, is still 1.67x worse
+])
+def test_flagged_ratios_are_timed_again(tmp_path, common, first, second, status, regressed):
+    """A ratio the run flags counts only when a second run of the script (same arguments, a
+    fresh process) also finds it worse: the better of its two values is compared. Ratios the
+    first run did not flag are not looked at again."""
+    folder = copy_bench(tmp_path)
+    (folder / "fake_bench.py").write_text(_FAKE_BENCH)
+    committed = tmp_path / "committed.json"
+    committed.write_text(json.dumps({"fake": {"ratios": {"a": 1.0, "b": 1.0, "c": 1.0},
+                                              "environment": {"date": "then"}}}))
+    run = subprocess.run([sys.executable, str(folder / "fake_bench.py"),
+                          json.dumps({"first": first, "second": second}), str(committed)],
+                         capture_output=True, text=True, timeout=120, env=_env(), cwd=folder)
+    assert run.returncode == status, run.stdout + run.stderr
+    assert [line.split()[1].rstrip(":") for line in run.stdout.splitlines()
+            if line.startswith("REGRESSED")] == regressed, run.stdout
+    assert "timing them again in a second run" in run.stdout
