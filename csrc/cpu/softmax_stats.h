@@ -249,9 +249,9 @@ constexpr int64_t kSumChunk = 4096;
 // independent chains of the same operations, row by row in the same order (the same bits as
 // one row at a time): a row's last, unpaired vector is one long chain of dependent operations,
 // which took about twice the time of a vector in the paired loop (rows of 112 classes as long
-// as rows of 128); next to the other row's chain it overlaps. Energies at C = 34-200 took 6-8 % less time, entropy
-// pseudo-labels 3-9 % (one thread, in cache, 2-core Zen 4, old and new builds in alternating
-// processes); rows of 1000 classes or more, unchanged.
+// as rows of 128); next to the other row's chain it overlaps. Energies at C = 34-200 took
+// 6-8 % less time, entropy pseudo-labels 3-9 % (one thread, in cache, 2-core Zen 4, old and new
+// builds in alternating processes); rows of 1000 classes or more, unchanged.
 template <int kRows, int kLocality>
 C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n, const float* m,
                                      float* s, float* t, const float* const* pf,
@@ -546,11 +546,11 @@ class SoftmaxStats {
   // reads next: the row maxima of `next`, taken in the exps loop, so that the call for `next`
   // (given them: has_max) needs no max pass of its own, and a prefetch of `after`, the block read
   // after that. Only float rows of 2 W classes or more do this work. A block's exps are bound by
-  // arithmetic and its max pass by the reads; as separate passes, the max pass left the memory
-  // idle while the exps ran and the exps the memory idle while the max pass waited: energies of
-  // 655 MB of logits (K N = 163840 rows of 1000) took 39 ms with the prefetch alone, 26 ms with
-  // the maxima on the side (FedGO's pseudo-labels, which read the same logits once, 26 ms; 2-core
-  // Xeon, AVX-512).
+  // arithmetic and its max pass by the reads; with a max pass of its own per block, the memory
+  // sat idle while it ran: energies of 655 MB of logits (163840 rows of 1000) took 38.5 ms with
+  // the prefetch alone and take 25.3 ms with the maxima on the side, about the 26.6 ms FedGO's
+  // pseudo-labels take to read the same logits once (2-core Xeon, AVX-512 build, old and new
+  // builds in alternating processes; the AVX2 build 46.5 -> 27.9 ms).
   struct Ahead {
     const A* next = nullptr;  // the next block's rows (nullptr: none)
     int64_t next_rows = 0;
