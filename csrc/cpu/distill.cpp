@@ -587,8 +587,7 @@ struct DistillCpu {
       std::vector<A> tmp(E), acc(E);
       std::vector<A> w(K * R);  // [K][R]: scores, then weights
       std::vector<A> max_t(p.probs ? K * R : 0), sum_t(p.probs ? K * R : 0);  // [K][R]
-      std::vector<A> row_m(R), row_s(R), next_m(entropy ? R : 0);
-      bool has_max = false;  // row_m holds the entropy's next teacher rows' maxima (Ahead)
+      std::vector<A> row_m(R), row_s(R);
       SoftmaxStats<A> stats(entropy ? C : 0, entropy ? R : 0);  // the entropy's s and t
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0), n = rows * C;
@@ -627,9 +626,8 @@ struct DistillCpu {
               };
               later(1, ahead.next, ahead.next_rows);
               later(2, ahead.after, ahead.after_rows);
-              ahead.next_max = next_m.data();
             }
-            has_max = stats.compute(x, rows, row_m.data(), row_s.data(), sk, has_max, ahead);
+            stats.compute(x, rows, row_m.data(), row_s.data(), sk, ahead);
             entropy_scores<A>(sk, row_s.data(), rows, tau);
           } else if (variance) {
             for (int64_t r = 0; r < rows; ++r) {
@@ -672,7 +670,6 @@ struct DistillCpu {
               }
             }
           }
-          if (has_max) row_m.swap(next_m);  // the next teacher's (or block's) maxima
         }
         block_weights<A>(w.data(), K, R, rows, log_prior, p.weighting, row_m.data());
         for (int64_t k = 0; k < K; ++k) {

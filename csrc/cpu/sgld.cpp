@@ -214,8 +214,7 @@ struct SgldCpu {
     const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);
-      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), next_m(R), s(R);
-      bool has_max = false;  // m holds the block's maxima (Stats::Ahead)
+      std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t i0 = b * R, rows = std::min(R, N - i0);
         const T* src = logits + i0 * C;
@@ -226,7 +225,6 @@ struct SgldCpu {
           if (b + 1 < b1) {
             ahead.next = src + R * C;
             ahead.next_rows = std::min(R, N - i0 - R);
-            ahead.next_max = next_m.data();
           }
           if (b + 2 < b1) {
             ahead.after = src + 2 * R * C;
@@ -236,10 +234,9 @@ struct SgldCpu {
           convert_to_acc(src, xa.data(), rows * C);
           x = xa.data();
         }
-        has_max = stats.compute(x, rows, m.data(), s.data(), nullptr, has_max, ahead);
+        stats.compute(x, rows, m.data(), s.data(), nullptr, ahead);
         Stats::log_sum_exp(m.data(), s.data(), rows, s.data());
         for (int64_t r = 0; r < rows; ++r) out[i0 + r] = static_cast<T>(-s[r]);
-        if (has_max) m.swap(next_m);
       }
     });
   }

@@ -537,37 +537,39 @@ class SoftmaxStats {
         lane_t_(lane_s_.size()),
         row_y_(C < 2 * W ? C : 0),
         row_e_(C < 2 * W ? C : 0),
-        t_unused_(R) {}
+        t_unused_(R),
+        ahead_max_(C >= 2 * W ? R : 0) {}
 
   // Rows worth a vector's width of rows at a time: R should then be a multiple of W.
   static bool short_rows(int64_t C) { return RowColumns<A>::applies(C); }
 
-  // What a compute() call does on the side for the blocks of rows (of the same C) its caller
-  // reads next: the row maxima of `next`, taken in the exps loop, so that the call for `next`
-  // (given them: has_max) needs no max pass of its own, and a prefetch of `after`, the block read
-  // after that. Only float rows of 2 W classes or more do this work. A block's exps are bound by
-  // arithmetic and its max pass by the reads; with a max pass of its own per block, the memory
-  // sat idle while it ran: energies of 655 MB of logits (163840 rows of 1000) took 38.5 ms with
-  // the prefetch alone and take 25.3 ms with the maxima on the side, about the 26.6 ms FedGO's
-  // pseudo-labels take to read the same logits once (2-core Xeon, AVX-512 build, old and new
-  // builds in alternating processes; the AVX2 build 46.5 -> 27.9 ms).
+  // What a compute() call does on the side for the blocks of rows (of the same C, at most R
+  // rows) its caller reads next: the row maxima of `next`, taken in the exps loop and kept, so
+  // that the call for `next` needs no max pass of its own, and a prefetch of `after`, the block
+  // read after that. Only float rows of 2 W classes or more do this work. A block's exps are
+  // bound by arithmetic and its max pass by the reads; with a max pass of its own per block,
+  // the memory sat idle while it ran: energies of 655 MB of logits (163840 rows of 1000) took
+  // 38.5 ms with the prefetch alone and take 25.3 ms with the maxima on the side, about the
+  // 26.6 ms FedGO's pseudo-labels take to read the same logits once (2-core Xeon, AVX-512
+  // build, old and new builds in alternating processes; the AVX2 build 46.5 -> 27.9 ms).
   struct Ahead {
     const A* next = nullptr;  // the next block's rows (nullptr: none)
     int64_t next_rows = 0;
-    A* next_max = nullptr;     // out: their NaN-blind maxima, when compute returns true
     const A* after = nullptr;  // the block after it, prefetched (nullptr: none)
     int64_t after_rows = 0;
   };
 
   // m, s, t of rows [0, rows) of x; t may be null (not wanted: rows on the full exp then skip
-  // it). has_max: m holds the rows' maxima already, from the call that returned true for them.
-  // Returns whether ahead.next_max now holds the maxima of ahead.next's rows.
-  bool compute(const A* x, int64_t rows, A* m, A* s, A* t, bool has_max = false,
-               const Ahead& ahead = {}) {
+  // it). ahead: see Ahead; the previous call's ahead.next, if it is x, spares this call its
+  // max pass.
+  void compute(const A* x, int64_t rows, A* m, A* s, A* t, const Ahead& ahead = {}) {
     with_t_ = t != nullptr;
     if (!with_t_) t = t_unused_.data();
     if constexpr (std::is_same_v<A, float>) {
-      if (C_ >= 2 * W) return long_rows(x, rows, m, s, t, has_max, ahead);
+      if (C_ >= 2 * W) {
+        long_rows(x, rows, m, s, t, ahead);
+        return;
+      }
     }
     int64_t r = 0;
     if (short_rows(C_)) {
@@ -578,7 +580,6 @@ class SoftmaxStats {
       }
     }
     by_rows(x, r, rows, m, s, t);
-    return false;
   }
 
   // log sum_c e^(x_c) of rows [0, rows) from compute's m and s, into out (may alias s): m + log s
@@ -611,23 +612,31 @@ class SoftmaxStats {
 
  private:
   // Float rows of 2 W classes or more (compute) in three passes over the rows, each of
-  // independent rows: the maxima (unless has_max), the exps and their lane sums (exp2_sums, two
-  // rows at a time), then the lanes added. 4-9 % less time than the three steps row by row at
-  // C = 40-200 (AVX-512, 2-core Zen 4, both timed in one process), the same bits.
-  bool long_rows(const float* x, int64_t rows, float* m, float* s, float* t, bool has_max,
+  // independent rows: the maxima (unless the previous call took them: ahead_of_), the exps and
+  // their lane sums (exp2_sums, two rows at a time), then the lanes added. 4-9 % less time than
+  // the three steps row by row at C = 40-200 (AVX-512, 2-core Zen 4, both timed in one
+  // process), the same bits.
+  void long_rows(const float* x, int64_t rows, float* m, float* s, float* t,
                  const Ahead& ahead) {
     float* ls = lane_s_.data();
     float* lt = lane_t_.data();
-    if (!has_max) {
+    if (x == ahead_of_ && rows <= ahead_rows_) {
+      std::copy(ahead_max_.begin(), ahead_max_.begin() + rows, m);
+    } else {
       for (int64_t r = 0; r < rows; ++r) m[r] = row_max_raw(x + r * C_, C_);
     }
+    // ahead_max_ holds the next block's maxima from here on (a block of more than R rows: none)
+    const float* next =
+        ahead.next_rows <= static_cast<int64_t>(ahead_max_.size()) ? ahead.next : nullptr;
+    ahead_of_ = next;
+    ahead_rows_ = ahead.next_rows;
     auto next_row = [&](int64_t r) -> const float* {
-      return ahead.next && r < ahead.next_rows ? ahead.next + r * C_ : nullptr;
+      return next && r < ahead.next_rows ? next + r * C_ : nullptr;
     };
     auto after_row = [&](int64_t r) -> const float* {
       return ahead.after && r < ahead.after_rows ? ahead.after + r * C_ : nullptr;
     };
-    auto next_max = [&](int64_t r) { return ahead.next ? ahead.next_max + r : nullptr; };
+    auto next_max = [&](int64_t r) { return next ? ahead_max_.data() + r : nullptr; };
     int64_t q = 0;
     if (C_ <= kSumChunk) {  // two rows at a time (exp2_sums_span)
       for (; q + 2 <= rows; q += 2) {
@@ -651,8 +660,8 @@ class SoftmaxStats {
       exp2_row(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
     }
     // Rows of the next block past this one's (its callers' blocks shrink, never grow: none).
-    for (int64_t r = rows; r < ahead.next_rows && ahead.next; ++r) {
-      ahead.next_max[r] = row_max_raw(ahead.next + r * C_, C_);
+    for (int64_t r = rows; r < ahead.next_rows && next; ++r) {
+      ahead_max_[r] = row_max_raw(next + r * C_, C_);
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (exp2_row_ok(m[r])) {
@@ -666,7 +675,6 @@ class SoftmaxStats {
       m[r] = row_max(x + r * C_, C_);
       exp_sums_full(x + r * C_, C_, m[r], s[r], t[r], with_t_);
     }
-    return ahead.next != nullptr;
   }
 
   // Rows [ra, rb) one at a time: short rows outside a lane group, and float64 rows.
@@ -706,6 +714,9 @@ class SoftmaxStats {
   std::vector<A> row_y_, row_e_;        // a short row's exponents and exps (exp2_sums_in_order)
   std::vector<A> t_unused_;             // t when the caller does not want it
   bool with_t_ = true;
+  std::vector<A> ahead_max_;            // the NaN-blind row maxima of ahead_of_'s rows
+  const A* ahead_of_ = nullptr;         // the last call's Ahead::next, and its rows
+  int64_t ahead_rows_ = 0;
 };
 
 }  // namespace softmax_stats
