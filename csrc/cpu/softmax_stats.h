@@ -169,7 +169,7 @@ C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorize
 // degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 measured in float
 // arithmetic), and 2^n added to the exponent. Ten vector operations, five of them fused
 // multiply-adds: the base-2 form drops the two-part ln 2 reduction, and the integer scaling
-// drops a multiply. The AVX-512 build rounds with vrndscaleps and scales with vscalefps (exact
+// drops a multiply. The AVX-512 build takes f with vreduceps and scales with vscalefps (exact
 // for these normal results): eight operations, the same bits, 4-5 % less time for an in-cache
 // entropy pass on a 2-core Zen 4 (old and new builds in alternating processes).
 C10_ALWAYS_INLINE Vectorized<float> exp2_poly_of(Vectorized<float> f) {
@@ -184,8 +184,13 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_poly_of(Vectorized<float> f) {
 C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
   using Vec = Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_scalef_ps(exp2_poly_of(Vec(y) - Vec(n)), n);
+  // f = y - round(y) in one vreduceps, then n = y - f (exact): on Intel, vrndscaleps is two
+  // micro-ops, and the exps are bound by micro-ops. The same f and n, the same bits; energies
+  // of 2560 rows of 100 and 256 rows of 1000 took 6-7 % less time (one thread, in cache,
+  // 2-core Xeon). Only a +-inf y gives a different value (f = 0, not NaN), and no caller keeps
+  // one: exp2_arg clamps y, exp2_softmax_row and exp2_row_sum mask y < kMinExp2 to 0.
+  const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp2_poly_of(Vec(f)), _mm512_sub_ps(y, f));
 #else
   const Vec shift(12582912.0f);  // 1.5 * 2^23
   const Vec k = y + shift;
@@ -252,7 +257,9 @@ constexpr int64_t kSumChunk = 4096;
 // as rows of 128); next to the other row's chain it overlaps. Energies at C = 34-200 took
 // 6-8 % less time, entropy pseudo-labels 3-9 % (one thread, in cache, 2-core Zen 4, old and new
 // builds in alternating processes); rows of 1000 classes or more, unchanged.
-template <int kRows, int kLocality>
+// Without kWithT only s is summed (t may be null): energies need no t, and its multiply-adds
+// were an eighth of the loop's operations.
+template <int kRows, int kLocality, bool kWithT>
 C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n, const float* m,
                                      float* s, float* t, const float* const* pf,
                                      const float* const* nx = nullptr, float* nmax = nullptr) {
@@ -285,7 +292,7 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
       const Vec y1 = exp2_arg(Vec::loadu(xj + c + W), b[j]);
       const Vec e0 = exp2_poly(y0), e1 = exp2_poly(y1);
       sv[j] = sv[j] + (e0 + e1);
-      tv[j] = tv[j] + at::vec::fmadd(e1, y1, e0 * y0);
+      if constexpr (kWithT) tv[j] = tv[j] + at::vec::fmadd(e1, y1, e0 * y0);
       if (nj[j]) mx[j] = max_raw(mx[j], max_raw(Vec::loadu(nj[j] + c), Vec::loadu(nj[j] + c + W)));
     }
   }
@@ -295,7 +302,7 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
       const Vec y = exp2_arg(Vec::loadu(x + j * stride + c), b[j]);
       const Vec e = exp2_poly(y);
       sv[j] = sv[j] + e;
-      tv[j] = at::vec::fmadd(e, y, tv[j]);
+      if constexpr (kWithT) tv[j] = at::vec::fmadd(e, y, tv[j]);
     }
     c += W;
   }
@@ -307,23 +314,23 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
       const Vec y = exp2_arg(Vec::loadu(x + j * stride + n - W), b[j]) & keep;
       const Vec e = exp2_poly(y) & keep;
       sv[j] = sv[j] + e;
-      tv[j] = at::vec::fmadd(e, y, tv[j]);
+      if constexpr (kWithT) tv[j] = at::vec::fmadd(e, y, tv[j]);
     }
   }
   for (int j = 0; j < kRows; ++j) {
     sv[j].store(s + j * W);
-    tv[j].store(t + j * W);
+    if constexpr (kWithT) tv[j].store(t + j * W);
     if (nj[j]) nmax[j] = lane_max_raw(mx[j]);
   }
 }
 
 // exp2_sums_span of one row; rows longer than kSumChunk in chunks (their side maximum, if nx,
 // the maximum of the chunks').
-template <int kLocality>
+template <int kLocality, bool kWithT>
 C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, float* t,
                                 const float* pf, const float* nx, float* nmax) {
   if (n <= kSumChunk) {
-    exp2_sums_span<1, kLocality>(x, n, n, &m, s, t, &pf, &nx, nmax);
+    exp2_sums_span<1, kLocality, kWithT>(x, n, n, &m, s, t, &pf, &nx, nmax);
     return;
   }
   constexpr int64_t W = Vectorized<float>::size();
@@ -333,17 +340,17 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, f
   for (int64_t c = 0; c < n; c += kSumChunk) {  // chunks of whole vector pairs but the last
     const float* pfc = pf ? pf + c : nullptr;
     const float* nxc = nx ? nx + c : nullptr;
-    exp2_sums_span<1, kLocality>(x + c, 0, std::min(kSumChunk, n - c), &m, chunk_s, chunk_t, &pfc,
-                                 &nxc, &chunk_max);
+    exp2_sums_span<1, kLocality, kWithT>(x + c, 0, std::min(kSumChunk, n - c), &m, chunk_s,
+                                         chunk_t, &pfc, &nxc, &chunk_max);
     if (nx) *nmax = c == 0 ? chunk_max : std::max(*nmax, chunk_max);
     for (int64_t l = 0; l < W; ++l) {
       sum_s[l] += chunk_s[l];
-      sum_t[l] += chunk_t[l];
+      if constexpr (kWithT) sum_t[l] += chunk_t[l];
     }
   }
   for (int64_t l = 0; l < W; ++l) {
     s[l] = static_cast<float>(sum_s[l]);
-    t[l] = static_cast<float>(sum_t[l]);
+    if constexpr (kWithT) t[l] = static_cast<float>(sum_t[l]);
   }
 }
 
@@ -567,7 +574,11 @@ class SoftmaxStats {
     if (!with_t_) t = t_unused_.data();
     if constexpr (std::is_same_v<A, float>) {
       if (C_ >= 2 * W) {
-        long_rows(x, rows, m, s, t, ahead);
+        if (with_t_) {
+          long_rows<true>(x, rows, m, s, t, ahead);
+        } else {
+          long_rows<false>(x, rows, m, s, t, ahead);
+        }
         return;
       }
     }
@@ -615,7 +626,8 @@ class SoftmaxStats {
   // independent rows: the maxima (unless the previous call took them: ahead_of_), the exps and
   // their lane sums (exp2_sums, two rows at a time), then the lanes added. 4-9 % less time than
   // the three steps row by row at C = 40-200 (AVX-512, 2-core Zen 4, both timed in one
-  // process), the same bits.
+  // process), the same bits. Without kWithT, t is left alone (compute's t was null).
+  template <bool kWithT>
   void long_rows(const float* x, int64_t rows, float* m, float* s, float* t,
                  const Ahead& ahead) {
     float* ls = lane_s_.data();
@@ -641,23 +653,24 @@ class SoftmaxStats {
     if (C_ <= kSumChunk) {  // two rows at a time (exp2_sums_span)
       for (; q + 2 <= rows; q += 2) {
         if (!exp2_row_ok(m[q]) || !exp2_row_ok(m[q + 1])) {
-          exp2_row(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
-          exp2_row(x, q + 1, m, ls, lt, after_row(q + 1), next_row(q + 1), next_max(q + 1));
+          exp2_row<kWithT>(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
+          exp2_row<kWithT>(x, q + 1, m, ls, lt, after_row(q + 1), next_row(q + 1),
+                           next_max(q + 1));
           continue;
         }
         const float* prs[2] = {after_row(q), after_row(q + 1)};
         const float* nxs[2] = {next_row(q), next_row(q + 1)};
         if (C_ >= kPrefetchToL2Classes) {
-          exp2_sums_span<2, 2>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs, nxs,
-                               next_max(q));
+          exp2_sums_span<2, 2, kWithT>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs,
+                                       nxs, next_max(q));
         } else {
-          exp2_sums_span<2, 3>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs, nxs,
-                               next_max(q));
+          exp2_sums_span<2, 3, kWithT>(x + q * C_, C_, C_, m + q, ls + q * W, lt + q * W, prs,
+                                       nxs, next_max(q));
         }
       }
     }
     for (; q < rows; ++q) {
-      exp2_row(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
+      exp2_row<kWithT>(x, q, m, ls, lt, after_row(q), next_row(q), next_max(q));
     }
     // Rows of the next block past this one's (its callers' blocks shrink, never grow: none).
     for (int64_t r = rows; r < ahead.next_rows && next; ++r) {
@@ -665,11 +678,19 @@ class SoftmaxStats {
     }
     for (int64_t r = 0; r < rows; ++r) {
       if (exp2_row_ok(m[r])) {
-        const float t2 = lane_sum(Vectorized<float>::loadu(lt + r * W));
-        if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
-          s[r] = lane_sum(Vectorized<float>::loadu(ls + r * W));
-          t[r] = t2 * kLn2;
-          continue;
+        if constexpr (kWithT) {
+          const float t2 = lane_sum(Vectorized<float>::loadu(lt + r * W));
+          if (std::isfinite(t2)) {  // else a NaN logit: the full exp below
+            s[r] = lane_sum(Vectorized<float>::loadu(ls + r * W));
+            t[r] = t2 * kLn2;
+            continue;
+          }
+        } else {
+          const float s2 = lane_sum(Vectorized<float>::loadu(ls + r * W));
+          if (std::isfinite(s2)) {  // else a NaN logit, as t would tell
+            s[r] = s2;
+            continue;
+          }
         }
       }
       m[r] = row_max(x + r * C_, C_);
@@ -694,6 +715,7 @@ class SoftmaxStats {
 
   // exp2_sums of row r, prefetching pf and taking the maximum of nx into *nmax (unless null).
   // Where !exp2_row_ok(m[r]) no exps (the full exp redoes the row), nx's maximum alone.
+  template <bool kWithT>
   void exp2_row(const float* x, int64_t r, const float* m, float* ls, float* lt, const float* pf,
                 const float* nx, float* nmax) const {
     if (!exp2_row_ok(m[r])) {
@@ -701,9 +723,9 @@ class SoftmaxStats {
       return;
     }
     if (C_ >= kPrefetchToL2Classes) {
-      exp2_sums<2>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
+      exp2_sums<2, kWithT>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
     } else {
-      exp2_sums<3>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
+      exp2_sums<3, kWithT>(x + r * C_, C_, m[r], ls + r * W, lt + r * W, pf, nx, nmax);
     }
   }
 
