@@ -19,7 +19,11 @@ On the ResNet-18 shape (62 float32 tensors, 11.69 M parameters), for each K:
   float64 (one [K, P] concatenation, skipped above --max-fp64-bytes) and the Gram form in
   float32;
 - norms + clipped noisy sum: ``update_norms`` then ``private_sum`` against ``torch._foreach``
-  norms, a scaled sum and ``randn`` noise per tensor.
+  norms, a scaled sum and ``randn`` noise per tensor;
+- ``median_nan_client`` and ``trimmed_nan_client``: the median and the trimmed mean when client
+  0 sends NaN everywhere (the simplest attack on a robust rule), against the same
+  ``stack`` + ``sort`` baselines (``torch.sort`` puts NaN last too; its median rows are the
+  middle ones, where NumPy's rule, and the op's, give NaN).
 
 Each case is timed interleaved with its baselines (median of ``--repeats`` rounds); the traffic
 is one read of the K clients (K * P * 4 bytes) and its bandwidth is given as a fraction of the
@@ -122,7 +126,8 @@ def main() -> None:
     parser.add_argument("--ks", default="10,50")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
-    parser.add_argument("--cases", default="median,trimmed,window,distances,private")
+    parser.add_argument("--cases", default="median,trimmed,window,distances,private,"
+                                           "median_nan_client,trimmed_nan_client")
     parser.add_argument("--max-fp64-bytes", type=int, default=2 << 30,
                         help="skip the cdist baseline when its [K, P] float64 copy is larger")
     add_output_arguments(parser)
@@ -142,6 +147,7 @@ def main() -> None:
         g = torch.Generator(device="cpu").manual_seed(K)
         clients = [torch.randn(s, generator=g).to(device) for _ in range(K) for s in shapes]
         base = [torch.randn(s, generator=g).to(device) for s in shapes]
+        nan_client = [torch.full_like(t, float("nan")) for t in clients[:T]] + clients[T:]
         gen = torch.Generator(device=device).manual_seed(0)
         cut = int(0.2 * K)
         window = max(1, K - 4 * ((K - 3) // 4))
@@ -158,6 +164,12 @@ def main() -> None:
                           "gram fp32": lambda: gram_distances(clients, K, T)},
             "private": {"fedkernels": lambda: fused_private(clients, K, base, 1.0, 0.01, gen),
                         "foreach": lambda: foreach_private(clients, K, T, base, 1.0, 0.01, gen)},
+            "median_nan_client": {
+                "fedkernels": lambda: robust_ops.coordinate_median(nan_client, K),
+                "stack+sort": lambda: stack_sort_median(nan_client, K, T)},
+            "trimmed_nan_client": {
+                "fedkernels": lambda: robust_ops.trimmed_mean(nan_client, K, cut),
+                "stack+sort": lambda: stack_sort_trimmed(nan_client, K, T, cut)},
         }
         if K * P * 8 > args.max_fp64_bytes:  # the [K, P] float64 copy would not fit
             del groups["distances"]["cdist fp64"]

@@ -21,6 +21,12 @@ struct OrderStats {
     return x != x;
   }
 
+  // The NaN a rule returns (the vector kernels return the same bits).
+  template <typename A>
+  FEDKERNELS_HD static A nan() {
+    return A(0) / A(0);
+  }
+
   // Moves the NaNs of v[0, n) to the end and sorts the others ascending (insertion sort: K is
   // small, and it needs no extra memory on the device). Returns the number of numbers.
   template <typename A>
@@ -70,7 +76,7 @@ struct OrderStats {
   template <typename A, typename V>
   FEDKERNELS_HD static A reduce_sorted(const V& v, int64_t n, int64_t m, RobustRule rule,
                                        int64_t param) {
-    const A nan = A(0) / A(0);
+    const A nan = OrderStats::nan<A>();
     if (rule == RobustRule::kTrimmedMean) {
       return n - param > m ? nan : mean_of<A>(v, param, n - param);
     }

@@ -343,6 +343,64 @@ def test_cuda_noise_matches_sgld_stream_on_cuda():
     torch.testing.assert_close(got, stream, rtol=0, atol=2e-6)
 
 
+_NAN_COUNTS = """
+import sys, torch
+from fedkernels.ops import reference as ref, robust as robust_ops
+
+def exact(a, b):
+    assert torch.equal(a.isnan(), b.isnan()), (a, b)
+    assert torch.equal(a.nan_to_num(0.25), b.nan_to_num(0.25)), (a, b)
+
+for dtype in (torch.float32, torch.float64, torch.bfloat16):
+    for K in (3, 5, 10, 33):
+        cut = (K - 1) // 3
+        P = 3 * 64 + 5  # several vector groups of every build, and a scalar tail
+        g = torch.Generator().manual_seed(K)
+        x = torch.randint(-3, 4, (K, P), generator=g).double()
+        x[:, ::3] = torch.randn(K, (P + 2) // 3, generator=g, dtype=torch.float64)
+        x[1, ::11] = float("inf")
+        # each coordinate gets 0, 1, cut, cut + 1 or K NaNs, in clients drawn at random
+        choices = torch.tensor([0, 1, cut, cut + 1, K])
+        counts = choices[torch.randint(0, 5, (P,), generator=g)]
+        for e in range(P):
+            x[torch.randperm(K, generator=g)[: int(counts[e])], e] = float("nan")
+        x[0, :40] = float("nan")  # one client sending NaN for a stretch
+        clients = [x[k].to(dtype) for k in range(K)]
+        for op, reference in (
+            (lambda c: robust_ops.coordinate_median(c, K),
+             lambda c: ref.coordinate_median_reference(c, K)),
+            (lambda c: robust_ops.trimmed_mean(c, K, cut),
+             lambda c: ref.trimmed_mean_reference(c, K, cut)),
+            (lambda c: robust_ops.median_window_mean(c, K, max(1, K - 2)),
+             lambda c: ref.median_window_mean_reference(c, K, max(1, K - 2))),
+        ):
+            for a, b in zip(op(clients), reference(clients)):
+                exact(a, b)
+from fedkernels.ops import native
+print("OK", native.cpu_capability)
+"""
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_nan_counts_around_the_trim_cut_in_every_cpu_build(capability):
+    # A vector group with a NaN goes through the sorting network with stand-ins for its NaNs
+    # (csrc/cpu/robust.cpp): coordinates with 0, 1, cut, cut + 1 and K NaNs, and one client
+    # sending NaN, in every build, against the reference's NaN-last rule.
+    import os
+    import subprocess
+    import sys
+
+    from fedkernels.ops import native
+
+    if capability not in native._supported_capabilities():
+        pytest.skip(f"this CPU does not support the {capability} build")
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-c", _NAN_COUNTS], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["OK", capability], proc.stdout
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("K", [1, 2, 3, 5, 6, 8, 9, 11, 16, 17, 31, 32, 33, 50, 64, 65, 100, 128])

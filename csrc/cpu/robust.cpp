@@ -3,9 +3,12 @@
 //
 // Order statistics: chunks of every tensor are the parallel unit. A chunk takes its
 // coordinates a vector width at a time: the K client values of those coordinates are gathered,
-// sorted by a branch-free network of vector min/max (Batcher's) and reduced; a group with a NaN takes the
-// scalar rule of csrc/order_stats.h (NaN last), which gives the same values for numbers. No
-// [K, P] stack is built: each client is read once, in place.
+// sorted by a branch-free network of vector min/max (Batcher's) and reduced, with the values of
+// the scalar rule of csrc/order_stats.h (NaN last). A group with a NaN goes through the same
+// network with stand-ins for its NaNs, and the lanes whose rule sees a NaN return NaN: one
+// client sending NaN (the simplest attack on a robust rule) had sent every group to the scalar
+// rule, 20-30x the time (K = 10 and 50, 2^18 coordinates). No [K, P] stack is built: each client
+// is read once, in place.
 //
 // Distances: chunks of up to kDistChunk elements, sized from the model alone (balanced_chunk),
 // are the work items; a chunk converts its K slices to float64 a block at a time and adds
@@ -21,6 +24,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -309,9 +313,23 @@ struct RobustCpu {
         }
         unordered.store(lanes.data());
         for (int64_t l = 0; l < W; ++l) has_nan |= lanes[l] != A(0);
-        if (has_nan) {  // NaN sorts last: the scalar rule handles it
-          for (int64_t l = 0; l < W; ++l) scalar(e + l);
-          continue;
+        // A lane returns NaN where its rule sees one (OrderStats::reduce_sorted): for the median
+        // and the window, any NaN; for the trimmed mean, more NaNs than the cut, which drops
+        // them otherwise (NaN sorts last). So a NaN enters the network as +inf for the trimmed
+        // mean (after every number; a tie with a real +inf changes no value) and as 0 for the
+        // others, whose NaN lanes are overwritten (an infinity would send the window's group to
+        // the scalar rule).
+        alignas(64) A nan_count[W];
+        if (has_nan) {
+          const Vec stand_in(p.rule == RobustRule::kTrimmedMean
+                                 ? std::numeric_limits<A>::infinity() : A(0));
+          Vec count(A(0));
+          for (int64_t k = 0; k < K; ++k) {
+            const Vec is_nan = cols[k] != cols[k];
+            count = count + (is_nan & Vec(A(1)));
+            cols[k] = Vec::blendv(cols[k], stand_in, is_nan);
+          }
+          count.store(nan_count);
         }
         bool sorted = false;
         if constexpr (kFixedNetworkMax > 0) {
@@ -337,6 +355,12 @@ struct RobustCpu {
           Vec sum = cols[lo];
           for (int64_t k = lo + 1; k < hi; ++k) sum = sum + cols[k];
           (sum / Vec(static_cast<A>(hi - lo))).store(res);
+        }
+        if (has_nan) {
+          const A allowed = p.rule == RobustRule::kTrimmedMean ? A(p.param) : A(0);
+          for (int64_t l = 0; l < W; ++l) {
+            if (nan_count[l] > allowed) res[l] = OrderStats::nan<A>();
+          }
         }
         for (int64_t l = 0; l < W; ++l) res_out[e + l] = res[l];
       }
