@@ -365,6 +365,8 @@ for dtype in (torch.float32, torch.float64, torch.bfloat16):
         for e in range(P):
             x[torch.randperm(K, generator=g)[: int(counts[e])], e] = float("nan")
         x[0, :40] = float("nan")  # one client sending NaN for a stretch
+        x[2, 40:120] = float("inf")  # and one sending +inf, next to one sending -inf
+        x[K - 1, 60:100] = float("-inf")
         clients = [x[k].to(dtype) for k in range(K)]
         for op, reference in (
             (lambda c: robust_ops.coordinate_median(c, K),
@@ -382,10 +384,11 @@ print("OK", native.cpu_capability)
 
 
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
-def test_nan_counts_around_the_trim_cut_in_every_cpu_build(capability):
-    # A vector group with a NaN goes through the sorting network with stand-ins for its NaNs
-    # (csrc/cpu/robust.cpp): coordinates with 0, 1, cut, cut + 1 and K NaNs, and one client
-    # sending NaN, in every build, against the reference's NaN-last rule.
+def test_nan_counts_and_infinite_clients_in_every_cpu_build(capability):
+    # A vector group with a NaN goes through the sorting network with stand-ins for its NaNs,
+    # and the window rule keeps its vector path around infinite values (csrc/cpu/robust.cpp):
+    # coordinates with 0, 1, cut, cut + 1 and K NaNs, clients sending NaN, +inf and -inf, in
+    # every build, against the reference's NaN-last rule.
     import os
     import subprocess
     import sys

@@ -226,15 +226,16 @@ void sort_fixed_any(Vectorized<A>* v, int64_t K) {
 // |v[t + w] - med| < |med - v[t]|. That test, on the same differences the growth compares, is
 // true and then false as t grows, so the window is found without the growth's per-lane
 // branches; its values are then picked by blends and summed in ascending order, as the scalar
-// rule does. Infinite values or median break that order (inf - inf is NaN): false then, and
-// the caller takes the scalar rule. `moved` holds K vectors of scratch.
+// rule does. An infinite median breaks that order (inf - inf is NaN): false then, and the
+// caller takes the scalar rule. Infinite values around a finite median keep it (their
+// distances are +inf, ordered like any other): one client sending +inf had sent every group
+// to the scalar rule, 5-6x the time (K = 10 and 50). `moved` holds K vectors of scratch.
 template <typename A>
 bool median_window_sorted(const Vectorized<A>* cols, int64_t K, int64_t w, Vectorized<A>* moved,
                           A* res) {
   using Vec = Vectorized<A>;
   const Vec med = K % 2 ? cols[K / 2] : (cols[K / 2 - 1] + cols[K / 2]) / Vec(A(2));
-  Vec infinite = (med - med) != Vec(A(0));
-  for (int64_t k = 0; k < K; ++k) infinite = infinite | ((cols[k] - cols[k]) != Vec(A(0)));
+  const Vec infinite = (med - med) != Vec(A(0));
   if (infinite.zero_mask() != (1 << Vec::size()) - 1) return false;  // a lane is not 0
   const int64_t lo_mid = (K - 1) / 2;
   const int64_t first = std::max<int64_t>(0, lo_mid - w + 1);
