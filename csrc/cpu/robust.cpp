@@ -318,8 +318,8 @@ struct RobustCpu {
         // and the window, any NaN; for the trimmed mean, more NaNs than the cut, which drops
         // them otherwise (NaN sorts last). So a NaN enters the network as +inf for the trimmed
         // mean (after every number; a tie with a real +inf changes no value) and as 0 for the
-        // others, whose NaN lanes are overwritten (an infinity would send the window's group to
-        // the scalar rule).
+        // others, whose NaN lanes are overwritten (with +inf, a lane of many NaNs would have an
+        // infinite median, which sends the window's group to the scalar rule).
         alignas(64) A nan_count[W];
         if (has_nan) {
           const Vec stand_in(p.rule == RobustRule::kTrimmedMean
