@@ -8,7 +8,11 @@ and compare the CUDA op with the pure-PyTorch reference and with the CPU op.
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,6 +28,24 @@ HALF_DTYPES = [torch.float16, torch.bfloat16]
 
 # Every device test runs on the CPU, and on CUDA where a GPU is visible.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def run_in_cpu_build(script: str, capability: str, threads: int = 2, timeout: float = 300) -> None:
+    """Runs ``script`` in a fresh process on the CPU build ``capability`` with ``threads``
+    threads; it prints ``OK <build>``, or ``SKIP <why>`` to skip the test. Skips where this CPU
+    lacks the build. A fresh process: the build is chosen at import, and per-thread state a
+    script sets (the subnormal mode) cannot leak into other tests."""
+    from fedkernels.ops import native
+
+    if capability not in native._supported_capabilities():
+        pytest.skip(f"this CPU does not support the {capability} build")
+    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if proc.stdout.startswith("SKIP"):
+        pytest.skip(proc.stdout.strip())
+    assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
 def pytest_configure(config):

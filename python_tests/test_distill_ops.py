@@ -5,14 +5,13 @@ weightings' properties, opcheck, float64 gradcheck, torch.compile and the errors
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, bitwise_equal, dtype_id, randn
+from conftest import DEVICES, FLOAT_DTYPES, bitwise_equal, dtype_id, randn, run_in_cpu_build
 
 import fedkernels
 from fedkernels.ops import distill
@@ -183,7 +182,7 @@ def test_entropy_edge_rows_in_every_cpu_build(capability):
     """Each CPU build (its own exps and lane layout) gives the float64 reference's weights and
     labels on the edge rows above: -inf classes count as probability 0, NaN and +-inf maxima
     give NaN as in the reference, and maxima beyond the base-2 range take the full exp."""
-    _run_in_cpu_build(_EDGE_ROWS, capability, threads=2)
+    run_in_cpu_build(_EDGE_ROWS, capability, threads=2)
 
 
 # The CPU softmax statistics take a block's row maxima while the block before it runs its exps,
@@ -252,7 +251,7 @@ _LOOKAHEAD_ROWS = textwrap.dedent(
 def test_row_maxima_taken_ahead_in_every_cpu_build(capability, threads):
     """Energies and entropy pseudo-labels over many blocks: the maxima taken ahead and the
     prefetches change no bit of any row (see the script above)."""
-    _run_in_cpu_build(_LOOKAHEAD_ROWS, capability, threads=threads)
+    run_in_cpu_build(_LOOKAHEAD_ROWS, capability, threads=threads)
 
 
 @pytest.mark.cuda
@@ -267,19 +266,6 @@ def _run_on_cuda(script: str) -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[:1] == ["OK"], proc.stdout
-
-
-def _run_in_cpu_build(script: str, capability: str, threads: int) -> None:
-    """Runs ``script`` (which prints ``OK <build>``) in a fresh process on the given CPU build."""
-    from fedkernels.ops import native as _native
-
-    if capability not in _native._supported_capabilities():
-        pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
 # Labels whose rows span hundreds of units below their max: the base-2 softmax of a long float
@@ -310,7 +296,7 @@ _FAR_BELOW_MAX = textwrap.dedent(
 def test_softmax_of_rows_far_below_their_max_in_every_cpu_build(capability):
     """Classes hundreds of units below the row's max get label 0 (to float32 precision) in
     every CPU build, as in the float64 reference."""
-    _run_in_cpu_build(_FAR_BELOW_MAX, capability, threads=1)
+    run_in_cpu_build(_FAR_BELOW_MAX, capability, threads=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -611,7 +597,7 @@ def test_distill_kl_edge_rows_in_every_cpu_build(capability):
     float64 on edge rows: classes at -inf that the target skips add 0, one it does not makes
     the loss infinite, NaN and +inf logits and negative targets give NaN, and rows far beyond
     the base-2 range take the full exp."""
-    _run_in_cpu_build(_KL_EDGE_ROWS, capability, threads=2)
+    run_in_cpu_build(_KL_EDGE_ROWS, capability, threads=2)
 
 
 @pytest.mark.cuda

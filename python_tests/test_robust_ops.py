@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES
+from conftest import DEVICES, FLOAT_DTYPES, run_in_cpu_build
 
 from fedkernels.ops import private as private_ops
 from fedkernels.ops import reference as ref
@@ -389,19 +389,7 @@ def test_nan_counts_and_infinite_clients_in_every_cpu_build(capability):
     # and the window rule keeps its vector path around infinite values (csrc/cpu/robust.cpp):
     # coordinates with 0, 1, cut, cut + 1 and K NaNs, clients sending NaN, +inf and -inf, in
     # every build, against the reference's NaN-last rule.
-    import os
-    import subprocess
-    import sys
-
-    from fedkernels.ops import native
-
-    if capability not in native._supported_capabilities():
-        pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, "-c", _NAN_COUNTS], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["OK", capability], proc.stdout
+    run_in_cpu_build(_NAN_COUNTS, capability)
 
 
 @pytest.mark.parametrize("device", DEVICES)

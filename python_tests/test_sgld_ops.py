@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close, bitwise_equal, dtype_id
+from conftest import DEVICES, assert_close, bitwise_equal, dtype_id, run_in_cpu_build
 from torch import Tensor
 
 import fedkernels
@@ -120,15 +120,7 @@ def test_energy_edge_rows_in_every_cpu_build(capability):
     """Each CPU build (its own exps and row layouts) gives float64's -logsumexp of the float32
     (and float64) logits to a few roundings on the edge rows above, the same bits for a row
     alone or in a batch, and equal logits near 1e6 to about one spacing."""
-    from fedkernels.ops import native
-
-    if capability not in native._supported_capabilities():
-        pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS="2")
-    proc = subprocess.run([sys.executable, "-c", _ENERGY_ROWS], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["OK", capability], proc.stdout
+    run_in_cpu_build(_ENERGY_ROWS, capability)
 
 
 @pytest.mark.parametrize("device", DEVICES)

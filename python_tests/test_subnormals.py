@@ -8,12 +8,8 @@ behind."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from conftest import run_in_cpu_build
 
 CAPABILITIES = ["default", "avx2", "avx512"]
 
@@ -119,26 +115,12 @@ print("OK", fedkernels.ops.native.cpu_capability)
 """
 
 
-def _run(script: str, capability: str, threads: int) -> None:
-    from fedkernels.ops import native as _native
-
-    if capability not in _native._supported_capabilities():
-        pytest.skip(f"this CPU does not support the {capability} build")
-    env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    if proc.stdout.startswith("SKIP"):
-        pytest.skip(proc.stdout.strip())
-    assert proc.stdout.split() == ["OK", capability], proc.stdout
-
-
 @pytest.mark.parametrize("capability", CAPABILITIES)
 def test_worker_threads_run_in_the_callers_subnormal_mode(capability):
     """aggregate, trimmed_mean and superfed_mix on 8 MB tensors of subnormals: with
     torch.set_flush_denormal(True) every thread flushes (all zeros), without it none does, and
     one and two threads give the same bits either way."""
-    _run(_WORKERS_FOLLOW_THE_CALLER, capability, threads=2)
+    run_in_cpu_build(_WORKERS_FOLLOW_THE_CALLER, capability, threads=2)
 
 
 @pytest.mark.parametrize("capability", CAPABILITIES)
@@ -148,4 +130,4 @@ def test_softmax_statistics_ops_take_subnormals_as_zero(capability, threads):
     30 % subnormals give the same bits as those inputs flushed to 0, in either mode of the
     caller, agree with the float64 reference, return no subnormal value (sharp teachers'
     probabilities below 2^-126 are 0), and leave the caller's mode as it was."""
-    _run(_SOFTMAX_OPS_FLUSH, capability, threads=threads)
+    run_in_cpu_build(_SOFTMAX_OPS_FLUSH, capability, threads=threads)
