@@ -35,14 +35,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    add_check_arguments,
-    add_output_arguments,
-    bandwidth_probes,
-    check_against_committed,
-    environment,
+    add_case_arguments,
+    finish_case_run,
     interleaved_medians,
-    print_probes,
-    write_results,
+    start_case_run,
 )
 
 import fedkernels  # noqa: E402
@@ -148,18 +144,11 @@ def ratios(payload: dict) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--tiny", action="store_true", help="small inputs, 1 repeat: checks the "
-                                                            "script runs")
-    add_output_arguments(parser)
-    add_check_arguments(parser)
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    repeats = 1 if args.tiny else args.repeats
-    device = torch.device("cpu")
-    probes = bandwidth_probes(device, 1 << 23 if args.tiny else 1 << 28)
-    print_probes(device, probes)
+    add_case_arguments(parser, "small inputs, 1 repeat, small probe: checks the script runs")
+    args, device, probes, _ = start_case_run(parser)
+    if device.type != "cpu":
+        parser.error("subnormals cost CPU assists only: --device must be cpu")
+    repeats = args.repeats
     if not torch.set_flush_denormal(True):
         print("this CPU has no flush mode: only the IEEE-mode rows are timed")
         modes = ("ieee",)
@@ -195,13 +184,7 @@ def main() -> None:
                   f"{row['torch_normal_us']:9.1f} -> {row['torch_subnormal_us']:9.1f} us "
                   f"(x{row['torch_subnormal_over_normal']:5.2f}); fused "
                   f"{row['speedup_on_subnormal']:5.2f}x faster on subnormals")
-    payload = {"environment": environment(device), "probes": probes, "rows": rows,
-               "dtype": "float32", "repeats": repeats,
-               "threads": torch.get_num_threads()}
-    print("wrote", write_results("subnormals", device, payload, save=args.save, out=args.out))
-    if args.check:
-        sys.exit(check_against_committed("subnormals", device, payload, ratios, args.tolerance,
-                                         recheck=True))
+    finish_case_run("subnormals", device, args, probes, rows, ratios)
 
 
 if __name__ == "__main__":
