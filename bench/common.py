@@ -431,10 +431,12 @@ def write_results(name: str, device: torch.device, payload: dict, save: bool = F
     return " and ".join(written)
 
 
-def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> None:
+def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str,
+                       cpu_only: bool = False) -> None:
     """The arguments of the op benchmarks that time cases against a read probe: --device,
-    --repeats, --probe-bytes, --tiny, the output flags and --check."""
-    parser.add_argument("--device", default="cpu")
+    --repeats, --probe-bytes, --tiny, the output flags and --check. A cpu_only script (one that
+    times something only CPUs have) accepts --device cpu alone."""
+    parser.add_argument("--device", default="cpu", choices=["cpu"] if cpu_only else None)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--probe-bytes", type=int, default=1 << 28)
     parser.add_argument("--tiny", action="store_true", help=tiny_help)

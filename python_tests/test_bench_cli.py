@@ -77,6 +77,14 @@ def test_unknown_device_is_one_line_exit_2(script):
     assert len(proc.stderr.strip().splitlines()) == 1 and "tpu0" in proc.stderr
 
 
+def test_cpu_only_benchmark_refuses_a_gpu_in_one_line():
+    # subnormals cost assists on CPUs only: a GPU run would time nothing the name promises
+    proc = _run(BENCH / "bench_subnormals.py", "--device", "cuda", "--tiny", timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "invalid choice: 'cuda'" in proc.stderr
+    assert proc.stdout == ""
+
+
 def test_aggregate_runs_go_to_new_files_and_save_merges(bench_copy):
     committed = bench_copy / "results" / f"{_cpu_name()}.json"
     before = committed.read_text()
@@ -200,10 +208,12 @@ def test_gpu_validate_dry_run_shows_every_step(tmp_path):
     assert f"FEDKERNELS_CUDA=1 MAX_JOBS=16 {sys.executable} setup.py build_ext --inplace" in plan
     assert f"-m fedkernels.cli check --json {out}/check.json" in plan
     assert "-m pytest python_tests -m cuda" in plan
-    # every benchmark with a --device flag runs on the GPU, into the output folder
+    # every benchmark with a --device flag runs on the GPU, into the output folder, except the
+    # ones that time something only CPUs have
     for script in sorted(BENCH.glob("bench_*.py")):
         text = script.read_text()
-        if '"--device"' in text or "add_case_arguments(" in text:
+        cpu_only = "cpu_only=True" in text
+        if ('"--device"' in text or "add_case_arguments(" in text) and not cpu_only:
             lines = [ln for ln in plan.splitlines() if f"bench/{script.name} --device cuda" in ln]
             assert lines and f"--out {out}/" in lines[0], script.name
     assert f"bench/gpu_profile.py --out {out}" in plan  # one ncu profile of every kernel
