@@ -200,3 +200,36 @@ def test_update_norms_do_not_depend_on_the_thread_count(sizes):
     want = torch.stack([torch.cat([(x - b).double() for x, b in zip(c, base)]).norm()
                         for c in clients])
     torch.testing.assert_close(results[1].double(), want, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("K,N,C", [(10, 256, 100), (10, 300, 100), (40, 256, 100), (30, 1000, 10),
+                                   (12, 97, 333), (4, 70, 1000)])
+def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
+    """With few blocks of rows, the distillation and energy passes size their blocks for the
+    threads that run them (balanced_block_rows, csrc/cpu/parallel.h): on two threads 256 rows
+    of 100 classes are 16 blocks of 16, on one 13 blocks of 20. Every row is computed from its
+    own values alone, so one and two threads give the same bits, for each weighting, both
+    combinations and float64 and bfloat16 logits too."""
+    import torch
+
+    import fedkernels
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(K, N, C, generator=gen) * 3
+    scores = torch.randn(K, N, generator=gen)
+
+    def calls():
+        out = []
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            x = logits.to(dtype)
+            for weighting in ("entropy", "fedgo", "variance", "uniform"):
+                for combine in ("logits", "probs"):
+                    out += fedkernels.ensemble_pseudo_labels(
+                        x, scores.to(dtype) if weighting == "fedgo" else None,
+                        weighting=weighting, combine=combine, return_weights=True)
+            out.append(fedkernels.energy_from_logits(x.reshape(K * N, C)))
+        return out
+
+    one, two = on_one_and_two_threads(calls)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert torch.equal(a, b), i

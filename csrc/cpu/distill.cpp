@@ -2,7 +2,8 @@
 // csrc/distill_host.h; per-row math: DistillMath in csrc/elementwise.h). Like every csrc/cpu/*.cpp
 // this file is compiled once per instruction set (see setup.py) into a library of its own.
 //
-// Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit.
+// Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit
+// (fewer rows where so few blocks would split unevenly between the threads: balanced_block_rows).
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
 // elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
 // block at once, and per-row constants sit in small per-block arrays. The entropy weighting's exps
@@ -571,8 +572,10 @@ struct DistillCpu {
     using Lanes = RowLanes<A>;
     constexpr int64_t W = Lanes::W;
     const bool lanes = Lanes::applies(C) && !p.probs;
+    const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     int64_t R = std::min(block_rows(C, N), std::max<int64_t>(1, kBlockScores / K));
     if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
+    R = balanced_block_rows(R, N, lanes && R >= W ? W : 1, bytes, PassCost::kArithmetic);
     const int64_t blocks = (N + R - 1) / R;
 
     // combine = "probs" with float rows of a vector's width or more keeps every teacher's exps
@@ -581,7 +584,6 @@ struct DistillCpu {
     const bool keep_exps = p.probs && std::is_same_v<A, float> && C >= W &&
         K * R * C <= kKeptBlocksElems;
     const bool keep_converted = !std::is_same_v<T, A> && K * R * C <= kKeptBlocksElems;
-    const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       const Lanes lane(C);
       const int64_t E = R * C;

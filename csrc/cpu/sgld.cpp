@@ -189,9 +189,10 @@ uint64_t draw_seed(const SgldPlan& p) {
 }
 
 struct SgldCpu {
-  // Energies of blocks of about kEnergyBlockElems logits: the labelled ones read one logit a
-  // row; the marginal ones are -log-sum-exp from the rows' softmax statistics (softmax_stats.h;
-  // fp16/bf16 blocks converted to float first).
+  // Energies of blocks of about kEnergyBlockElems logits (fewer where the blocks are few:
+  // balanced_block_rows, parallel.h): the labelled ones read one logit a row; the marginal
+  // ones are -log-sum-exp from the rows' softmax statistics (softmax_stats.h; fp16/bf16 blocks
+  // converted to float first).
   template <typename T>
   static void energy(const EnergyPlan& p) {
     // Subnormal logits and exps taken as 0, as in the distillation ops (distill.cpp, top): they
@@ -212,10 +213,12 @@ struct SgldCpu {
       });
       return;
     }
-    int64_t R = std::max<int64_t>(1, std::min<int64_t>(N, kEnergyBlockElems / C));
-    if (Stats::short_rows(C) && R > Stats::W) R = R / Stats::W * Stats::W;  // whole lane groups
-    const int64_t blocks = (N + R - 1) / R;
     const int64_t bytes = N * (C + 1) * int64_t(sizeof(T));
+    int64_t R = std::max<int64_t>(1, std::min<int64_t>(N, kEnergyBlockElems / C));
+    const bool lane_groups = Stats::short_rows(C) && R >= Stats::W;
+    if (lane_groups) R = R / Stats::W * Stats::W;  // whole lane groups
+    R = balanced_block_rows(R, N, lane_groups ? Stats::W : 1, bytes, PassCost::kArithmetic);
+    const int64_t blocks = (N + R - 1) / R;
     parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);
       std::vector<A> xa(std::is_same_v<T, A> ? 0 : R * C), m(R), s(R);
