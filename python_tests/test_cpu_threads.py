@@ -205,11 +205,12 @@ def test_update_norms_do_not_depend_on_the_thread_count(sizes):
 @pytest.mark.parametrize("K,N,C", [(10, 256, 100), (10, 300, 100), (40, 256, 100), (30, 1000, 10),
                                    (12, 97, 333), (4, 70, 1000)])
 def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
-    """With few blocks of rows, the distillation and energy passes size their blocks for the
+    """With few blocks of rows, the pseudo-label and energy passes size their blocks for the
     threads that run them (balanced_block_rows, csrc/cpu/parallel.h): on two threads 256 rows
     of 100 classes are 16 blocks of 16, on one 13 blocks of 20. Every row is computed from its
     own values alone, so one and two threads give the same bits, for each weighting, both
-    combinations and float64 and bfloat16 logits too."""
+    combinations and float64 and bfloat16 logits too. The KL loss keeps a float64 partial per
+    block of rows, sized from N alone: its loss and gradient have the same bits too."""
     import torch
 
     import fedkernels
@@ -228,6 +229,10 @@ def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
                         x, scores.to(dtype) if weighting == "fedgo" else None,
                         weighting=weighting, combine=combine, return_weights=True)
             out.append(fedkernels.energy_from_logits(x.reshape(K * N, C)))
+            student = x.reshape(K * N, C).clone().requires_grad_()
+            loss = fedkernels.distill_kl(student, x.reshape(K * N, C).flip(0).float().softmax(-1).to(dtype))
+            loss.backward()
+            out += [loss.detach(), student.grad]
         return out
 
     one, two = on_one_and_two_threads(calls)

@@ -15,8 +15,8 @@
 // loads and stores of one pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to
 // ~27 ms). Every value of a row is computed from that row alone, in client order, with the lane
 // layout fixed by C, so the results do not depend on the blocking or the number of threads. The KL
-// loss is summed per block of kRowBlock rows in float64 and the blocks are added in order after the
-// parallel loop.
+// loss is summed per block of rows in float64 (about 32 blocks of 8 to kRowBlock rows, sized from N
+// alone) and the blocks are added in order after the parallel loop.
 //
 // Subnormals: both ops run with subnormal inputs and results taken as 0 (parallel.h,
 // DenormalModeScope), whatever the caller's mode. Probabilities below 2^-126 are common (the
@@ -48,7 +48,7 @@ namespace {
 using at::vec::Vectorized;
 using namespace softmax_stats;
 
-constexpr int64_t kRowBlock = 64;      // rows per KL loss partial
+constexpr int64_t kRowBlock = 64;      // most rows per KL loss partial
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
 constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 constexpr int kCombineGroup = 4;  // teachers per pass of the combination (8 was no faster)
@@ -765,12 +765,17 @@ struct DistillCpu {
     T* grad = static_cast<T*>(p.grad);
     const A inv_t = static_cast<A>(1.0 / p.temperature);
     const A scale_over_t = static_cast<A>(p.scale / p.temperature);
-    const int64_t blocks = (N + kRowBlock - 1) / kRowBlock;
+    // Rows per loss partial: about 32 blocks, so that two threads share them evenly (a fixed 64
+    // gave N = 300 five blocks, three of them on one thread: as long as N = 384, C = 1000), at
+    // least 8 rows (blocks of 2 rows of 10 classes cost a tiny call 7 %), and from N alone, so
+    // that the loss has the same bits for any number of threads.
+    const int64_t loss_rows = std::clamp<int64_t>(N / 32, 8, kRowBlock);
+    const int64_t blocks = (N + loss_rows - 1) / loss_rows;
     // Float rows of a vector's width or more take the base-2 row kernel (kl_row_exp2), one row
     // at a time; the rest (float64, short rows) go kBlockElems elements at a time.
     constexpr bool kFloat = std::is_same_v<A, float>;
     const bool by_row = kFloat && C >= Vectorized<A>::size();
-    const int64_t R = by_row ? 1 : std::min(kRowBlock, block_rows(C, N));
+    const int64_t R = by_row ? 1 : std::min(loss_rows, block_rows(C, N));
     std::vector<double> partial(blocks, 0.0);
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
@@ -778,8 +783,8 @@ struct DistillCpu {
       KlScratch<A> w(R * C, !std::is_same_v<T, A>);
       for (int64_t b = b0; b < b1; ++b) {
         double block_loss = 0;
-        const int64_t end = std::min(N, (b + 1) * kRowBlock);
-        for (int64_t i0 = b * kRowBlock; i0 < end; i0 += R) {
+        const int64_t end = std::min(N, (b + 1) * loss_rows);
+        for (int64_t i0 = b * loss_rows; i0 < end; i0 += R) {
           const int64_t rows = std::min(R, end - i0), n = rows * C;
           const A* s = w.acc(student + i0 * C, w.s, n);
           const A* y = w.acc(target + i0 * C, w.y, n);
