@@ -238,3 +238,37 @@ def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
     one, two = on_one_and_two_threads(calls)
     for i, (a, b) in enumerate(zip(one, two)):
         assert torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("sizes", [(400_000,), (20_000, 3), (40_000, 7_000, 65)])
+def test_chunked_passes_do_not_depend_on_the_thread_count(sizes):
+    """The SuPerFed, robust and DP sum passes cut the model into chunks sized from the model
+    alone (balanced_chunk), so that two threads share a small model evenly (400 K elements had
+    been 7 chunks, 4 on one thread). The SuPerFed statistics keep a float64 partial per chunk,
+    added in chunk order; the order statistics and the noisy sum are per element. One and two
+    threads give the same bits."""
+    import torch
+
+    import fedkernels
+    from fedkernels.ops.mixing import mix_endpoints_with_stats
+
+    gen = torch.Generator().manual_seed(5)
+    g = [torch.randn(n, generator=gen) for n in sizes]
+    loc = [torch.randn(n, generator=gen) for n in sizes]
+    anchor = [torch.randn(n, generator=gen) for n in sizes]
+    clients = [{f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate(sizes)}
+               for _ in range(20)]
+    base = {f"t{i}": torch.zeros(n) for i, n in enumerate(sizes)}
+
+    def calls():
+        theta, stats = mix_endpoints_with_stats(g, loc, 0.3, anchor)
+        private, norms = fedkernels.private_aggregate(
+            clients, base=base, clip_norm=50.0, noise_std=0.1,
+            generator=torch.Generator().manual_seed(6))
+        return [*theta, stats, norms,
+                *fedkernels.trimmed_mean(clients, 0.1).values(),
+                *fedkernels.coordinate_median(clients).values(), *private.values()]
+
+    one, two = on_one_and_two_threads(calls)
+    for i, (a, b) in enumerate(zip(one, two)):
+        assert torch.equal(a, b), i

@@ -39,7 +39,7 @@ using client_tiles::kTile;
 
 constexpr int64_t kNormChunk = 1 << 16;  // the most elements per norm work item
 constexpr int kNormLanes = 16;
-constexpr int64_t kSumChunk = 1 << 14;
+constexpr int64_t kSumChunk = 1 << 14;  // the most elements per sum work item (balanced_chunk)
 
 struct PrivateCpu {
   using Key = uint64_t;
@@ -106,7 +106,10 @@ struct PrivateCpu {
     const bool noise = p.noise_std != 0;
     const WeightedSumMath math{true, true};  // acc + c_k * (x_k - base), in client order
     const int64_t bytes = (K + 2) * total_numel(p.numels) * int64_t(sizeof(T));
-    for_each_chunk(p.numels, kSumChunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
+    // Chunks sized from the model: a fixed size had split 40 K elements into 3 chunks, two on one
+    // thread (as long as 49 K). Element e takes normal e of the stream whatever the chunks.
+    const int64_t chunk = balanced_chunk(total_numel(p.numels), kSumChunk, kTile);
+    for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);
       alignas(64) A acc[kTile];

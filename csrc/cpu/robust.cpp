@@ -39,7 +39,8 @@ namespace {
 
 using at::vec::Vectorized;
 
-constexpr int64_t kRobustChunk = 4096;     // coordinates per work item
+constexpr int64_t kRobustChunk = 4096;     // the most coordinates per work item (balanced_chunk)
+constexpr int64_t kRobustAlign = 64;       // whole vector groups per work item, in any build
 constexpr int64_t kDistChunk = 1 << 16;    // most elements per distance work item (a partial row)
 constexpr int64_t kDistBlock = 256;        // elements converted to float64 at a time
 constexpr int kPairGroup = 4;              // pairs whose sums run together
@@ -265,7 +266,10 @@ struct RobustCpu {
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
     const auto network = batcher_pairs(K);
     const bool prefetch = K > kPrefetchFromClients;
-    for_each_chunk(p.numels, kRobustChunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
+    // Chunks sized from the model: a fixed size had split 20 K coordinates into 5 chunks, three on
+    // one thread (as long as 24 K). Each coordinate's result is its own, whatever the chunks.
+    const int64_t chunk = balanced_chunk(total_numel(p.numels), kRobustChunk, kRobustAlign);
+    for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       std::vector<A> v(K), lanes(K * W);
       std::vector<Vec> cols(K), moved(K);
       // Client k's coordinates [r.begin, r.end) as A at x[k][0..len): the input itself, or
