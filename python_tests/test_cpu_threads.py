@@ -242,11 +242,11 @@ def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
 
 @pytest.mark.parametrize("sizes", [(400_000,), (20_000, 3), (40_000, 7_000, 65)])
 def test_chunked_passes_do_not_depend_on_the_thread_count(sizes):
-    """The SuPerFed, robust and DP sum passes cut the model into chunks sized from the model
-    alone (balanced_chunk), so that two threads share a small model evenly (400 K elements had
-    been 7 chunks, 4 on one thread). The SuPerFed statistics keep a float64 partial per chunk,
-    added in chunk order; the order statistics and the noisy sum are per element. One and two
-    threads give the same bits."""
+    """The SuPerFed, robust and DP sum passes size their chunks so that two threads share a
+    small model evenly (400 K elements had been 7 chunks, 4 on one thread): the SuPerFed pass
+    from the model alone (balanced_chunk: its statistics keep a float64 partial per chunk,
+    added in chunk order), the order statistics and the noisy sum for the threads that run them
+    (parallel_chunk: their values are per element). One and two threads give the same bits."""
     import torch
 
     import fedkernels

@@ -5,8 +5,9 @@
 //
 // One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each
 // element is read before it is written): the plan's tensors are cut into chunks of at most kChunk
-// elements, whole tiles, sized from the model alone (balanced_chunk: a fixed size had split a
-// 400 K-element step into seven chunks, four on one thread, 1.5x the time of 393 K), the
+// elements and at least kMinChunk, whole tiles, sized from the model alone (balanced_chunk: a
+// fixed size had split a 400 K-element step into seven chunks, four on one thread, 1.45x the
+// time of 393 K), the
 // parallel unit, each walked in tiles of kTile elements, two vectors of the accumulate type at
 // a time, through SuperfedOp<kind>::apply. The reductions (the lam gradient, the four
 // statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64 inputs) in vector
@@ -31,6 +32,10 @@ using at::vec::Vectorized;
 
 constexpr int64_t kTile = 2048;    // elements per fp32 partial sum
 constexpr int64_t kChunk = 65536;  // the most elements per parallel work item (balanced_chunk)
+// The fewest: smaller chunks only add their overhead (a small call in 30 chunks instead of 2 took
+// 2-7 % longer). Not parallel_chunk: the statistics' partials follow the chunks, and the same
+// tensors must give the same statistics through every op, whatever its byte count.
+constexpr int64_t kMinChunk = 8 * kTile;
 
 // Adds each chunk's partials (width per chunk) into result[index[i] * width + j], in chunk order.
 void combine_partials(const SuperfedPlan& p, const std::vector<double>& partials, int width,
@@ -62,7 +67,8 @@ struct SuperfedCpu {
     const double* lam = p.lam.defined() ? p.lam.const_data_ptr<double>() : nullptr;
     const double* h = p.h.defined() ? p.h.const_data_ptr<double>() : nullptr;
     int64_t chunks = 0;
-    const int64_t chunk = balanced_chunk(total_numel(p.numels), kChunk, kTile);
+    const int64_t chunk =
+        std::max(kMinChunk, balanced_chunk(total_numel(p.numels), kChunk, kTile));
     for (const auto n : p.numels) chunks += chunks_of(n, chunk);
     std::vector<double> partials(reduce ? kSums * chunks : 0, 0.0);
 
