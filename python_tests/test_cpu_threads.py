@@ -206,7 +206,7 @@ def test_update_norms_do_not_depend_on_the_thread_count(sizes):
                                    (12, 97, 333), (4, 70, 1000)])
 def test_pseudo_labels_and_energies_do_not_depend_on_the_thread_count(K, N, C):
     """With few blocks of rows, the pseudo-label and energy passes size their blocks for the
-    threads that run them (balanced_block_rows, csrc/cpu/parallel.h): on two threads 256 rows
+    threads that run them (split_for_threads, csrc/cpu/parallel.h): on two threads 256 rows
     of 100 classes are 16 blocks of 16, on one 13 blocks of 20. Every row is computed from its
     own values alone, so one and two threads give the same bits, for each weighting, both
     combinations and float64 and bfloat16 logits too. The KL loss keeps a float64 partial per
@@ -246,7 +246,7 @@ def test_chunked_passes_do_not_depend_on_the_thread_count(sizes):
     small model evenly (400 K elements had been 7 chunks, 4 on one thread): the SuPerFed pass
     from the model alone (balanced_chunk: its statistics keep a float64 partial per chunk,
     added in chunk order), the order statistics and the noisy sum for the threads that run them
-    (parallel_chunk: their values are per element). One and two threads give the same bits."""
+    (split_for_threads: their values are per element). One and two threads give the same bits."""
     import torch
 
     import fedkernels

@@ -60,19 +60,4 @@ inline int64_t balanced_chunk(int64_t total, int64_t max_chunk, int64_t align,
   return std::clamp(want, align, max_chunk);
 }
 
-// Elements per chunk of a pass whose values do not depend on its chunks (the order statistics,
-// the DP sum): the largest chunks, at most max_chunk and a multiple of align, whose number is a
-// multiple of the number of threads that run the pass (one on the calling thread: parallel.h),
-// so that a small model splits evenly. A fixed size had cut a median of 10 K coordinates of 50
-// clients into 3 chunks, two on one thread (0.8x the time now); 32 chunks (balanced_chunk)
-// cost passes that were already even 3-6 % in per-chunk overhead.
-inline int64_t parallel_chunk(int64_t total, int64_t max_chunk, int64_t align, int64_t bytes,
-                              PassCost cost) {
-  const int64_t threads = run_serial(bytes, cost) ? 1 : at::get_num_threads();
-  const int64_t per_thread = (total + threads * max_chunk - 1) / (threads * max_chunk);
-  const int64_t chunks = std::max<int64_t>(1, threads * per_thread);
-  const int64_t chunk = ((total + chunks - 1) / chunks + align - 1) / align * align;
-  return std::clamp(chunk, align, max_chunk);
-}
-
 }  // namespace fedkernels

@@ -3,7 +3,7 @@
 // this file is compiled once per instruction set (see setup.py) into a library of its own.
 //
 // Work: blocks of R consecutive samples (rows), R * C about kBlockElems, are the parallel unit
-// (fewer rows where so few blocks would split unevenly between the threads: balanced_block_rows).
+// (fewer rows where so few blocks would split unevenly between the threads: split_for_threads).
 // Teacher k's rows of a block are contiguous in L[k], so each pass runs over R * C contiguous
 // elements: per-row maxima and sums are full vectors plus scalar tails, exps run over the whole
 // block at once, and per-row constants sit in small per-block arrays. The entropy weighting's exps
@@ -575,7 +575,7 @@ struct DistillCpu {
     const int64_t bytes = (K + 1) * N * C * int64_t(sizeof(T)) + K * N * int64_t(sizeof(T));
     int64_t R = std::min(block_rows(C, N), std::max<int64_t>(1, kBlockScores / K));
     if (lanes && R > W) R = R / W * W;  // whole lane groups, except in the last block
-    R = balanced_block_rows(R, N, lanes && R >= W ? W : 1, bytes, PassCost::kArithmetic);
+    R = split_for_threads(R, N, lanes && R >= W ? W : 1, bytes, PassCost::kArithmetic);
     const int64_t blocks = (N + R - 1) / R;
 
     // combine = "probs" with float rows of a vector's width or more keeps every teacher's exps

@@ -106,11 +106,11 @@ struct PrivateCpu {
     const bool noise = p.noise_std != 0;
     const WeightedSumMath math{true, true};  // acc + c_k * (x_k - base), in client order
     const int64_t bytes = (K + 2) * total_numel(p.numels) * int64_t(sizeof(T));
-    // Chunks whose number is a multiple of the threads' (parallel_chunk): a fixed size had split
+    // Chunks that split evenly between the threads (split_for_threads): a fixed size had split
     // 40 K elements into 3 chunks, two on one thread. Element e takes normal e of the stream
     // whatever the chunks.
-    const int64_t chunk = parallel_chunk(total_numel(p.numels), kSumChunk, kTile, bytes,
-                                         PassCost::kArithmetic);
+    const int64_t chunk = split_for_threads(kSumChunk, total_numel(p.numels), kTile, bytes,
+                                            PassCost::kArithmetic);
     for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       thread_local std::vector<const T*> src;  // reused: chunks of small tensors are many
       src.resize(K);

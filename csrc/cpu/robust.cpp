@@ -266,11 +266,11 @@ struct RobustCpu {
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
     const auto network = batcher_pairs(K);
     const bool prefetch = K > kPrefetchFromClients;
-    // Chunks whose number is a multiple of the threads' (parallel_chunk): a fixed size had split
+    // Chunks that split evenly between the threads (split_for_threads): a fixed size had split
     // 20 K coordinates into 5 chunks, three on one thread. Each coordinate's result is its own,
     // whatever the chunks.
-    const int64_t chunk = parallel_chunk(total_numel(p.numels), kRobustChunk, kRobustAlign, bytes,
-                                         PassCost::kArithmetic);
+    const int64_t chunk = split_for_threads(kRobustChunk, total_numel(p.numels), kRobustAlign,
+                                            bytes, PassCost::kArithmetic);
     for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
       std::vector<A> v(K), lanes(K * W);
       std::vector<Vec> cols(K), moved(K);

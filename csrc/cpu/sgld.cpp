@@ -190,7 +190,7 @@ uint64_t draw_seed(const SgldPlan& p) {
 
 struct SgldCpu {
   // Energies of blocks of about kEnergyBlockElems logits (fewer where the blocks are few:
-  // balanced_block_rows, parallel.h): the labelled ones read one logit a row; the marginal
+  // split_for_threads, parallel.h): the labelled ones read one logit a row; the marginal
   // ones are -log-sum-exp from the rows' softmax statistics (softmax_stats.h; fp16/bf16 blocks
   // converted to float first).
   template <typename T>
@@ -217,7 +217,7 @@ struct SgldCpu {
     int64_t R = std::max<int64_t>(1, std::min<int64_t>(N, kEnergyBlockElems / C));
     const bool lane_groups = Stats::short_rows(C) && R >= Stats::W;
     if (lane_groups) R = R / Stats::W * Stats::W;  // whole lane groups
-    R = balanced_block_rows(R, N, lane_groups ? Stats::W : 1, bytes, PassCost::kArithmetic);
+    R = split_for_threads(R, N, lane_groups ? Stats::W : 1, bytes, PassCost::kArithmetic);
     const int64_t blocks = (N + R - 1) / R;
     parallel_for_bytes(0, blocks, 1, bytes, PassCost::kArithmetic, [&](int64_t b0, int64_t b1) {
       Stats stats(C, R);

@@ -33,7 +33,7 @@ using at::vec::Vectorized;
 constexpr int64_t kTile = 2048;    // elements per fp32 partial sum
 constexpr int64_t kChunk = 65536;  // the most elements per parallel work item (balanced_chunk)
 // The fewest: smaller chunks only add their overhead (a small call in 30 chunks instead of 2 took
-// 2-7 % longer). Not parallel_chunk: the statistics' partials follow the chunks, and the same
+// 2-7 % longer). Not split_for_threads: the statistics' partials follow the chunks, and the same
 // tensors must give the same statistics through every op, whatever its byte count.
 constexpr int64_t kMinChunk = 8 * kTile;
 
