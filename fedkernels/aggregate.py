@@ -140,6 +140,7 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
 # ---------------------------------------------------------------- weight range
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
 def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
@@ -410,6 +411,9 @@ def _one_weight(weight, what: str) -> Tensor:
                              f"shape {tuple(weight.shape)}")
         if weight.is_complex() or weight.dtype == torch.bool:
             raise TypeError(f"{api}: the weight of {what} must be a real number, got {weight.dtype}")
+        if weight.device.type == "meta":  # no value to read, nor to sum
+            raise ValueError(f"{api}: the weight of {what} is on the meta device, which holds "
+                             "no values")
         w = weight.detach().reshape(1).to(torch.float64)
         value = float(w[0]) if w.device.type == "cpu" else None
     else:
@@ -461,6 +465,9 @@ class Accumulator:
         self._ints: dict[int, Tensor] = {}
         self._dtypes: list[torch.dtype] = []
         self._total_weight = 0.0
+        # sum_k w_k / unit (rescaled with the unit): finite where sum_k w_k overflows float64
+        # (two weights of 1e308), so such weights still normalise
+        self._total_units = 0.0
         # The accumulators hold sum_k (w_k / unit) x_k, unit a power of two near the largest
         # weight (moved, with one rescaling pass, when a weight exceeds it by 2^32): weights
         # near or past the float32 limits (3e38 + 3e38, 1e-46) then sum as aggregate's
@@ -502,7 +509,8 @@ class Accumulator:
         value = float(w[0])
         unit, rescale = self._unit, None
         if value != 0 and (unit is None or abs(value) > unit * 2.0**32):
-            new_unit = math.ldexp(1.0, math.frexp(abs(value))[1])
+            # 2^1024 overflows float64: the unit of a weight beyond 2^1023 is 2^1023
+            new_unit = math.ldexp(1.0, min(math.frexp(abs(value))[1], 1023))
             rescale = None if unit is None else unit / new_unit
             unit = new_unit
         unit = unit if unit is not None else 1.0
@@ -529,6 +537,10 @@ class Accumulator:
         try:
             summation.weighted_sum_(acc, floats, w / unit, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:
+            try:  # a sparse (not strided) update: named, not the dispatcher's message
+                _refuse_non_strided(layout, float_names, [floats], [])
+            except TypeError as layout_err:
+                raise TypeError(str(layout_err).replace("client 0", what)) from None
             err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
             raise type(err)(str(err).replace("client 0", what)) from None
         # Only now, with the update accepted, is any state changed.
@@ -544,6 +556,8 @@ class Accumulator:
         self._layout, self._acc = layout, acc
         self._dtypes = [t.dtype for t in tensors]
         self._total_weight += value
+        self._total_units = (self._total_units * (1.0 if rescale is None else rescale)
+                             + value / unit)
         self._largest_weight = max(self._largest_weight, abs(value))
         if value != 0:
             self._unit = unit
@@ -553,20 +567,25 @@ class Accumulator:
         """The aggregate so far, in the models' dtypes; ``normalize`` divides by Σw."""
         if self._layout is None:
             raise ValueError("fedkernels.Accumulator: no update was added")
-        if normalize and self._total_weight == 0:
+        if normalize and self._total_units == 0:
             raise ValueError("fedkernels.Accumulator: normalize=True but the weights sum to 0")
         layout = self._layout
-        if not normalize and self._largest_weight > FLOAT32_MAX:
-            narrow = [n for n, d, f in zip(layout.names, self._dtypes, layout.float_mask)
-                      if f and d != torch.float64]
-            if narrow:  # as aggregate refuses it: w x is beyond float32 in the result
-                raise ValueError(
-                    f"fedkernels.Accumulator: a weight of {self._largest_weight:.4g} is beyond "
-                    f"the float32 range (|w| <= {FLOAT32_MAX:.4g}) of tensor "
-                    f"{layout.label(narrow[0])}; use result(normalize=True), or float64 models")
-        div = self._total_weight if normalize else 1.0
+        narrow = [n for n, d, f in zip(layout.names, self._dtypes, layout.float_mask)
+                  if f and d != torch.float64]
+        if narrow and abs(self.scale) > FLOAT32_MAX:  # as aggregate refuses it
+            raise ValueError(
+                f"fedkernels.Accumulator: scale {self.scale:.4g} is beyond the float32 range "
+                f"(|x| <= {FLOAT32_MAX:.4g}) of tensor {layout.label(narrow[0])}")
+        if not normalize and self._largest_weight > FLOAT32_MAX and narrow:
+            # as aggregate refuses it: w x is beyond float32 in the result
+            raise ValueError(
+                f"fedkernels.Accumulator: a weight of {self._largest_weight:.4g} is beyond "
+                f"the float32 range (|w| <= {FLOAT32_MAX:.4g}) of tensor "
+                f"{layout.label(narrow[0])}; use result(normalize=True), or float64 models")
         unit = self._unit or 1.0
-        factor = unit / div * self.scale  # sum_k w_k x_k = unit * accumulator
+        units = self._total_units  # sum_k w_k / unit
+        # sum_k w_k x_k = unit * accumulator, and sum_k w_k = unit * units
+        factor = (1.0 / units if normalize else unit) * self.scale
         base = None if self.base is None else layout.tensors(self.base, "base")
         out, acc = [], iter(self._acc)
         for i, f in enumerate(layout.float_mask):
@@ -578,12 +597,17 @@ class Accumulator:
                 continue
             a = next(acc)
             dtype = self._dtypes[i]
+            # A float32 tensor times a Python number rounds the number to float32: a factor
+            # beyond its range (the unit of a weight of 3e38 is 2^128) would give inf, and
+            # 0 * inf = NaN, so such a factor multiplies in float64.
+            wide = a.dtype == torch.float32 and not (
+                factor == 0 or _FLOAT32_TINY <= abs(factor) <= FLOAT32_MAX)
             if base is None:
-                out.append((a * factor).to(dtype))
+                out.append(((a.double() if wide else a) * factor).to(dtype))
             else:
                 b = base[i].to(a.dtype)
-                out.append((b + factor * (a - (self._total_weight / unit) * b)).to(
-                    base[i].dtype))
+                d = a - units * b
+                out.append((b + ((d.double() if wide else d) * factor)).to(base[i].dtype))
         return with_metadata(layout.build(out), self._metadata)
 
     def reset(self) -> None:

@@ -702,6 +702,58 @@ def test_accumulator_sums_weights_near_the_float32_limits_like_aggregate(weights
     torch.testing.assert_close(unwrap(acc.result(normalize=True)), y)
 
 
+@pytest.mark.parametrize("use_base", [False, True], ids=["plain", "base"])
+def test_accumulator_unnormalised_weight_near_the_float32_limit(use_base):
+    # The unit of a weight of 3e38 is 2^128, beyond float32: the result was inf (and 0 * inf =
+    # NaN) where aggregate gives w x, which float32 holds.
+    x = torch.tensor([0.0, 0.5, 1.0])
+    base = torch.zeros(3) if use_base else None
+    for weights in ([3e38], [1.0, 3e38]):
+        acc = fedkernels.Accumulator(base=base)
+        for w in weights:
+            acc.add(x, w)
+        expected = fedkernels.aggregate([x] * len(weights), weights, base=base)
+        torch.testing.assert_close(acc.result(), expected)
+        assert bool(torch.isfinite(acc.result()).all())
+
+
+def test_accumulator_weights_whose_float64_sum_overflows():
+    # 1e308 + 1e308 is inf in float64: normalising by it gave zeros; aggregate divides by the
+    # largest weight first. A weight beyond 2^1023 (no power of two above it in float64)
+    # raised OverflowError in add.
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0])
+    for weights in ([1e308, 1e308], [1.7e308, 1.7e308]):
+        for base in (None, torch.tensor([0.5, -1.0])):
+            acc = fedkernels.Accumulator(base=base)
+            acc.add(x, weights[0])
+            acc.add(y, weights[1])
+            expected = fedkernels.aggregate([x, y], weights, base=base, normalize=True)
+            torch.testing.assert_close(acc.result(normalize=True), expected)
+    wide = fedkernels.Accumulator()
+    wide.add(x.double(), 1.7e308)
+    torch.testing.assert_close(wide.result(), fedkernels.aggregate([x.double()], [1.7e308]))
+
+
+def test_accumulator_refuses_what_aggregate_refuses():
+    # A scale beyond float32 for a float32 model gave NaN and inf; aggregate refuses it.
+    acc = fedkernels.Accumulator(scale=1e39)
+    acc.add([torch.zeros(2), torch.ones(2, dtype=torch.float64)], 1.0)
+    _raise(lambda: acc.result(), ValueError, ["scale 1e+39", "float32", "tensor 0"])
+    wide = fedkernels.Accumulator(scale=1e39)
+    wide.add([torch.ones(2, dtype=torch.float64)], 1.0)
+    assert wide.result()[0].tolist() == [1e39, 1e39]
+    # A sparse update is named, as aggregate names it (not the dispatcher's "Could not run").
+    acc = fedkernels.Accumulator()
+    acc.add({"w": torch.ones(3)}, 1.0)
+    _raise(lambda: acc.add({"w": torch.ones(3).to_sparse()}, 1.0), TypeError,
+           ["update 1", "'w'", "sparse_coo", "to_dense"])
+    # A weight on the meta device has no value to read.
+    _raise(lambda: acc.add({"w": torch.ones(3)}, torch.ones(1, device="meta")), ValueError,
+           ["update 1", "meta"])
+    assert acc.count == 1
+    assert acc.result()["w"].tolist() == [1.0, 1.0, 1.0]
+
+
 def test_accumulator_checks_the_base_int_entries():
     clients = _two_counters()
     base = {"w": torch.zeros(3), "a.n": torch.tensor([1.0, 2.0, 3.0]), "b.n": torch.tensor(0)}
