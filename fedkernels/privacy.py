@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -48,7 +49,8 @@ def dp_accounting_available() -> bool:
     return True
 
 
-def _check(noise_multiplier: float, rates: Sequence[float], delta: float) -> None:
+def _check(noise_multiplier: float, rates: Sequence[float], delta: float,
+           accountant: str) -> None:
     if not (math.isfinite(noise_multiplier) and noise_multiplier > 0):
         raise ValueError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}")
     if not 0 < delta < 1:
@@ -56,6 +58,8 @@ def _check(noise_multiplier: float, rates: Sequence[float], delta: float) -> Non
     for t, q in enumerate(rates):
         if not 0 <= q <= 1:
             raise ValueError(f"sampling rate of round {t} must be in [0, 1], got {q!r}")
+    if accountant not in ("rdp", "pld"):  # also when no round is accounted
+        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
 
 
 def epsilon_from_rates(
@@ -70,8 +74,16 @@ def epsilon_from_rates(
     round a Gaussian mechanism with noise multiplier ``noise_multiplier``. ``accountant``:
     ``"rdp"`` (Rényi DP, fast, a slightly loose upper bound) or ``"pld"`` (privacy loss
     distributions, tighter, seconds per call). Returns 0 for no rounds."""
-    _check(noise_multiplier, sampling_rates, delta)
-    rounds = Counter(float(q) for q in sampling_rates if q > 0)
+    # Read once: an iterator checked and then counted would count no round (epsilon 0).
+    rates = [float(q) for q in sampling_rates]
+    _check(noise_multiplier, rates, delta, accountant)
+    return _epsilon_of_counts(noise_multiplier, Counter(q for q in rates if q > 0), delta,
+                              accountant)
+
+
+def _epsilon_of_counts(noise_multiplier: float, rounds: Counter, delta: float,
+                       accountant: str) -> float:
+    """Epsilon of ``rounds[q]`` rounds at each sampling rate q > 0."""
     if not rounds:
         return 0.0
     dpa = _require_dp_accounting()
@@ -82,12 +94,7 @@ def epsilon_from_rates(
             event = dpa.PoissonSampledDpEvent(q, event)
         events.append(dpa.SelfComposedDpEvent(event, count))
     event = events[0] if len(events) == 1 else dpa.ComposedDpEvent(events)
-    if accountant == "rdp":
-        engine = dpa.rdp.RdpAccountant()
-    elif accountant == "pld":
-        engine = dpa.pld.PLDAccountant()
-    else:
-        raise ValueError(f"accountant must be 'rdp' or 'pld', got {accountant!r}")
+    engine = dpa.rdp.RdpAccountant() if accountant == "rdp" else dpa.pld.PLDAccountant()
     # The RDP accountant logs a warning for every fractional order whose series it drops;
     # the orders left still give a valid bound.
     absl = logging.getLogger("absl")
@@ -110,8 +117,12 @@ def epsilon(
 ) -> float:
     r""":math:`\varepsilon` after ``rounds`` rounds at the same ``sampling_rate``
     :math:`q = K/N` (see :func:`epsilon_from_rates`)."""
+    if isinstance(rounds, bool) or not isinstance(rounds, numbers.Integral):
+        raise TypeError(f"rounds must be an int, got {type(rounds).__name__}")
     if rounds < 0:
         raise ValueError(f"rounds must be >= 0, got {rounds!r}")
-    return epsilon_from_rates(
-        noise_multiplier, [sampling_rate] * rounds, delta, accountant=accountant
-    )
+    # Counted, not listed: a list of `rounds` rates took memory in proportion to rounds.
+    q = float(sampling_rate)
+    _check(noise_multiplier, [q], delta, accountant)
+    return _epsilon_of_counts(noise_multiplier, Counter({q: int(rounds)} if q > 0 and rounds
+                                                        else {}), delta, accountant)

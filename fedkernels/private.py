@@ -281,6 +281,11 @@ def adaptive_noise_params(noise_multiplier: float, num_sampled: int,
                          f"{clipped_count_stddev}")
     if noise_multiplier == 0:
         return (0.0 if clipped_count_stddev is None else float(clipped_count_stddev)), 0.0
+    if clipped_count_stddev is None:
+        # A NaN or infinite count gave a NaN or zero noise multiplier, silently.
+        num_sampled = real_number(api, "num_sampled", num_sampled)
+        if not (math.isfinite(num_sampled) and num_sampled > 0):
+            raise ValueError(f"{api}: num_sampled must be finite and > 0, got {num_sampled}")
     stddev = num_sampled / 20 if clipped_count_stddev is None else float(clipped_count_stddev)
     if noise_multiplier >= 2 * stddev:
         raise ValueError(f"{api}: noise_multiplier {noise_multiplier} needs "

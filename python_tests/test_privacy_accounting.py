@@ -96,6 +96,25 @@ def test_bad_accounting_arguments(args, message):
         epsilon(*args)
 
 
+def test_rates_as_an_iterator_are_counted():
+    # The rates were checked in one pass and counted in another: an iterator counted no round
+    # and gave epsilon 0, a privacy guarantee that did not hold.
+    rates = [0.1, 0.2, 0.1]
+    assert epsilon_from_rates(1.0, iter(rates), 1e-5) == epsilon_from_rates(1.0, rates, 1e-5)
+    assert epsilon_from_rates(1.0, (q for q in rates), 1e-5) > 0
+
+
+def test_many_rounds_take_no_memory_per_round():
+    # epsilon() listed one rate per round: 10**12 rounds asked for terabytes.
+    many = epsilon(1.0, 0.01, 10**12, 1e-5)
+    assert math.isfinite(many) and many > epsilon(1.0, 0.01, 10**6, 1e-5)
+    assert epsilon(1.0, 0.1, 7, 1e-5) == epsilon_from_rates(1.0, [0.1] * 7, 1e-5)
+    with pytest.raises(TypeError, match="rounds must be an int"):
+        epsilon(1.0, 0.1, 2.5, 1e-5)
+    with pytest.raises(ValueError, match="accountant must be"):  # also with nothing to account
+        epsilon(1.0, 0.1, 0, 1e-5, accountant="rpd")
+
+
 def test_missing_extra_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "dp_accounting", None)
     with pytest.raises(ModuleNotFoundError, match=r"fedkernels\[dp\]"):

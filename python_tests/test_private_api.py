@@ -221,6 +221,18 @@ def test_adaptive_noise_params_as_flower(z, n, stddev):
     assert adaptive_noise_params(z, n, stddev) == pytest.approx(expected, rel=1e-15)
 
 
+def test_adaptive_noise_params_refuses_a_count_that_is_not_one():
+    # Flower's formula gives (nan, nan) for a NaN count and a multiplier of 1 (no extra
+    # noise for the count query) for an infinite one; both are refused.
+    for n in (float("nan"), float("inf"), -10):
+        with pytest.raises(ValueError, match="num_sampled must be finite and > 0"):
+            adaptive_noise_params(1.0, n)
+    with pytest.raises(TypeError, match="num_sampled must be a number"):
+        adaptive_noise_params(1.0, "100")
+    assert adaptive_noise_params(0.0, float("nan")) == (0.0, 0.0)  # no noise: n is not used
+    assert adaptive_noise_params(1.0, float("nan"), 2.0) == adaptive_noise_params(1.0, 40)
+
+
 def test_weight_errors_name_private_aggregate():
     base = [torch.zeros(3)]
     clients = [[torch.randn(3)] for _ in range(3)]
