@@ -236,6 +236,18 @@ def _check_disagreements(rank: int, world: int, device: str) -> None:
              out=_xy(rank, device, x=torch.zeros(3, 2)))
         each("bad timeout", ValueError, ["rank 1 failed", "timeout must be a positive"],
              timeout=-1.0)
+        each("sparse tensor", TypeError, ["rank 1 failed", "tensor 'x' has layout torch.sparse"],
+             updates=[_xy(rank, device, x=torch.ones(2, 3).to_sparse())])
+        # 0.0 == -0.0, but the digests differ (and so would the signs of zero results): this
+        # raised "digests differ although their descriptions agree".
+        _expect_failure(outcomes, "signed zero scale", lambda: all_reduce_aggregate(
+            [mine], one, scale=-0.0 if rank == odd else 0.0), ValueError,
+            "scale is -0.0 on rank 1, 0.0 on rank 0")
+        # Rank totals whose float64 sum overflows: OverflowError from fsum after the model's
+        # all-reduce; now a ValueError on every rank before it.
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in mine.items()}
+        _expect_failure(outcomes, "weights beyond float64", lambda: all_reduce_aggregate(
+            [wide], [1e308], normalize=True), ValueError, "weights sum to more than float64")
         # The step-by-step API agrees on the layout too.
         changes = {"x": torch.zeros(3, 2)} if rank == odd else {}
         partial = WeightedPartial.from_clients([_xy(rank, device, **changes)], one)
@@ -258,6 +270,13 @@ def _check_disagreements(rank: int, world: int, device: str) -> None:
         [mine], one, int_policy="error"), TypeError, "tensor 'n'", "int_policy='error'")
     _expect_failure(outcomes, "weights sum to 0", lambda: all_reduce_aggregate(
         [mine], torch.zeros(1), normalize=True), ValueError, "weights sum to 0")
+
+    # Clients and weights that require grad (a module's parameters) are read as values; the
+    # in-place op had refused them with a message about out=.
+    grads = {k: v.clone().requires_grad_() if v.is_floating_point() else v
+             for k, v in mine.items()}
+    got = all_reduce_aggregate([grads], one.clone().requires_grad_(), normalize=True)
+    assert torch.equal(got["x"], torch.full((2, 3), expected_x, device=device))
 
     # Every rank raised the same message; and the group still works afterwards.
     gathered = [None] * world

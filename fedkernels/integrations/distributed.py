@@ -113,6 +113,13 @@ def _check_same_structure(layout: ModelLayout, clients: list[list[Tensor]],
     precision clients, as in :func:`fedkernels.aggregate`)."""
     reference = clients[0] if clients else like
     who = "client 0" if clients else "like"
+    sources = [(f"client {k}, tensor", c) for k, c in enumerate(clients)]
+    sources += [("base tensor", base)] if base is not None else []
+    for what, tensors in sources or [(f"{who} tensor", like)]:
+        for name, t in zip(layout.names, tensors):
+            if t.layout != torch.strided:  # the fused op reads dense memory only
+                raise TypeError(f"{API}: {what} {layout.label(name)} has layout {t.layout}; "
+                                "only dense (strided) tensors are supported (call .to_dense())")
     for k, tensors in enumerate(clients[1:], start=1):
         for name, t, r in zip(layout.names, tensors, reference):
             if t.shape != r.shape or t.device != r.device:
@@ -218,7 +225,9 @@ def _difference(a: dict, b: dict, ra: int, rb: int) -> str:
                 f"{kinds[a['kind']]}")
     for flag in sorted(set(a["flags"]) | set(b["flags"])):
         va, vb = a["flags"].get(flag), b["flags"].get(flag)
-        if va != vb:
+        # compared as the digest sees them: scale=-0.0 and 0.0 are equal numbers but give
+        # results with zeros of opposite signs
+        if json.dumps(va) != json.dumps(vb):
             if flag == "delta":
                 given = lambda v: "passes base= (delta mode)" if v else "passes no base"  # noqa: E731
                 return f"rank {rb} {given(vb)}, rank {ra} {given(va)}"
@@ -264,7 +273,9 @@ def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
         return cls(f"{API}: rank {ranks[failed[0]]} failed before the all-reduce, so no rank "
                    f"aggregated: {message}{others}")
     models = [p["model"] for p in payloads]
-    differ = [i for i in range(1, len(models)) if models[i] != models[0]]
+    # as the digests compare them (0.0 and -0.0 are == but hash differently)
+    texts = [json.dumps(m, sort_keys=True) for m in models]
+    differ = [i for i in range(1, len(models)) if texts[i] != texts[0]]
     if not differ:  # equal descriptions, unequal digests: cannot happen, but say so plainly
         return RuntimeError(f"{API}: the ranks' layout digests differ although their "
                             "descriptions agree")
@@ -309,6 +320,22 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
     blobs = _all_gather(mine.to(device), group, timeout, "layout disagreement report")
     payloads = [json.loads(bytes(b[:h[2]].cpu().tolist()).decode()) for b, h in zip(blobs, heads)]
     raise _disagreement(ranks, payloads)
+
+
+def _global_total(totals) -> float:
+    """The ranks' weight totals summed exactly (``math.fsum``); a ``ValueError`` when the sum
+    is beyond float64 (fsum raised OverflowError, and a rank's own total of inf gave a zero or
+    NaN model once normalised)."""
+    totals = list(totals)
+    try:
+        total = math.fsum(totals)
+    except OverflowError:
+        total = math.inf
+    if not math.isfinite(total):
+        raise ValueError(f"{API}: the weights sum to more than float64 holds (rank totals "
+                         f"{[float(t) for t in totals][:10]}); scale them down (a common factor "
+                         "cancels when normalize=True)")
+    return total
 
 
 class WeightedPartial:
@@ -428,15 +455,18 @@ class WeightedPartial:
 
     def _add(self, clients: list[list[Tensor]], weights) -> None:
         """Adds checked clients (tensor lists in the layout's order) in one fused pass."""
-        w = weight_vector(weights, len(clients), False)
+        # Read as values (as Accumulator reads them): the sum goes into a buffer that the
+        # all-reduce overwrites, so no gradient could reach the clients or the weights, and
+        # the in-place op refuses tensors that require grad (a module's parameters).
+        w = weight_vector(weights, len(clients), False).detach()
         if not clients:
             return
         floats = [i for i, f in enumerate(self.layout.float_mask) if f]
-        inputs = [c[i] for c in clients for i in floats]
+        inputs = [c[i].detach() for c in clients for i in floats]
         views = [self.views[i] for i in floats]
         total = w.sum()
         if self.base is not None and floats:
-            base = [self.base[i] for i in floats]
+            base = [self.base[i].detach() for i in floats]
             if all(b.dtype == clients[0][i].dtype for b, i in zip(base, floats)):
                 # the base is one more input with weight -sum w: one pass
                 inputs += base
@@ -502,24 +532,26 @@ class WeightedPartial:
         return self._all_reduce_agreed(group, _as_timeout(timeout))
 
     def _all_reduce_agreed(self, group, timeout: timedelta | None) -> WeightedPartial:
+        total = _global_total(self._totals.values())  # on every rank, before the collectives
         for buffer in self.buffers:
             _all_reduce(buffer, dist.ReduceOp.SUM, group, timeout, "all-reduce of the model")
         self._reduce_ints(group, dst=None, timeout=timeout)
         self.count = sum(self._counts.values())
-        self._total.fill_(math.fsum(self._totals.values()))
+        self._total.fill_(total)
         return self
 
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
         self.agree(group, timeout=timeout)
         bound = _as_timeout(timeout)
+        total = _global_total(self._totals.values())  # on every rank, before the collectives
         for buffer in self.buffers:
             _wait(dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True),
                   bound, "reduce of the model", group)
         self._reduce_ints(group, dst=dst, timeout=bound)
         if dist.get_rank() == dst:
             self.count = sum(self._counts.values())
-            self._total.fill_(math.fsum(self._totals.values()))
+            self._total.fill_(total)
         return self
 
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
@@ -689,5 +721,9 @@ def all_reduce_aggregate(
         raise
     partial._counts = dict(zip(ranks, counts))
     partial._totals = dict(zip(ranks, totals))
+    # Every rank gathered the same totals, so every rank raises the same error here, before
+    # the model-sized all-reduce.
+    if normalize and _global_total(totals) == 0:
+        raise ValueError(f"{API}: normalize=True but the weights sum to 0")
     partial._all_reduce_agreed(group, bound)
     return partial.result(scale=scale, normalize=bool(normalize), out=out)
