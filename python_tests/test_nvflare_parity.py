@@ -543,7 +543,27 @@ def test_helper_bad_weight_names_the_contributor():
         helper.add({"x": np.ones(2)}, "heavy", "site-3", 0)
     with pytest.raises(ValueError, match="'site-3': weight is nan"):
         helper.add({"x": np.ones(2)}, float("nan"), "site-3", 0)
+    # float("2") is 2.0, but the text went into counts and get_result failed on it
+    with pytest.raises(ValueError, match="'site-3': weight must be a number, got str"):
+        helper.add({"x": np.ones(2)}, "2", "site-3", 0)
     assert helper.get_len() == 0 and not helper.total
+
+
+def test_helper_sparse_tensors_take_nvflares_formula():
+    # The fused op reads dense memory only; a sparse tensor for a new key made its pass fail
+    # after the keys seen before had been accumulated in place, so the round's result counted
+    # that contribution without its weight (here 4 where NVFlare gives 2).
+    contributions = [({"a": torch.ones(3)}, 1.0),
+                     ({"a": 3 * torch.ones(3), "b": torch.ones(3).to_sparse()}, 1.0),
+                     ({"a": torch.ones(3), "b": 2 * torch.ones(3).to_sparse()}, 2.0)]
+    ours, theirs = fk.WeightedAggregationHelper(), flare_helper.WeightedAggregationHelper()
+    for i, (d, w) in enumerate(contributions):
+        ours.add(d, w, f"site-{i}", 0)
+        theirs.add(d, w, f"site-{i}", 0)
+    got, expected = ours.get_result(), theirs.get_result()
+    torch.testing.assert_close(got["a"], expected["a"])
+    assert got["b"].layout == expected["b"].layout == torch.sparse_coo
+    torch.testing.assert_close(got["b"].to_dense(), expected["b"].to_dense())
 
 
 

@@ -126,7 +126,8 @@ def _array_entry(v: Any) -> _ArrayEntry | None:
             return None
         return _ArrayEntry(_tensor_from_numpy(v), "numpy", v.dtype)
     if isinstance(v, torch.Tensor):
-        if v.dim() == 0 or v.is_complex() or v.dtype not in (
+        # sparse (and other non-strided) tensors: NVFlare's formula, which torch runs on them
+        if v.layout != torch.strided or v.dim() == 0 or v.is_complex() or v.dtype not in (
             torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.bool, torch.uint8,
             torch.int8, torch.int16, torch.int32, torch.int64
         ):
@@ -200,6 +201,8 @@ class WeightedAggregationHelper:
         with self.lock:
             who = f"contribution from {contributor_name!r}"
             try:
+                if isinstance(weight, (str, bytes, bytearray)):  # float("2") would take it,
+                    raise TypeError  # and get_result would fail on the text in counts
                 w = float(weight)
             except (TypeError, ValueError):
                 raise ContributionError(
@@ -299,14 +302,15 @@ class WeightedAggregationHelper:
                     f"{who}: weight {step:.4g} is beyond the float32 range of the accumulator "
                     f"of key {narrow!r}")
 
-            # One fused pass per device over the arrays of keys seen before (acc += step·x) and
-            # one over the new keys (acc = step·x).
+            # One fused pass per device over the new keys (acc = step·x) and one over the
+            # arrays of keys seen before (acc += step·x). The new keys first: their pass writes
+            # only new tensors, so if it fails no running sum has been changed.
             weights = torch.tensor([step], dtype=torch.float64)
             with torch.no_grad():
-                for accs, xs in fused.values():
-                    summation.weighted_sum_(accs, xs, weights, 1.0, False)
                 for keys, xs in fresh.values():
                     new_arrays.update(zip(keys, summation.weighted_sum(xs, weights)))
+                for accs, xs in fused.values():
+                    summation.weighted_sum_(accs, xs, weights, 1.0, False)
 
             for k in contributed:
                 self.key_contribution_counts[k] = self.key_contribution_counts.get(k, 0) + 1
