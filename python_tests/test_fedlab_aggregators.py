@@ -151,6 +151,26 @@ def test_fedasync_formula_and_fallbacks():
     assert mixed.dtype == torch.float64
 
 
+def test_weights_that_require_grad_keep_fedlabs_gradient():
+    # Read as a float (or detached), a weight that requires grad lost the gradient that
+    # FedLab's result carries; a complex alpha raised TypeError from float().
+    server, new = vectors(2, 5, torch.float64, seed=6)
+    alpha = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    out = fedasync_aggregate(server, new, alpha)
+    (grad,) = torch.autograd.grad(out.sum(), alpha)
+    torch.testing.assert_close(grad, (new - server).sum())
+    weights = torch.tensor([1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    out = fedavg_aggregate([server, new], weights)
+    (grad,) = torch.autograd.grad(out.sum(), weights)
+    mean = (server + 3 * new) / 4  # d/dw_k of sum_k w_k x_k / sum w = (x_k - mean) / sum w
+    torch.testing.assert_close(grad, torch.stack([(server - mean).sum(), (new - mean).sum()]) / 4)
+    with torch.no_grad():  # nothing to carry: the fused pass
+        torch.testing.assert_close(fedasync_aggregate(server, new, alpha),
+                                   0.7 * server + 0.3 * new)
+    out = fedasync_aggregate(server.float(), new.float(), 0.5j)
+    torch.testing.assert_close(out, (1 - 0.5j) * server.float() + 0.5j * new.float())
+
+
 def test_drop_in_class_has_fedlabs_static_methods():
     assert Aggregators.fedavg_aggregate is fedavg_aggregate
     assert Aggregators().fedasync_aggregate is fedasync_aggregate

@@ -33,6 +33,7 @@ the fused op does not take go through FedLab's formula.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -106,8 +107,10 @@ def fedavg_aggregate(serialized_params_list, weights=None) -> Tensor:
                           "non-finite weights give NaN)")
     dtype = vectors[0].dtype
     result_dtype = torch.result_type(vectors[0], weights)
-    if dtype not in _FUSED_DTYPES or any(v.dtype != dtype for v in vectors):
-        # FedLab's formula for what the op does not take (integer or mixed-dtype vectors).
+    if (dtype not in _FUSED_DTYPES or any(v.dtype != dtype for v in vectors)
+            or (weights.requires_grad and torch.is_grad_enabled())):
+        # FedLab's formula for what the op does not take (integer or mixed-dtype vectors), and
+        # for weights that require grad, whose gradient FedLab's result carries.
         return torch.sum(torch.stack(vectors, dim=-1) * weights.to(vectors[0].device), dim=-1)
     w = weights.detach().to("cpu", torch.float64)
     if dtype in _HALF and result_dtype != dtype:
@@ -129,7 +132,11 @@ def fedasync_aggregate(server_param: Tensor, new_param: Tensor, alpha) -> Tensor
     if server_param.shape != new_param.shape:
         raise ValueError(f"fedasync_aggregate: new_param has shape {tuple(new_param.shape)}, "
                          f"server_param {tuple(server_param.shape)}")
-    scalar = not isinstance(alpha, Tensor) or alpha.dim() == 0
+    # One real number, read as a float; anything else (a tensor of several values, or one
+    # that requires grad, a complex number) takes FedLab's formula and its result.
+    scalar = (isinstance(alpha, numbers.Real) if not isinstance(alpha, Tensor) else
+              alpha.dim() == 0 and not alpha.is_complex()
+              and not (alpha.requires_grad and torch.is_grad_enabled()))
     if (not scalar or server_param.dtype not in _FUSED_DTYPES
             or new_param.dtype != server_param.dtype or new_param.device != server_param.device):
         return torch.mul(1 - alpha, server_param) + torch.mul(alpha, new_param)
