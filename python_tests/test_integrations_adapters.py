@@ -160,3 +160,33 @@ def test_fedlab_style_serialize_deserialize():
     assert all(torch.allclose(q, p) for p, q in zip(a.parameters(), b.parameters()))
     with_buffers = serialize_model(a, buffers=True)
     assert with_buffers.numel() == FlatLayout.of(a, buffers=True).numel
+
+
+def test_bind_refuses_tied_weights_and_missing_names():
+    # A layout with buffers comes from the state_dict, which lists a tied parameter under both
+    # names: bind raised KeyError (named_parameters() lists it once).
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    with pytest.raises(ValueError, match="'emb.weight' and 'head.weight' are one tensor"):
+        FlatLayout.of(model, buffers=True).bind(model)
+    flat = FlatLayout.of(model).bind(model)  # the parameters: the tied one once
+    assert flat.numel() == 15 and model.head.weight.data_ptr() == flat.data_ptr()
+    with pytest.raises(ValueError, match="no parameter or buffer 'emb.weight'"):
+        FlatLayout.of(model).bind(nn.Linear(3, 5))
+
+
+def test_module_without_parameters():
+    # serialize raised "Tensor list must have at least one tensor", deserialize IndexError
+    relu = nn.ReLU()
+    assert serialize_model(relu).shape == (0,)
+    assert deserialize_model(relu, torch.empty(0)) is relu
+    with pytest.raises(ValueError, match="expected a 1-D vector of 0 values"):
+        deserialize_model(relu, torch.ones(3))
+    with pytest.raises(ValueError, match="mode must be"):
+        deserialize_model(relu, torch.empty(0), mode="mul")

@@ -226,8 +226,9 @@ class FlatLayout:
             raise ValueError(f"FlatLayout.flatten: out has shape {tuple(out.shape)}, "
                              f"expected ({self.numel},)")
         views = self._views(out)
-        with torch.no_grad():
-            torch._foreach_copy_(views, [t.detach() for t in tensors])
+        if views:  # (_foreach_copy_ refuses empty lists: a module without parameters)
+            with torch.no_grad():
+                torch._foreach_copy_(views, [t.detach() for t in tensors])
         return out
 
     def _views(self, vector: Tensor) -> list[Tensor]:
@@ -253,9 +254,23 @@ class FlatLayout:
         into it updates the module. Returns the buffer (all tensors must share one dtype and
         device). Bind before creating the optimizer, which holds the parameter objects (they
         stay the same objects; only their storage moves)."""
-        named = dict(module.named_parameters())
-        named.update(dict(module.named_buffers()))
+        # Every name, shared ones too: a layout with buffers comes from the state_dict, which
+        # lists a tied parameter under each of its names (named_parameters() only once).
+        named = dict(module.named_parameters(remove_duplicate=False))
+        named.update(dict(module.named_buffers(remove_duplicate=False)))
+        missing = [n for n in self.names if n not in named]
+        if missing:
+            raise ValueError(f"FlatLayout.bind: the module has no parameter or buffer "
+                             f"{missing[0]!r} (missing: {missing[:5]})")
         tensors = [named[n] for n in self.names]
+        first_name: dict[int, str] = {}
+        for n, t in zip(self.names, tensors):
+            other = first_name.setdefault(id(t), n)
+            if other != n:  # one tensor cannot be a view of two places of the buffer
+                raise ValueError(
+                    f"FlatLayout.bind: {other!r} and {n!r} are one tensor (tied weights), which "
+                    "the layout holds twice; bind a layout of the parameters "
+                    "(FlatLayout.of(module)), which holds it once")
         dtypes = {t.dtype for t in tensors}
         devices = {t.device for t in tensors}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -298,16 +313,19 @@ def deserialize_model(module: nn.Module, vector: Tensor, *, mode: str = "copy",
     """FedLab's ``SerializationTool.deserialize_model``: writes ``vector`` into the module's
     parameters (and buffers): ``mode="copy"`` (``x = v``), ``"add"`` (``x += v``) or
     ``"sub"`` (``x -= v``), with one fused ``_foreach`` call."""
+    if mode not in ("copy", "add", "sub"):
+        raise ValueError(f"deserialize_model: mode must be 'copy', 'add' or 'sub', not {mode!r}")
     layout = FlatLayout.of(module, buffers=buffers)
     tensors = layout._tensors(module)
+    if not tensors:  # a module without parameters: only an empty vector fits it
+        layout.unflatten(vector)
+        return module
     views = layout.unflatten(vector.to(tensors[0].device))
     views = list(views.values()) if isinstance(views, dict) else views
     if mode == "copy":
         torch._foreach_copy_(tensors, views)
     elif mode == "add":
         torch._foreach_add_(tensors, views)
-    elif mode == "sub":
-        torch._foreach_sub_(tensors, views)
     else:
-        raise ValueError(f"deserialize_model: mode must be 'copy', 'add' or 'sub', not {mode!r}")
+        torch._foreach_sub_(tensors, views)
     return module
