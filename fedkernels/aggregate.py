@@ -23,6 +23,7 @@ from .model_layout import (
     INT_POLICIES,
     Model,
     ModelLayout,
+    elementwise_max,
     real_number,
     split_clients,
     weights_and_values,
@@ -58,7 +59,7 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
         return first if base is None else base
     out = first
     for v in values[1:]:
-        out = torch.maximum(out, v)
+        out = elementwise_max(out, v)
     return out
 
 
@@ -550,7 +551,7 @@ class Accumulator:
                 if prev is None or self.int_policy in ("first", "skip"):
                     self._ints.setdefault(i, tensors[i].clone())
                 else:
-                    self._ints[i] = torch.maximum(prev, tensors[i])
+                    self._ints[i] = elementwise_max(prev, tensors[i])
         if self._layout is None:  # the first update's state_dict _metadata, if any
             self._metadata = getattr(update, "_metadata", None)  # with_metadata copies it
         self._layout, self._acc = layout, acc

@@ -192,6 +192,24 @@ class ModelLayout:
         return list(tensors)
 
 
+# Unsigned integer dtypes wider than a byte: torch has no maximum (nor comparison) for them on
+# the CPU ("maximum_cpu" not implemented for 'UInt32'). uint16 and uint32 values all fit in
+# int64; uint64 values keep their order as int64 once the top bit is flipped.
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def elementwise_max(a: Tensor, b: Tensor) -> Tensor:
+    """``torch.maximum(a, b)``, also for uint16, uint32 and uint64 tensors (``int_policy="max"``
+    on NumPy arrays of those dtypes turned into tensors)."""
+    if a.dtype not in _WIDE_UNSIGNED:
+        return torch.maximum(a, b)
+    if a.dtype == torch.uint64:
+        top = -(2**63)  # the sign bit of int64
+        return (torch.maximum(a.view(torch.int64) ^ top, b.view(torch.int64) ^ top)
+                ^ top).view(torch.uint64)
+    return torch.maximum(a.to(torch.int64), b.to(torch.int64)).to(a.dtype)
+
+
 def with_metadata(result: Model, meta) -> Model:
     """A state_dict result carries the first client's ``_metadata`` (``meta``: the module
     versions that ``load_state_dict`` hands to each module, e.g. BatchNorm's), as

@@ -37,6 +37,7 @@ from .memory_footprints import Footprints, byte_span, has_internal_overlap
 from .model_layout import (
     Model,
     ModelLayout,
+    elementwise_max,
     real_number,
     refuse_non_real_weights,
     split_clients,
@@ -181,7 +182,7 @@ class ClientSet:
             values = [self.ints[i][k] for k in who]
             r = values[0]
             for v in values[1:]:
-                r = torch.maximum(r, v)
+                r = elementwise_max(r, v)
             merged.append(r.clone() if len(values) == 1 else r)
         if out_tensors is None:
             return with_metadata(self.layout.build(merged), self.metadata)

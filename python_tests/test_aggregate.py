@@ -474,6 +474,23 @@ def test_int_policy_elementwise_max_and_bool():
     assert torch.equal(first["mask"], clients[0]["mask"])
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_int_policy_max_of_wide_unsigned_entries(dtype):
+    # torch has no maximum for these dtypes on the CPU ("maximum_cpu" not implemented for
+    # 'UInt32'), which NumPy arrays of them become; the max is taken in a wider or flipped form.
+    high = (torch.tensor([-1]).view(torch.uint64) if dtype == torch.uint64  # 2**64 - 1
+            else torch.tensor([2 ** (8 * dtype.itemsize) - 1]).to(dtype))
+    clients = [{"w": torch.ones(2), "n": torch.cat([torch.tensor([1, 9], dtype=dtype), high])},
+               {"w": torch.ones(2), "n": torch.tensor([4, 2, 3], dtype=dtype)}]
+    expected = torch.cat([torch.tensor([4, 9], dtype=dtype), high])
+    assert torch.equal(fedkernels.aggregate(clients, [0.5, 0.5])["n"], expected)
+    acc = fedkernels.Accumulator()
+    for c in clients:
+        acc.add(c, 1.0)
+    assert torch.equal(acc.result()["n"], expected)
+    assert torch.equal(fedkernels.coordinate_median(clients)["n"], expected)
+
+
 def test_int_entries_written_into_out():
     states = trained_state_dicts(2, seed=3)
     out = {k: torch.full_like(v, 77) for k, v in states[0].items()}
