@@ -85,7 +85,8 @@ def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception
 def _nonfinite_clients(clients: list[list[Tensor]], names: list, layout: ModelLayout) -> list[str]:
     report = []
     for k, tensors in enumerate(clients):
-        bad = [layout.label(n) for n, t in zip(names, tensors) if not torch.isfinite(t).all()]
+        bad = [layout.label(n) for n, t in zip(names, tensors)
+               if t.device.type != "meta" and not torch.isfinite(t).all()]  # meta: no values
         if bad:
             report.append(f"client {k} (tensors {', '.join(bad[:5])}"
                           + (", ..." if len(bad) > 5 else "") + ")")

@@ -285,10 +285,11 @@ def refuse_non_real_weights(api: str, weights) -> None:
     if isinstance(weights, np.ndarray):
         kind = {"b": "bool", "U": "str", "S": "bytes"}.get(weights.dtype.kind)
     elif isinstance(weights, (list, tuple)):
-        odd = next((x for x in weights if isinstance(x, (bool, np.bool_, str, bytes))), None)
-        kind = None if odd is None else type(odd).__name__
-    else:
-        kind = {str: "str", bytes: "bytes"}.get(type(weights))
+        # None too: NumPy reads it as NaN, which was then reported as a NaN weight
+        odd = [x for x in weights if x is None or isinstance(x, (bool, np.bool_, str, bytes))]
+        kind = type(odd[0]).__name__ if odd else None
+    else:  # weights=None: NumPy made it one NaN ("weights of shape ()")
+        kind = {str: "str", bytes: "bytes", type(None): "None"}.get(type(weights))
     if kind is not None:
         raise TypeError(f"{api}: weights must be real numbers, got {kind}")
 
@@ -298,7 +299,10 @@ def real_number(api: str, name: str, value) -> float:
     TypeError naming the argument."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{api}: {name} must be a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int such as 10**400
+        raise ValueError(f"{api}: {name} is beyond the float64 range") from None
 
 
 def _fits_float64(x) -> bool:

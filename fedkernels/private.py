@@ -244,6 +244,10 @@ def adaptive_clip_norm(
     for name, value, ok, what in checks:
         if not (math.isfinite(value) and ok(value)):
             raise ValueError(f"{api}: {name} must be finite and {what}, got {value}")
+    if isinstance(norms, (str, bytes)) or (isinstance(norms, Tensor) and norms.is_complex()):
+        # a string's characters were read as norms ("12": 1 and 2), a complex tensor's real part
+        raise TypeError(f"{api}: norms must be real numbers, got "
+                        f"{norms.dtype if isinstance(norms, Tensor) else type(norms).__name__}")
     values = (norms.detach().cpu().double().reshape(-1).tolist() if isinstance(norms, Tensor)
               else [float(n) for n in norms])
     if not values:
@@ -259,7 +263,12 @@ def adaptive_clip_norm(
         z = torch.randn((), dtype=torch.float64, generator=generator).item()
         noisy = clipped + clipped_count_stddev * z
     fraction = noisy / len(values)
-    return float(clip_norm * math.exp(-clip_norm_lr * (fraction - target_quantile)))
+    try:
+        return float(clip_norm * math.exp(-clip_norm_lr * (fraction - target_quantile)))
+    except OverflowError:  # math.exp's "math range error"
+        raise ValueError(f"{api}: the next clip norm, {clip_norm} * exp({-clip_norm_lr} * "
+                         f"({fraction} - {target_quantile})), is beyond the float64 range; "
+                         "lower clip_norm_lr") from None
 
 
 def adaptive_noise_params(noise_multiplier: float, num_sampled: int,

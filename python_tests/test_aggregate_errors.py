@@ -754,6 +754,21 @@ def test_accumulator_refuses_what_aggregate_refuses():
     assert acc.result()["w"].tolist() == [1.0, 1.0, 1.0]
 
 
+def test_none_weights_and_overflowing_scale_are_named():
+    # NumPy read None as NaN: weights=None was "weights of shape ()", [1, None] "weight of
+    # client 1 is nan"; a scale of 10**400 raised OverflowError from float().
+    models = [{"w": torch.ones(2)}, {"w": torch.ones(2)}]
+    _raise(lambda: fedkernels.aggregate(models, None), TypeError,
+           ["weights must be real numbers, got None"])
+    _raise(lambda: fedkernels.aggregate(models, [1.0, None]), TypeError,
+           ["weights must be real numbers, got NoneType"])
+    _raise(lambda: fedkernels.aggregate(models, [1.0, 1.0], scale=10**400), ValueError,
+           ["scale is beyond the float64 range"])
+    # check_finite has no values to scan on the meta device (it raised from .item())
+    meta = [{"w": torch.ones(2, device="meta")}] * 2
+    assert fedkernels.aggregate(meta, [1.0, 1.0], check_finite=True)["w"].is_meta
+
+
 def test_accumulator_checks_the_base_int_entries():
     clients = _two_counters()
     base = {"w": torch.zeros(3), "a.n": torch.tensor([1.0, 2.0, 3.0]), "b.n": torch.tensor(0)}

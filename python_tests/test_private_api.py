@@ -233,6 +233,17 @@ def test_adaptive_noise_params_refuses_a_count_that_is_not_one():
     assert adaptive_noise_params(1.0, float("nan"), 2.0) == adaptive_noise_params(1.0, 40)
 
 
+def test_adaptive_clip_norm_refuses_text_and_an_overflowing_step():
+    kw = dict(target_quantile=0.5, clip_norm_lr=0.2, clipped_count_stddev=0.0)
+    with pytest.raises(TypeError, match="norms must be real numbers, got str"):
+        adaptive_clip_norm(1.0, "12", **kw)  # was read as the norms 1 and 2
+    with pytest.raises(TypeError, match="norms must be real numbers, got torch.complex64"):
+        adaptive_clip_norm(1.0, torch.ones(2, dtype=torch.complex64), **kw)
+    with pytest.raises(ValueError, match="beyond the float64 range; lower clip_norm_lr"):
+        adaptive_clip_norm(1.0, [0.1], target_quantile=1.0, clip_norm_lr=1e308,
+                           clipped_count_stddev=0.0)  # math.exp raised OverflowError
+
+
 def test_weight_errors_name_private_aggregate():
     base = [torch.zeros(3)]
     clients = [[torch.randn(3)] for _ in range(3)]
