@@ -121,6 +121,24 @@ def test_out_variants_and_errors():
         robust_ops.coordinate_median(c[:-1], K)
 
 
+def test_trimmed_mean_cut_whose_double_wraps_int64_is_refused():
+    # The native check computes 2 * cut in int64: a cut of 2^62 (or 2^63 - 1) wraps to a
+    # negative number, passes, and the kernel averages values read far outside the K clients
+    # (garbage, no error). The wrapper and the traced (fake) op check in Python integers; the
+    # direct torch.ops call needs the native fix (cut < K - cut).
+    K = 3
+    c = clients_of(K, torch.float32, seed=4)
+    for cut in (2**62, 2**62 + 1, 2**63 - 1):
+        with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
+            robust_ops.trimmed_mean(c, K, cut)
+        with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
+            robust_ops.trimmed_mean(c, K, cut, out=[torch.empty_like(t) for t in c[:len(SHAPES)]])
+    traced = torch.compile(lambda *xs: torch.ops.fedkernels.trimmed_mean(list(xs), K, 2**62),
+                           backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"cut must be in \[0, K/2\)"):
+        traced(*c)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("K", [1, 2, 5, 12])
 def test_pairwise_distances_equal_reference(dtype, K):

@@ -38,9 +38,18 @@ def coordinate_median(clients: Sequence[Tensor], num_clients: int,
     return list(out)
 
 
+def _check_cut(cut: int, num_clients: int) -> None:
+    # Checked here in Python integers too: the native check computes 2 * cut in int64, which
+    # wraps for a cut near 2^62 and then passes (the kernel reads past the K values).
+    if num_clients > 0 and not 0 <= cut < num_clients - cut:  # K <= 0: the op's error
+        raise ValueError(f"fedkernels.trimmed_mean: cut must be in [0, K/2) for K = "
+                         f"{num_clients} clients (it drops `cut` values at each end), got {cut}")
+
+
 def trimmed_mean(clients: Sequence[Tensor], num_clients: int, cut: int,
                  out: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Mean of ranks ``[cut, K - cut)`` per coordinate; into ``out`` when given."""
+    _check_cut(int(cut), int(num_clients))
     if out is None:
         return _ops.trimmed_mean(clients, num_clients, cut)
     _ops.trimmed_mean.out(clients, num_clients, cut, out=out)
@@ -103,12 +112,16 @@ def _register_order_stat(op: str, extra: bool) -> None:
         @torch.library.register_fake(f"fedkernels::{op}")
         def _fake(clients, num_clients, param):
             T = check_client_list(op, clients, num_clients)
+            if op == "trimmed_mean":  # traced calls: refused before the kernel runs
+                _check_cut(param, num_clients)
             return [torch.empty_like(clients[t])  # the kernel's at::empty_like: same strides
                     for t in range(T)]
 
         @torch.library.register_fake(f"fedkernels::{op}.out")
         def _fake_out(clients, num_clients, param, *, out):
             check_like_client_tensors(op, clients, check_client_list(op, clients, num_clients), out)
+            if op == "trimmed_mean":
+                _check_cut(param, num_clients)
     else:
         @torch.library.register_fake(f"fedkernels::{op}")
         def _fake(clients, num_clients):
