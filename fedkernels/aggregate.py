@@ -8,6 +8,7 @@ which reads every client tensor once and writes the result once.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
@@ -51,7 +52,7 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
             f"{base.device}, {who[0]} has {first.dtype} {tuple(first.shape)} on {first.device}"
         )
     if policy == "error":
-        raise TypeError(f"fedkernels.aggregate: tensor {label} has dtype {first.dtype} and "
+        raise TypeError(f"{api}: tensor {label} has dtype {first.dtype} and "
                         "int_policy='error'; choose 'max', 'first' or 'skip'")
     if policy == "first":
         return first
@@ -432,6 +433,17 @@ def _one_weight(weight, what: str) -> Tensor:
     return w
 
 
+@contextlib.contextmanager
+def _speaking_as_accumulator(reference: str):
+    """The layout checks' errors, which speak as aggregate's ("client 0"), in Accumulator's
+    words: ``reference`` is the update the structure comes from."""
+    try:
+        yield
+    except (TypeError, ValueError) as err:
+        message = str(err).replace("fedkernels.aggregate:", "fedkernels.Accumulator:", 1)
+        raise type(err)(message.replace("client 0", reference)) from None
+
+
 class Accumulator:
     r"""Streaming weighted sum for servers that receive clients one at a time.
 
@@ -484,10 +496,11 @@ class Accumulator:
         what = f"update {self.count}"
         w = _one_weight(weight, what)
         if self._layout is None:
-            layout = ModelLayout.of(update, "update")
-            tensors = layout.tensors(update, "update")
-            if self.base is not None:
-                base = layout.tensors(self.base, "base")
+            with _speaking_as_accumulator(what):
+                layout = ModelLayout.of(update, what)
+                tensors = layout.tensors(update, what)
+                base = None if self.base is None else layout.tensors(self.base, "base")
+            if base is not None:
                 for name, t, b, f in zip(layout.names, tensors, base, layout.float_mask):
                     ok_dtype = b.dtype == t.dtype or (
                         f and b.dtype == torch.float32
@@ -499,7 +512,8 @@ class Accumulator:
                             f"{tuple(t.shape)} on {t.device}")
         else:
             layout = self._layout
-            tensors = layout.tensors(update, f"update {self.count}")
+            with _speaking_as_accumulator("the first update"):
+                tensors = layout.tensors(update, what)
             for name, t, dtype in zip(layout.names, tensors, self._dtypes):
                 if t.dtype != dtype:
                     raise TypeError(f"fedkernels.Accumulator: update {self.count}, tensor "
@@ -588,7 +602,8 @@ class Accumulator:
         units = self._total_units  # sum_k w_k / unit
         # sum_k w_k x_k = unit * accumulator, and sum_k w_k = unit * units
         factor = (1.0 / units if normalize else unit) * self.scale
-        base = None if self.base is None else layout.tensors(self.base, "base")
+        with _speaking_as_accumulator("the first update"):
+            base = None if self.base is None else layout.tensors(self.base, "base")
         out, acc = [], iter(self._acc)
         for i, f in enumerate(layout.float_mask):
             if not f:

@@ -254,3 +254,17 @@ def test_bad_base_is_rejected(base_change, words):
     for word in words:
         assert word in str(info.value), (word, str(info.value))
     assert acc.count == 0
+
+
+def test_structure_errors_speak_as_the_accumulator():
+    # They said "fedkernels.aggregate: update 1 has different keys than client 0".
+    acc = Accumulator(int_policy="error")
+    acc2 = Accumulator()
+    acc2.add({"a": torch.ones(2)}, 1.0)
+    with pytest.raises(ValueError, match=r"^fedkernels\.Accumulator: update 1 has different "
+                                         r"keys than the first update; missing \['a'\]"):
+        acc2.add({"b": torch.ones(2)}, 1.0)
+    with pytest.raises(TypeError, match=r"^fedkernels\.Accumulator: update 0 has unsupported"):
+        acc2.__class__().add(torch.ones(2, dtype=torch.complex64), 1.0)
+    with pytest.raises(TypeError, match=r"^fedkernels\.Accumulator: tensor 'n' .*'error'"):
+        acc.add({"a": torch.ones(2), "n": torch.tensor(1)}, 1.0)
