@@ -132,8 +132,8 @@ inline void check_outputs_apart(
   }
   for (const auto i : c10::irange(out.size())) {
     TORCH_CHECK_VALUE(
-        at::has_internal_overlap(out[i]) != at::MemOverlap::Yes, "fedkernels.", op,
-        ": out tensor ", i, " has internal overlap (an expanded view)");
+        !may_overlap_itself(out[i]), "fedkernels.", op, ": out tensor ", i,
+        " has elements that share memory (an expanded or overlapping view)");
     if (out[i].numel() > 0 && out[i].data_ptr() != nullptr) outs.push_back(range(out[i], i));
   }
   ins = sorted(std::move(ins));
@@ -218,9 +218,10 @@ inline const char* rule_op(RobustRule rule) {
 inline void check_rule_param(RobustRule rule, int64_t K, int64_t param) {
   const char* op = rule_op(rule);
   if (rule == RobustRule::kTrimmedMean) {
+    // K - param, not 2 * param, which wraps for a cut near 2^62 and would pass.
     TORCH_CHECK_VALUE(
-        param >= 0 && 2 * param < K, "fedkernels.", op, ": cut must be in [0, K/2) for K = ", K,
-        " clients (it drops `cut` values at each end), got ", param);
+        param >= 0 && param < K - param, "fedkernels.", op, ": cut must be in [0, K/2) for K = ",
+        K, " clients (it drops `cut` values at each end), got ", param);
   } else if (rule == RobustRule::kMedianWindow) {
     TORCH_CHECK_VALUE(
         param >= 1 && param <= K, "fedkernels.", op, ": window must be in [1, K] for K = ", K,

@@ -169,9 +169,9 @@ inline void check_noise(
 // any noise is drawn, so a refused call leaves the generator as it was.
 inline void check_writable_x(const char* op, const at::Tensor& x, bool inplace) {
   TORCH_CHECK_VALUE(
-      !inplace || at::has_internal_overlap(x) != at::MemOverlap::Yes, op,
-      "x has internal overlap (an expanded view), and the op writes it in place; pass a tensor "
-      "with one element of memory each (x.clone())");
+      !inplace || !may_overlap_itself(x), op,
+      "x has elements that share memory (an expanded or overlapping view), and the op writes it "
+      "in place; pass a tensor with one element of memory each (x.clone())");
 }
 
 inline at::Tensor finish_into(

@@ -410,8 +410,8 @@ inline void check_no_alias(
   for (const auto t : c10::irange(xs.size())) {
     if (xs[t].numel() == 0) continue;
     TORCH_CHECK_VALUE(
-        at::has_internal_overlap(xs[t]) != at::MemOverlap::Yes, "fedkernels.", op, ": ", name,
-        " tensor ", t, " has elements that share memory (an expanded view); it is updated in "
+        !may_overlap_itself(xs[t]), "fedkernels.", op, ": ", name, " tensor ", t,
+        " has elements that share memory (an expanded or overlapping view); it is updated in "
         "place");
     for (const auto& [ys, other] : others) {
       for (const auto u : c10::irange(ys.size())) {

@@ -222,8 +222,8 @@ inline void check_outputs(
         o.scalar_type() == result_dtype(updates, base, t), "fedkernels.weighted_sum: out tensor ",
         t, " has dtype ", o.scalar_type(), ", expected ", result_dtype(updates, base, t));
     TORCH_CHECK_VALUE(
-        at::has_internal_overlap(o) != at::MemOverlap::Yes, "fedkernels.weighted_sum: out tensor ",
-        t, " has internal overlap (an expanded view)");
+        !may_overlap_itself(o), "fedkernels.weighted_sum: out tensor ", t,
+        " has elements that share memory (an expanded or overlapping view)");
   }
   std::vector<std::pair<const at::Tensor*, Where>> inputs;
   inputs.reserve(updates.size() + base.size());

@@ -117,8 +117,9 @@ def _check_outputs(layout: ModelLayout, out_tensors: list[Tensor], int_results: 
                              f"{tuple(o.shape)} on {o.device}, expected {r.dtype} "
                              f"{tuple(r.shape)} on {r.device}")
         if has_internal_overlap(o):
-            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} has internal overlap "
-                             "(an expanded view); the output needs one element of memory each")
+            raise ValueError(f"fedkernels.aggregate: out tensor {label(i)} has elements that "
+                             "share memory (an expanded or overlapping view); the output needs "
+                             "one element of memory each")
     inputs = [(byte_span(c[i]), c[i], (k, i)) for k, c in enumerate(clients) for i in int_results]
     if base_tensors is not None:  # the base may be the out entry itself (in place), not part
         inputs += [(byte_span(base_tensors[i]), base_tensors[i], ("base", i))

@@ -107,9 +107,9 @@ class ClientSet:
                         if floats_written_here or not f}
         for i in sorted(written_here):
             if has_internal_overlap(tensors[i]):
-                raise ValueError(f"{self.api}: out tensor {self.label(i)} has internal overlap "
-                                 "(an expanded view); the output needs one element of memory "
-                                 "each")
+                raise ValueError(f"{self.api}: out tensor {self.label(i)} has elements "
+                                 "that share memory (an expanded or overlapping view); the "
+                                 "output needs one element of memory each")
         ints = Footprints([(byte_span(t), t, (k, i)) for i, column in self.ints.items()
                            for k, t in enumerate(column)])
         floats = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)

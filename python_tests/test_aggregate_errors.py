@@ -520,7 +520,7 @@ def test_out_int_entry_expanded_writes_nothing():
     out["a.n"] = torch.full((1,), INT_SENTINEL).expand(3)  # stride 0: one element, three views
     before = snapshot(clients)
     _raise(lambda: fedkernels.aggregate(clients, [0.5, 0.5], out=out), ValueError,
-           ["out tensor 'a.n'", "internal overlap"])
+           ["out tensor 'a.n'", "share memory"])
     assert untouched(out) and same(clients, before)
 
 

@@ -348,7 +348,7 @@ def _counted(K=7):
 def test_bad_integer_out_is_refused_before_any_write(rule):
     clients = _counted()
     cases = {
-        "internal overlap": ({"n": torch.tensor([0]).expand(3)}, "has internal overlap"),
+        "expanded out": ({"n": torch.tensor([0]).expand(3)}, "has elements that share memory"),
         "a client's counter": ({"n": clients[4]["n"]}, "out tensor 'n' overlaps client 4"),
         "the float entry": (None, "out tensor '[nw]' overlaps out tensor '[wn]'"),
     }

@@ -654,6 +654,9 @@ OP_ERRORS = {
                           "local_params tensor 0 has elements that share memory"),
     "expanded_buffer": (_replace("local_momentum", 1, torch.zeros(4).expand(3, 4)), ValueError,
                         "local_momentum tensor 1 has elements that share memory"),
+    # rows 1 element apart, not a zero stride: torch's own check finds it too hard to tell
+    "overlapping_rows": (_replace("local_params", 0, torch.zeros(6).as_strided((3, 4), (1, 1))),
+                         ValueError, "local_params tensor 0 has elements that share memory"),
     "grad_stats_shape": (_set(grad_stats=torch.zeros(4, 3, dtype=torch.float64)), ValueError,
                          r"grad_stats has shape \[4, 3\], expected \[4, 4\]"),
     "grad_stats_rows": (_set(grad_stats=torch.zeros(3, 4, dtype=torch.float64)), ValueError,

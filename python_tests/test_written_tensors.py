@@ -140,6 +140,45 @@ def test_inference_mode_writes_without_version_counters():
 # ---------------------------------------------------------------- overlap
 
 
+def _writers_2d():
+    """(name, fn(target)) for ops that write a [2, 3] float32 target."""
+    clients = [torch.randn(2, 3) for _ in range(3)]
+    w = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    return [
+        ("aggregate out", lambda t: fk.aggregate(clients, [1.0, 2.0, 3.0], out=t)),
+        ("weighted_sum_", lambda t: summation.weighted_sum_([t], clients, w, 1.0, False)),
+        ("sgld_step_", lambda t: fk.sgld_step_(t, torch.ones(2, 3), step_size=0.1,
+                                               noise_std=0.0)),
+        ("trimmed_mean out", lambda t: fk.trimmed_mean(clients, 0.2, out=t)),
+        ("private_sum_", lambda t: _ops.private_sum_([t], clients, w.float(), 0.0, None)),
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _writers_2d()])
+def test_a_target_whose_rows_overlap_is_refused(name):
+    # Rows of 3 elements 1 apart share 2 elements: torch's own check answers "too hard" for
+    # such a view (only a zero stride is a sure overlap), and the ops wrote it with no error.
+    buf = torch.zeros(8)
+    target = buf.as_strided((2, 3), (1, 1))
+    with pytest.raises(ValueError, match="share memory"):
+        dict(_writers_2d())[name](target)
+    assert torch.equal(buf, torch.zeros(8))
+
+
+@pytest.mark.parametrize("name", [name for name, _ in _writers_2d()])
+def test_a_strided_target_that_overlaps_nothing_is_written(name):
+    # Every other column of a [2, 6] buffer: not dense, but no two elements share memory.
+    torch.manual_seed(0)
+    dense = torch.zeros(2, 3)
+    dict(_writers_2d())[name](dense)
+    torch.manual_seed(0)
+    buf = torch.full((2, 6), 7.0)
+    buf[:, ::2] = 0.0  # the in-place ops add to their target
+    dict(_writers_2d())[name](buf[:, ::2])
+    assert torch.equal(buf[:, ::2], dense)
+    assert torch.equal(buf[:, 1::2], torch.full((2, 3), 7.0))
+
+
 def test_sgld_step_refuses_a_grad_sharing_part_of_x():
     buf = torch.randn(40)
     x, grad = buf[8:40], buf[0:32]

@@ -39,8 +39,8 @@ def coordinate_median(clients: Sequence[Tensor], num_clients: int,
 
 
 def _check_cut(cut: int, num_clients: int) -> None:
-    # Checked here in Python integers too: the native check computes 2 * cut in int64, which
-    # wraps for a cut near 2^62 and then passes (the kernel reads past the K values).
+    # The native check's, in Python integers, for the traced (fake) op too: refused before
+    # any kernel reads past the K values.
     if num_clients > 0 and not 0 <= cut < num_clients - cut:  # K <= 0: the op's error
         raise ValueError(f"fedkernels.trimmed_mean: cut must be in [0, K/2) for K = "
                          f"{num_clients} clients (it drops `cut` values at each end), got {cut}")
