@@ -122,13 +122,14 @@ def test_out_variants_and_errors():
 
 
 def test_trimmed_mean_cut_whose_double_wraps_int64_is_refused():
-    # The native check computes 2 * cut in int64: a cut of 2^62 (or 2^63 - 1) wraps to a
-    # negative number, passes, and the kernel averages values read far outside the K clients
-    # (garbage, no error). The wrapper and the traced (fake) op check in Python integers; the
-    # direct torch.ops call needs the native fix (cut < K - cut).
+    # 2 * cut in int64 wraps to a negative number for a cut of 2^62 (or 2^63 - 1): a check
+    # written that way passed, and the kernel averaged values read far outside the K clients
+    # (garbage, no error). The native op, the wrapper and the traced (fake) op all refuse it.
     K = 3
     c = clients_of(K, torch.float32, seed=4)
     for cut in (2**62, 2**62 + 1, 2**63 - 1):
+        with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
+            torch.ops.fedkernels.trimmed_mean(c, K, cut)
         with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
             robust_ops.trimmed_mean(c, K, cut)
         with pytest.raises(ValueError, match=r"cut must be in \[0, K/2\)"):
