@@ -341,14 +341,17 @@ def test_non_finite_update_like_flower(bad):
     assert_arrays_equal(out[1][0][0], out[0][0][0], 2e-5, 2e-6)
 
 
+@pytest.mark.parametrize("wrapped", ["FedAvg", "FedAdam", "FedMedian"])
 @pytest.mark.parametrize("wrapper", ["DifferentialPrivacyServerSideFixedClipping",
                                      "DifferentialPrivacyServerSideAdaptiveClipping"])
-def test_no_replies_like_flower(wrapper):
-    """No replies: the fixed wrapper returns (None, None); the adaptive one divides its
-    clipped count by zero replies in Flower, a ZeroDivisionError in both."""
+def test_no_replies_like_flower(wrapper, wrapped):
+    """No replies: the fixed wrapper returns (None, None), whatever it wraps (FedAdam and
+    FedMedian take the clip-then-aggregate path, FedAvg the fused one); the adaptive one
+    divides its clipped count by zero replies in Flower, a ZeroDivisionError in both."""
     args = (0.0, 1.0, K) if "Fixed" in wrapper else (0.0, K)
     state = _model(np.random.default_rng(12), np.float32)
-    want = _round(getattr(flower, wrapper)(flower.FedAvg(), *args), 1, state, [])
-    got = _round(getattr(ours_module, wrapper)(flower.FedAvg(), *args), 1, state, [])
+    want = _round(getattr(flower, wrapper)(getattr(flower, wrapped)(), *args), 1, state, [])
+    got = _round(getattr(ours_module, wrapper)(getattr(flower, wrapped)(), *args), 1, state,
+                 [])
     assert_same_exception(got[1], want[1])
     assert got[0] == want[0]

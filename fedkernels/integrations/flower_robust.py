@@ -397,6 +397,8 @@ class _DPClipping:
         """Flower's server-side clip of every reply, in place on the messages: each
         ArrayRecord becomes :math:`x_t + \\min(1, C/\\|x_k - x_t\\|)(x_k - x_t)`. Returns the
         update norms before clipping."""
+        if not replies:  # nothing to clip: the wrapped strategy sees no replies, as in Flower
+            return []
         plan = self._plan(replies)
         if plan is None:
             return self._clip_replies_flower(replies, clip_norm)
