@@ -690,7 +690,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     emptied by the aggregation (Flower reads them with ``keep_input=False``), and arrays pair
     with the global ones by position. Replies Flower's arithmetic would treat differently
     (integer arrays with ``int_policy="mean"``, shapes or counts that differ from the global
-    model's, non-finite coefficients) go through Flower's own code.""" + _DROP_IN_DOC)
+    model's, float16 replies, non-finite coefficients) go through Flower's own code.""" +
+               _DROP_IN_DOC)
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -777,12 +778,21 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             for g, a in zip(global_arrays, x):
                 if a.shape != g.shape:
                     return True
-        for t, g in enumerate(global_arrays):
-            column = [x[t] for x in local]
+        columns = [[x[t] for x in local] for t in range(len(global_arrays))]
+        kept_ints = policy != "mean" and any(all(a.dtype.kind in "biu" for a in column)
+                                             for column in columns)
+        for g, column in zip(global_arrays, columns):
             all_int = all(a.dtype.kind in "biu" for a in column)
             if all_int and policy != "mean":
                 continue
             if any(a.dtype not in _FUSED_FLOAT_DTYPES for a in column):
+                return True
+            # Flower computes a float16 reply's gradient, its squared norm (a float16 sum,
+            # Inf past 65504, which makes every coefficient 0) and the weighted sum in
+            # float16, and adds the result to the global model in float64; ours would round
+            # the model to float16 and never overflow. (Integer arrays kept by int_policy,
+            # which Flower's code cannot take, keep the fused path.)
+            if not kept_ints and any(a.dtype == np.float16 for a in column):
                 return True
             if g.dtype.kind not in "biuf" or (g.dtype.kind == "f" and g.dtype not in
                                               _FUSED_FLOAT_DTYPES):
