@@ -600,6 +600,32 @@ def test_qfedavg_reply_of_a_shape_that_only_broadcasts_raises_like_flower():
         strategies[0].aggregate_fit(1, results, [])
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # Flower's float16
+@pytest.mark.parametrize("size", [50, 100_000])
+def test_qfedavg_float16_models_are_flowers(size):
+    """A float16 global model with float16 clients: Flower's gradients and their squared norm
+    are float16 (Inf past 65504: 100 000 coordinates moved by ~0.05 with a learning rate of
+    0.01, which zeroes the update), its result float64 and not rounded to float16. Ours gives
+    exactly Flower's result, and calls evaluate_fn once, as Flower does."""
+    rng = np.random.default_rng(12)
+    pre = [rng.standard_normal(size).astype(np.float16), np.asarray(0.5, np.float16)]
+    clients = [[np.asarray(a + 0.05 * rng.standard_normal(a.shape), np.float16) for a in pre]
+               for _ in range(3)]
+    outcomes = []
+    for cls in (legacy.QFedAvg, flower.QFedAvg):
+        evaluate = MagicMock(return_value=(1.3, {}))
+        strategy = cls(q_param=0.2, qffl_learning_rate=0.01, evaluate_fn=evaluate)
+        strategy.pre_weights = pre
+        got, _ = strategy.aggregate_fit(1, [fit(c, 10) for c in clients], [])
+        outcomes.append(parameters_to_ndarrays(got))
+        assert evaluate.call_count == 1
+    for a, b in zip(*outcomes):
+        assert a.dtype == b.dtype == np.float64
+        np.testing.assert_array_equal(a, b)
+    if size == 100_000:
+        np.testing.assert_array_equal(outcomes[0][0], pre[0].astype(np.float64))
+
+
 def test_qfedavg_matches_the_q_ffl_formula():
     # An independent float64 evaluation of x + c * sum_k (x_k - x), c = L^q / (lr * H).
     q, lr, loss = 0.3, 0.2, 0.8

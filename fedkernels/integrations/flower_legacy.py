@@ -39,7 +39,8 @@ The results equal Flower's in dtype, shape and value up to rounding in the array
   take (integer, bool, or complex arrays, shapes that only broadcast, non-array objects, a total
   of zero examples) go through Flower's NumPy formula with NumPy's warnings and errors.
 - QFedAvg returns float64 as Flower does, but the sum is computed in the models' own precision
-  (fp32 for fp32 models) where Flower promotes everything to float64.
+  (fp32 for fp32 models) where Flower promotes everything to float64. float16 models (float16
+  gradients, whose float16 norm Flower lets overflow) run Flower's own code.
 - Results are C-ordered; Flower keeps the Fortran order of Fortran-ordered inputs.
 """
 
@@ -384,6 +385,9 @@ class QFedAvg(_flower.QFedAvg, FedAvg):
     Flower's update :math:`x_{t+1} = x_t - \sum_k L^q (x_t - x_k)/(\eta H)` is
     :math:`x_t + c\sum_k (x_k - x_t)`, :math:`c = L^q/(\eta H)`: one fused pass in delta mode,
     with the norms from one fused read pass per client. The result is float64, as Flower's.
+    Where a gradient :math:`x_t - x_k` is float16 (a float16 global model and client), Flower
+    computes it and its squared norm in float16, an Inf past 65504 that zeroes the update;
+    there Flower's own ``aggregate_fit`` runs.
     Without ``evaluate_fn`` it raises ``NameError`` (``UnboundLocalError`` from Python 3.12)
     and without ``pre_weights`` ``AttributeError``, as Flower's does.
     """
@@ -399,14 +403,25 @@ class QFedAvg(_flower.QFedAvg, FedAvg):
             raise AttributeError("QFedAvg.aggregate_fit: pre_weights is None; configure_fit "
                                  "sets it to the round's global weights")
         before = self.pre_weights
-        evaluated = self.evaluate(server_round, ndarrays_to_parameters(before))
         clients = [parameters_to_arrays(fit_res.parameters) for _, fit_res in results]
+        if _float16_gradients(before, clients):
+            # Flower's gradients x_t - x_k are float16 there, and so is their squared norm
+            # (Inf past 65504, which zeroes the update); its result is float64, not rounded
+            # to float16 as the fused pass would round it: Flower's own code runs.
+            return _flower.QFedAvg.aggregate_fit(self, server_round, results, failures)
+        evaluated = self.evaluate(server_round, ndarrays_to_parameters(before))
         if evaluated is None:  # Flower reads an unset local here: the same exception type
             raise _MISSING_LOSS("QFedAvg.aggregate_fit needs the server-side loss of "
                                 "pre_weights: pass evaluate_fn returning (loss, metrics)")
         loss, _ = evaluated
         new = _qffl_update(before, clients, loss, self.q_param, self.learning_rate)
         return ndarrays_to_parameters(new), _fit_metrics(self, server_round, results)
+
+
+def _float16_gradients(before: Sequence, clients: Sequence[Sequence]) -> bool:
+    """Whether Flower's QFedAvg computes a layer's gradient ``x_t - x_k`` in float16."""
+    return any(np.result_type(b, a) == np.float16 for arrays in clients
+               for b, a in zip(before, arrays))
 
 
 def _qffl_update(before: Sequence, clients: Sequence[Sequence], loss: float, q: float,
