@@ -536,8 +536,16 @@ def test_fedavgm_without_initial_parameters_raises_like_flower():
     results = round_results(np.random.default_rng(0), "float32", [1, 2])
     call_both(lambda: ours.aggregate_fit(1, results, []),
               lambda: theirs.aggregate_fit(1, results, []))
-    with pytest.raises(AssertionError):
-        ours.aggregate_fit(1, results, [])
+    messages = []
+    for s in (ours, theirs):
+        with pytest.raises(AssertionError) as error:
+            s.aggregate_fit(1, results, [])
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]  # Flower's words
+    ours.initial_parameters = theirs.initial_parameters = initial("float32")
+    for s in (ours, theirs):  # round 2 without a momentum vector
+        with pytest.raises(AssertionError, match="Momentum should have been created on round 1"):
+            s.aggregate_fit(2, results, [])
 
 
 def test_fedavgm_plain_mean_without_server_opt():

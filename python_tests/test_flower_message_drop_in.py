@@ -266,6 +266,56 @@ def test_flowers_exception_types():
             s.aggregate_train(1, replies(states))
 
 
+def _exception_cases(module):
+    """Flower's failures of aggregate_train, on one global model {a, b}."""
+    rng = np.random.default_rng(14)
+    start = {"a": rng.standard_normal(3), "b": rng.standard_normal(2)}
+
+    def with_state(strategy, **state):
+        for attr, value in state.items():
+            setattr(strategy, attr, value)
+        return strategy
+
+    both = [dict(start), dict(start)]
+    return [
+        (module.FedAvgM(server_momentum=0.5), 1, both),
+        (with_state(module.FedAvgM(server_momentum=0.5),
+                    current_arrays=arrayrecord({"a": start["a"]})), 1, both),
+        (with_state(module.FedAvgM(server_momentum=0.5),
+                    current_arrays=arrayrecord({**start, "c": np.zeros(1)})), 1, both),
+        (with_state(module.FedAvgM(server_momentum=0.5), current_arrays=arrayrecord(start),
+                    momentum_vector=[np.zeros(3)]), 2, both),
+        (with_state(module.FedAvgM(server_momentum=0.5), current_arrays=arrayrecord(start),
+                    momentum_vector=[np.zeros(3), np.zeros(2), np.zeros(1)]), 2, both),
+        (module.FedAdam(), 1, both),
+        (with_state(module.FedYogi(), current_arrays={"a": start["a"], "z": start["b"]}), 1,
+         both),
+        (with_state(module.FedAdagrad(), current_arrays={"a": start["a"], "b": np.zeros(5)}), 1,
+         both),
+        (with_state(module.FedAdam(), current_arrays=dict(start),
+                    m_t={"a": np.zeros(3), "q": np.zeros(2)}), 1, both),
+        (with_state(module.FedAdam(), current_arrays=dict(start), m_t={"b": np.zeros(2)}), 1,
+         both),
+        (with_state(module.FedYogi(), current_arrays=dict(start),
+                    v_t={"b": np.zeros(2), "a": np.zeros(3), "q": 0.0}), 1, both),
+        (module.QFedAvg(0.1), 1, both),
+        (with_state(module.QFedAvg(0.1, train_loss_key="loss-before"),
+                    current_arrays=arrayrecord(start)), 1, both),
+    ]
+
+
+def test_exception_messages_are_flowers():
+    """An AggregationError is a ServerApp's exit reason, so its text is Flower's; so are the
+    ValueError of FedAvgM's position pairing (zip's) and the key of FedOpt's KeyError."""
+    for ours, theirs in zip(_exception_cases(fkf), _exception_cases(flower), strict=True):
+        messages = []
+        for strategy, server_round, states in (ours, theirs):
+            with pytest.raises((AggregationError, ValueError, KeyError)) as error:
+                strategy.aggregate_train(server_round, replies(states))
+            messages.append((type(error.value), str(error.value)))
+        assert messages[0] == messages[1], type(theirs[0]).__name__
+
+
 @pytest.mark.parametrize("name", DROP_INS)
 def test_mock_messages_without_a_numeric_node_id(name):
     """Flower's tests reply with Mock(spec=Message): metadata.src_node_id is a Mock."""

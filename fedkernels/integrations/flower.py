@@ -73,6 +73,7 @@ try:
     from flwr.serverapp import strategy as _flwr
     from flwr.serverapp.exception import AggregationError
     from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
+    from flwr.serverapp.strategy.qfedavg import get_train_loss as _flwr_train_loss
 except ImportError as _err:  # pragma: no cover - exercised only without flwr
     raise ImportError(
         "fedkernels.integrations.flower needs Flower (flwr >= 1.41), which is not installed: "
@@ -546,19 +547,22 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
         if not self.server_opt:
             return _to_arrayrecord(means, consume=True), metrics
         if current is None:
-            raise AggregationError(
-                "FedAvgM has no current arrays (the global model): call configure_train "
-                "before aggregate_train, or set strategy.current_arrays")
-        # Flower pairs the global arrays with the averaged ones (and the momentum) by
-        # position, zip(strict=True): a count that differs is its ValueError.
+            raise AggregationError(  # Flower's words: the exit reason a ServerApp reports
+                "No initial parameters set for FedAvgM. "
+                "Ensure that `configure_train` has been called before aggregation.")
+        # Flower pairs the averaged arrays with the global ones, then the momentum with the
+        # pseudo-gradient, by position, zip(strict=True): a count that differs is zip's
+        # ValueError (checked here before anything moves).
         names = list(means)
         previous = self.momentum_vector
         use_momentum = self.server_momentum > 0.0
-        if len(current) != len(names) or (use_momentum and previous is not None
-                                          and len(previous) != len(names)):
-            raise ValueError(f"FedAvgM: {len(names)} averaged arrays, {len(current)} current "
-                             "arrays" + ("" if previous is None else
-                                         f", {len(previous)} momentum arrays"))
+        pairs = [(len(names), len(current))]
+        if use_momentum and previous is not None:
+            pairs.append((len(previous), len(names)))
+        for first, second in pairs:
+            if first != second:
+                raise ValueError("zip() argument 2 is "
+                                 f"{'shorter' if second < first else 'longer'} than argument 1")
         momentum, arrays = [], {}
         for i, (name, old) in enumerate(zip(names, current)):
             new = means.pop(name)  # array by array: one model of temporaries at most
@@ -600,21 +604,26 @@ class _FusedFedOpt(_FusedAggregation):
             raise AggregationError(reason="Current arrays not set. Ensure that "
                                    "`configure_train` has been called before aggregation.")
         if set(means) != set(current):
-            raise AggregationError(reason="the replies' arrays have keys "
-                                   f"{sorted(set(means) ^ set(current))[:5]} that the "
-                                   "strategy's current arrays do not share (or the reverse): "
-                                   "delta_t = aggregated - current cannot be computed")
+            raise AggregationError(reason="Keys of the aggregated arrays do not match those "
+                                   "of the arrays stored at the strategy. `delta_t = "
+                                   "aggregated_arrays - current_arrays` cannot be computed.")
         for name, x in means.items():
             if x.shape != current[name].shape:
-                raise AggregationError(reason=f"array '{name}': the aggregated shape "
-                                       f"{x.shape} differs from the current arrays' "
-                                       f"{current[name].shape}; delta_t cannot be computed")
+                raise AggregationError(reason=f"Shape of aggregated array '{name}' does not "
+                                       "match shape of the array under the same key stored in "
+                                       "the strategy. Cannot compute `delta_t`.")
         m_prev = self.m_t or {k: np.zeros_like(x) for k, x in means.items()}
         v_prev = self.v_t or {k: np.zeros_like(x) for k, x in means.items()}
-        for moments in (m_prev, v_prev):  # Flower indexes one dict by the other's keys
-            odd = set(moments) ^ set(means)
-            if odd:
-                raise KeyError(sorted(odd)[0])
+        # Flower indexes one dict by the other's keys: Δ by m's, then by v's, then m and v by
+        # the global model's. The key its KeyError names is the first one missing there.
+        for moments in (m_prev, v_prev):
+            for k in moments:
+                if k not in means:
+                    raise KeyError(k)
+        for k in current:
+            for moments in (m_prev, v_prev):
+                if k not in moments:
+                    raise KeyError(k)
         step = self._step_size(server_round)
         m_new, v_new, arrays = {}, {}, {}
         for k, x in current.items():  # array by array: one model of temporaries at most
@@ -668,16 +677,6 @@ class FedAdagrad(_FusedFedOpt, _flwr.FedAdagrad):
         return v + delta ** 2
 
 
-def _train_loss(message: Message, key: str) -> float:
-    metrics = next(iter(message.content.metric_records.values()))
-    loss = metrics.get(key)
-    if loss is None or not isinstance(loss, (int, float)):
-        raise AggregationError(
-            f"Missing or invalid training loss: every reply's MetricRecord needs a float "
-            f"'{key}' (the client's training loss)")
-    return float(loss)
-
-
 @_drop_in(_flwr.QFedAvg)
 class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     __doc__ = (r"""Flower's ``QFedAvg`` (Li et al., ICLR 2020) with :math:`L = 1/`
@@ -701,14 +700,14 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             return None, None
         lipschitz = 1.0 / self.client_learning_rate
         if self.current_arrays is None:
-            raise AggregationError(
-                "Current global model weights are not available: call configure_train "
-                "before aggregate_train, or set strategy.current_arrays")
+            raise AggregationError(  # Flower's words (its missing space included)
+                "Current global model weights are not available. Make sure to call"
+                "`configure_train` before calling `aggregate_train`.")
         names = list(self.current_arrays.keys())
         global_arrays = [_ndarray_view(v) for v in self.current_arrays.values()]
         records = [next(iter(m.content.array_records.values())) for m in valid]
         local = [[_ndarray_view(v) for v in r.values()] for r in records]
-        losses = [_train_loss(m, self.train_loss_key) for m in valid]
+        losses = [_flwr_train_loss(m, self.train_loss_key) for m in valid]
         if self._needs_flower_path(global_arrays, local, policy):
             return self._flower_aggregate_train(server_round, valid, failed)
         ints = [t for t in range(len(names)) if all(x[t].dtype.kind in "biu" for x in local)]

@@ -355,14 +355,13 @@ class FedAvgM(_flower.FedAvgM, FedAvg):
             return None, {}
         new = aggregate_ndarrays(_weights_results(results))
         if self.server_opt:
-            assert self.initial_parameters is not None, (
-                "FedAvgM with a server learning rate or momentum needs initial_parameters "
-                "(the global model the step starts from)")
+            assert self.initial_parameters is not None, (  # Flower's words
+                "When using server-side optimization, model needs to be initialized.")
             current = parameters_to_arrays(self.initial_parameters)
             step = [x - m for x, m in zip(current, new, strict=True)]
             if self.server_momentum > 0.0:
                 if server_round > 1:
-                    assert self.momentum_vector, "FedAvgM: momentum_vector is unset after round 1"
+                    assert self.momentum_vector, "Momentum should have been created on round 1."
                     self.momentum_vector = [self.server_momentum * v + g for v, g in
                                             zip(self.momentum_vector, step, strict=True)]
                 else:
