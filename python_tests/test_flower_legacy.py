@@ -634,6 +634,19 @@ def test_qfedavg_float16_models_are_flowers(size):
         np.testing.assert_array_equal(outcomes[0][0], pre[0].astype(np.float64))
 
 
+def test_qfedavg_model_without_arrays_raises_like_flower():
+    strategies = []
+    for cls in (legacy.QFedAvg, flower.QFedAvg):
+        strategy = cls(evaluate_fn=lambda r, p, c: (0.5, {}))
+        strategy.pre_weights = []
+        strategies.append(strategy)
+    results = [fit([], 10), fit([], 20)]
+    call_both(lambda: strategies[0].aggregate_fit(1, results, []),
+              lambda: strategies[1].aggregate_fit(1, results, []))
+    with pytest.raises(IndexError):  # Flower's norm reads the first gradient
+        strategies[0].aggregate_fit(1, results, [])
+
+
 def test_qfedavg_matches_the_q_ffl_formula():
     # An independent float64 evaluation of x + c * sum_k (x_k - x), c = L^q / (lr * H).
     q, lr, loss = 0.3, 0.2, 0.8

@@ -173,9 +173,16 @@ class KeysDiffer(Scenario):
         return out
 
 
+class NoArrays(Scenario):
+    """Replies whose ArrayRecord is empty: the median and the trimmed mean of nothing are an
+    empty ArrayRecord, the Krum rules' concatenation of nothing is NumPy's ValueError."""
+
+    shapes = {}
+
+
 SCENARIOS = [Float32Odd, Float32Even, Float64, Float16, MixedDtypes, ZeroDim, Int64Counter,
              IntArraysOnly, Ties, Duplicates, NaNInReply, ZeroExamples, ErrorReplies,
-             NoReplies, MockReplies, ShapesDiffer, KeysDiffer]
+             NoReplies, MockReplies, ShapesDiffer, KeysDiffer, NoArrays]
 
 # Bulyan keeps the β values nearest to the median, which NumPy picks with argpartition (no
 # defined order among equal distances): integer-valued replies tie there with different

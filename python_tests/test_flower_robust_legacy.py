@@ -61,6 +61,22 @@ def test_bulyan_without_to_keep_raises_flowers_type_error():
     assert isinstance(errors[0], TypeError) and type(errors[1]) is type(errors[0])
 
 
+@pytest.mark.parametrize("name,kwargs", [("FedMedian", {}), ("FedTrimmedAvg", {}),
+                                         ("Krum", {}), ("Krum", {"num_clients_to_keep": 2}),
+                                         ("Bulyan", {"num_malicious_clients": 1, "to_keep": 0})])
+def test_models_without_arrays_like_flower(name, kwargs):
+    """Clients that send no arrays: an empty result from the median and the trimmed mean,
+    NumPy's ValueError from the Krum rules' concatenation of nothing, as in Flower."""
+    outcomes = []
+    for module in (flower, ours_module):
+        results = [fit([], 3 + k) for k in range(7)]
+        outcomes.append(_outcome(getattr(module, name)(**kwargs).aggregate_fit, 1, results, []))
+    (got, got_err), (want, want_err) = outcomes[1], outcomes[0]
+    assert type(got_err) is type(want_err), (got_err, want_err)
+    if want_err is None:
+        assert got[0].tensors == want[0].tensors == []
+
+
 def _client(rng, k, r, dtype, shapes=SHAPES):
     scale = 10.0 if k in (1, 4) else 0.1
     return [np.asarray(0.5 * r + scale * rng.standard_normal(s), dtype=dtype) for s in shapes]

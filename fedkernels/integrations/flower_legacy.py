@@ -403,10 +403,11 @@ class QFedAvg(_flower.QFedAvg, FedAvg):
                                  "sets it to the round's global weights")
         before = self.pre_weights
         clients = [parameters_to_arrays(fit_res.parameters) for _, fit_res in results]
-        if _float16_gradients(before, clients):
+        if _float16_gradients(before, clients) or not before:
             # Flower's gradients x_t - x_k are float16 there, and so is their squared norm
             # (Inf past 65504, which zeroes the update); its result is float64, not rounded
-            # to float16 as the fused pass would round it: Flower's own code runs.
+            # to float16 as the fused pass would round it. (A model without arrays is its
+            # IndexError.) Flower's own code runs.
             return _flower.QFedAvg.aggregate_fit(self, server_round, results, failures)
         evaluated = self.evaluate(server_round, ndarrays_to_parameters(before))
         if evaluated is None:  # Flower reads an unset local here: the same exception type

@@ -170,8 +170,10 @@ def _distances(clients: Clients) -> np.ndarray | None:
     """The K×K squared distances over every layer (integer layers as float64, as Flower's
     concatenation promotes them), or None where the layers do not line up or Flower's
     concatenation of them is not floating point (its integer arithmetic, or its TypeError
-    for booleans)."""
+    for booleans), or there is none (NumPy's ValueError)."""
     first = clients[0]
+    if not first:
+        return None
     if reduce(np.promote_types, {a.dtype for c in clients for a in c}).kind != "f":
         return None
     if any(len(c) != len(first) or any(a.shape != b.shape for a, b in zip(c, first))
@@ -232,7 +234,7 @@ class Bulyan(_RobustFit, _flower.Bulyan):
         # Flower's own call is its TypeError, with to_keep > 0 its ValueError.
         flower_rule = (self.first_aggregation_rule is not _flower_aggregate.aggregate_krum
                        or kwargs != {"to_keep": 0})
-        if dtypes is None or flower_rule or len(clients) < 4 * f + 3:
+        if dtypes is None or not dtypes or flower_rule or len(clients) < 4 * f + 3:
             return _flower_aggregate.aggregate_bulyan(list(zip(clients, examples)), f,
                                                       self.first_aggregation_rule, **kwargs)
         nan_client = _first_nan_client(clients)

@@ -231,9 +231,12 @@ class FedTrimmedAvg(_flwr.FedTrimmedAvg):
 def _by_position(records: Sequence[ArrayRecord]) -> list[list[np.ndarray]] | None:
     """Each reply's arrays in its own order (Flower flattens and pairs them by position), or
     None where the fused path does not apply: counts or shapes that differ between replies,
-    or dtypes other than bool, integer and float16/32/64 (Flower's code runs)."""
+    or dtypes other than bool, integer and float16/32/64, or no arrays at all (Flower's code
+    runs; its concatenation of nothing is NumPy's ValueError)."""
     columns = [[_ndarray_view(v) for v in r.values()] for r in records]
     first = columns[0]
+    if not first:
+        return None
     for c in columns:
         if len(c) != len(first) or any(a.shape != b.shape for a, b in zip(c, first)):
             return None
