@@ -266,6 +266,26 @@ def test_flowers_exception_types():
             s.aggregate_train(1, replies(states))
 
 
+def test_qfedavg_replies_sharing_an_arrayrecord_raise_like_flower():
+    """Flower's QFedAvg empties each reply's ArrayRecord as it reads it, so two replies that
+    hold the same ArrayRecord object (a test that reuses one) give it no arrays the second
+    time: zip's ValueError. Ours raises it too, and leaves the records as Flower does."""
+    rng = np.random.default_rng(15)
+    start = {"w": rng.standard_normal(4), "b": rng.standard_normal(2)}
+    outcomes = []
+    for module in (fkf, flower):
+        shared = arrayrecord({k: v + 0.1 for k, v in start.items()})
+        messages = replies(clients(np.random.default_rng(16), start, np.float64))
+        for m in messages[1:]:
+            m.content["arrays"] = shared
+        strategy = module.QFedAvg(0.1)
+        strategy.current_arrays = arrayrecord(start)
+        with pytest.raises(ValueError) as error:
+            strategy.aggregate_train(1, messages)
+        outcomes.append((str(error.value), [len(m.content["arrays"]) for m in messages]))
+    assert outcomes[0] == outcomes[1]
+
+
 def _exception_cases(module):
     """Flower's failures of aggregate_train, on one global model {a, b}."""
     rng = np.random.default_rng(14)

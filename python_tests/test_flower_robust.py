@@ -295,6 +295,24 @@ def test_bulyan_with_a_custom_selection_rule_calls_it():
     assert_metrics_equal(got[1], want[1])
 
 
+def test_bulyan_replies_sharing_an_arrayrecord_raise_like_flower():
+    """Flower's Bulyan empties the selected replies' ArrayRecords as it reads them: two
+    selected replies holding the same ArrayRecord object give zip's ValueError, in ours too."""
+    sc = Float32Odd()
+    outcomes = []
+    for module in (flower, ours_module):
+        spec = sc.replies(1, np.random.default_rng(7))
+        messages = _messages(spec, mock=True)
+        shared = messages[0].content["arrays"]
+        for k in (2, 3):  # inliers: Multi-Krum selects them
+            messages[k].content["arrays"] = shared
+        strategy = module.Bulyan(num_malicious_nodes=1)
+        with pytest.raises(ValueError) as error:
+            strategy.aggregate_train(1, messages)
+        outcomes.append(str(error.value))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_bulyan_too_few_replies_skips_like_flower(caplog):
     spec = Float32Odd().replies(1, np.random.default_rng(4))[:6]
     ours = ours_module.Bulyan(num_malicious_nodes=1)

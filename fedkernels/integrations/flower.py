@@ -708,7 +708,10 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         records = [next(iter(m.content.array_records.values())) for m in valid]
         local = [[_ndarray_view(v) for v in r.values()] for r in records]
         losses = [_flwr_train_loss(m, self.train_loss_key) for m in valid]
-        if self._needs_flower_path(global_arrays, local, policy):
+        # Flower empties each ArrayRecord as it reads it: one shared by two replies (or by a
+        # reply and current_arrays) reads as empty the second time, its ValueError.
+        shared = len({id(r) for r in [self.current_arrays, *records]}) < len(records) + 1
+        if shared or self._needs_flower_path(global_arrays, local, policy):
             return self._flower_aggregate_train(server_round, valid, failed)
         ints = [t for t in range(len(names)) if all(x[t].dtype.kind in "biu" for x in local)]
         if policy == "error" and ints:

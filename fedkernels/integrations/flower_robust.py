@@ -326,9 +326,12 @@ class Bulyan(_flwr.Bulyan):
         key = list(selected[0].array_records.keys())[0]
         names = list(selected[0][key].keys())
         columns = _by_position([c[key] for c in selected])
-        if columns is None or any(a.dtype not in _FUSED_FLOAT_DTYPES
-                                  for c in columns for a in c):
-            arrays = [c[key].to_numpy_ndarrays() for c in selected]
+        shared = len({id(c[key]) for c in selected}) < len(selected)
+        if shared or columns is None or any(a.dtype not in _FUSED_FLOAT_DTYPES
+                                            for c in columns for a in c):
+            # Flower's reading empties each ArrayRecord: one shared by two selected replies
+            # reads as empty the second time (its ValueError).
+            arrays = [c[key].to_numpy_ndarrays(keep_input=False) for c in selected]
             medians = [np.median(a, axis=0) for a in zip(*arrays, strict=True)]
             result = _flwr_bulyan.aggregate_n_closest_weights(medians, arrays, beta)
         else:
