@@ -40,13 +40,13 @@ arrays become float64 where Flower's NumPy arithmetic makes them so). What diffe
   they give Flower's values and errors.
 - Krum's distances are exact float64 sums where Flower uses
   :math:`\|x\|^2 + \|y\|^2 - 2x\cdot y` in the models' precision; two replies whose scores
-  differ by less than that rounding may be ranked the other way.
+  differ by less than that rounding may be ranked the other way. Where deciding scores are
+  equal to within a bound on it (identical or evenly spaced replies), and for float16
+  replies, Flower's ``select_multikrum`` makes the selection.
 - Bulyan's "β values nearest to the median" is defined up to ties: where two different
   values are equally far from the median and only one of them is kept, ours keeps the earlier
   selected reply's, which may differ from NumPy's ``argpartition`` choice. (A trimmed mean
   has no such ambiguity: the kept values are the same whatever their order.)
-- Flower's float16 Krum distances round away the distances between similar replies; ours
-  are exact, so the float16 selections can differ.
 - Flower's DP clip multiplies each update in place, which does not reach 0-d arrays (NumPy
   hands out a scalar copy): Flower leaves them unclipped. Ours clips every array by the same
   factor, as the clipping bound needs. A reply equal to the global model is Flower's
@@ -261,13 +261,41 @@ def select_multikrum(contents: list[RecordDict], num_malicious_nodes: int,
     """Flower's ``select_multikrum`` on the distances of
     :func:`fedkernels.robust.pairwise_sq_distances` and the scores of
     :func:`fedkernels.robust.krum_scores`: the ``num_nodes_to_select`` replies with the lowest
-    Krum scores, lowest first, ties in NumPy's default ``argsort`` order as in Flower."""
+    Krum scores, lowest first. Where two of the scores that decide the selection and its
+    order are equal to within Flower's rounding (identical or evenly spaced replies), Flower's
+    rounding makes its choice, so Flower's function runs and makes it."""
     key = list(contents[0].array_records.keys())[0]
     columns = _by_position([c[key] for c in contents])
-    if columns is None:
+    # float16 replies: Flower's float16 distances round away the differences between similar
+    # replies, so its selection is its rounding's; its code makes it.
+    if columns is None or np.result_type(*(a for c in columns for a in c)) == np.float16:
         return _flwr_select_multikrum(contents, num_malicious_nodes, num_nodes_to_select)
-    scores = krum_scores(pairwise_sq_distances(_promoted(columns)), num_malicious_nodes)
-    return [contents[i] for i in np.argsort(scores.numpy())[:num_nodes_to_select]]
+    tensors = _promoted(columns)
+    distances = pairwise_sq_distances(tensors)
+    scores = krum_scores(distances, num_malicious_nodes).numpy()
+    order = np.argsort(scores)
+    deciding = scores[order[:num_nodes_to_select + 1]]
+    if np.isfinite(deciding).all() and len(deciding) > 1:
+        num_closest = max(1, len(contents) - num_malicious_nodes - 2)
+        rounding = _flower_krum_rounding(columns, tensors, distances.numpy(), num_closest)
+        if np.diff(deciding).min() <= rounding:
+            return _flwr_select_multikrum(contents, num_malicious_nodes, num_nodes_to_select)
+    return [contents[i] for i in order[:num_nodes_to_select]]
+
+
+def _flower_krum_rounding(columns: list[list[np.ndarray]], tensors: list[list[Tensor]],
+                          distances: np.ndarray, num_closest: int) -> float:
+    r"""A bound on the rounding of Flower's Krum scores: each distance is
+    :math:`\|x\|^2 + \|y\|^2 - 2x\cdot y` in the replies' common dtype (exact for integer
+    replies), off by a few units in the last place of :math:`\|x\|^2 + \|y\|^2`, and a
+    score sums ``num_closest`` of them. The largest :math:`\|x_k\|` is bounded by
+    :math:`\|x_0\| + \max_k \|x_k - x_0\|` (one norm pass, not K)."""
+    dtype = np.result_type(*(a for c in columns for a in c))
+    if dtype.kind != "f":
+        return 0.0
+    first = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors[0]))
+    largest = (first + math.sqrt(float(distances[0].max()))) ** 2
+    return 16.0 * num_closest * float(np.finfo(dtype).eps) * largest
 
 
 class _MultiKrumTrain:
