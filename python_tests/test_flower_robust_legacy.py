@@ -105,10 +105,9 @@ SCENARIOS = ["float32", "even", "float64", "float16", "mixed", "int-counter", "t
              "shapes-differ", "failures"]
 # Flower's legacy distances are per-pair float32 norms, squared: sqrt(d)^2 rounds, so scores
 # that tie exactly (integer-valued replies) are ordered by that rounding, and float16 ones by
-# much coarser rounding; Bulyan's β nearest values tie on integer data (argpartition order).
+# much coarser rounding. Krum hands such near-ties, and float16, to Flower's code; Bulyan's
+# iterative selection does not, and its β nearest values tie on integer data (argpartition).
 SKIP = {("Bulyan", "ties"): "ties at Bulyan's β boundary (argpartition order)",
-        ("Krum", "ties"): "Flower's float32 sqrt(d)^2 orders exact ties by rounding",
-        ("Krum", "float16"): "Flower's float16 distances",
         ("Bulyan", "float16"): "Flower's float16 distances"}
 
 

@@ -170,11 +170,14 @@ def _distances(clients: Clients) -> np.ndarray | None:
     """The K×K squared distances over every layer (integer layers as float64, as Flower's
     concatenation promotes them), or None where the layers do not line up or Flower's
     concatenation of them is not floating point (its integer arithmetic, or its TypeError
-    for booleans), or there is none (NumPy's ValueError)."""
+    for booleans) or is float16, or there is none (NumPy's ValueError)."""
     first = clients[0]
     if not first:
         return None
-    if reduce(np.promote_types, {a.dtype for c in clients for a in c}).kind != "f":
+    flat = reduce(np.promote_types, {a.dtype for c in clients for a in c})
+    # float16: Flower's float16 distances round away those between similar clients, so its
+    # selection is its rounding's; its code makes it.
+    if flat.kind != "f" or flat == np.float16:
         return None
     if any(len(c) != len(first) or any(a.shape != b.shape for a, b in zip(c, first))
            or any(a.dtype.kind not in "biuf" or (a.dtype.kind == "f" and a.dtype not in
@@ -201,6 +204,17 @@ class Krum(_RobustFit, _flower.Krum):
                                                     self.num_clients_to_keep)
         scores = krum_scores(torch.from_numpy(distances), self.num_malicious_clients).numpy()
         keep = self.num_clients_to_keep
+        # Flower's distances are float norms squared, off by a few units in the last place:
+        # where the scores that decide the selection are that close (identical or evenly
+        # spaced clients), its rounding decides, so its code runs. (Not with a NaN client,
+        # which Flower's argmin would select and ours never does.)
+        deciding = np.sort(scores)[:max(keep, 1) + 1]
+        if len(deciding) > 1 and np.isfinite(scores).all():
+            flat = np.result_type(*(a for c in clients for a in c))
+            eps = float(np.finfo(flat if flat.kind == "f" else np.float64).eps)
+            if np.diff(deciding).min() <= 16.0 * eps * float(deciding[-1]):
+                return _flower_aggregate.aggregate_krum(list(zip(clients, examples)),
+                                                        self.num_malicious_clients, keep)
         if keep > 0:
             best = np.argsort(scores)[::-1][len(scores) - keep:]
             return aggregate_ndarrays([(clients[i], examples[i]) for i in best])
