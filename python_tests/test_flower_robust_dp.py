@@ -355,3 +355,38 @@ def test_no_replies_like_flower(wrapper, wrapped):
                  [])
     assert_same_exception(got[1], want[1])
     assert got[0] == want[0]
+
+
+@pytest.mark.parametrize("wrapped", ["flower-FedAvg", "fedkernels-FedAvg", "flower-FedMedian"])
+@pytest.mark.parametrize("wrapper", ["DifferentialPrivacyServerSideFixedClipping",
+                                     "DifferentialPrivacyServerSideAdaptiveClipping"])
+def test_flowers_noise_patched_out_reaches_ours(wrapper, wrapped):
+    """Flower's own tests take the noise out by patching ``add_gaussian_noise_inplace`` in
+    Flower's wrapper module, then check the noiseless aggregate. With ours swapped in, the
+    replacement is called instead of our noise (on every array, with Flower's standard
+    deviation), on the fused path and the general one."""
+    from unittest.mock import patch
+
+    module = "dp_fixed_clipping" if "Fixed" in wrapper else "dp_adaptive_clipping"
+    args = (1.0, 0.5, K) if "Fixed" in wrapper else (1.0, K, 0.5, 0.5, 0.2, 10.0)
+    state = _model(np.random.default_rng(13), np.float32)
+    spread = [0.01, 0.2, 0.05, 1.0, 0.3]
+    outcomes = []
+    for side in (flower, ours_module):
+        inner = flower.FedMedian() if "FedMedian" in wrapped else (
+            fk_flower.FedAvg() if side is ours_module and "fedkernels" in wrapped
+            else flower.FedAvg())
+        strategy = getattr(side, wrapper)(inner, *args)
+        messages = _replies(np.random.default_rng(14), state, np.float32, spread)
+        with patch(f"flwr.serverapp.strategy.{module}.add_gaussian_noise_inplace") as noise:
+            got, err = _round(strategy, 1, state, messages)
+        assert err is None, err
+        assert noise.call_count == 1
+        arrays, stdv = noise.call_args.args
+        outcomes.append((got, len(arrays), stdv))
+    (ours, n_ours, std_ours), (theirs, n_theirs, std_theirs) = outcomes[1], outcomes[0]
+    assert n_ours == n_theirs == len(SHAPES)
+    if "Fixed" in wrapper:  # the adaptive C moves with the noisy clipped count (other draws)
+        assert std_ours == pytest.approx(std_theirs, rel=1e-12)
+    assert_arrays_equal(ours[0], theirs[0], 2e-5, 2e-6)
+    assert_metrics_equal(ours[1], theirs[1])

@@ -54,7 +54,9 @@ arrays become float64 where Flower's NumPy arithmetic makes them so). What diffe
 - DP noise is drawn from fedkernels' counter-based Philox stream (``generator``, a
   ``torch.Generator``; None: a seed from torch's default generator) instead of NumPy's global
   ``np.random``: same distribution, different draws. The adaptive wrapper's noise on the
-  clipped count comes from the same generator. On the fused DP path the replies' ArrayRecords
+  clipped count comes from the same generator. Where a caller has replaced
+  ``add_gaussian_noise_inplace`` in Flower's wrapper module (Flower's tests patch it out),
+  the replacement adds the aggregate's noise instead. On the fused DP path the replies' ArrayRecords
   are left as received, where Flower replaces each by its clipped copy.
 - Flower's privacy accountant (``accountant=``, ``privacy_spent()``) works unchanged; with a
   fedkernels :class:`~fedkernels.integrations.flower.FedAvg` as the wrapped strategy it is
@@ -78,6 +80,7 @@ try:
     from flwr.serverapp import strategy as _flwr
     from flwr.serverapp.exception import AggregationError
     from flwr.serverapp.strategy import bulyan as _flwr_bulyan
+    from flwr.serverapp.strategy import dp_adaptive_clipping as _flwr_dp_adaptive
     from flwr.serverapp.strategy import dp_fixed_clipping as _flwr_dp_fixed
     from flwr.serverapp.strategy.fedtrimmedavg import trim_mean as _flwr_trim_mean
     from flwr.serverapp.strategy.multikrum import select_multikrum as _flwr_select_multikrum
@@ -392,6 +395,15 @@ class _DPClipping:
 
     generator: torch.Generator | None = None
     _clip_message = "aggregate_fit: parameters are clipped by value: %.4f."
+    _flower_module: Any = _flwr_dp_fixed
+
+    def _replaced_flower_noise(self) -> Callable[[list[np.ndarray], float], None] | None:
+        """Flower's noise function where a caller has replaced it in Flower's wrapper module
+        (Flower's own tests patch it out to check the noiseless aggregate), else None: the
+        replacement then adds the noise, on every array, as in Flower."""
+        noise = getattr(self._flower_module, "add_gaussian_noise_inplace",
+                        add_gaussian_noise_inplace)
+        return None if noise is add_gaussian_noise_inplace else noise
 
     def _plan(self, replies: list[Message]
               ) -> tuple[list[str], list[Tensor], list[list[Tensor]]] | None:
@@ -468,13 +480,17 @@ class _DPClipping:
         stdv = compute_stdv(self.noise_multiplier, clip_norm, self.num_sampled_clients)
         names = list(aggregated.keys())
         arrays = aggregated.to_numpy_ndarrays()
-        for t, a in enumerate(arrays):
-            if a.dtype in _FUSED_FLOAT_DTYPES:
-                x = torch.from_numpy(a if a.flags.c_contiguous else a.copy())
-                arrays[t] = sgld_step(x, torch.zeros_like(x), step_size=0.0, noise_std=stdv,
-                                      generator=self.generator).numpy()
-            else:
-                add_gaussian_noise_inplace([a], stdv)
+        replaced = self._replaced_flower_noise()
+        if replaced is not None:
+            replaced(arrays, stdv)
+        else:
+            for t, a in enumerate(arrays):
+                if a.dtype in _FUSED_FLOAT_DTYPES:
+                    x = torch.from_numpy(a if a.flags.c_contiguous else a.copy())
+                    arrays[t] = sgld_step(x, torch.zeros_like(x), step_size=0.0,
+                                          noise_std=stdv, generator=self.generator).numpy()
+                else:
+                    add_gaussian_noise_inplace([a], stdv)
         flwr_log(INFO, "aggregate_fit: central DP noise with %.4f stdev added", stdv)
         return ArrayRecord({k: ndarray_to_array(np.asarray(v))
                             for k, v in zip(names, arrays, strict=True)})
@@ -509,9 +525,11 @@ class _DPClipping:
         factors = _weights_from_records(contents, inner.weighted_by_key)
         c_noise = clip_norm if noise_clip is None else noise_clip(norms)
         stdv = compute_stdv(self.noise_multiplier, c_noise, self.num_sampled_clients)
+        replaced = self._replaced_flower_noise()
         try:
             result, computed = private_aggregate(clients, factors, base=base,
-                                                 clip_norm=clip_norm, noise_std=stdv,
+                                                 clip_norm=clip_norm,
+                                                 noise_std=stdv if replaced is None else 0.0,
                                                  generator=self.generator)
         except ValueError:
             if all(math.isfinite(n) for n in update_norms(clients, base).tolist()):
@@ -524,6 +542,8 @@ class _DPClipping:
         # MetricRecord takes one as a float) makes a float16/float32 mean float64.
         arrays = [t.numpy() for t in result]
         arrays = [a.astype(np.result_type(a.dtype, factors[0]), copy=False) for a in arrays]
+        if replaced is not None:
+            replaced(arrays, stdv)
         record = ArrayRecord({n: ndarray_to_array(a) for n, a in zip(names, arrays)})
         return record, inner.train_metrics_aggr_fn(contents, inner.weighted_by_key)
 
@@ -589,6 +609,7 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
     Extra keyword argument: ``generator`` (a CPU ``torch.Generator``) seeds both noises."""
 
     _clip_message = "aggregate_train: arrays in `ArrayRecord` are clipped by value: %.4f."
+    _flower_module = _flwr_dp_adaptive
 
     def __init__(self, strategy: Any, noise_multiplier: float, num_sampled_clients: int,
                  initial_clipping_norm: float = 0.1, target_clipped_quantile: float = 0.5,
