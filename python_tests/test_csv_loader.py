@@ -61,6 +61,25 @@ def test_a_file_without_a_header_row_is_recognised(tmp_path):
     assert d.y.tolist() == [0, 1]
 
 
+def test_a_first_row_of_data_with_text_in_it_is_recognised_too(tmp_path):
+    # UCI's adult.data: no header, text columns beside the numbers of the first row.
+    adult = write(tmp_path, "39, State-gov, 77516, <=50K\n50, Self-emp, 83311, >50K\n"
+                            "38, Private, 215646, <=50K\n", "adult.data")
+    fails(adult, "no column 'income'", "no header row", "'39'", label_column="income")
+    # a header naming columns by text is no such case
+    message = fails(write(tmp_path, "age,work\n39,x\n50,y\n", "h.csv"), "no column 'label'")
+    assert "no header row" not in message
+
+
+def test_a_line_above_the_header_is_named(tmp_path):
+    rows = "x,label\n1,0\n2,1\n"
+    fails(write(tmp_path, "# exported 2024-05-01\n" + rows), "row 2", "2 fields",
+          "'# exported 2024-05-01'", "title or a comment")
+    fails(write(tmp_path, "sep=,\n" + rows, "excel.csv"), "row 1", "Excel's separator line")
+    fails(write(tmp_path, "sep=;\nx;label\n1;0\n", "excel2.csv"), "Excel's separator line",
+          "--data.delimiter ';'")
+
+
 def test_spreadsheet_padding_is_dropped(tmp_path):
     # A spreadsheet export: unnamed empty columns after the data, rows padded with ",,".
     path = write(tmp_path, "x,y,label,,\r\n1,2,0,,\r\n3,4,1,,\r\n5,6,0,,,\r\n7,8,1,,\r\n")
@@ -491,6 +510,28 @@ def test_a_windows_excel_export_reads_with_its_encoding(tmp_path):
     fails(path, "unknown text encoding", delimiter=";", encoding="klingon")
     with pytest.raises(ConfigError, match="unknown text encoding"):
         DataConfig(name="csv", path="x.csv", encoding="klingon")
+
+
+def test_three_decimals_with_a_decimal_comma_are_not_called_thousands(tmp_path):
+    """A European export's column of numbers, most with three decimals ('1,250', '0,346'):
+    the hint names --data.decimal, which reads them, not thousands separators."""
+    from fedkernels.sim.tabular import DataWarning
+
+    values = ["1,250", "2,500", "0,125", "6,000", "7,5", "8,25"]
+    rows = "".join(f"{v};{i % 2}\n" for i, v in enumerate(values * 2))
+    with pytest.warns(DataWarning, match="decimal comma.*--data.decimal ,"):
+        load_csv(write(tmp_path, "v;label\n" + rows), client_column=None, delimiter=";")
+    leading_zero = "".join(f"0,{i:03d};{i % 2}\n" for i in range(60))
+    message = fails(write(tmp_path, "v;label\n" + leading_zero, "z.csv"), "decimal comma",
+                    "--data.decimal ,", delimiter=";")
+    assert "thousands" not in message
+    # Every value reads both ways: thousands first, the decimal comma named as the other reading
+    both = "".join(f"{1 + i % 9},{i:03d};{i % 2}\n" for i in range(60))
+    fails(write(tmp_path, "v;label\n" + both, "b.csv"), "thousands separators",
+          "if ',' is their decimal mark instead, pass --data.decimal ,", delimiter=";")
+    # one such value in a column of numbers: the error names the flag that reads it
+    fails(write(tmp_path, "v;label\n3,5;0\n4;1\n5;0\n", "one.csv"), "row 2", "'3,5'",
+          "--data.decimal ,", delimiter=";")
 
 
 def test_delimiter_and_decimal_hints_and_settings(tmp_path):

@@ -136,8 +136,10 @@ def _sort_key(value: str) -> tuple:
 
 # Numbers as spreadsheets in some locales write them, which float() does not read:
 # 1,234 or 1.234.567 (thousands separators), 3,5 (decimal comma), 12% or 12,5 %.
+# A first group of 0 is no thousands: 0,125 has a decimal comma.
 _LOCALE_NUMBERS = (
-    ("thousands separators", re.compile(r"[+-]?\d{1,3}(?:([,.' ])\d{3})(?:\1\d{3})*(?:[.,]\d+)?")),
+    ("thousands separators",
+     re.compile(r"[+-]?[1-9]\d{0,2}(?:([,.' ])\d{3})(?:\1\d{3})*(?:[.,]\d+)?")),
     ("a decimal comma", re.compile(r"[+-]?\d*,\d+")),
     ("a % sign", re.compile(r"[+-]?(?:\d+(?:[.,]\d*)?|[.,]\d+)\s*%")),
 )
@@ -159,15 +161,29 @@ def _locale_hint(texts: Sequence[str]) -> str:
     found = [(k, t) for k, t in zip(kinds, texts) if k is not None]
     if len(found) * 2 <= len(texts):
         return ""
-    kind = max({k for k, _ in found}, key=[k for k, _ in found].count)
+    counts = {k: [k for k, _ in found].count(k) for k, _ in found}
+    kind = max(sorted(counts), key=counts.get)
+    # 1,250 reads as thousands or as a decimal comma; beside 7,5 or 0,125, whose comma can only
+    # be a decimal one, it is a decimal comma too when that reading makes every value a number
+    # (as in a European spreadsheet's column of numbers with three decimals, most of them)
+    decimal_reading = all(as_number(point_decimal(t.strip())) is not None
+                          for k, t in found if k != "a % sign")
+    if "a decimal comma" in counts and decimal_reading:
+        kind = "a decimal comma"
     example = next(t for k, t in found if k == kind)
     if kind == "a decimal comma":
         return (f"its values look like numbers written with {kind} (e.g. {example!r}), which "
-                "are read as text; pass --data.decimal , (data.decimal: ',') to read numbers "
-                "with a decimal comma, or clean the column ('.' as the decimal point)")
+                f"are read as text; {_DECIMAL_FLAG}, or clean the column ('.' as the decimal "
+                "point)")
+    either = (f"; if ',' is their decimal mark instead, {_DECIMAL_FLAG}"
+              if kind == "thousands separators" and "," in example and decimal_reading else "")
     return (f"its values look like numbers written with {kind} (e.g. {example!r}), which are "
             "read as text; clean the column (plain digits, '.' as the decimal point, no "
-            "separators or % sign) to read it as numbers")
+            f"separators or % sign) to read it as numbers{either}")
+
+
+_DECIMAL_FLAG = ("pass --data.decimal , (data.decimal: ',') to read numbers with a decimal "
+                 "comma")
 
 
 @dataclass
@@ -256,8 +272,10 @@ def _csv_problem(err: csv.Error) -> str:
     return f"cannot be read as CSV ({text})"
 
 
-def _separator_hint(header: list[str], delimiter: str) -> str:
-    """For a header that reads as one column, the separator it seems to use instead."""
+def _separator_hint(header: list[str], delimiter: str, rows: Sequence[list[str]] = (),
+                    wider_row: bool = False) -> str:
+    """For a header that reads as one column, the separator it seems to use instead (or, next
+    to a row of more fields, ``wider_row``, the title or comment line it may be)."""
     if len(header) == 1:
         found = [d for d in _DELIMITER_NAMES if d != delimiter and d in header[0]]
         if found:
@@ -265,15 +283,27 @@ def _separator_hint(header: list[str], delimiter: str) -> str:
             return (f" (split at {_DELIMITER_NAMES[delimiter]}, the header is one column, "
                     f"but it holds {_DELIMITER_NAMES[other]}: pass --data.delimiter "
                     f"{_DELIMITER_FLAGS[other]})")
-    return _no_header_hint(header)
+        if wider_row:
+            return (f"; the first row, {header[0]!r}, is one field: if it is a title or a "
+                    "comment above the header row, remove it")
+    return _no_header_hint(header, rows)
 
 
-def _no_header_hint(header: list[str]) -> str:
-    """A first row of numbers only: likely data, the file having no header row (UCI's
-    ``processed.*.data`` files, for one)."""
+def _no_header_hint(header: list[str], rows: Sequence[list[str]] = ()) -> str:
+    """A first row that reads as data: likely the file has no header row (UCI's
+    ``processed.*.data`` files and ``adult.data``, for two): all numbers, or a number over a
+    column of numbers (a column's name is text: ``age``, not ``39``)."""
     if header and all(as_number(name) is not None for name in header):
         return ("; the first row is all numbers, so the file seems to have no header row: add "
                 "one naming the columns")
+    sample = [row for row in rows[:200] if len(row) == len(header)]
+    for j, name in enumerate(header):
+        values = [row[j] for row in sample if not is_missing(row[j])]
+        if as_number(name) is not None and values and \
+                all(as_number(v) is not None for v in values):
+            return (f"; the first row holds numbers where column names belong (e.g. {name!r} "
+                    f"over column {j + 1}'s numbers), so the file seems to have no header row: "
+                    "add one naming the columns")
     return ""
 
 
@@ -306,6 +336,13 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
     if not rows:
         raise ConfigError(f"{path}: the file is empty; it needs a header row and at least one "
                           "data row")
+    excel = re.fullmatch(r"sep=(.)", separator.join(rows[0]), re.IGNORECASE)
+    if excel:  # a line Excel reads (and some exports write) to learn the separator
+        mark = excel.group(1)
+        flag = f" and pass --data.delimiter {_DELIMITER_FLAGS[mark]}" if \
+            mark != separator and mark in _DELIMITER_FLAGS else ""
+        raise ConfigError(f"{path}, row 1: {excel.group(0)!r} is Excel's separator line, not a "
+                          f"header row: remove it{flag}")
     header, body, body_numbers = rows[0], rows[1:], numbers[1:]
     if not body:
         raise ConfigError(f"{path}: needs a header row and at least one data row")
@@ -317,7 +354,8 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
             body[i] = row = row + [""] * (len(header) - len(row))
         if len(row) != len(header):
             raise ConfigError(f"{path}, row {number}: {len(row)} fields, the header has "
-                              f"{len(header)}{_separator_hint(header, separator)}")
+                              f"{len(header)}"
+                              f"{_separator_hint(header, separator, wider_row=len(row) > len(header))}")
     # Columns without a name: empty ones (a spreadsheet's trailing ",,") are dropped; one
     # holding values cannot be named in a setting, so it is refused.
     unnamed = [j for j, name in enumerate(header) if not name]
@@ -339,7 +377,7 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
         if name in seen:
             raise ConfigError(f"{path}: column {name!r} appears twice in the header (columns "
                               f"{seen[name]} and {j}); every column needs its own name"
-                              f"{_no_header_hint(header)}")
+                              f"{_no_header_hint(header, body)}")
         seen[name] = j
     return Table(path, header, body, body_numbers, [j + 1 for j in unnamed], separator)
 
@@ -350,7 +388,7 @@ def require_columns(table: Table, names: dict[str, str | None]) -> None:
         if column is not None and column not in table.header:
             raise ConfigError(f"{table.path}: no column {column!r} for {option} (columns: "
                               f"{', '.join(table.header)})"
-                              f"{_separator_hint(table.header, table.delimiter)}")
+                              f"{_separator_hint(table.header, table.delimiter, table.rows)}")
 
 
 # ---------------------------------------------------------------- labels and clients
@@ -568,11 +606,14 @@ def feature_columns(
                 r, e = text_rows[0], number_rows[0]
                 kind = locale_number(raw[r])
                 written = f" (a number written with {kind}?)" if kind else ""
+                fix = ("correct the value, leave it empty or write '?' for a missing one, or "
+                       "list the column in data.categorical_columns")
+                if kind == "a decimal comma":
+                    fix = f"{_DECIMAL_FLAG}; or {fix}"
                 raise ConfigError(
                     f"{table.where(r)}: column {name!r} value {raw[r]!r} is not a number"
                     f"{written}, but the column's other values are numbers (e.g. row "
-                    f"{table.row_numbers[e]}: {raw[e]!r}); correct the value, leave it empty or "
-                    "write '?' for a missing one, or list the column in data.categorical_columns")
+                    f"{table.row_numbers[e]}: {raw[e]!r}); {fix}")
             r, e = number_rows[0], text_rows[0]
             raise ConfigError(
                 f"{table.where(r)}: column {name!r} value {raw[r]!r} is a number, but the "
