@@ -78,9 +78,10 @@ def assert_success(done: subprocess.CompletedProcess) -> None:
     assert done.returncode == 0, f"exit {done.returncode}\n{done.stdout}\n{done.stderr}"
 
 
-def interrupt_when(args: list[str], ready: Path, settle_s: float = 0.0) -> tuple[int, str]:
-    """Starts ``fedkernels ARGS...``, presses Ctrl-C (SIGINT) once ``ready`` exists (and
-    ``settle_s`` more seconds have passed); returns the exit status and stderr."""
+def interrupt_when(args: list[str], ready: Path, settle_s: float = 0.0,
+                   sig: int = signal.SIGINT) -> tuple[int, str]:
+    """Starts ``fedkernels ARGS...``, presses Ctrl-C (SIGINT; or sends ``sig``) once ``ready``
+    exists (and ``settle_s`` more seconds have passed); returns the exit status and stderr."""
     child = subprocess.Popen(
         [str(SCRIPT), *args], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
@@ -96,7 +97,7 @@ def interrupt_when(args: list[str], ready: Path, settle_s: float = 0.0) -> tuple
                 pytest.fail(f"{ready} did not appear in time")
             time.sleep(0.1)
         time.sleep(settle_s)
-        child.send_signal(signal.SIGINT)
+        child.send_signal(sig)
         _, err = child.communicate(timeout=TIMEOUT_S)
     finally:
         if child.poll() is None:

@@ -8,6 +8,7 @@ import json
 import pickle
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -183,6 +184,27 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert_success(done)
     results = json.loads((out / "results.json").read_text())
     assert results["summary"]["rounds_completed"] == reached + 1
+
+
+def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
+    """A job scheduler, ``timeout`` or ``kill`` sends SIGTERM: the run ends as after Ctrl-C,
+    with the command that continues it, and leaves no temporary file or lock behind."""
+    out = tmp_path / "run"
+    args = ["run", "--rounds", "100000", "--out", str(out), "--threads", "1", "--no-plots",
+            "--no-progress", "--model.name", "logreg", "--partition.num_clients", "2"]
+    code, err = interrupt_when(args, ready=out / "checkpoint.pt", settle_s=0.5,
+                               sig=signal.SIGTERM)
+    assert code == 143, err
+    assert err.strip().splitlines()[-1].startswith("terminated; continue with: fedkernels run "
+                                                   "--resume --out"), err
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint.pt", "config.json"]
+    # what a writer killed outright (SIGKILL) leaves is removed by the next run in the folder
+    leftover = out / "checkpoint.pt.4242-0badf00d.partial"
+    leftover.write_bytes(b"half")
+    reached = torch.load(out / "checkpoint.pt", weights_only=True)["next_round"]
+    assert main(["run", "--resume", "--out", str(out), "--rounds", str(reached + 1),
+                 "--threads", "1", "--no-plots", "--no-progress"]) == 0
+    assert not leftover.exists()
 
 
 # Ctrl-C pressed over and over while checkpoints are written: every write either lands whole or

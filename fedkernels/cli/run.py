@@ -27,8 +27,10 @@ import fcntl
 import json
 import os
 import shlex
+import signal
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -289,13 +291,15 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if not resume and not overwrite:
         # Again under the lock: a run that ended since the first check left its results here.
         _refuse_finished_run(out)
+    # Temporaries of writers killed mid-write (SIGKILL, a power cut): under the lock no other
+    # run writes here, so they are leftovers whatever happens next.
+    for name in (CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME):
+        remove_leftovers(out / name)
     if resume:
         simulation.load_checkpoint()
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
-        for name in (CONFIG_NAME, CHECKPOINT_NAME, RESULTS_NAME):
-            remove_leftovers(out / name)
     saved = simulation.config.to_dict()
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
@@ -420,6 +424,29 @@ def _continue_command(out: Path, args: argparse.Namespace) -> str:
     return shlex.join(command)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, ``timeout``, ``kill``), stopping a run as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def _sigterm_stops_like_ctrl_c() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated`: the run then ends as after
+    Ctrl-C (the file being written is dropped, the folder unlocked, the command that continues
+    the run printed) instead of dying mid-write and leaving a temporary file behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def stop(signum, frame) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _error(message: object) -> int:
     print(f"fedkernels run: error: {one_line(message)}", file=sys.stderr)
     return 2
@@ -428,6 +455,11 @@ def _error(message: object) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``fedkernels run ...`` (``argv`` holds what follows the word ``run``)."""
     argv = sys.argv[2:] if argv is None else list(argv)
+    with _sigterm_stops_like_ctrl_c():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     args: argparse.Namespace | None = None
     out: Path | None = None
     try:
@@ -464,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         if message is None:
             raise
         return _error(message)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        what = "terminated" if isinstance(stop, Terminated) else "interrupted"
         if args is not None and out is not None and (out / CHECKPOINT_NAME).is_file():
             print(f"\ninterrupted; continue with: {_continue_command(out, args)}", file=sys.stderr)
         else:
