@@ -334,3 +334,38 @@ def test_resume_across_skipped_rounds_equals_uninterrupted(tmp_path):
     assert [r.get("skipped") for r in again.rounds] == [r.get("skipped") for r in whole.rounds]
     for key, value in straight.server.state.items():
         assert torch.equal(resumed.server.state[key], value), key
+
+
+_TINY_FLAGS = ["--data.name", "gaussian_mixture", "--data.num_samples", "240",
+               "--data.num_features", "6", "--data.num_classes", "3", "--partition.num_clients",
+               "4", "--model.hidden", "4", "--threads", "1", "--no-progress", "--no-plots"]
+
+
+def test_cli_prints_the_personalized_accuracy_of_a_personalized_method(tmp_path, capsys):
+    # 'local' never trains its global model: the global line alone would report a random one
+    from fedkernels.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", *_TINY_FLAGS, "--algorithm", "local", "--rounds", "2",
+                 "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    assert lines[0].startswith("test accuracy ")
+    assert lines[1] == ("personalized accuracy (each client's own model) mean "
+                        f"{summary['personalized_accuracy']:.4f} worst-10% "
+                        f"{summary['personalized_accuracy_worst10']:.4f}")
+    assert main(["run", *_TINY_FLAGS, "--rounds", "1", "--out", str(tmp_path / "avg")]) == 0
+    assert "personalized" not in capsys.readouterr().out
+
+
+def test_cli_warns_when_no_client_ever_trained(tmp_path, capsys):
+    from fedkernels.cli import main
+
+    flags = [*_TINY_FLAGS, "--participation.kind", "bernoulli", "--participation.fraction",
+             "0.001", "--rounds", "2"]
+    assert main(["run", *flags, "--out", str(tmp_path / "run")]) == 0
+    rounds = json.loads((tmp_path / "run" / "results.json").read_text())["rounds"]
+    assert [r["participants"] for r in rounds] == [0, 0]
+    assert "warning: no round had a client to train" in capsys.readouterr().err
+    assert main(["run", *_TINY_FLAGS, "--rounds", "1", "--out", str(tmp_path / "full")]) == 0
+    assert "no round had a client" not in capsys.readouterr().err

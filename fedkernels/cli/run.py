@@ -499,16 +499,28 @@ def _main(argv: list[str]) -> int:
     except KeyboardInterrupt as stop:
         what = "terminated" if isinstance(stop, Terminated) else "interrupted"
         if args is not None and out is not None and (out / CHECKPOINT_NAME).is_file():
-            print(f"\ninterrupted; continue with: {_continue_command(out, args)}", file=sys.stderr)
+            print(f"\n{what}; continue with: {_continue_command(out, args)}", file=sys.stderr)
         else:
-            print("\ninterrupted before the first checkpoint; nothing to resume", file=sys.stderr)
-        return 130
+            print(f"\n{what} before the first checkpoint; nothing to resume", file=sys.stderr)
+        # the shell's status for a command killed by the signal
+        return 128 + (signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT)
     summary = results["summary"]
     print(
         f"test accuracy {summary['test_accuracy']:.4f}, client accuracy mean "
         f"{summary['client_accuracy_mean']:.4f} worst-10% {summary['client_accuracy_worst10']:.4f} "
         f"-> {out / RESULTS_NAME}"
     )
+    if "personalized_accuracy" in summary:
+        # what a personalized method is judged by; the line above is its global model's (which
+        # e.g. 'local' never trains)
+        worst = summary.get("personalized_accuracy_worst10")
+        print(f"personalized accuracy (each client's own model) mean "
+              f"{summary['personalized_accuracy']:.4f}"
+              + ("" if worst is None else f" worst-10% {worst:.4f}"))
+    if not any(r["participants"] for r in results["rounds"]):
+        print("fedkernels run: warning: no round had a client to train, so the global model is "
+              "the initial one (participants in results.json's rounds); raise "
+              "participation.fraction or rounds", file=sys.stderr)
     if summary.get("diverged"):
         print("fedkernels run: warning: the training diverged: the global model holds NaN or "
               "infinite values or gives an infinite test loss, so its accuracies are not those "
