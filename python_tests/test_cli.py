@@ -184,6 +184,9 @@ def test_bad_config_files(tmp_path, capsys):
         ("bad.json", "{rounds: 1}", "cannot parse"),
         ("list.yaml", "- 1\n", "top level must be a mapping"),
         ("key.json", '{"rounds": 2, "model": {"width": 3}}', "unknown key model.width"),
+        # not read as JSON, whose parser's complaint said nothing of the format
+        ("exp.toml", "rounds = 2\n", "a .toml file; --config reads YAML (.yaml, .yml) or JSON"),
+        ("exp", "rounds: 2\n", "read as JSON: a YAML file needs the .yaml or .yml suffix"),
     ]:
         path = tmp_path / name
         path.write_text(text)

@@ -22,7 +22,7 @@ from cli_process import (
 
 from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
-from fedkernels.sim.config import DataConfig, from_dict
+from fedkernels.sim.config import ConfigError, DataConfig, from_dict
 
 UNWRITABLE = Path("/sys/kernel")  # exists, and not even root can create a file in it
 needs_sysfs = pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux's /sys")
@@ -46,7 +46,8 @@ CSV_FLAGS = ["--data.name", "csv", "--data.label_column", "diagnosis",
 
 
 def test_list_values_keep_their_inner_spaces(tmp_path):
-    config = from_dict(DataConfig, {"positive_labels": " heart disease , mild disease,",
+    config = from_dict(DataConfig, {"name": "csv", "path": "d.csv",
+                                    "positive_labels": " heart disease , mild disease,",
                                     "ignore_columns": "blood pressure"})
     assert config.positive_labels == ["heart disease", "mild disease"]
     assert config.ignore_columns == ["blood pressure"]
@@ -211,6 +212,63 @@ def test_resume_refuses_a_changed_data_file_and_works_from_another_folder(tmp_pa
     data.write_text(text + "150,3,healthy,north site\n")
     assert_one_line_error(fedkernels("run", "--resume", "--rounds", "4", "--out", str(out), *FAST),
                           "cannot resume", str(data), "has changed")
+
+
+def test_resume_takes_a_moved_data_file_at_its_new_place(tmp_path, capsys):
+    """Moving the data (a renamed folder, another machine) must not strand a run: the file's
+    new place is accepted when its size and SHA-256 are the checkpoint's."""
+    from fedkernels.cli import main
+
+    first = write_csv(tmp_path / "d.csv")
+    out = tmp_path / "run"
+    assert main(["run", *CSV_FLAGS, "--data.path", str(first), "--rounds", "1",
+                 "--out", str(out), *FAST]) == 0
+    moved = tmp_path / "moved" / "d.csv"
+    moved.parent.mkdir()
+    first.rename(moved)
+    capsys.readouterr()
+    assert main(["run", "--resume", "--rounds", "2", "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert f"data file {first} is gone" in err and "--data.path" in err
+    other = write_csv(tmp_path / "other.csv", rows=44)
+    assert main(["run", "--resume", "--rounds", "2", "--out", str(out), "--data.path",
+                 str(other), *FAST]) == 2
+    assert f"{other} is not the one the run read ({first})" in capsys.readouterr().err
+    assert main(["run", "--resume", "--rounds", "2", "--out", str(out), "--data.path",
+                 str(moved), *FAST]) == 0
+    assert json.loads((out / "config.json").read_text())["data"]["path"] == str(moved)
+    assert json.loads((out / "results.json").read_text())["summary"]["rounds_completed"] == 2
+
+
+def test_csv_settings_without_data_name_csv_are_refused(tmp_path, capsys):
+    """Without data.name=csv the file would be ignored and the run would train on digits."""
+    from fedkernels.cli import main
+
+    data = write_csv(tmp_path / "d.csv")
+    out = tmp_path / "run"
+    assert main(["run", "--data.path", str(data), "--rounds", "1", "--out", str(out),
+                 *FAST]) == 2
+    assert "data.path is a setting of CSV data, but data.name is 'digits': add --data.name csv" \
+        in capsys.readouterr().err
+    assert not out.exists()
+    for setting in ({"label_column": "y"}, {"client_column": "site"}, {"delimiter": ";"},
+                    {"standardize": False}, {"positive_labels": [1]}):
+        with pytest.raises(ConfigError, match=f"data.{next(iter(setting))} is a setting of CSV"):
+            DataConfig(name="synthetic", **setting)
+    DataConfig(name="digits", label_column="label")  # the default value is no setting
+
+
+def test_a_data_path_from_a_config_file_may_start_with_the_home_folder(tmp_path, monkeypatch):
+    from fedkernels.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write_csv(tmp_path / "d.csv")
+    config = tmp_path / "exp.yaml"
+    config.write_text("rounds: 1\ndata: {name: csv, path: ~/d.csv, label_column: diagnosis, "
+                      "client_column: site}\npartition: {kind: natural}\n")
+    out = tmp_path / "run"
+    assert main(["run", "--config", str(config), "--out", str(out), *FAST]) == 0
+    assert json.loads((out / "config.json").read_text())["data"]["path"] == str(tmp_path / "d.csv")
 
 
 # ---------------------------------------------------------------- names and warnings

@@ -12,7 +12,8 @@ from .parsing import SIM_EXTRA_INSTALL
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:
-    """The configuration tree in a ``.yaml``/``.yml`` or ``.json`` file."""
+    """The configuration tree in a ``.yaml``/``.yml`` or ``.json`` file (any other name is
+    read as JSON)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"--config: no such file: {path}")
@@ -20,7 +21,12 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8-sig")  # a byte order mark is not part of it
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read: {err}") from None
-    if path.suffix.lower() in (".yaml", ".yml"):
+    suffix = path.suffix.lower()
+    if suffix in (".toml", ".ini", ".cfg"):
+        # read as JSON, such a file only failed with a JSON parser's complaint
+        raise ConfigError(f"{path}: a {suffix} file; --config reads YAML (.yaml, .yml) or JSON "
+                          "(.json): write the same tree in one of them")
+    if suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
@@ -35,7 +41,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         try:
             tree = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"{path}: cannot parse: {err}") from None
+            hint = ("" if suffix == ".json" else
+                    " (read as JSON: a YAML file needs the .yaml or .yml suffix)")
+            raise ConfigError(f"{path}: cannot parse: {err}{hint}") from None
     if tree is None:
         return {}
     if not isinstance(tree, dict):

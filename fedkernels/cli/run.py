@@ -224,8 +224,10 @@ def resolve_config(
             tree.setdefault("algorithm_params", {})[param] = value
     config = from_dict(ExperimentConfig, tree)
     if config.data.path is not None:
-        # absolute, so that --resume from another working folder reads the same file
-        data = dataclasses.replace(config.data, path=os.path.abspath(config.data.path))
+        # absolute, so that --resume from another working folder reads the same file; '~' as
+        # the shell would expand it (a configuration file's path reaches us unexpanded)
+        path = os.path.abspath(os.path.expanduser(config.data.path))
+        data = dataclasses.replace(config.data, path=path)
         config = dataclasses.replace(config, data=data)
     return config
 
@@ -382,6 +384,19 @@ def _saved_config(out: Path) -> dict[str, Any]:
     return tree
 
 
+def _check_saved_data_file(config: ExperimentConfig, saved: dict[str, Any]) -> None:
+    """On ``--resume``, a CSV file that is no longer where the run read it is named with the
+    way out: its new place, given with --data.path, is accepted when the file is the same."""
+    path = config.data.path
+    if config.data.name != "csv" or path is None or os.path.exists(path):
+        return
+    if path == (saved.get("data") or {}).get("path"):
+        raise ConfigError(
+            f"cannot resume: the run's data file {path} is gone; if it was moved, give its new "
+            "place with --data.path (the file must be the same: its size and SHA-256 are "
+            "checked against the checkpoint's)")
+
+
 def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuses an output folder that cannot be one, or that holds a run to keep."""
     if resume and overwrite:
@@ -476,6 +491,8 @@ def _main(argv: list[str]) -> int:
                 raise ConfigError("--resume needs --out, the folder of the run to continue")
             saved = _saved_config(Path(args.out))
         config = resolve_config(args, saved)
+        if saved is not None:
+            _check_saved_data_file(config, saved)
         out = Path(args.out) if args.out else _default_out(config)
         _check_out(out, resume=args.resume, overwrite=args.overwrite)
         check_writable(out)

@@ -44,6 +44,16 @@ def _require_finite(config: Any, section: str) -> None:
             )
 
 
+# DataConfig's fields that only data.name=csv reads
+CSV_FIELDS = ("path", "delimiter", "decimal", "encoding", "label_column", "client_column",
+              "label_map", "positive_labels", "categorical_columns", "ignore_columns",
+              "standardize")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 # data.delimiter's spellings and the characters they name; data.decimal's marks (the CSV
 # reader, fedkernels.sim.tabular, checks them again for load_csv called without a config).
 CSV_DELIMITERS = {",": ",", ";": ";", "tab": "\t", "\t": "\t", "|": "|"}
@@ -148,6 +158,14 @@ class DataConfig:
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
         _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
+        if self.name != "csv":
+            # a CSV setting is read by nothing else: without data.name=csv the run would
+            # quietly train on the built-in data set instead of the file named
+            given = [f.name for f in dataclasses.fields(self)
+                     if f.name in CSV_FIELDS and getattr(self, f.name) != _default(f)]
+            _require(not given, f"data.{given[0] if given else ''} is a setting of CSV data, but "
+                     f"data.name is {self.name!r}: add --data.name csv (data.name: csv in a "
+                     "configuration file) to read the file, or leave the setting out")
         _require(self.delimiter is None or self.delimiter in CSV_DELIMITERS,
                  f"data.delimiter must be one of ',', ';', 'tab' or '|', got {self.delimiter!r}")
         _require(self.decimal in CSV_DECIMAL_MARKS, f"data.decimal must be '.' or ',', got "

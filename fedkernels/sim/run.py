@@ -316,7 +316,8 @@ class Simulation:
 
     def load_checkpoint(self) -> None:
         """Restores the state saved by :meth:`save_checkpoint`. The saved config must equal
-        this run's, except ``rounds``, which may grow to continue a finished run. A missing,
+        this run's, except ``rounds``, which may grow to continue a finished run, and the CSV
+        file's path when the file there has the checkpoint's size and SHA-256. A missing,
         truncated or foreign file raises :class:`ConfigError` naming it."""
         if self.checkpoint is None or not self.checkpoint.is_file():
             raise ConfigError(f"cannot resume: no checkpoint at {self.checkpoint}")
@@ -347,16 +348,24 @@ class Simulation:
         saved.setdefault("attack", dataclasses.asdict(AttackConfig()))
         saved.setdefault("dp", dataclasses.asdict(PrivacyConfig()))
         changed = sorted(_differences(saved, current))
+        saved_file = state.get("data_file")  # absent in checkpoints of built-in data sets
+        if "data.path" in changed and saved_file is not None and self.data_file is not None:
+            # a moved file (the same bytes at a new place) is the run's data; another file is
+            # refused below, as a changed one
+            changed.remove("data.path")
         if changed:
             keys = ", ".join(changed)
             raise ConfigError(
                 f"cannot resume: the configuration differs from the checkpoint's in {keys}"
             )
-        saved_file = state.get("data_file")  # absent in checkpoints of built-in data sets
         if saved_file is not None and self.data_file is not None and saved_file != self.data_file:
+            saved_path = (state["config"].get("data") or {}).get("path")
+            path = self.config.data.path
+            what = (f"the data file {path} has changed since the checkpoint was written"
+                    if saved_path == path else
+                    f"the data file {path} is not the one the run read ({saved_path})")
             raise ConfigError(
-                f"cannot resume: the data file {self.config.data.path} has changed since the "
-                f"checkpoint was written ({saved_file.get('file_size')} bytes, SHA-256 "
+                f"cannot resume: {what} ({saved_file.get('file_size')} bytes, SHA-256 "
                 f"{str(saved_file.get('file_sha256'))[:12]}... then; {self.data_file['file_size']} "
                 f"bytes, {self.data_file['file_sha256'][:12]}... now); resume with the same file "
                 "or start a new run"
@@ -418,7 +427,7 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     """``{"file_size": bytes, "file_sha256": hex digest}`` of the file at ``path``."""
     digest = hashlib.sha256()
     size = 0
-    with open(path, "rb") as handle:
+    with open(os.path.expanduser(path), "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
             size += len(block)

@@ -313,8 +313,9 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
     :func:`field_separator`; ``decimal``: ``"."``, or ``","`` to read ``1.234,5`` as 1234.5;
     ``encoding``: the file's text encoding); every problem is a :class:`ConfigError` naming
     the row (and column) at fault. Malformed quoting is refused rather than read as a field
-    that swallows the following rows."""
-    path = Path(path)
+    that swallows the following rows. A leading ``~`` is the home folder, as in a shell (a
+    path from a configuration file is not expanded by one)."""
+    path = Path(path).expanduser()
     separator = field_separator(delimiter, path)
     if decimal not in CSV_DECIMAL_MARKS:
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
