@@ -598,6 +598,22 @@ def test_labels_differing_only_in_case_are_kept_but_warned_about(tmp_path):
         load_csv(path, client_column=None, label_map="yes=1,Yes=1,YES=1,no=0")
 
 
+def test_adult_labels_with_a_final_period_are_warned_about_and_can_be_mapped(tmp_path):
+    """UCI's adult.data writes '<=50K', adult.test '<=50K.': the two files stacked read as four
+    classes. That is warned about, and a label_map may name values holding '='."""
+    from fedkernels.sim.tabular import DataWarning
+
+    labels = ["<=50K", ">50K", "<=50K.", ">50K.", "<=50K", ">50K"]
+    path = write(tmp_path, "age,income\n" + "".join(f"{30 + i},{v}\n"
+                                                     for i, v in enumerate(labels)))
+    with pytest.warns(DataWarning, match=r"final '\.'.*'<=50K', '<=50K\.'; '>50K', '>50K\.'"):
+        d = load_csv(path, "income", None)
+    assert d.num_classes == 4
+    d = load_csv(path, "income", None, label_map="<=50K=0,<=50K.=0,>50K=1,>50K.=1")
+    assert d.y.tolist() == [0, 1, 0, 1, 0, 1]
+    assert d.info["labels"]["mapping"] == {"<=50K": 0, "<=50K.": 0, ">50K": 1, ">50K.": 1}
+
+
 @pytest.mark.parametrize("values, kind", [
     (["1,000", "1,137", "2,274", "12,411"], "thousands separators"),
     (["0,5", "1,5", "2,5", "3,5"], "a decimal comma"),

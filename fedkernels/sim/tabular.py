@@ -396,10 +396,11 @@ def require_columns(table: Table, names: dict[str, str | None]) -> None:
 
 
 def parse_label_map(text: str) -> dict[str, int]:
-    """``"a=0,b=1"`` -> ``{"a": 0, "b": 1}`` (keys in :func:`canonical` form)."""
+    """``"a=0,b=1"`` -> ``{"a": 0, "b": 1}`` (keys in :func:`canonical` form). The class follows
+    the last ``=``, so a value may hold one: ``"<=50K=0"`` maps ``<=50K``."""
     mapping: dict[str, int] = {}
     for item in text.split(","):
-        key, sep, value = item.partition("=")
+        key, sep, value = item.rpartition("=")
         if not sep or not key.strip():
             raise ConfigError(f"data.label_map: {item.strip()!r} is not VALUE=CLASS "
                               "(expected e.g. 'benign=0,malignant=1')")
@@ -519,18 +520,20 @@ class DataWarning(UserWarning):
 
 def _warn_case_variants(values: list[str], mapping: dict[str, int], column: str,
                         info: dict[str, Any]) -> None:
-    """Labels spelled alike but for letter case (``yes``, ``Yes``) in different classes are
-    kept apart (guessing is not ours), but recorded in ``info`` and warned about."""
+    """Labels spelled alike but for letter case (``yes``, ``Yes``), inner spaces or a final
+    period (``>50K`` and ``>50K.``, as UCI's adult.data and adult.test write them) in different
+    classes are kept apart (guessing is not ours), but recorded in ``info`` and warned about."""
     spellings: dict[str, list[str]] = {}
     for v in sorted(set(values)):
-        spellings.setdefault(v.casefold(), []).append(v)
+        spellings.setdefault(" ".join(v.casefold().rstrip(".").split()), []).append(v)
     groups = [g for g in spellings.values() if len({mapping[v] for v in g}) > 1]
     if not groups:
         return
     shown = "; ".join(", ".join(repr(v) for v in g) for g in groups)
     example = ",".join(f"{v}={mapping[groups[0][0]]}" for v in groups[0])
-    message = (f"labels of column {column!r} that differ only in letter case are different "
-               f"classes ({shown}); give data.label_map to merge them (e.g. '{example},...')")
+    message = (f"labels of column {column!r} that differ only in letter case, spaces or a "
+               f"final '.' are different classes ({shown}); give data.label_map to merge them "
+               f"(e.g. '{example},...')")
     info.update(case_variants=groups, warning=message)
     warnings.warn(DataWarning(message), stacklevel=3)
 
