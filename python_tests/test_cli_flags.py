@@ -117,6 +117,22 @@ def test_hidden_algorithm_options_still_work_from_a_config_file(tmp_path, capsys
     assert json.loads((out / "config.json").read_text())["algorithm_params"] == {"mu": 0.3}
 
 
+def test_a_config_files_algorithm_settings_that_go_astray_are_named(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "run"), *FAST]
+    # the parameters written as the flags spell them, a section of the algorithm's name
+    section = tmp_path / "section.yaml"
+    section.write_text("algorithm: fedprox\nfedprox: {mu: 0.1}\nrounds: 1\n")
+    assert main(["run", "--config", str(section), *out]) == 2
+    assert "unknown key fedprox; an algorithm's parameters go under algorithm_params" in \
+        one_line_error(capsys)
+    # --algorithm replacing the file's, whose parameters it was given
+    params = tmp_path / "params.yaml"
+    params.write_text("algorithm: fedprox\nalgorithm_params: {mu: 0.1}\nrounds: 1\n")
+    assert main(["run", "--config", str(params), "--algorithm", "fedavg", *out]) == 2
+    assert "--algorithm fedavg replaces the algorithm of" in one_line_error(capsys)
+    assert main(["run", "--config", str(params), "--algorithm", "FedProx", *out]) == 0
+
+
 # ---------------------------------------------------------------- values
 
 

@@ -200,9 +200,9 @@ def resolve_config(
 ) -> ExperimentConfig:
     """``base`` (a saved config), then ``--config``, then the flags, as one checked config."""
     tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
-    if args.config:
-        for key, value in load_config_file(args.config).items():
-            tree[key] = value
+    from_file = load_config_file(args.config) if args.config else {}
+    for key, value in from_file.items():
+        tree[key] = value
     given = {k: v for k, v in vars(args).items() if k not in _RUN_OPTIONS}
     for flag, value in given.items():
         head = flag.split(".", 1)[0]
@@ -214,6 +214,7 @@ def resolve_config(
         raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
     algorithm = tree["algorithm"] = algorithm_name(algorithm)
     name = strategy_class(algorithm).name
+    _check_file_algorithm(args, from_file, algorithm, name)
     for flag, value in given.items():
         head, _, param = flag.partition(".")
         if param and head not in SECTIONS:
@@ -230,6 +231,26 @@ def resolve_config(
         data = dataclasses.replace(config.data, path=path)
         config = dataclasses.replace(config, data=data)
     return config
+
+
+def _check_file_algorithm(args: argparse.Namespace, from_file: dict[str, Any], algorithm: str,
+                          name: str) -> None:
+    """Two ways a configuration file's algorithm settings go astray, each named: parameters
+    written as a section of their own, as the flags spell them (``fedprox: {mu: 0.01}``), and
+    parameters of the file's algorithm that --algorithm replaced."""
+    fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    for key in from_file:
+        if key not in fields and key in available():
+            raise ConfigError(f"{args.config}: unknown key {key}; an algorithm's parameters go "
+                              f"under algorithm_params (algorithm: {key}, algorithm_params: "
+                              "{FIELD: VALUE})")
+    in_file, params = from_file.get("algorithm"), from_file.get("algorithm_params")
+    if hasattr(args, "algorithm") and isinstance(in_file, str) and isinstance(params, dict) \
+            and params and in_file.lower() not in (algorithm.lower(), name.lower()):
+        raise ConfigError(
+            f"--algorithm {algorithm} replaces the algorithm of {args.config} ({in_file}), "
+            f"whose algorithm_params ({', '.join(map(str, params))}) belong to it; remove them "
+            f"from the file, or give {name}'s own as --{name}.FIELD")
 
 
 @contextlib.contextmanager
