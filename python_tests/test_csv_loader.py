@@ -574,6 +574,40 @@ def test_gzip_compressed_file_is_read(tmp_path):
     fails(path, "gzip")
 
 
+@pytest.mark.parametrize("module, name", [("bz2", "bzip2"), ("lzma", "xz")])
+def test_bzip2_and_xz_compressed_files_are_read(tmp_path, module, name):
+    # read as text before, they were 'not UTF-8' with advice on encodings
+    compress = pytest.importorskip(module).compress
+    text = b"a\tlabel\n1\t0\n2\t1\n3\t0\n"
+    path = tmp_path / f"data.tsv.{'bz2' if module == 'bz2' else 'xz'}"  # a tab by default
+    path.write_bytes(compress(text))
+    assert load_csv(path, client_column=None).y.tolist() == [0, 1, 0]
+    path.write_bytes(compress(text)[:-8])
+    fails(path, f"damaged {name} file")
+
+
+def test_a_zip_archive_names_the_files_to_unzip(tmp_path):
+    """A data set's download, train.csv inside a .zip, is no workbook to export."""
+    import io
+    import zipfile
+
+    def archive(*names):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as z:
+            for n in names:
+                z.writestr(n, "a,label\n1,0\n")
+        return buffer.getvalue()
+
+    path = tmp_path / "download.zip"
+    path.write_bytes(archive("train.csv", "test.csv"))
+    message = fails(path, "a ZIP archive holding 'train.csv', 'test.csv'", "unzip it")
+    assert "export it as CSV" not in message
+    path.write_bytes(archive("xl/workbook.xml", "[Content_Types].xml"))
+    fails(path, "Excel .xlsx", "export it as CSV")
+    path.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(64))
+    fails(path, "zstd", "decompress it")
+
+
 def test_unreadable_path_and_folder(tmp_path):
     fails(tmp_path, "is a folder")
     fails(tmp_path / "nope.csv", "no such file")

@@ -28,7 +28,6 @@ from __future__ import annotations
 import codecs
 import csv
 import dataclasses
-import gzip
 import io
 import math
 import numbers
@@ -58,11 +57,11 @@ _DELIMITER_FLAGS = {",": "','", ";": "';'", "\t": "tab", "|": "'|'"}
 
 
 def field_separator(setting: str | None, path: str | Path) -> str:
-    """The character data.delimiter names (``None``: a tab for a ``.tsv`` file, gzipped or
+    """The character data.delimiter names (``None``: a tab for a ``.tsv`` file, compressed or
     not, else a comma)."""
     if setting is None:
         name = Path(path).name.lower()
-        return "\t" if name.endswith((".tsv", ".tsv.gz")) else ","
+        return "\t" if name.endswith((".tsv", ".tsv.gz", ".tsv.bz2", ".tsv.xz")) else ","
     if setting not in CSV_DELIMITERS:
         raise ConfigError(f"data.delimiter must be one of ',', ';', 'tab' or '|', got {setting!r}")
     return CSV_DELIMITERS[setting]
@@ -217,11 +216,35 @@ _NOT_TEXT = (
     (b"\x89HDF", "an HDF5 file"),
 )
 UTF8_BOM = b"\xef\xbb\xbf"
+# Compressed files read as they are (the Python library of each), by their first bytes.
+_COMPRESSED = {GZIP_MAGIC: ("gzip", "gzip"), b"BZh": ("bzip2", "bz2"),
+               b"\xfd7zXZ\x00": ("xz", "lzma")}
+# Compressed files and archives not read here.
+_ARCHIVES = (
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file"),
+    (b"7z\xbc\xaf\x27\x1c", "a 7-Zip archive"),
+)
+
+
+def _refuse_zip(path: Path, data: bytes) -> None:
+    """A ZIP file: a workbook to export as CSV, or an archive (a data set's download) holding
+    the CSV file to pass instead."""
+    import zipfile
+
+    try:
+        names = zipfile.ZipFile(io.BytesIO(data)).namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # the generic message for a ZIP file follows
+    if "xl/workbook.xml" in names or "content.xml" in names:
+        return
+    shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
+    raise ConfigError(f"{path}: a ZIP archive holding {shown or 'nothing'}, not a text table; "
+                      "unzip it and pass the CSV file inside as data.path")
 
 
 def _read_text(path: Path, encoding: str = "utf-8") -> str:
     """The file as text: UTF-8 with or without a byte-order mark (or ``encoding``, such as
-    ``cp1252``, the Windows Excel's), gzip-compressed or not."""
+    ``cp1252``, the Windows Excel's), compressed with gzip, bzip2 or xz or not."""
     if not known_encoding(encoding):
         raise ConfigError(f"data.encoding: unknown text encoding {encoding!r} (e.g. utf-8, "
                           "cp1252, latin-1)")
@@ -235,12 +258,24 @@ def _read_text(path: Path, encoding: str = "utf-8") -> str:
     except OSError as err:
         raise ConfigError(f"data.path: cannot read {path}: {err.strerror or err}") from None
     where = "byte"
-    if data.startswith(GZIP_MAGIC):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError) as err:
-            raise ConfigError(f"{path}: a damaged gzip file ({err})") from None
-        where = "byte of the decompressed data"
+    for magic, (name, module) in _COMPRESSED.items():
+        if data.startswith(magic):
+            import importlib
+
+            try:
+                data = importlib.import_module(module).decompress(data)
+            except ImportError:  # a Python built without the library
+                raise ConfigError(f"{path}: {name}-compressed, and this Python has no "
+                                  f"{module} module to read it; decompress it first") from None
+            except Exception as err:  # each library reports damage with its own types
+                raise ConfigError(f"{path}: a damaged {name} file ({err})") from None
+            where = "byte of the decompressed data"
+            break
+    for magic, what in _ARCHIVES:
+        if data.startswith(magic):
+            raise ConfigError(f"{path}: {what}; decompress it and pass the CSV file inside")
+    if data.startswith(b"PK\x03\x04"):
+        _refuse_zip(path, data)
     for magic, what in _NOT_TEXT:
         if data.startswith(magic):
             raise ConfigError(f"{path}: {what}, not a text table; export it as CSV (UTF-8) first")
