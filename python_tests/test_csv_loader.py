@@ -608,6 +608,13 @@ def test_a_zip_archive_names_the_files_to_unzip(tmp_path):
     fails(path, "zstd", "decompress it")
 
 
+def test_numpy_arrays_point_to_dataset_from_tensors(tmp_path):
+    np.save(tmp_path / "x.npy", np.zeros((3, 2)))
+    fails(tmp_path / "x.npy", "a NumPy .npy array", "Dataset.from_tensors")
+    np.savez(tmp_path / "d.npz", x=np.zeros((3, 2)), y=np.ones(3))
+    fails(tmp_path / "d.npz", "a NumPy .npz archive (x.npy, y.npy)", "Dataset.from_tensors")
+
+
 def test_unreadable_path_and_folder(tmp_path):
     fails(tmp_path, "is a folder")
     fails(tmp_path / "nope.csv", "no such file")

@@ -214,7 +214,13 @@ _NOT_TEXT = (
     (b"\xd0\xcf\x11\xe0", "an old Office file (an Excel .xls workbook)"),
     (b"PAR1", "a Parquet file"),
     (b"\x89HDF", "an HDF5 file"),
+    (b"ARROW1", "an Arrow/Feather file"),
+    (b"SQLite format 3\x00", "an SQLite database"),
 )
+# Arrays, which have no column names to read: Dataset.from_tensors takes them from Python.
+_ARRAYS_HINT = ("not a text table; load it in Python and pass it as "
+                "fedkernels.sim.Dataset.from_tensors(x, y, groups) to Simulation(dataset=...), "
+                "or write it as a CSV file with a header row")
 UTF8_BOM = b"\xef\xbb\xbf"
 # Compressed files read as they are (the Python library of each), by their first bytes.
 _COMPRESSED = {GZIP_MAGIC: ("gzip", "gzip"), b"BZh": ("bzip2", "bz2"),
@@ -237,6 +243,9 @@ def _refuse_zip(path: Path, data: bytes) -> None:
         return  # the generic message for a ZIP file follows
     if "xl/workbook.xml" in names or "content.xml" in names:
         return
+    if names and all(n.endswith(".npy") for n in names):
+        raise ConfigError(f"{path}: a NumPy .npz archive ({', '.join(names[:5])}), "
+                          f"{_ARRAYS_HINT}")
     shown = ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "")
     raise ConfigError(f"{path}: a ZIP archive holding {shown or 'nothing'}, not a text table; "
                       "unzip it and pass the CSV file inside as data.path")
@@ -274,6 +283,8 @@ def _read_text(path: Path, encoding: str = "utf-8") -> str:
     for magic, what in _ARCHIVES:
         if data.startswith(magic):
             raise ConfigError(f"{path}: {what}; decompress it and pass the CSV file inside")
+    if data.startswith(b"\x93NUMPY"):
+        raise ConfigError(f"{path}: a NumPy .npy array, {_ARRAYS_HINT}")
     if data.startswith(b"PK\x03\x04"):
         _refuse_zip(path, data)
     for magic, what in _NOT_TEXT:
