@@ -180,6 +180,16 @@ def test_every_algorithm_float_parameter_refuses_non_finite_values():
     assert checked > 20
 
 
+def test_a_list_field_takes_one_number_from_a_file_as_the_flag_does():
+    # YAML's 'hidden: 64' was "expected a list", where --model.hidden 64 is one
+    config = from_dict(ExperimentConfig, {"model": {"hidden": 32},
+                                          "data": {"name": "csv", "path": "x.csv",
+                                                   "positive_labels": 1}})
+    assert config.model.hidden == [32] and config.data.positive_labels == [1]
+    with pytest.raises(ConfigError, match="model.hidden: expected a list, got True"):
+        from_dict(ExperimentConfig, {"model": {"hidden": True}})
+
+
 def test_python_configs_refuse_non_finite_values_too():
     with pytest.raises(ConfigError, match="client.lr must be a finite number"):
         ClientConfig(lr=math.inf)

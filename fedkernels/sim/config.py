@@ -501,6 +501,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str):
             # spaces inside a value belong to it ("heart disease"), only those around it go
             value = [v.strip() for v in value.split(",") if v.strip()]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]  # YAML's 'hidden: 64', as the flag's '--model.hidden 64'
         _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
