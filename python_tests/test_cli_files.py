@@ -149,6 +149,21 @@ def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finish
     assert main(["run", "--rounds", "1", "--out", str(out), *FAST]) == 0
 
 
+def test_a_hand_written_config_json_in_the_folder_is_not_written_over(tmp_path, capsys):
+    """`--config config.json --out .`: the run's own config.json would replace the user's."""
+    mine = tmp_path / "config.json"
+    mine.write_text('{"rounds": 1, "partition": {"num_clients": 2}}')
+    before = mine.read_bytes()
+    assert main(["run", "--config", str(mine), "--out", str(tmp_path), *FAST]) == 2
+    assert "holds a config.json that is not a run's" in capsys.readouterr().err
+    assert mine.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.json"]
+    assert main(["run", "--config", str(mine), "--out", str(tmp_path / "run"), *FAST]) == 0
+    # a run's own config.json (a run stopped before its first checkpoint) is no such file
+    shutil.copy(tmp_path / "run" / "config.json", mine)
+    assert main(["run", "--rounds", "1", "--out", str(tmp_path), *FAST]) == 0
+
+
 def test_a_run_that_ends_while_another_sets_up_is_not_replaced(tmp_path, finished_run):
     # The folder check runs twice: before the (possibly long) setup, and again once the
     # folder is locked, where a run that ended in between has left its results.

@@ -433,13 +433,33 @@ def _check_out(out: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 def _refuse_finished_run(out: Path) -> None:
-    """Refuses a folder that holds a run (results or a checkpoint) to keep."""
+    """Refuses a folder that holds a run (results or a checkpoint) to keep, or a config.json
+    that no run wrote (the run would write its own over it)."""
     found = [name for name in RUN_MARKERS if (out / name).exists()]
     if found:
         raise ConfigError(
             f"--out {out} already holds a run ({', '.join(found)}): add --resume to continue "
             "it or --overwrite to replace it"
         )
+    if (out / CONFIG_NAME).exists() and not _written_by_a_run(out / CONFIG_NAME):
+        raise ConfigError(
+            f"--out {out} holds a {CONFIG_NAME} that is not a run's (a run writes its complete "
+            "configuration there, over the file): choose another --out, rename the file, or "
+            "add --overwrite to replace it"
+        )
+
+
+def _written_by_a_run(path: Path) -> bool:
+    """Whether ``path`` is a config.json as a run writes it: every field of the configuration
+    and no other key (a hand-written configuration, as ``--config config.json --out .`` would
+    use, names a few)."""
+    try:
+        tree = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
+    # runs from before the attack and dp sections existed wrote all the others
+    return isinstance(tree, dict) and fields - {"attack", "dp"} <= set(tree) <= fields
 
 
 def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool) -> None:
