@@ -295,6 +295,27 @@ def test_a_client_with_too_few_rows_is_named_by_its_value(tmp_path):
     assert_one_line_error(done, "client 'c' of column 'site' has 1", "partition.min_samples")
 
 
+def test_a_client_column_read_as_a_feature_is_warned_about(tmp_path, capsys):
+    """'client' is the natural partition's column by default; under iid it was silently
+    one-hot encoded, the sites leaking into the inputs."""
+    from fedkernels.cli import main
+
+    data = tmp_path / "d.csv"
+    data.write_text("x,label,client\n" + "".join(f"{i},{i % 2},{'ab'[i % 3 == 0]}\n"
+                                                  for i in range(40)))
+    csv = ["--data.name", "csv", "--data.path", str(data), "--rounds", "1", *FAST]
+    assert main(["run", *csv, "--out", str(tmp_path / "iid")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: column 'client' is read as a feature (partition.kind=iid" in err
+    features = json.loads((tmp_path / "iid" / "results.json").read_text())[
+        "data_preparation"]["features"]["feature_names"]
+    assert "client=a" in features
+    assert main(["run", *csv, "--data.client_column", "client",
+                 "--out", str(tmp_path / "named")]) == 0
+    assert main(["run", *csv, "--partition.kind", "natural", "--out", str(tmp_path / "n")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_data_warnings_are_one_line_each(tmp_path):
     data = tmp_path / "d.csv"
     rows = "".join(f'{i},"{i % 5},5",{("yes", "Yes", "no")[i % 3]}\n' for i in range(30))

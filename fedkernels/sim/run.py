@@ -80,6 +80,7 @@ class Simulation:
             dataset = load_dataset(config.data, config.partition.num_clients, seed)
             if config.data.name == "csv":
                 self.data_file = file_fingerprint(config.data.path)
+                _warn_client_column_as_feature(dataset, config)
         self.dataset_name = dataset.name
         _check_client_sizes(dataset, config.partition)
         self.federation = build_federation(
@@ -449,6 +450,21 @@ def _check_client_sizes(dataset: Dataset, partition: PartitionConfig) -> None:
             f"{len(small)} clients have fewer than partition.min_samples={partition.min_samples} "
             f"rows (client {value!r} of column {clients['column']!r} has {count})"
         )
+
+
+def _warn_client_column_as_feature(dataset: Dataset, config: ExperimentConfig) -> None:
+    """A column named ``client`` is the client column of the natural partition only; under
+    another partition, unless named in data.client_column, it is read as a feature (the
+    clients' identity then leaks into the inputs), which is said."""
+    features = dataset.info.get("features", {})
+    found = "client" in features.get("numeric", {}) or "client" in features.get("one_hot", {})
+    if config.data.client_column is None and found:
+        from .tabular import DataWarning
+
+        warnings.warn(DataWarning(
+            f"column 'client' is read as a feature (partition.kind={config.partition.kind} "
+            "does not use a client column); name it with data.client_column to keep it out of "
+            "the features, or with data.ignore_columns"), stacklevel=3)
 
 
 def _first_sentence(err: BaseException) -> str:
