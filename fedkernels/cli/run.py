@@ -500,7 +500,8 @@ def _sigterm_stops_like_ctrl_c() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        # None: a handler set outside Python, which cannot be put back; the default it is
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _error(message: object) -> int:
