@@ -203,3 +203,53 @@ def test_frameworks_are_optional():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "[0.5, 0.5, 0.5]" in out.stdout
     assert "pip install 'fedkernels[nvflare]'" in out.stdout
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -float("inf"), 1e39,
+                                   torch.tensor(float("nan"))],
+                         ids=["nan", "inf", "-inf", "1e39", "nan tensor"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_fedasync_alpha_the_op_refuses_gives_fedlabs_result(alpha, dtype):
+    # The fused op refuses non-finite weights and, for narrow dtypes, weights beyond the
+    # float32 range; FedLab returns its NaN/Inf there, so we give its formula's result.
+    server, new = vectors(2, 50, dtype, seed=7)
+    expected = torch.mul(1 - alpha, server) + torch.mul(alpha, new)
+    out = fedasync_aggregate(server, new, alpha)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, equal_nan=True)
+    try:
+        FedLab = _fedlab()
+    except pytest.skip.Exception:
+        return
+    torch.testing.assert_close(out, FedLab.fedasync_aggregate(server, new, alpha), equal_nan=True)
+
+
+def test_sparse_vectors_follow_fedlabs_formula():
+    # The fused op reads dense memory only; FedLab's stack and multiply take sparse tensors.
+    xs = [x.to_sparse() for x in vectors(3, 20, seed=8)]
+    w = torch.tensor([1.0, 2.0, 3.0]) / 6
+    out = fedavg_aggregate(xs, [1.0, 2.0, 3.0])
+    assert out.layout == torch.sparse_coo
+    torch.testing.assert_close(out.to_dense(), torch.sum(torch.stack(xs, dim=-1) * w, dim=-1).to_dense())
+    out = fedasync_aggregate(xs[0], xs[1], 0.3)
+    assert out.layout == torch.sparse_coo
+    torch.testing.assert_close(out.to_dense(), (0.7 * xs[0] + 0.3 * xs[1]).to_dense())
+    try:
+        FedLab = _fedlab()
+    except pytest.skip.Exception:
+        return
+    torch.testing.assert_close(fedavg_aggregate(xs, [1.0, 2.0, 3.0]).to_dense(),
+                               FedLab.fedavg_aggregate(xs, [1.0, 2.0, 3.0]).to_dense())
+
+
+def test_all_negative_weights_normalize_as_in_fedlab():
+    # Divided by their (negative) sum they are positive: FedLab's assert passes, and ours.
+    xs = vectors(3, 40, seed=9)
+    torch.testing.assert_close(fedavg_aggregate(xs, [-1.0, -2.0, -3.0]),
+                               fedavg_aggregate(xs, [1.0, 2.0, 3.0]))
+    try:
+        FedLab = _fedlab()
+    except pytest.skip.Exception:
+        return
+    torch.testing.assert_close(fedavg_aggregate(xs, [-1.0, -2.0, -3.0]),
+                               FedLab.fedavg_aggregate(xs, [-1.0, -2.0, -3.0]))

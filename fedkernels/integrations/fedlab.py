@@ -23,23 +23,26 @@ the weights are normalized as FedLab does (``torch.tensor(weights)``, then divid
 sum), and the result has the dtype FedLab's arithmetic would give (``float32`` vectors with
 ``float64`` weights, e.g. a NumPy array, give a ``float64`` result). Also accepted here: one
 ``[K, P]`` tensor instead of the list of K vectors, and CPU weights with CUDA vectors. Errors:
-negative or all-zero weights raise :class:`WeightError`, which is both FedLab's
-``AssertionError`` and a ``ValueError``; an empty list, vectors of different shapes, dtypes or
+weights FedLab's ``assert`` refuses (negative or NaN once divided by their sum: mixed signs,
+all zero, NaN or Inf) raise :class:`WeightError`, which is both FedLab's
+``AssertionError`` and a ``ValueError``; an empty list, vectors of different shapes or
 devices, and a weight count that is not K raise a ``ValueError`` naming the client.
 Accumulation is in fp32 (fp64 for fp64 vectors), so a float64 result from float32 vectors
-carries float32 rounding where FedLab multiplies in float64. Integer vectors and other inputs
-the fused op does not take go through FedLab's formula.
+carries float32 rounding where FedLab multiplies in float64. Integer, mixed-dtype and sparse
+vectors, and a FedAsync ``alpha`` that is not finite (or beyond the float32 range for
+vectors that are not float64), go through FedLab's formula and give its result.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from fedkernels.aggregate import aggregate
+from fedkernels.aggregate import FLOAT32_MAX, aggregate
 from fedkernels.ops import summation
 
 __all__ = ["Aggregators", "WeightError", "fedasync_aggregate", "fedavg_aggregate"]
@@ -108,9 +111,10 @@ def fedavg_aggregate(serialized_params_list, weights=None) -> Tensor:
     dtype = vectors[0].dtype
     result_dtype = torch.result_type(vectors[0], weights)
     if (dtype not in _FUSED_DTYPES or any(v.dtype != dtype for v in vectors)
+            or any(v.layout != torch.strided for v in vectors)
             or (weights.requires_grad and torch.is_grad_enabled())):
-        # FedLab's formula for what the op does not take (integer or mixed-dtype vectors), and
-        # for weights that require grad, whose gradient FedLab's result carries.
+        # FedLab's formula for what the op does not take (integer, mixed-dtype or sparse
+        # vectors), and for weights that require grad, whose gradient FedLab's result carries.
         return torch.sum(torch.stack(vectors, dim=-1) * weights.to(vectors[0].device), dim=-1)
     w = weights.detach().to("cpu", torch.float64)
     if dtype in _HALF and result_dtype != dtype:
@@ -137,10 +141,15 @@ def fedasync_aggregate(server_param: Tensor, new_param: Tensor, alpha) -> Tensor
     scalar = (isinstance(alpha, numbers.Real) if not isinstance(alpha, Tensor) else
               alpha.dim() == 0 and not alpha.is_complex()
               and not (alpha.requires_grad and torch.is_grad_enabled()))
-    if (not scalar or server_param.dtype not in _FUSED_DTYPES
-            or new_param.dtype != server_param.dtype or new_param.device != server_param.device):
+    a = float(alpha) if scalar else math.nan
+    # The op refuses weights 1 - alpha and alpha that are not finite, or beyond the float32
+    # range of its accumulator; FedLab's formula gives its NaN/Inf there.
+    limit = math.inf if server_param.dtype == torch.float64 else FLOAT32_MAX
+    in_range = math.isfinite(a) and max(abs(a), abs(1.0 - a)) <= limit
+    if (not in_range or server_param.dtype not in _FUSED_DTYPES
+            or new_param.dtype != server_param.dtype or new_param.device != server_param.device
+            or server_param.layout != torch.strided or new_param.layout != torch.strided):
         return torch.mul(1 - alpha, server_param) + torch.mul(alpha, new_param)
-    a = float(alpha)
     result_dtype = torch.result_type(server_param, alpha if isinstance(alpha, Tensor) else a)
     fused = aggregate([server_param, new_param], [1.0 - a, a])
     return fused if fused.dtype == result_dtype else fused.to(result_dtype)
