@@ -40,11 +40,13 @@ class _Records(logging.Handler):
     def __init__(self):
         super().__init__(level=logging.INFO)
         self.messages: list[tuple[str, str]] = []
+        self.named: list[tuple[str, str, str]] = []  # (logger name, level, message)
 
     def emit(self, record):
         msg = record.getMessage()
         if "no engine in fl_ctx" not in msg:  # NVFlare's complaint about a bare FLContext
             self.messages.append((record.levelname, msg))
+            self.named.append((record.name, record.levelname, msg))
 
 
 @pytest.fixture
@@ -547,6 +549,82 @@ def test_helper_bad_weight_names_the_contributor():
     with pytest.raises(ValueError, match="'site-3': weight must be a number, got str"):
         helper.add({"x": np.ones(2)}, "2", "site-3", 0)
     assert helper.get_len() == 0 and not helper.total
+
+
+def test_helper_weight_that_is_not_a_number_is_a_type_error():
+    # NVFlare's `v * weight` raises TypeError for these; ours is that and a ContributionError,
+    # and leaves nothing accumulated.
+    for weight in (None, "2", object()):
+        with pytest.raises(TypeError):
+            flare_helper.WeightedAggregationHelper().add({"x": np.ones(2)}, weight, "site-3", 0)
+        helper = fk.WeightedAggregationHelper()
+        with pytest.raises(TypeError, match="'site-3': weight must be a number") as info:
+            helper.add({"x": np.ones(2)}, weight, "site-3", 0)
+        assert isinstance(info.value, fk.ContributionError)
+        assert helper.get_len() == 0 and not helper.total and not helper.key_contribution_counts
+
+
+@pytest.mark.parametrize("make", [
+    lambda a: np.ma.masked_array(a, mask=a > 4),
+    lambda a: np.matrix(a),
+], ids=["masked array", "matrix"])
+@pytest.mark.parametrize("first_plain", [False, True])
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix
+def test_helper_numpy_array_subclasses_take_nvflares_formula(make, first_plain):
+    # The op reads an array's raw data: a masked array's masked values were averaged in, and
+    # the result was a plain float32 ndarray where NVFlare keeps the subclass and its dtype.
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    datas = [{"x": a if first_plain else make(a)}, {"x": make(a + 1)}, {"x": make(a * 2)}]
+    ours, theirs = fk.WeightedAggregationHelper(), flare_helper.WeightedAggregationHelper()
+    for i, (d, w) in enumerate(zip(datas, [1.0, 2.0, 0.5])):
+        ours.add(d, w, f"site-{i}", 0)
+        theirs.add(d, w, f"site-{i}", 0)
+    got, expected = ours.get_result()["x"], theirs.get_result()["x"]
+    assert type(got) is type(expected) and got.dtype == expected.dtype
+    np.testing.assert_array_equal(np.ma.getmaskarray(got), np.ma.getmaskarray(expected))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6)
+
+
+def test_log_records_have_nvflares_logger_names(records):
+    """NVFlare's log configuration picks records by logger name (log_fl.txt and the concise
+    console keep INFO records of nvflare.app_common loggers); ours were filed under
+    fedkernels.integrations.nvflare and left out there."""
+    kinds = {"model": DataKind.WEIGHTS, "extra": DataKind.WEIGHTS}
+    contributions = [("a", 0, DXO(DataKind.COLLECTION, data={
+        "model": weights_dxo({"w": np.ones(3)}, kind=DataKind.WEIGHTS)})),
+        ("b", 0, weights_dxo({"w": np.ones(3)}, kind=DataKind.WEIGHTS), ReturnCode.EXECUTION_EXCEPTION)]
+    named = []
+    for cls in (Theirs, Ours):
+        records.named.clear()
+        run(cls, contributions, records, expected_data_kind=kinds)
+        named.append(list(records.named))
+    assert named[1] == named[0]
+    assert any(name.startswith("nvflare.app_common.aggregators.intime") and level == "INFO"
+               for name, level, _ in named[1])
+
+
+def test_helper_tensors_that_require_grad_are_read_as_values():
+    # NVFlare's result records a graph that holds every contribution; ours is the same values
+    # with none.
+    datas = [{"w": torch.full((3,), float(i + 1), requires_grad=True)} for i in range(3)]
+    ours, theirs = fk.WeightedAggregationHelper(), flare_helper.WeightedAggregationHelper()
+    for i, d in enumerate(datas):
+        ours.add(d, float(i + 1), f"site-{i}", 0)
+        theirs.add(d, float(i + 1), f"site-{i}", 0)
+    got, expected = ours.get_result()["w"], theirs.get_result()["w"]
+    assert expected.requires_grad and not got.requires_grad
+    torch.testing.assert_close(got, expected.detach())
+
+
+@pytest.mark.parametrize("data", [{"x": np.ones(3, np.float32)}, {"x": torch.ones(3)}],
+                         ids=["numpy", "torch"])
+def test_helper_weight_beyond_float32_range_is_refused_for_fp32_keys(data):
+    # NVFlare's float32 product is Inf; ours refuses the contribution, naming the key.
+    with pytest.raises(fk.ContributionError, match="beyond the float32 range.*'x'"):
+        fk.WeightedAggregationHelper().add(data, 1e39, "site-1", 0)
+    helper = fk.WeightedAggregationHelper()
+    helper.add({"x": np.ones(3)}, 1e39, "site-1", 0)  # float64: in range
+    np.testing.assert_allclose(helper.get_result()["x"], 1.0)
 
 
 def test_helper_sparse_tensors_take_nvflares_formula():

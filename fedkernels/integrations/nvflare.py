@@ -29,22 +29,25 @@ Drop-ins (same names as NVFlare's, so a job config changes the module path only)
   and ``FedAvgRecipe`` (``aggregator=WeightedModelAggregator()``) that gives the result of the
   controller's built-in aggregation; :func:`aggregate_fn` replaces ``BaseFedAvg.aggregate_fn``.
 
-Integer and bool NumPy arrays and values that are not arrays of at least one dimension
-(Python or NumPy scalars, 0-d tensors, complex arrays, encrypted tensors, metrics) go through
-NVFlare's own formula, so they give NVFlare's result exactly (NumPy's integer wrap-around, the
-logical OR of a bool sum). Result dtypes are NumPy's for NVFlare's products, sums and final
-``total * (1.0 / sum)``, NumPy-scalar weights included. Weights that sum to a Python 0 raise
-NVFlare's ``ZeroDivisionError`` (naming the key) for NumPy and Python values; torch tensors
-give NVFlare's NaN/Inf. Where this module differs on purpose: a contribution whose array for
-a key has another shape (or device, or kind) than the earlier ones is refused with a
-``ValueError`` naming the contributor and key, before anything is accumulated (NVFlare
-broadcasts shapes that broadcast and raises half-way otherwise); a non-finite weight is refused
-the same way; half-precision arrays accumulate in fp32; integer tensors average into floating
-point also with ``weigh_by_local_iter=False`` (NVFlare's in-place division raises there).
+Integer and bool NumPy arrays, NumPy array subclasses (masked arrays, ``np.matrix``) and values
+that are not arrays of at least one dimension (Python or NumPy scalars, 0-d tensors, complex
+arrays, encrypted tensors, metrics) go through NVFlare's own formula, so they give NVFlare's
+result exactly (NumPy's integer wrap-around, the logical OR of a bool sum). Result dtypes are
+NumPy's for NVFlare's products, sums and final ``total * (1.0 / sum)``, NumPy-scalar weights
+included. Weights that sum to a Python 0 raise NVFlare's ``ZeroDivisionError`` (naming the key)
+for NumPy and Python values; torch tensors give NVFlare's NaN/Inf. Where this module differs on
+purpose: a contribution whose array for a key has another shape (or device, or kind) than the
+earlier ones is refused with a ``ValueError`` naming the contributor and key, before anything
+is accumulated (NVFlare broadcasts shapes that broadcast and raises half-way otherwise); a
+non-finite weight, or one beyond the float32 range of an fp32 accumulator, is refused the same
+way; tensors that require grad are read as values (no autograd graph); half-precision arrays
+accumulate in fp32; integer tensors average into floating point also with
+``weigh_by_local_iter=False`` (NVFlare's in-place division raises there).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import threading
@@ -96,6 +99,10 @@ class ContributionError(ValueError):
     anything is accumulated."""
 
 
+class _WeightTypeError(ContributionError, TypeError):
+    """A weight that is not a real number: also the TypeError NVFlare's ``v * weight`` raises."""
+
+
 def _tensor_from_numpy(a: np.ndarray) -> torch.Tensor:
     """A tensor sharing ``a``'s memory where torch can (it only reads it)."""
     try:
@@ -122,7 +129,9 @@ def _array_entry(v: Any) -> _ArrayEntry | None:
     too: NumPy's integer arithmetic (wrap-around, logical OR of bools) is part of NVFlare's
     result. Torch gives NVFlare's result the default float dtype for integer tensors."""
     if isinstance(v, np.ndarray):
-        if v.ndim == 0 or v.dtype not in _NUMPY_FUSED:
+        # Subclasses (masked arrays, np.matrix) keep their own arithmetic and type in NVFlare's
+        # formula; the op would read the raw data and return a plain ndarray.
+        if type(v) is not np.ndarray or v.ndim == 0 or v.dtype not in _NUMPY_FUSED:
             return None
         return _ArrayEntry(_tensor_from_numpy(v), "numpy", v.dtype)
     if isinstance(v, torch.Tensor):
@@ -196,7 +205,8 @@ class WeightedAggregationHelper:
 
         Raises :class:`ContributionError` (a ``ValueError``), with nothing accumulated, when the
         weight is not a finite number or an array's shape, device or kind (NumPy/torch) differs
-        from the earlier contributions' for the same key.
+        from the earlier contributions' for the same key. A weight that is not a real number
+        (None, text) raises one that is also a ``TypeError``, as NVFlare's ``v * weight`` does.
         """
         with self.lock:
             who = f"contribution from {contributor_name!r}"
@@ -205,7 +215,7 @@ class WeightedAggregationHelper:
                     raise TypeError  # and get_result would fail on the text in counts
                 w = float(weight)
             except (TypeError, ValueError):
-                raise ContributionError(
+                raise _WeightTypeError(
                     f"{who}: weight must be a number, got {type(weight).__name__}") from None
             if not math.isfinite(w):
                 raise ContributionError(f"{who}: weight is {w}; it must be finite")
@@ -440,6 +450,9 @@ class WeightedAggregationHelper:
         return len(self.get_history())
 
 
+_FLARE_INTIME_LOGGER = f"{_FlareInTimeAggregator.__module__}.{_FlareInTimeAggregator.__qualname__}"
+
+
 def _torch_dtype(np_dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=np_dtype)).dtype
 
@@ -459,7 +472,22 @@ class InTimeAccumulateWeightedAggregator(_FlareInTimeAggregator):
     In a job config, change the component's path only::
 
         "path": "fedkernels.integrations.nvflare.InTimeAccumulateWeightedAggregator"
+
+    Its records go to the logger of NVFlare's class: NVFlare's log configuration selects by
+    logger name (``log_fl.txt`` and the concise console keep INFO records of
+    ``nvflare.app_common`` loggers only), so they are filed as NVFlare's own.
     """
+
+    @property
+    def logger(self) -> logging.Logger:
+        return self._logger
+
+    @logger.setter
+    def logger(self, value: logging.Logger) -> None:
+        # FLComponent names the logger after the instance's class; ours takes NVFlare's name.
+        if value is not None and value.name == f"{__name__}.InTimeAccumulateWeightedAggregator":
+            value = logging.getLogger(_FLARE_INTIME_LOGGER)
+        self._logger = value
 
     def _initialize(self, aggregation_weights, exclude_vars, expected_data_kind):
         super()._initialize(aggregation_weights, exclude_vars, expected_data_kind)
