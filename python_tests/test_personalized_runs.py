@@ -98,6 +98,24 @@ def test_global_model_follows_fedavg(name):
         torch.testing.assert_close(other.server.state[key], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["ditto", "apfl"])
+def test_global_model_follows_fedavg_with_batch_norm(name):
+    """With BatchNorm too: the personal model's forward passes (APFL's mixture, Ditto's v) must
+    not move the running statistics the client uploads with w."""
+    def with_batch_norm():
+        c = config(rounds=2)
+        c.model.batch_norm = True
+        return c
+
+    fedavg = Simulation(with_batch_norm(), build_strategy("fedavg"))
+    other = Simulation(with_batch_norm(), strategy(name))
+    fedavg.run()
+    other.run()
+    assert any("running_mean" in key for key in fedavg.server.state)
+    for key, value in fedavg.server.state.items():
+        torch.testing.assert_close(other.server.state[key], value, rtol=1e-5, atol=1e-6)
+
+
 def test_local_only_never_federates():
     sim = Simulation(config(rounds=2, participation="full"), strategy("local"))
     initial = {k: v.clone() for k, v in sim.server.state.items()}

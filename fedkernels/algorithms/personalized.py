@@ -569,7 +569,12 @@ class APFL(PersonalizedStrategy):
                 x, y = data.train_x[index], data.train_y[index]
                 loss_w = F.cross_entropy(functional_call(model, dict(zip(names, w)), (x,)), y)
                 v_bar = mix_endpoints([t.detach() for t in w], v, alpha)
-                loss_v = F.cross_entropy(functional_call(model, dict(zip(names, v_bar)), (x,)), y)
+                # the mixture runs on copies of the buffers: the running statistics that go
+                # to the server are those of w's own forward passes (BatchNorm)
+                buffers = {n: b.clone() for n, b in model.named_buffers()}
+                loss_v = F.cross_entropy(
+                    functional_call(model, (dict(zip(names, v_bar)), buffers), (x,)), y
+                )
                 opt_w.zero_grad(set_to_none=True)
                 opt_v.zero_grad(set_to_none=True)
                 alpha.grad = None
