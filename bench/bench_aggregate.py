@@ -48,10 +48,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
+    MIN_PROBE_BYTES,
     ReadProbe,
     add_check_arguments,
     add_clock_argument,
     add_output_arguments,
+    at_least,
     bandwidth_probes,
     check_against_committed,
     check_output_arguments,
@@ -61,6 +63,7 @@ from common import (  # noqa: E402
     interleaved_medians,
     peak_extra_memory,
     print_probes,
+    require_committed,
     resolve_device,
     use_cpu_clock,
     write_results,
@@ -154,6 +157,10 @@ def methods(clients, weights, device):
         "flat mv": lambda: torch.mv(flat.t(), w_flat),
         "reference": lambda: fedkernels.ops.reference.aggregate_reference(clients, weights),
     }, flat
+
+
+# The methods of every block, in the order methods() builds them.
+METHODS = ("fused", "fused out=", "op out=", "loop", "foreach", "stack", "flat mv", "reference")
 
 
 def configs(args):
@@ -297,14 +304,17 @@ def main(argv=None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", nargs="+", default=["resnet18", "transformer"], choices=list(MODELS))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--clients", nargs="+", type=int, default=[2, 10, 50])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--skip", nargs="*", default=[], help="methods to leave out")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument("--clients", nargs="+", type=at_least(1), default=[2, 10, 50])
+    parser.add_argument("--repeats", type=at_least(1), default=7)
+    # every ratio is over the allocating fused call, so it cannot be left out
+    parser.add_argument("--skip", nargs="*", default=[], choices=[m for m in METHODS if m != "fused"],
+                        help="methods to leave out")
     parser.add_argument("--quick", action="store_true", help="K=10 only, 3 repeats")
     parser.add_argument("--tiny", action="store_true",
                         help="a tiny model, K=2, fp32, 1 repeat, small probe: checks the script runs")
-    parser.add_argument("--probe-bytes", type=int, default=1 << 30,
+    parser.add_argument("--probe-bytes", type=at_least(MIN_PROBE_BYTES), default=1 << 30,
                         help="size of the bandwidth probes' buffers")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     add_clock_argument(parser)
@@ -313,8 +323,10 @@ def main(argv=None) -> None:
     parser.add_argument("--memory-out", help=argparse.SUPPRESS)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    resolve_device(args.device)
+    device = resolve_device(args.device)
     check_output_arguments(args)
+    if args.check and not args.memory_out:
+        require_committed("aggregate", device)
     use_cpu_clock(args.clock)
     if args.threads is not None:
         if args.threads < 1:

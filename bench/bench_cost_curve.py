@@ -67,9 +67,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
+    MIN_PROBE_BYTES,
     add_check_arguments,
     add_clock_argument,
     add_output_arguments,
+    at_least,
     bandwidth_probes,
     check_against_committed,
     check_output_arguments,
@@ -81,6 +83,7 @@ from common import (  # noqa: E402
     peak_extra_memory,
     print_probes,
     release_freed_memory,
+    require_committed,
     use_cpu_clock,
     write_results,
 )
@@ -541,6 +544,27 @@ def run(args, argv: list[str], settings: dict) -> dict:
     return payload
 
 
+def model_size(text: str) -> int:
+    """--sizes: P as an integer or in exponent form (1e7); a weight and a bias need P >= 2."""
+    try:
+        value = int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"expected a size such as 1e7, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be at least 2 (a weight and a bias), got {text}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -549,16 +573,17 @@ def main(argv=None) -> None:
     parser.add_argument("--tiny", action="store_true", help="small sizes: checks the script runs")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16",
                                                         "float64"])
-    parser.add_argument("--sizes", nargs="+", type=lambda text: int(float(text)),
+    parser.add_argument("--sizes", nargs="+", type=model_size,
                         help="model sizes P of the sweep (e.g. 1e8); also filters the stream "
                              "and distributed sizes")
-    parser.add_argument("--clients", nargs="+", type=int,
+    parser.add_argument("--clients", nargs="+", type=at_least(1),
                         help="client counts K of the sweep; also filters lora and stream")
-    parser.add_argument("--repeats", type=int, help="interleaved rounds per case (default 5)")
-    parser.add_argument("--max-input-gib", type=float,
+    parser.add_argument("--repeats", type=at_least(1),
+                        help="interleaved rounds per case (default 5)")
+    parser.add_argument("--max-input-gib", type=positive_number,
                         help="leave out cases whose K client models plus 5 models of working "
                              "memory exceed this many GiB")
-    parser.add_argument("--worlds", nargs="*", type=int,
+    parser.add_argument("--worlds", nargs="*", type=at_least(1),
                         help="gloo process counts of the distributed section (default 2 4)")
     parser.add_argument("--sections", nargs="+",
                         choices=["sweep", "lora", "stream", "distributed"],
@@ -567,9 +592,9 @@ def main(argv=None) -> None:
                         help="torch threads of this process and of the measuring child (default: "
                              "torch's); on a machine shared with other work, 1 avoids waiting "
                              "for a descheduled second thread at every parallel call")
-    parser.add_argument("--probe-bytes", type=int, default=GIB,
+    parser.add_argument("--probe-bytes", type=at_least(MIN_PROBE_BYTES), default=GIB,
                         help="size of the bandwidth probes' buffers")
-    parser.add_argument("--timeout", type=float, default=3600,
+    parser.add_argument("--timeout", type=positive_number, default=3600,
                         help="bound in seconds on the child process and on each set of ranks")
     add_clock_argument(parser)
     add_output_arguments(parser)
@@ -581,6 +606,8 @@ def main(argv=None) -> None:
     use_cpu_clock(args.clock)
     if args.full and args.tiny:
         fail("--full and --tiny exclude each other")
+    if args.check and not args.memory_out:
+        require_committed(results_name(args), CPU)
     if args.tiny:
         args.probe_bytes = min(args.probe_bytes, 1 << 23)
     if args.threads is not None:

@@ -92,7 +92,7 @@ def ratios(payload: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "K=2, N=8, C=5, 1 repeat, small probe: checks the script runs")
-    args, device, probes, probe = start_case_run(parser)
+    args, device, probes, probe = start_case_run(parser, "ensemble_pseudo_labels")
     ks, ns, cs = ((2,), (8,), (5,)) if args.tiny else (KS, NS, CS)
     rows = []
     g = torch.Generator().manual_seed(0)

@@ -51,7 +51,7 @@ def ratios(payload: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "N=8, C=5, 1 repeat, small probe: checks the script runs")
-    args, device, probes, probe = start_case_run(parser)
+    args, device, probes, probe = start_case_run(parser, "energy_from_logits")
     g = torch.Generator().manual_seed(0)
     rows = []
     for N, C, calls in rows_by_classes(args, NS, CS, MAX_ELEMENTS):

@@ -42,8 +42,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
+    MIN_PROBE_BYTES,
     add_clock_argument,
     add_output_arguments,
+    at_least,
     bandwidth_probes,
     check_output_arguments,
     environment,
@@ -120,14 +122,40 @@ def fused_private(clients, K, base, clip, std, gen):
     return private_ops.private_sum(clients, coef, base, std, gen)
 
 
+CASES = ("median", "trimmed", "window", "distances", "private", "median_nan_client",
+         "trimmed_nan_client")
+
+
+def choice(names: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text not in names:
+            raise argparse.ArgumentTypeError(f"unknown case {text!r} (cases: {', '.join(names)})")
+        return text
+    return parse
+
+
+def comma_list(item):
+    """An argparse type: a comma-separated list whose items ``item`` parses."""
+    def parse(text: str) -> list:
+        items = [item(part) for part in text.split(",") if part]
+        if not items:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return items
+    return parse
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--ks", default="10,50")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
-    parser.add_argument("--cases", default="median,trimmed,window,distances,private,"
-                                           "median_nan_client,trimmed_nan_client")
+    # below 3 clients the window case (Bulyan's coordinate step) has no valid window
+    parser.add_argument("--ks", type=comma_list(at_least(3)), default="10,50",
+                        help="client counts K, comma-separated (at least 3 each)")
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--probe-bytes", type=at_least(MIN_PROBE_BYTES), default=1 << 28)
+    # an unknown case would time nothing, and --save would then replace the committed
+    # results with an empty run
+    parser.add_argument("--cases", type=comma_list(choice(CASES)), default=",".join(CASES),
+                        help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--max-fp64-bytes", type=int, default=2 << 30,
                         help="skip the cdist baseline when its [K, P] float64 copy is larger")
     add_output_arguments(parser)
@@ -141,9 +169,9 @@ def main() -> None:
     shapes = resnet18_shapes()
     T = len(shapes)
     P = sum(torch.Size(s).numel() for s in shapes)
-    cases = set(args.cases.split(","))
+    cases = set(args.cases)
     rows = []
-    for K in (int(k) for k in args.ks.split(",")):
+    for K in args.ks:
         g = torch.Generator(device="cpu").manual_seed(K)
         clients = [torch.randn(s, generator=g).to(device) for _ in range(K) for s in shapes]
         base = [torch.randn(s, generator=g).to(device) for s in shapes]

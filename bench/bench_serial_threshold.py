@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_output_arguments,
+    at_least,
     check_output_arguments,
     cpu_clock,
     environment,
@@ -151,8 +152,8 @@ def op_costs(repeats: int, touched: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--max-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=at_least(1), default=15)
+    parser.add_argument("--max-mib", type=at_least(1), default=64)
     parser.add_argument("--tiny", action="store_true",
                         help="up to 1 MiB, 1 repeat: checks the script runs")
     add_output_arguments(parser)

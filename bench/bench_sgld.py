@@ -41,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     add_case_arguments,
+    at_least,
     finish_case_run,
     minor_faults,
     start_case_run,
@@ -79,9 +80,9 @@ def ratios(payload: dict) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_case_arguments(parser, "K=2, M=3, 1 repeat, small probe: checks the script runs")
-    parser.add_argument("--max-elements", type=int, default=10**9,
+    parser.add_argument("--max-elements", type=at_least(1), default=10**9,
                         help="skip sizes whose grads have more elements (memory)")
-    args, device, probes, probe = start_case_run(parser)
+    args, device, probes, probe = start_case_run(parser, "sgld_compose_step")
     ks, ms = ((2,), (3,)) if args.tiny else (KS, MS)
     rows = []
     for K in ks:

@@ -16,6 +16,8 @@ checks that none of them starts the thread team. Results: bench/results/<device>
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -120,8 +122,18 @@ def summary(samples: list[float]) -> dict[str, float]:
 
 
 def busy_processes(n: int) -> list[subprocess.Popen]:
-    spin = "import time\nt = time.time()\nwhile time.time() - t < 3600: pass\n"
+    # A spinner stops when this process is gone (its parent is no longer this pid): a
+    # benchmark killed by SIGTERM or SIGKILL, which skips the finally that kills them, would
+    # otherwise leave every core spinning for the hour. The pid is passed in, not read at the
+    # spinner's start, which may come after this process has gone.
+    spin = ("import os, time\nt = time.time()\n"
+            f"while time.time() - t < 3600 and os.getppid() == {os.getpid()}: pass\n")
     return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    # SIGTERM (timeout, kill) as an exit, so that the finally stops the spinners now
+    sys.exit(128 + signum)
 
 
 def main() -> None:
@@ -147,6 +159,8 @@ def main() -> None:
     print(f"# {environment(device)['device']}  torch threads {torch.get_num_threads()}  "
           f"{len(cases)} cases x {args.repeats} calls", flush=True)
     phases = {"quiet": 0} | ({"busy": args.busy} if args.busy else {})
+    if args.busy:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     rows = {name: {} for name in cases}
     for phase, spinners in phases.items():
         procs = busy_processes(spinners)

@@ -56,11 +56,27 @@ def flushed(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.abs() < TINY, torch.zeros_like(x), x)
 
 
+def dimensions(tiny: bool) -> tuple[int, int, int, int]:
+    """(K, P, N, C) of the cases: clients, parameters per client, rows, classes."""
+    K, P = (3, 1 << 10) if tiny else (10, 1 << 20)
+    N, C = (8, 50) if tiny else (256, 1000)
+    return K, P, N, C
+
+
+def input_sizes(tiny: bool) -> dict[str, str]:
+    """Each case's input size, in its rows and in --check's ratio names: a --tiny run's ratios
+    are not those of the full sizes (the fused op's fixed cost dominates small inputs)."""
+    K, P, N, C = dimensions(tiny)
+    return {"aggregate": f"K={K} P={P}", "trimmed_mean": f"K={K} P={P}",
+            "cosine_orthogonality": f"5x{max(P // 4, 16)}",
+            "ensemble_pseudo_labels": f"K={K} N={N} C={C}", "distill_kl": f"N={4 * N} C={C}",
+            "energy_from_logits": f"N={10 * N} C={C}"}
+
+
 def cases(tiny: bool) -> dict:
     """name -> (inputs maker, fused op, PyTorch alternative); the maker takes a generator and
     returns the subnormal input (a tuple of arguments); the normal one is derived from it."""
-    K, P = (3, 1 << 10) if tiny else (10, 1 << 20)
-    N, C = (8, 50) if tiny else (256, 1000)
+    K, P, N, C = dimensions(tiny)
     weights = torch.rand(K, generator=torch.Generator().manual_seed(1)) + 0.1
 
     def torch_fedavg(clients):
@@ -135,8 +151,9 @@ def ratios(payload: dict) -> dict[str, float]:
     """--check's ratios, each higher-is-better: the fused op's time on normal input over its
     time on subnormal input, and PyTorch's time over the fused op's on the subnormal input."""
     found = {}
+    full = input_sizes(False)  # rows recorded before the sizes were: the full sizes
     for r in payload.get("rows", []):
-        case = f"{r['op']} ({r['mode']} mode)"
+        case = f"{r['op']} {r.get('inputs', full.get(r['op'], '?'))} ({r['mode']} mode)"
         found[f"{case}: normal time / subnormal time"] = 1 / r["fused_subnormal_over_normal"]
         found[f"{case}: torch time / fused time on subnormals"] = r["speedup_on_subnormal"]
     return found
@@ -147,7 +164,7 @@ def main() -> None:
     # subnormals cost microcode assists on CPUs only; GPUs take them at full speed
     add_case_arguments(parser, "small inputs, 1 repeat, small probe: checks the script runs",
                        cpu_only=True)
-    args, device, probes, _ = start_case_run(parser)
+    args, device, probes, _ = start_case_run(parser, "subnormals")
     repeats = args.repeats
     if not torch.set_flush_denormal(True):
         print("this CPU has no flush mode: only the IEEE-mode rows are timed")
@@ -157,6 +174,7 @@ def main() -> None:
     torch.set_flush_denormal(False)
     rows = []
     gen = torch.Generator().manual_seed(0)
+    sizes = input_sizes(args.tiny)
     for name, (make, fused, alternative) in cases(args.tiny).items():
         sub = make(gen)
         normal = flush_args(sub)
@@ -172,7 +190,7 @@ def main() -> None:
                 }, device, repeats=repeats)
             finally:
                 torch.set_flush_denormal(False)
-            row = {"op": name, "mode": mode, "subnormal_share": share,
+            row = {"op": name, "inputs": sizes[name], "mode": mode, "subnormal_share": share,
                    **{f"{k}_us": 1e6 * v for k, v in t.items()},
                    "fused_subnormal_over_normal": t["fused_subnormal"] / t["fused_normal"],
                    "torch_subnormal_over_normal": t["torch_subnormal"] / t["torch_normal"],
@@ -182,8 +200,8 @@ def main() -> None:
                   f"{row['fused_normal_us']:9.1f} -> {row['fused_subnormal_us']:9.1f} us "
                   f"(x{row['fused_subnormal_over_normal']:5.2f}), torch "
                   f"{row['torch_normal_us']:9.1f} -> {row['torch_subnormal_us']:9.1f} us "
-                  f"(x{row['torch_subnormal_over_normal']:5.2f}); fused "
-                  f"{row['speedup_on_subnormal']:5.2f}x faster on subnormals")
+                  f"(x{row['torch_subnormal_over_normal']:5.2f}); torch time / fused time "
+                  f"on subnormals {row['speedup_on_subnormal']:5.2f}")
     finish_case_run("subnormals", device, args, probes, rows, ratios)
 
 

@@ -45,7 +45,9 @@ from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    MIN_PROBE_BYTES,
     add_output_arguments,
+    at_least,
     bandwidth_probes,
     check_output_arguments,
     environment,
@@ -336,10 +338,13 @@ def bench_model(name: str, model: nn.Module, x, y, device, repeats: int,
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--batch", type=int, default=10, help="the paper's B = 10")
-    parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"])
-    parser.add_argument("--probe-bytes", type=int, default=1 << 30)
+    parser.add_argument("--repeats", type=at_least(1), default=15)
+    parser.add_argument("--batch", type=at_least(1), default=10, help="the paper's B = 10")
+    # a name outside these would time nothing, and --save would then replace the committed
+    # results with an empty run
+    parser.add_argument("--models", nargs="+", default=["cnn", "resnet18"],
+                        choices=["cnn", "resnet18"])
+    parser.add_argument("--probe-bytes", type=at_least(MIN_PROBE_BYTES), default=1 << 30)
     parser.add_argument("--sgd", choices=("default", "fused"), default="default",
                         help="torch.optim.SGD's implementation in every step: the device's "
                         "default (foreach), or fused=True (one pass per tensor)")

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import (  # noqa: E402
     add_output_arguments,
+    at_least,
     check_output_arguments,
     environment,
     median_time,
@@ -98,10 +99,10 @@ def measure(num_clients: int, hidden: list[int], client: ClientConfig, repeats: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", type=int, default=100)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[64])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads")
+    parser.add_argument("--clients", type=at_least(1), default=100)
+    parser.add_argument("--hidden", type=at_least(1), nargs="+", default=[64])
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--threads", type=at_least(1), help="torch.set_num_threads")
     parser.add_argument("--tiny", action="store_true",
                         help="4 clients, 1 repeat, 10 local steps only: checks the script runs")
     add_output_arguments(parser)

@@ -76,6 +76,39 @@ def resolve_device(text: str) -> torch.device:
     return device
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``minimum``. A count of 0 (repeats, clients,
+    probe bytes) would otherwise surface after minutes of work as a ZeroDivisionError or an
+    empty median; as a type it is argparse's one-line error, exit status 2, before any."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def non_negative_fraction(text: str) -> float:
+    """An argparse type: a finite float >= 0 (``--tolerance``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+# The smallest --probe-bytes: one float32 (a 0-byte probe divides by a zero time).
+MIN_PROBE_BYTES = 4
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """``--save`` and ``--out``: see the module docstring."""
     parser.add_argument("--save", action="store_true",
@@ -437,24 +470,25 @@ def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str,
     --repeats, --probe-bytes, --tiny, the output flags and --check. A cpu_only script (one that
     times something only CPUs have) accepts --device cpu alone."""
     parser.add_argument("--device", default="cpu", choices=["cpu"] if cpu_only else None)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--probe-bytes", type=int, default=1 << 28)
+    parser.add_argument("--repeats", type=at_least(1), default=7)
+    parser.add_argument("--probe-bytes", type=at_least(MIN_PROBE_BYTES), default=1 << 28)
     parser.add_argument("--tiny", action="store_true", help=tiny_help)
     add_output_arguments(parser)
     add_check_arguments(parser)
 
 
-def start_case_run(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, torch.device,
-                                                              dict, ReadProbe]:
-    """Parses and checks the arguments of add_case_arguments (and the script's own), shrinks a
-    --tiny run to one repeat and a small probe, and measures and prints the bandwidth probes.
-    Returns (args, device, probes, a ReadProbe to measure again before each case); the script
-    then picks its --tiny sizes."""
+def start_case_run(parser: argparse.ArgumentParser, name: str) -> tuple[
+        argparse.Namespace, torch.device, dict, ReadProbe]:
+    """Parses and checks the arguments of add_case_arguments (and the script's own), with
+    --check makes sure there is a committed run ``name`` to compare with, shrinks a --tiny run
+    to one repeat and a small probe, and measures and prints the bandwidth probes. Returns
+    (args, device, probes, a ReadProbe to measure again before each case); the script then
+    picks its --tiny sizes."""
     args = parser.parse_args()
     device = resolve_device(args.device)
     check_output_arguments(args)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    if args.check:
+        require_committed(name, device)
     if args.tiny:
         args.repeats = 1
         args.probe_bytes = min(args.probe_bytes, 1 << 23)
@@ -495,13 +529,52 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run afresh and compare the ratios (speed-ups over the baselines, "
                              "fractions of the bandwidth probe) with the committed "
                              "bench/results/<device>.json; exit status 1 when one regressed")
-    parser.add_argument("--tolerance", type=float, default=0.2,
+    parser.add_argument("--tolerance", type=non_negative_fraction, default=0.2,
                         help="--check flags a ratio that got worse by more than this fraction "
                              "(default 0.2: 20%%)")
 
 
 def committed_path(device: torch.device) -> str:
     return os.path.join(RESULTS_DIR, device_name(device) + ".json")
+
+
+def _committed_run(name: str, path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            committed = json.load(f).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return committed if isinstance(committed, dict) else None
+
+
+def _missing_committed(name: str, device: torch.device, path: str) -> str:
+    return (f"no committed {name!r} results for {device_name(device)} in {path}; "
+            "run once with --save to record them")
+
+
+def require_committed(name: str, device: torch.device, path: str | None = None) -> None:
+    """--check's precondition, tested before the run rather than after it: a committed run
+    ``name`` for this device, or the one-line error (exit status 2) that the comparison would
+    give minutes later."""
+    path = path or committed_path(device)
+    if _committed_run(name, path) is None:
+        fail("--check: " + _missing_committed(name, device, path))
+
+
+def _setting_differences(committed: dict, fresh: dict) -> list[str]:
+    """What differs between the environments of the committed run and this one that moves
+    ratios by itself: the thread count (a loop's time over a two-thread op's), the clock, the
+    torch version. Settings the committed run did not record are not compared."""
+    old, new = committed.get("environment") or {}, fresh.get("environment") or {}
+    notes = []
+    for key, what in (("threads", "torch threads"), ("torch", "torch")):
+        if key in old and key in new and old[key] != new[key]:
+            notes.append(f"{what} {old[key]} in the committed run, {new[key]} in this one")
+    if old and new:
+        clocks = old.get("cpu_clock", "wall"), new.get("cpu_clock", "wall")
+        if clocks[0] != clocks[1]:
+            notes.append(f"{clocks[0]} clock in the committed run, {clocks[1]} in this one")
+    return notes
 
 
 def ratio_regressions(committed: dict[str, float], fresh: dict[str, float],
@@ -568,14 +641,9 @@ def check_against_committed(name: str, device: torch.device, fresh_payload: dict
             json.dump(ratios(fresh_payload), f)
         return 0
     path = path or committed_path(device)
-    try:
-        with open(path) as f:
-            committed = json.load(f).get(name)
-    except (OSError, ValueError):
-        committed = None
-    if not isinstance(committed, dict):
-        print(f"check: no committed {name!r} results for {device_name(device)} in {path}; "
-              "run once with --save to record them", file=sys.stderr)
+    committed = _committed_run(name, path)
+    if committed is None:
+        print("check: " + _missing_committed(name, device, path), file=sys.stderr)
         return 2
     regressions, compared = ratio_regressions(ratios(committed), ratios(fresh_payload), tolerance)
     when = committed.get("environment", {}).get("date", "?")
@@ -585,6 +653,8 @@ def check_against_committed(name: str, device: torch.device, fresh_payload: dict
         return 2
     print(f"# check: {len(compared)} ratios compared with the committed run of {when} "
           f"(higher is better; flagged when more than {tolerance:.0%} worse)")
+    for note in _setting_differences(committed, fresh_payload):
+        print(f"# check: not like for like: {note}; a ratio may move for that reason alone")
     if regressions and recheck:
         print(f"# check: {len(regressions)} flagged; timing them again in a second run",
               flush=True)

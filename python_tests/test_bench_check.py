@@ -193,6 +193,56 @@ def test_cost_curve_ratios():
     assert not any("op only" in k for k in found)  # our own op is not a baseline
 
 
+def test_subnormal_ratios_name_the_input_sizes():
+    """A --tiny run of bench_subnormals.py times small inputs, where the fused op's fixed cost
+    sets the ratios: its --check had compared them with the committed full-size run under the
+    same names and reported regressions of up to 66x. The sizes are now in the names; rows
+    recorded before the sizes were are the full sizes."""
+    subnormals = _bench_module("bench_subnormals")
+
+    def row(op, inputs=None):
+        r = {"op": op, "mode": "ieee", "fused_subnormal_over_normal": 1.0,
+             "speedup_on_subnormal": 20.0}
+        return r if inputs is None else dict(r, inputs=inputs)
+
+    tiny, full = subnormals.input_sizes(True), subnormals.input_sizes(False)
+    assert set(tiny) == set(full) == set(subnormals.cases(True))
+    assert all(tiny[op] != full[op] for op in tiny)
+    committed = subnormals.ratios({"rows": [row("aggregate")]})  # an older run: no sizes
+    assert not set(committed) & set(subnormals.ratios({"rows": [row("aggregate",
+                                                                    tiny["aggregate"])]}))
+    assert set(committed) == set(subnormals.ratios({"rows": [row("aggregate",
+                                                                 full["aggregate"])]}))
+    assert all(full["aggregate"] in name for name in committed)
+
+
+def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
+    """A run with --threads 1, --clock process or another torch compared with a committed
+    two-thread wall-clock run: the ratios move for that reason alone, and the check says so."""
+    import torch
+
+    bench_aggregate = _bench_module("bench_aggregate")
+    committed = _aggregate_payload(10.0, 30.0, 90.0)
+    committed["environment"].update(threads=2, torch="2.13.0")
+    path = tmp_path / "device.json"
+    path.write_text(json.dumps({"aggregate": committed}))
+
+    def check(**env):
+        fresh = _aggregate_payload(10.0, 30.0, 90.0)
+        fresh["environment"].update({"threads": 2, "torch": "2.13.0", **env})
+        status = common.check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                                bench_aggregate.ratios, 0.2, path=str(path))
+        return status, [ln for ln in capsys.readouterr().out.splitlines()
+                        if "not like for like" in ln]
+
+    assert check() == (0, [])
+    status, notes = check(threads=1, cpu_clock="process", torch="2.14.0")
+    assert status == 0 and len(notes) == 3
+    assert "torch threads 2 in the committed run, 1 in this one" in notes[0]
+    assert "torch 2.13.0 in the committed run, 2.14.0 in this one" in notes[1]
+    assert "wall clock in the committed run, process in this one" in notes[2]
+
+
 # ------------------------------------------------------------------ the script
 
 

@@ -151,8 +151,90 @@ def test_small_calls_refuses_bad_counts(args, message):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+# A bad count, size, name or tolerance: argparse's one-line error and exit status 2 before
+# any work, not a traceback minutes later (a ZeroDivisionError from a 0-byte probe, an empty
+# median from 0 repeats, a ValueError from a negative tolerance once the run is over), nor an
+# empty run that --save would merge over the committed results (an unknown model or case).
+BAD_ARGUMENTS = [
+    ("bench_aggregate.py", ["--dtypes", "int8"], "argument --dtypes: invalid choice: 'int8'"),
+    ("bench_aggregate.py", ["--clients", "0"], "argument --clients: must be at least 1, got 0"),
+    ("bench_aggregate.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
+    ("bench_aggregate.py", ["--probe-bytes", "0"], "argument --probe-bytes: must be at least"),
+    ("bench_aggregate.py", ["--skip", "fused"], "argument --skip: invalid choice: 'fused'"),
+    ("bench_aggregate.py", ["--skip", "lop"], "argument --skip: invalid choice: 'lop'"),
+    ("bench_aggregate.py", ["--check", "--tolerance", "-1"],
+     "argument --tolerance: must be a finite number >= 0"),
+    ("bench_energy.py", ["--tiny", "--probe-bytes", "0"], "argument --probe-bytes"),
+    ("bench_energy.py", ["--check", "--tolerance", "nan"], "argument --tolerance"),
+    ("bench_distill.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
+    ("bench_cost_curve.py", ["--sizes", "0"], "argument --sizes: must be at least 2"),
+    ("bench_cost_curve.py", ["--clients", "0"], "argument --clients: must be at least 1"),
+    ("bench_cost_curve.py", ["--worlds", "0"], "argument --worlds: must be at least 1"),
+    ("bench_cost_curve.py", ["--tiny", "--repeats", "0"], "argument --repeats"),
+    ("bench_cost_curve.py", ["--max-input-gib", "0"], "argument --max-input-gib"),
+    ("bench_superfed.py", ["--models", "resnet"], "argument --models: invalid choice"),
+    ("bench_superfed.py", ["--batch", "0"], "argument --batch: must be at least 1"),
+    ("bench_robust_ops.py", ["--ks", "0"], "argument --ks: must be at least 3"),
+    ("bench_robust_ops.py", ["--cases", "medain"], "argument --cases: unknown case 'medain'"),
+    ("bench_robust_ops.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
+    ("bench_vmap.py", ["--threads", "0"], "argument --threads: must be at least 1"),
+    ("bench_vmap.py", ["--hidden", "0"], "argument --hidden: must be at least 1"),
+    ("bench_serial_threshold.py", ["--max-mib", "0"], "argument --max-mib: must be at least 1"),
+    ("bench_sgld.py", ["--max-elements", "0"], "argument --max-elements: must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("script,args,message", BAD_ARGUMENTS,
+                         ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_one_line_exit_2_before_any_work(tmp_path, script, args, message):
+    proc = _run(BENCH / script, *args, "--out", str(tmp_path / "out.json"), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.parametrize("script", ["bench_aggregate.py", "bench_cost_curve.py",
+                                    "bench_energy.py", "bench_subnormals.py"])
+def test_check_without_committed_results_is_refused_before_the_run(tmp_path, script):
+    """The comparison's missing file found first, not after the minutes of a full run."""
+    folder = copy_bench(tmp_path)  # results/ is empty
+    proc = _run(folder / script, "--check", "--out", str(tmp_path / "out.json"), timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{script}: error: --check: no committed")
+    assert "run once with --save" in lines[0] and proc.stdout == ""
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_small_calls_spinners_stop_when_the_benchmark_is_killed(tmp_path):
+    """SIGTERM or SIGKILL skips the finally that stops the spinners; they stop by themselves
+    when their parent is gone, instead of holding every core for an hour."""
+    import signal
+    import time
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        before = set(_spinners())
+        proc = subprocess.Popen([sys.executable, str(BENCH / "bench_small_calls.py"), "--busy",
+                                 "1", "--repeats", "2000", "--out", str(tmp_path / "o.json")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+        try:
+            deadline = time.monotonic() + 120
+            while set(_spinners()) <= before and time.monotonic() < deadline:
+                assert proc.poll() is None, "the benchmark ended before its busy phase"
+                time.sleep(0.05)
+            assert set(_spinners()) - before, "no spinner started"
+        finally:
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while set(_spinners()) - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not set(_spinners()) - before, f"a spinner outlived the benchmark ({sig.name})"
+
+
 def _spinners() -> list[str]:
-    """Command lines of running processes that look like bench_small_calls' spinners."""
+    """``pid: command line`` of running processes that look like bench_small_calls' spinners
+    (with the pid: two spinners have the same command line)."""
     found = []
     for entry in Path("/proc").glob("[0-9]*/cmdline"):
         try:
@@ -160,7 +242,7 @@ def _spinners() -> list[str]:
         except OSError:
             continue
         if "while time.time() - t < 3600" in cmdline:
-            found.append(cmdline)
+            found.append(f"{entry.parent.name}: {cmdline}")
     return found
 
 
