@@ -97,12 +97,19 @@ def _compare(c: Comparison) -> tuple[bool, float, str]:
     if not e.is_floating_point():
         ok = torch.equal(x, y)
         return ok, 0.0 if ok else math.inf, "" if ok else f"{c.label}: integer values differ"
-    same_nan = torch.equal(torch.isnan(x), torch.isnan(y))
+    nan_x, nan_y = torch.isnan(x), torch.isnan(y)
+    if not torch.equal(nan_x, nan_y):
+        # said as such: the NaNs leave the difference of the other values, often 0 (an out=
+        # that was never written keeps its NaN fill), and "max abs error 0" would not say it
+        extra, missing = int((nan_x & ~nan_y).sum()), int((nan_y & ~nan_x).sum())
+        parts = ([f"{extra} NaN where the reference has a number"] if extra else []) + \
+            ([f"a number where the reference has {missing} NaN"] if missing else [])
+        return False, math.inf, f"{c.label}: {' and '.join(parts)} (of {x.numel()} values)"
     diff = (x - y).abs().nan_to_num(0.0)
     err = float(diff.max())
     rtol, atol = c.tol
     bad = diff > atol + rtol * y.abs().nan_to_num(0.0)
-    if not same_nan or bool(bad.any()):
+    if bool(bad.any()):
         return False, err, f"{c.label}: max abs error {err:.3g} (rtol {rtol:g}, atol {atol:g})"
     return True, err, ""
 
@@ -737,8 +744,12 @@ def cpu_build_info() -> dict[str, Any]:
         reason = f"forced by FEDKERNELS_CPU_CAPABILITY={forced}"
     else:
         reason = f"the best build for torch's CPU capability {torch_cap}"
-        if aten:
+        if aten and aten.lower() == torch_cap.lower():
             reason += f" (set by ATEN_CPU_CAPABILITY={aten})"
+        elif aten:
+            # torch ignores a value it does not know or this CPU cannot run (with a warning
+            # that scrolls away): not "set by" it
+            reason += f" (torch did not apply ATEN_CPU_CAPABILITY={aten})"
     return {"loaded": native.cpu_capability, "built": built, "torch_capability": torch_cap,
             "FEDKERNELS_CPU_CAPABILITY": forced or None, "ATEN_CPU_CAPABILITY": aten or None,
             "reason": reason}
@@ -942,6 +953,19 @@ def _validate_json_path(json_path: str | os.PathLike | None) -> Path | None:
     return path
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as null: json.dumps writes Infinity and NaN,
+    which are not JSON (strict parsers, jq and JavaScript's JSON.parse, refuse the file); a
+    failed check's error is infinite where the shapes or the NaNs differ."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def available_devices() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
@@ -957,11 +981,13 @@ def check(
 ) -> dict[str, Any]:
     """Checks this installation and prints a report; returns it as a dict (``report["ok"]``).
 
-    Every op of the ``fedkernels`` torch library runs on every device in ``devices`` (default:
-    the CPU, and CUDA when a GPU is visible) in float32, float64, float16 and bfloat16 against
-    :mod:`fedkernels.ops.reference`; an op with no check here fails. Unless ``quick``, a
-    bandwidth probe (at most ~5 s per device) compares ``weighted_sum`` of K = 10 clients of
-    64 MB with a ``sum`` over the same memory. ``json_path`` also writes the report as JSON.
+    Every op of the ``fedkernels`` torch library runs on every device in ``devices`` (names,
+    or one name; default: the CPU, and CUDA when a GPU is visible) in float32, float64,
+    float16 and bfloat16 against :mod:`fedkernels.ops.reference`; an op with no check here
+    fails. Unless ``quick``, a bandwidth probe (at most ~5 s per device) compares
+    ``weighted_sum`` of K = 10 clients of 64 MB with a ``sum`` over the same memory.
+    ``json_path`` also writes the report as JSON (a non-finite number, such as the infinite
+    error of a wrong shape, as null).
     ``ops`` maps op names (``"weighted_sum"``, ``"weighted_sum.out"``, ...) to callables
     that replace the native op in the check (to see what a broken op looks like).
     ``verbose=False`` prints nothing; ``file`` is where the report goes (default stdout).
@@ -977,7 +1003,10 @@ def check(
         if not callable(fn):
             raise TypeError(f"ops[{name!r}] must be callable, not {type(fn).__name__}")
     available = available_devices()
-    devices = available if devices is None else list(devices)
+    if isinstance(devices, str):  # "cpu", not the characters c, p, u
+        devices = [devices]
+    # each device once: a repeated one ran every check again and counted it twice
+    devices = available if devices is None else list(dict.fromkeys(devices))
     for d in devices:
         if d not in ("cpu", "cuda"):
             raise ValueError(f"devices: {d!r} is not 'cpu' or 'cuda'")
@@ -1005,7 +1034,8 @@ def check(
         print(text, file=file or sys.stdout, flush=True)
     if path is not None:
         try:
-            path.write_text(json.dumps(report, indent=1, default=str) + "\n")
+            path.write_text(json.dumps(_json_safe(report), indent=1, default=str,
+                                       allow_nan=False) + "\n")
         except OSError as err:
             raise ValueError(f"cannot write the JSON report to {str(path)!r}: "
                              f"{err.strerror or err}") from None

@@ -165,6 +165,68 @@ def test_bad_arguments_fail_before_anything_is_written(tmp_path, capsys):
     assert not (tmp_path / "missing").exists()
 
 
+def test_an_output_left_unwritten_is_named_as_nan():
+    """An out= op that writes nothing leaves the check's NaN fill; the other values differ by
+    0, and the failure had read "max abs error 0"."""
+    report = fedkernels.check(quick=True, ops={"weighted_sum.out": lambda *a, **k: None},
+                              verbose=False)
+    details = {r["detail"] for r in report["ops"] if r["op"] == "weighted_sum.out"}
+    assert details == {"delta, out=[0]: 35 NaN where the reference has a number (of 35 values)"}
+    assert not any("max abs error 0 " in r["detail"] for r in report["ops"])
+
+
+def test_the_json_report_is_strict_json(tmp_path):
+    """A failure's infinite error (shapes that differ) is null in the file: Infinity is not
+    JSON, and strict parsers refused the whole report."""
+    path = tmp_path / "report.json"
+    report = fedkernels.check(quick=True, json_path=path, verbose=False,
+                              ops={"weighted_sum": lambda *a, **k: [torch.zeros(1)]})
+    assert any(r["max_abs_error"] == float("inf") for r in report["ops"])
+
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    written = json.loads(path.read_text(), parse_constant=refuse)
+    rows = [r for r in written["ops"] if r["op"] == "weighted_sum"]
+    assert rows and all(r["max_abs_error"] is None and r["status"] == "fail" for r in rows)
+
+
+def test_devices_given_as_one_name_or_repeated():
+    # "cpu" had been read as the devices 'c', 'p', 'u'; ["cpu", "cpu"] ran every check twice
+    once = fedkernels.check(quick=True, devices=["cpu"], verbose=False)
+    for devices in ("cpu", ["cpu", "cpu"]):
+        report = fedkernels.check(quick=True, devices=devices, verbose=False)
+        assert len(report["ops"]) == len(once["ops"]) and report["ok"]
+
+
+def test_the_reason_names_aten_cpu_capability_only_where_torch_applied_it(monkeypatch):
+    torch_cap = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.delenv("FEDKERNELS_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", torch_cap.lower())
+    assert selfcheck.cpu_build_info()["reason"].endswith(
+        f"(set by ATEN_CPU_CAPABILITY={torch_cap.lower()})")
+    # torch warns and ignores a value it does not know: the capability is not "set by" it
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "bogus")
+    assert selfcheck.cpu_build_info()["reason"].endswith(
+        "(torch did not apply ATEN_CPU_CAPABILITY=bogus)")
+
+
+def test_a_forced_build_above_aten_cpu_capability_names_it():
+    """FEDKERNELS_CPU_CAPABILITY=avx2 under ATEN_CPU_CAPABILITY=default, on a CPU with AVX2:
+    the import error says that torch's capability was lowered, not that the CPU lacks it."""
+    from fedkernels.ops import native
+
+    if "avx2" not in native._supported_capabilities():
+        pytest.skip("this CPU does not support the avx2 build")
+    env = dict(_child_env(), ATEN_CPU_CAPABILITY="default", FEDKERNELS_CPU_CAPABILITY="avx2")
+    proc = subprocess.run([sys.executable, "-c", "import fedkernels"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert ("ImportError: FEDKERNELS_CPU_CAPABILITY=avx2 needs a CPU capability of at least "
+            "AVX2, but torch runs at CPU capability DEFAULT (ATEN_CPU_CAPABILITY=default)"
+            in proc.stderr), proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_cuda_requested_without_a_gpu(capsys):
     with pytest.raises(ValueError, match="no CUDA GPU"):

@@ -51,7 +51,15 @@ def load() -> None:
         if forced not in _ORDER:
             raise ImportError(f"FEDKERNELS_CPU_CAPABILITY must be one of {_ORDER}, not {forced!r}")
         if forced not in _supported_capabilities():
-            raise ImportError(f"FEDKERNELS_CPU_CAPABILITY={forced} but this CPU does not support it")
+            # torch's capability is the limit, and ATEN_CPU_CAPABILITY lowers it on a CPU that
+            # has the instructions: "this CPU does not support it" would send one looking for
+            # a hardware problem
+            torch_cap = torch.backends.cpu.get_cpu_capability()
+            aten = os.environ.get("ATEN_CPU_CAPABILITY", "")
+            why = (f"torch runs at CPU capability {torch_cap}"
+                   + (f" (ATEN_CPU_CAPABILITY={aten})" if aten else ": this CPU lacks it"))
+            raise ImportError(f"FEDKERNELS_CPU_CAPABILITY={forced} needs a CPU capability of "
+                              f"at least {forced.upper()}, but {why}")
         candidates = [forced]
     else:
         candidates = _supported_capabilities()
