@@ -455,6 +455,61 @@ def test_compile_fullgraph_in_place(device):
     assert not torch.equal(acc_a[0], torch.ones(9, device=device))
 
 
+def test_jit_trace_refuses_ops_that_write_into_a_list():
+    """torch.jit.trace dropped the out= and in-place list ops as dead code: the traced module
+    returned its out/base tensors unwritten, without an error. Every Python path to such an op
+    now refuses the trace, naming the op; allocating calls still trace, and torch.export and
+    torch.compile (above) record all of them."""
+    import warnings
+
+    from fedkernels.ops import private, robust
+
+    w2 = weights_tensor(2)
+    calls = {
+        "weighted_sum.out": lambda a, b, o: ops.weighted_sum_out([a, b], w2, [], 1.0, False, [o]),
+        "weighted_sum_": lambda a, b, o: ops.weighted_sum_([o], [a, b], w2, 1.0, False),
+        "coordinate_median.out": lambda a, b, o: robust.coordinate_median([a, b, a], 3, [o]),
+        "trimmed_mean.out": lambda a, b, o: robust.trimmed_mean([a, b, a], 3, 0, [o]),
+        "median_window_mean.out": lambda a, b, o: robust.median_window_mean([a, b, a], 3, 1,
+                                                                            [o]),
+        "private_sum.out": lambda a, b, o: private.private_sum([a, b], w2, [o], 0.0, None, [o]),
+        "private_sum_": lambda a, b, o: private.private_sum_([o], [a, b], w2, 0.0, None),
+        "superfed_sgd_step_": lambda a, b, o: ops.superfed_sgd_step_(
+            [o], [a], [], [], [b], torch.zeros(1, 4, dtype=torch.float64), 0.5, lr=0.1),
+        "aggregate out=": lambda a, b, o: fedkernels.aggregate([[a], [b]], [0.5, 0.5], out=[o]),
+        "Accumulator": lambda a, b, o: _accumulated(a, b),
+    }
+    args = (torch.randn(6), torch.randn(6), torch.zeros(6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.trace is deprecated
+        for name, call in calls.items():
+            op = "weighted_sum_" if name == "Accumulator" else \
+                "weighted_sum.out" if name == "aggregate out=" else name
+            with pytest.raises(RuntimeError, match=f"fedkernels.{op}: torch.jit.trace does not "
+                                                   "record ops that write into a list"):
+                torch.jit.trace(_Returns(call), args)
+        traced = torch.jit.trace(_Returns(lambda a, b, o: fedkernels.aggregate(
+            [[a], [b]], [0.5, 0.5])[0]), args)
+        assert torch.equal(traced(*args), (args[0] + args[1]) * 0.5)
+
+
+def _accumulated(a, b):
+    acc = fedkernels.Accumulator()
+    acc.add([a], 0.5)
+    acc.add([b], 0.5)
+    return acc.result()[0]
+
+
+class _Returns(torch.nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.call = call
+
+    def forward(self, a, b, o):
+        result = self.call(a, b, o)
+        return o if result is None or isinstance(result, list) else result
+
+
 # ---------------------------------------------------------------- CUDA only
 
 

@@ -41,6 +41,7 @@ from .mixing import (
     orthogonality_from_stats,
     proximal_from_stats,
 )
+from .native import refuse_jit_trace
 
 _ops = torch.ops.fedkernels
 
@@ -79,6 +80,7 @@ def superfed_sgd_step_(
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64)
     first = (first_step, first_step) if isinstance(first_step, bool) else tuple(first_step)
+    refuse_jit_trace("superfed_sgd_step_")
     _ops.superfed_sgd_step_(
         list(global_params), list(local_params), list(global_momentum), list(local_momentum),
         list(grads), grad_stats, lam, list(anchor), float(lr), float(momentum),

@@ -76,3 +76,15 @@ def load() -> None:
     if cuda is not None and torch.version.cuda is not None:
         torch.ops.load_library(cuda)
         cuda_available = True
+
+
+def refuse_jit_trace(op: str) -> None:
+    """Raises under ``torch.jit.trace`` for an op that writes into a list of tensors (``out=``,
+    in place). The tracer records such a call with its list built inside the graph and then
+    drops it as dead code: the traced module returns its ``out``/``base`` tensors unwritten,
+    with no error. ``torch.compile`` and ``torch.export`` record these ops correctly."""
+    if torch.jit.is_tracing():
+        raise RuntimeError(
+            f"fedkernels.{op}: torch.jit.trace does not record ops that write into a list of "
+            "tensors (out=, in place): the traced module would return them unwritten; use "
+            "torch.compile or torch.export, or the allocating call")

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from .devices import check_device
+from .native import refuse_jit_trace
 from .robust import check_client_list, check_like_client_tensors
 
 _ops = torch.ops.fedkernels
@@ -41,6 +42,7 @@ def private_sum(clients: Sequence[Tensor], coefficients: Tensor, base: Sequence[
     when given. ``coefficients``: ``[K]`` float64 on the CPU."""
     if out is None:
         return _ops.private_sum(clients, coefficients, base, float(noise_std), generator)
+    refuse_jit_trace("private_sum.out")
     _ops.private_sum.out(clients, coefficients, base, float(noise_std), generator, out=out)
     return list(out)
 
@@ -48,6 +50,7 @@ def private_sum(clients: Sequence[Tensor], coefficients: Tensor, base: Sequence[
 def private_sum_(base: Sequence[Tensor], clients: Sequence[Tensor], coefficients: Tensor,
                  noise_std: float, generator: torch.Generator | None = None) -> None:
     """:func:`private_sum` written into ``base``."""
+    refuse_jit_trace("private_sum_")
     _ops.private_sum_(base, clients, coefficients, float(noise_std), generator)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .devices import check_device
+from .native import refuse_jit_trace
 
 _ops = torch.ops.fedkernels
 
@@ -34,6 +35,7 @@ def coordinate_median(clients: Sequence[Tensor], num_clients: int,
     """Coordinate-wise median of the K clients (module docstring); into ``out`` when given."""
     if out is None:
         return _ops.coordinate_median(clients, num_clients)
+    refuse_jit_trace("coordinate_median.out")
     _ops.coordinate_median.out(clients, num_clients, out=out)
     return list(out)
 
@@ -52,6 +54,7 @@ def trimmed_mean(clients: Sequence[Tensor], num_clients: int, cut: int,
     _check_cut(int(cut), int(num_clients))
     if out is None:
         return _ops.trimmed_mean(clients, num_clients, cut)
+    refuse_jit_trace("trimmed_mean.out")
     _ops.trimmed_mean.out(clients, num_clients, cut, out=out)
     return list(out)
 
@@ -61,6 +64,7 @@ def median_window_mean(clients: Sequence[Tensor], num_clients: int, window: int,
     """Mean of the ``window`` values closest to the coordinate's median; into ``out``."""
     if out is None:
         return _ops.median_window_mean(clients, num_clients, window)
+    refuse_jit_trace("median_window_mean.out")
     _ops.median_window_mean.out(clients, num_clients, window, out=out)
     return list(out)
 

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from .autograd_bypass import below_autograd_unless_needed
 from .devices import check_device, check_list_device
+from .native import refuse_jit_trace
 
 _ops = torch.ops.fedkernels
 
@@ -44,6 +45,7 @@ def weighted_sum_out(
     delta: bool,
     out: Sequence[Tensor],
 ) -> None:
+    refuse_jit_trace("weighted_sum.out")
     _ops.weighted_sum.out(
         list(updates), weights, list(base), float(scale), bool(delta), out=list(out)
     )
@@ -57,6 +59,7 @@ def weighted_sum_(
     delta: bool = True,
 ) -> None:
     """In place: ``b <- b + scale * Σ_k w_k (x_k - [delta] b)``."""
+    refuse_jit_trace("weighted_sum_")
     _ops.weighted_sum_(list(base), list(updates), weights, float(scale), bool(delta))
 
 
