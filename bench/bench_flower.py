@@ -23,6 +23,7 @@ bandwidth probe (a large ``sum``) measured in the same run.
 
     python bench/bench_flower.py                 # all cases, writes bench/results/flower-<cpu>.json
     python bench/bench_flower.py --quick         # K = 10 only, 3 repeats
+    python bench/bench_flower.py --quick --out /tmp/flower.json   # the committed file untouched
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
+    at_least,
     bandwidth_probes,
+    check_output_arguments,
     device_name,
     environment,
     exact_cpu_memory_accounting,
@@ -190,7 +193,7 @@ def model_bytes(model: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="K = 10 only, 3 repeats")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
     parser.add_argument("--cases", default="resnet18:10,lora:10,resnet18:100,lora:100",
                         help="model:K pairs; rows of other cases already in the results "
                              "file are kept")
@@ -198,6 +201,10 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=10,
                         help="distinct client models the K replies cycle through")
     parser.add_argument("--no-memory", action="store_true")
+    # without it a run merges into the committed results of this CPU
+    parser.add_argument("--out", metavar="FILE",
+                        help="results JSON to write, merging the rows of other cases already "
+                             "in it (default bench/results/flower-<device>.json, committed)")
     parser.add_argument("--child-memory", nargs=5, help=argparse.SUPPRESS,
                         metavar=("MODEL", "K", "STRATEGY", "IMPL", "DISTINCT"))
     args = parser.parse_args()
@@ -207,6 +214,7 @@ def main() -> None:
         return
     if args.distinct < 1:
         parser.error("--distinct: expected a positive number of client models")
+    check_output_arguments(args)
     quiet_flower()
     import flwr
 
@@ -251,8 +259,8 @@ def main() -> None:
                 "repeats": repeats, "probe": probe,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds")})
-    os.makedirs(RESULTS_DIR, exist_ok=True)
-    path = os.path.join(RESULTS_DIR, f"flower-{device_name(device)}.json")
+    path = args.out or os.path.join(RESULTS_DIR, f"flower-{device_name(device)}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     # Rows of other (model, K, strategy) cases measured by an earlier run are kept, each
     # with the environment of its own run.
     for row in rows:

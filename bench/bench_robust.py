@@ -22,6 +22,7 @@ first, so imports and first-use allocations are not counted; bench/common.py).
 
     python bench/bench_robust.py                  # K = 10 and 50, writes bench/results/robust-<cpu>.json
     python bench/bench_robust.py --cases 10 --repeats 3 --rules FedMedian,Krum
+    python bench/bench_robust.py --cases 10 --out /tmp/robust.json   # the committed file untouched
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
+    at_least,
     bandwidth_probes,
+    check_output_arguments,
     device_name,
     environment,
     exact_cpu_memory_accounting,
@@ -269,11 +272,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", default="10,50", help="values of K")
     parser.add_argument("--rules", default=",".join(RULES))
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--memory-only", action="store_true",
                         help="measure only peak memory and add it to the rows already in the "
                              "results file")
+    # without it a run merges into the committed results of this CPU
+    parser.add_argument("--out", metavar="FILE",
+                        help="results JSON to write, merging the rows of other cases already "
+                             "in it (default bench/results/robust-<device>.json, committed)")
     parser.add_argument("--child-memory", nargs=3, metavar=("K", "RULE", "IMPL"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -294,9 +301,12 @@ def main() -> None:
         parser.error(f"--cases: expected values of K, got {args.cases!r}")
     if any(k < 3 for k in cases):
         parser.error("--cases: K must be >= 3 (Bulyan needs 4f + 3 replies)")
+    check_output_arguments(args)
     device = torch.device("cpu")
-    path = os.path.join(RESULTS_DIR, f"robust-{device_name(device)}.json")
+    path = args.out or os.path.join(RESULTS_DIR, f"robust-{device_name(device)}.json")
     if args.memory_only:
+        if not os.path.exists(path):
+            parser.error(f"--memory-only adds to the rows of {path}, which does not exist")
         add_memory(path, cases, rules)
         return
     probe = bandwidth_probes(device)
@@ -332,7 +342,7 @@ def main() -> None:
 def save(path: str, rows: list[dict], env: dict) -> list[dict]:
     """Writes ``rows`` into ``path``, keeping the rows of other (K, rule) cases measured by
     an earlier run (each with the environment of its own run); returns all rows."""
-    os.makedirs(RESULTS_DIR, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     kept = []
     if os.path.exists(path):
         with open(path) as f:

@@ -206,6 +206,24 @@ def test_check_without_committed_results_is_refused_before_the_run(tmp_path, scr
     assert not (tmp_path / "out.json").exists()
 
 
+def test_framework_comparisons_write_to_out_instead_of_the_committed_file(tmp_path):
+    """bench_flower.py and bench_robust.py merged every run into bench/results/, with no
+    way to send a trial run elsewhere."""
+    pytest.importorskip("flwr")
+    folder = copy_bench(tmp_path)
+    out = tmp_path / "flower.json"
+    proc = _run(folder / "bench_flower.py", "--quick", "--no-memory", "--strategies", "FedAvg",
+                "--cases", "resnet18:10", "--out", str(out), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["strategy"] for r in json.loads(out.read_text())["rows"]] == ["FedAvg"]
+    assert list((folder / "results").iterdir()) == []
+    for script in ("bench_flower.py", "bench_robust.py"):
+        proc = _run(folder / script, "--out", str(tmp_path), timeout=120)
+        assert proc.returncode == 2 and "is a directory" in proc.stderr, proc.stderr
+    proc = _run(folder / "bench_robust.py", "--memory-only", "--out", str(tmp_path / "no.json"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+
+
 def test_small_calls_spinners_stop_when_the_benchmark_is_killed(tmp_path):
     """SIGTERM or SIGKILL skips the finally that stops the spinners; they stop by themselves
     when their parent is gone, instead of holding every core for an hour."""
