@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, new_run_path  # noqa: E402
+from common import RESULTS_DIR, at_least, new_run_path  # noqa: E402
 
 from fedkernels.cli.compare import compare, markdown_table  # noqa: E402
 
@@ -81,23 +81,36 @@ EXPERIMENTS = {
 }
 
 
+def seed_list(text: str) -> list[int]:
+    """--seeds: one line at the command line (exit status 2), not a traceback once parsed."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") \
+            from None
+    if not seeds:
+        raise argparse.ArgumentTypeError("expected at least one seed")
+    return seeds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("which", nargs="?", default="all", choices=[*EXPERIMENTS, "all"])
-    parser.add_argument("--seeds", default="0,1,2,3,4")
+    parser.add_argument("--seeds", type=seed_list, default="0,1,2,3,4",
+                        help="comma-separated integer seeds")
     parser.add_argument("--out", metavar="DIR",
                         help="folder for compare_<name>/ (default: a new folder under "
                              "bench/results/runs/)")
     parser.add_argument("--save", action="store_true",
                         help="write into bench/results/compare_<name>/, the committed results")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     parser.add_argument("--tiny", action="store_true",
                         help="2 rounds, seed 0, the first two algorithms: checks the script runs")
     args = parser.parse_args(argv)
     if args.out and args.save:
         parser.error("--out and --save name two different folders; give one")
     torch.set_num_threads(args.threads)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     names = list(EXPERIMENTS) if args.which == "all" else [args.which]
     root = Path(args.out or (RESULTS_DIR if args.save else new_run_path("compare", suffix="")))
     for name in names:

@@ -181,6 +181,8 @@ BAD_ARGUMENTS = [
     ("bench_vmap.py", ["--hidden", "0"], "argument --hidden: must be at least 1"),
     ("bench_serial_threshold.py", ["--max-mib", "0"], "argument --max-mib: must be at least 1"),
     ("bench_sgld.py", ["--max-elements", "0"], "argument --max-elements: must be at least 1"),
+    ("compare_strategies.py", ["--seeds", "0,x"], "argument --seeds: expected comma-separated"),
+    ("compare_strategies.py", ["--threads", "0"], "argument --threads: must be at least 1"),
 ]
 
 
