@@ -37,7 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
+    at_least,
     bandwidth_probes,
+    check_output_arguments,
     device_name,
     environment,
     exact_cpu_memory_accounting,
@@ -160,14 +162,15 @@ def markdown_table(rows: list[dict], env: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="K = 4 only, 3 repeats")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=at_least(1), default=7)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=at_least(1), help="torch threads (default: torch's)")
     parser.add_argument("--out", metavar="FILE", help="results JSON (default "
                         "bench/results/nvflare-<device>.json)")
     parser.add_argument("--child-memory", nargs=3, metavar=("K", "INPUT", "IMPL"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    check_output_arguments(args)  # an --out folder: refused now, not after the run
     logging.disable(logging.CRITICAL)  # NVFlare logs every accept; both sides alike
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -183,6 +183,8 @@ BAD_ARGUMENTS = [
     ("bench_sgld.py", ["--max-elements", "0"], "argument --max-elements: must be at least 1"),
     ("compare_strategies.py", ["--seeds", "0,x"], "argument --seeds: expected comma-separated"),
     ("compare_strategies.py", ["--threads", "0"], "argument --threads: must be at least 1"),
+    ("bench_fedlab.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
+    ("bench_nvflare.py", ["--threads", "0"], "argument --threads: must be at least 1"),
 ]
 
 
@@ -219,7 +221,7 @@ def test_framework_comparisons_write_to_out_instead_of_the_committed_file(tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r["strategy"] for r in json.loads(out.read_text())["rows"]] == ["FedAvg"]
     assert list((folder / "results").iterdir()) == []
-    for script in ("bench_flower.py", "bench_robust.py"):
+    for script in ("bench_flower.py", "bench_robust.py", "bench_fedlab.py", "bench_nvflare.py"):
         proc = _run(folder / script, "--out", str(tmp_path), timeout=120)
         assert proc.returncode == 2 and "is a directory" in proc.stderr, proc.stderr
     proc = _run(folder / "bench_robust.py", "--memory-only", "--out", str(tmp_path / "no.json"))
