@@ -562,9 +562,9 @@ def require_committed(name: str, device: torch.device, path: str | None = None) 
 
 
 def _setting_differences(committed: dict, fresh: dict) -> list[str]:
-    """What differs between the environments of the committed run and this one that moves
-    ratios by itself: the thread count (a loop's time over a two-thread op's), the clock, the
-    torch version. Settings the committed run did not record are not compared."""
+    """What differs between the committed run and this one that moves ratios by itself: the
+    thread count (a loop's time over a two-thread op's), the clock, the torch version, the
+    size of the read probe. Settings the committed run did not record are not compared."""
     old, new = committed.get("environment") or {}, fresh.get("environment") or {}
     notes = []
     for key, what in (("threads", "torch threads"), ("torch", "torch")):
@@ -574,6 +574,11 @@ def _setting_differences(committed: dict, fresh: dict) -> list[str]:
         clocks = old.get("cpu_clock", "wall"), new.get("cpu_clock", "wall")
         if clocks[0] != clocks[1]:
             notes.append(f"{clocks[0]} clock in the committed run, {clocks[1]} in this one")
+    # a probe that fits in a cache reads faster: every fraction of it moves (--probe-bytes)
+    sizes = [(run.get("probes") or {}).get("probe_bytes") for run in (committed, fresh)]
+    if None not in sizes and sizes[0] != sizes[1]:
+        notes.append(f"a read probe of {sizes[0] / 2**20:g} MiB in the committed run, "
+                     f"{sizes[1] / 2**20:g} MiB in this one")
     return notes
 
 

@@ -242,6 +242,16 @@ def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
     assert "torch 2.13.0 in the committed run, 2.14.0 in this one" in notes[1]
     assert "wall clock in the committed run, process in this one" in notes[2]
 
+    # --tiny's 8 MiB probe, in a cache, against the committed run's 1 GiB one
+    committed["probes"] = {"probe_bytes": 1 << 30}
+    path.write_text(json.dumps({"aggregate": committed}))
+    fresh = _aggregate_payload(10.0, 30.0, 90.0)
+    fresh["probes"] = {"probe_bytes": 1 << 23}
+    assert common.check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                          bench_aggregate.ratios, 0.2, path=str(path)) == 0
+    assert ("not like for like: a read probe of 1024 MiB in the committed run, 8 MiB in this "
+            "one") in capsys.readouterr().out
+
 
 # ------------------------------------------------------------------ the script
 
