@@ -81,6 +81,7 @@ from common import (  # noqa: E402
     fail,
     interleaved_medians,
     peak_extra_memory,
+    positive_number,
     print_probes,
     release_freed_memory,
     require_committed,
@@ -552,16 +553,6 @@ def model_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a size such as 1e7, got {text!r}") from None
     if value < 2:
         raise argparse.ArgumentTypeError(f"must be at least 2 (a weight and a bias), got {text}")
-    return value
-
-
-def positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return value
 
 

@@ -94,15 +94,24 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def non_negative_fraction(text: str) -> float:
-    """An argparse type: a finite float >= 0 (``--tolerance``)."""
+def _finite_number(text: str, ok, bound: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
     return value
+
+
+def non_negative_fraction(text: str) -> float:
+    """An argparse type: a finite float >= 0 (``--tolerance``)."""
+    return _finite_number(text, lambda v: v >= 0, ">= 0")
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite float > 0 (a time limit, a memory bound)."""
+    return _finite_number(text, lambda v: v > 0, "> 0")
 
 
 # The smallest --probe-bytes: one float32 (a 0-byte probe divides by a zero time).
