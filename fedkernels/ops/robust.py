@@ -41,8 +41,8 @@ def coordinate_median(clients: Sequence[Tensor], num_clients: int,
 
 
 def _check_cut(cut: int, num_clients: int) -> None:
-    # The native check's, in Python integers, for the traced (fake) op too: refused before
-    # any kernel reads past the K values.
+    # The native op's check (robust_host.h), for the traced (fake) op: a traced call is refused
+    # when it is traced, not only when the kernel runs.
     if num_clients > 0 and not 0 <= cut < num_clients - cut:  # K <= 0: the op's error
         raise ValueError(f"fedkernels.trimmed_mean: cut must be in [0, K/2) for K = "
                          f"{num_clients} clients (it drops `cut` values at each end), got {cut}")
@@ -51,7 +51,6 @@ def _check_cut(cut: int, num_clients: int) -> None:
 def trimmed_mean(clients: Sequence[Tensor], num_clients: int, cut: int,
                  out: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Mean of ranks ``[cut, K - cut)`` per coordinate; into ``out`` when given."""
-    _check_cut(int(cut), int(num_clients))
     if out is None:
         return _ops.trimmed_mean(clients, num_clients, cut)
     refuse_jit_trace("trimmed_mean.out")
