@@ -241,6 +241,14 @@ _LOOKAHEAD_ROWS = textwrap.dedent(
                                                    return_weights=True)[1]
         ok = torch.isfinite(w_ref).all(0)
         torch.testing.assert_close(w[:, ok].double(), w_ref[:, ok], rtol=1e-4, atol=1e-6)
+    # past 32 MiB of logits the entropy pass also prefetches blocks far ahead (distill.cpp,
+    # kEntropyFarMinBytes): rows get the bits they get in small calls
+    L = torch.randn(20, 4200, 100, generator=torch.Generator().manual_seed(5)) * 3
+    y, w = fedkernels.ensemble_pseudo_labels(L, weighting="entropy", return_weights=True)
+    for i0 in (0, 2000, 4150):
+        ya, wa = fedkernels.ensemble_pseudo_labels(L[:, i0 : i0 + 50].contiguous(),
+                                                   weighting="entropy", return_weights=True)
+        assert torch.equal(ya, y[i0 : i0 + 50]) and torch.equal(wa, w[:, i0 : i0 + 50]), i0
     print("OK", fedkernels.ops.native.cpu_capability)
     """
 )

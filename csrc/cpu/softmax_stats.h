@@ -566,12 +566,23 @@ class SoftmaxStats {
     int64_t next_rows = 0;
     const A* after = nullptr;  // the block after it, prefetched (nullptr: none)
     int64_t after_rows = 0;
+    // A block read further on, prefetched into L2 all at once when the call starts (nullptr:
+    // none). For blocks spread over memory, which the hardware prefetchers do not follow: see
+    // the entropy weighting in csrc/cpu/distill.cpp. (The same prefetches spread over the rows,
+    // between the exps, took more time than none.)
+    const A* far = nullptr;
+    int64_t far_rows = 0;
   };
 
   // m, s, t of rows [0, rows) of x; t may be null (not wanted: rows on the full exp then skip
   // it). ahead: see Ahead; the previous call's ahead.next, if it is x, spares this call its
   // max pass.
   void compute(const A* x, int64_t rows, A* m, A* s, A* t, const Ahead& ahead = {}) {
+    if (ahead.far) {
+      const char* p = reinterpret_cast<const char*>(ahead.far);
+      const int64_t bytes = ahead.far_rows * C_ * int64_t(sizeof(A));
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+    }
     with_t_ = t != nullptr;
     if (!with_t_) t = t_unused_.data();
     if constexpr (std::is_same_v<A, float>) {
