@@ -516,6 +516,33 @@ def test_distill_kl_matches_reference(device, dtype, reduction):
             close(s2.grad, s3.grad.to(dtype), dtype)
 
 
+@pytest.mark.parametrize("reduction", distill.REDUCTIONS)
+def test_distill_kl_exports_with_a_dynamic_batch(reduction):
+    """The loss's factor carries 1/N (and 1/C for "dafkd"): traced with a dynamic batch, it
+    must not fix the graph to the batch size it was traced with."""
+
+    class Loss(torch.nn.Module):
+        def forward(self, s, y):
+            return fedkernels.distill_kl(s, y, 2.0, reduction=reduction)
+
+    def inputs(n, c, seed):
+        g = torch.Generator().manual_seed(seed)
+        s = torch.randn(n, c, generator=g, requires_grad=True)
+        return s, torch.softmax(torch.randn(n, c, generator=g), -1)
+
+    batch, classes = torch.export.Dim("batch", min=2), torch.export.Dim("classes", min=2)
+    program = torch.export.export(Loss(), inputs(8, 5, 0),
+                                  dynamic_shapes=({0: batch, 1: classes}, {0: batch, 1: classes}))
+    for n, c in [(8, 5), (3, 5), (40, 7)]:
+        s, y = inputs(n, c, n)
+        got = program.module()(s, y)
+        want = R.distill_kl_reference(s, y, 2.0, distill.kl_scale(reduction, n, c, 2.0))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        (grad,) = torch.autograd.grad(got, s)
+        (grad_want,) = torch.autograd.grad(fedkernels.distill_kl(s, y, 2.0, reduction=reduction), s)
+        torch.testing.assert_close(grad, grad_want, rtol=1e-6, atol=1e-8)
+
+
 def test_distill_kl_properties():
     s = torch.randn(20, 6, dtype=torch.float64)
     assert fedkernels.distill_kl(s, torch.softmax(torch.randn(20, 6, dtype=torch.float64), -1)) >= 0

@@ -120,12 +120,19 @@ def distill_kl(
     (module docstring), with the gradient formed in the same pass when it is needed. Returns a
     0-d float32 tensor (float64 for float64 inputs)."""
     n, c = (student_logits.shape[0], student_logits.shape[1]) if student_logits.dim() == 2 else (1, 1)
-    scale = kl_scale(reduction, n, c, float(temperature))
+    # Traced with a dynamic batch (torch.export, torch.compile), n and c are symbols: a float
+    # factor computed from them would fix the graph to one size. The op then takes the part of
+    # the factor without them, and the loss is divided by the count as a tensor.
+    symbolic = isinstance(n, torch.SymInt) or isinstance(c, torch.SymInt)
+    scale = kl_scale(reduction, 1 if symbolic else n, 1 if symbolic else c, float(temperature))
     with_grad = grad_can_flow(student_logits, pseudo_labels)
     with below_autograd_unless_needed(student_logits, pseudo_labels):
         loss, _ = _ops.distill_kl(
             student_logits, pseudo_labels, float(temperature), scale, with_grad
         )
+    if symbolic and reduction != "sum":
+        count = torch.sym_max(n, 1)
+        loss = loss / (count * torch.sym_max(c, 1) if reduction == "dafkd" else count)
     return loss
 
 
