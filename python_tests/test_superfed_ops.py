@@ -529,6 +529,34 @@ def test_torch_compile_fullgraph(device):
             torch.testing.assert_close(pc.grad, pe.grad)
 
 
+@pytest.mark.parametrize("numerator_eps", [0.0, 1e-3])
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_export_with_dynamic_parameter_counts(numerator_eps, per_tensor):
+    """The orthogonality term's numerator_eps counts the parameters: traced with dynamic
+    shapes, the counts must stay symbols (float() of them had fixed the graph to the traced
+    sizes: torch.export raised a constraint violation even with numerator_eps = 0)."""
+    kw = dict(per_tensor=per_tensor, numerator_eps=numerator_eps)
+
+    class Terms(torch.nn.Module):
+        def forward(self, g1, g2, l1, l2, a1, a2):
+            g, l, a = [g1, g2], [l1, l2], [a1, a2]
+            _, mixed = fedkernels.superfed_mix(g, l, 0.3, a, nu=2.0, mu=0.1, **kw)
+            return (fedkernels.cosine_orthogonality(g, l, **kw),
+                    fedkernels.superfed_regularizer(g, l, a, nu=1.0, mu=0.01, **kw), mixed)
+
+    def inputs(rows, n, seed):
+        torch.manual_seed(seed)
+        return tuple(torch.randn(*shape) for shape in [(rows, 3), (n,)] * 3)
+
+    rows, n = torch.export.Dim("rows", min=2), torch.export.Dim("n", min=2)
+    program = torch.export.export(Terms(), inputs(4, 5, 0),
+                                  dynamic_shapes=[{0: rows}, {0: n}] * 3)
+    for shape in [(4, 5), (7, 2), (30, 11)]:
+        args = inputs(*shape, sum(shape))
+        for got, want in zip(program.module()(*args), Terms()(*args)):
+            torch.testing.assert_close(got, want)
+
+
 # ---------------------------------------------------------------- errors
 
 

@@ -113,10 +113,18 @@ def orthogonality_from_stats(
     r""":math:`(s + \varepsilon_n N)^2/(AB + \varepsilon)` from :func:`superfed_stats` rows, over
     the whole flattened model (a scalar) or per tensor (``[T]``), in float64."""
     s, a, b = stats[:, 0], stats[:, 1], stats[:, 2]
-    n = torch.tensor([float(x) for x in numels], dtype=stats.dtype, device=stats.device)
     if not per_tensor:
-        s, a, b, n = s.sum(), a.sum(), b.sum(), n.sum()
-    num = s + numerator_eps * n if numerator_eps else s
+        s, a, b = s.sum(), a.sum(), b.sum()
+    num = s
+    if numerator_eps:
+        if any(isinstance(x, torch.SymInt) for x in numels):
+            # Traced with dynamic shapes: float() of a symbol would fix the graph to the
+            # traced sizes, so the counts become tensors by tensor ops.
+            n = torch.stack([torch.scalar_tensor(x, dtype=stats.dtype, device=stats.device)
+                             for x in numels])
+        else:
+            n = torch.tensor([float(x) for x in numels], dtype=stats.dtype, device=stats.device)
+        num = s + numerator_eps * (n if per_tensor else n.sum())
     return num * num / (a * b + eps)
 
 
