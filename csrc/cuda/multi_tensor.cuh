@@ -35,9 +35,11 @@ inline unsigned grid_size(int64_t work, int64_t per_block, int64_t max_blocks) {
   return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(b, max_blocks)));
 }
 
+// A NaN on either side wins, so every lane of a reduction ends with the same value (with
+// a > b ? a : b alone, a NaN was kept only when it came second).
 template <typename A>
 struct MaxOp {
-  __device__ __forceinline__ A operator()(A a, A b) const { return a > b ? a : b; }
+  __device__ __forceinline__ A operator()(A a, A b) const { return a > b || a != a ? a : b; }
 };
 template <typename A>
 struct SumOp {
