@@ -406,6 +406,38 @@ def device_name(device: torch.device) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
+def cpu_identity() -> dict[str, str]:
+    """The CPU's family, model and stepping (/proc/cpuinfo) and its last-level cache size
+    (sysfs), where the system tells them. Virtual machines report generic model names
+    ("AMD EPYC", "Intel(R) Xeon(R) Processor") that cover several generations of CPU, so the
+    results file a device name picks can hold another CPU's run."""
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("cpu family", "model", "stepping") and key not in found:
+                    found[key] = value.strip()
+                if not line.strip() and found:  # the first processor's block only
+                    break
+    except OSError:
+        pass
+    cache = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        levels = []
+        for index in (n for n in os.listdir(cache) if n.startswith("index")):
+            with open(os.path.join(cache, index, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(cache, index, "size")) as f:
+                levels.append((level, f.read().strip()))
+        if levels:
+            found["last-level cache"] = max(levels)[1]
+    except (OSError, ValueError):
+        pass
+    return {key.replace("cpu ", ""): value for key, value in found.items()}
+
+
 def environment(device: torch.device) -> dict:
     import fedkernels
 
@@ -416,6 +448,10 @@ def environment(device: torch.device) -> dict:
         "threads": torch.get_num_threads(),
         "fedkernels_cpu_build": fedkernels.ops.native.cpu_capability,
     }
+    if device.type == "cpu":
+        identity = cpu_identity()
+        if identity:
+            env["cpu"] = identity
     if device.type == "cpu" and _CPU_CLOCK is not time.perf_counter:
         env["cpu_clock"] = next(n for n, c in CPU_CLOCKS.items() if c is _CPU_CLOCK)
     if device.type == "cuda":
@@ -572,10 +608,18 @@ def require_committed(name: str, device: torch.device, path: str | None = None) 
 
 def _setting_differences(committed: dict, fresh: dict) -> list[str]:
     """What differs between the committed run and this one that moves ratios by itself: the
-    thread count (a loop's time over a two-thread op's), the clock, the torch version, the
-    size of the read probe. Settings the committed run did not record are not compared."""
+    CPU behind one device name, the thread count (a loop's time over a two-thread op's), the
+    clock, the torch version, the size of the read probe. Settings the committed run did not
+    record are not compared."""
     old, new = committed.get("environment") or {}, fresh.get("environment") or {}
     notes = []
+    if old.get("cpu") and new.get("cpu") and old["cpu"] != new["cpu"]:
+        def described(cpu: dict) -> str:
+            return ", ".join(f"{key} {value}" for key, value in sorted(cpu.items()))
+
+        notes.append(f"another CPU behind the name {new.get('device', '')!r}: "
+                     f"{described(old['cpu'])} in the committed run, {described(new['cpu'])} "
+                     "in this one")
     for key, what in (("threads", "torch threads"), ("torch", "torch")):
         if key in old and key in new and old[key] != new[key]:
             notes.append(f"{what} {old[key]} in the committed run, {new[key]} in this one")

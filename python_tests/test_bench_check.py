@@ -253,6 +253,45 @@ def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
             "one") in capsys.readouterr().out
 
 
+def test_check_says_when_another_cpu_ran_under_the_same_name(common, tmp_path, capsys):
+    """Virtual machines report generic model names ("AMD EPYC") that cover several CPU
+    generations, so one results file can hold another CPU's run: the check names the
+    difference. A committed run without the CPU's identity is not compared."""
+    import torch
+
+    bench_aggregate = _bench_module("bench_aggregate")
+    path = tmp_path / "device.json"
+
+    def check(old_cpu, new_cpu):
+        committed = _aggregate_payload(10.0, 30.0, 90.0)
+        if old_cpu:
+            committed["environment"]["cpu"] = old_cpu
+        path.write_text(json.dumps({"aggregate": committed}))
+        fresh = _aggregate_payload(10.0, 30.0, 90.0)
+        fresh["environment"].update(device="cpu-amd-epyc-avx512", cpu=new_cpu)
+        status = common.check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                                bench_aggregate.ratios, 0.2, path=str(path))
+        return status, [ln for ln in capsys.readouterr().out.splitlines()
+                        if "not like for like" in ln]
+
+    zen4 = {"family": "25", "model": "17", "stepping": "1", "last-level cache": "32768K"}
+    zen3 = {"family": "25", "model": "1", "stepping": "1", "last-level cache": "32768K"}
+    assert check(zen4, dict(zen4)) == (0, [])
+    assert check(None, zen4) == (0, [])
+    status, notes = check(zen3, zen4)
+    assert status == 0 and len(notes) == 1
+    assert "another CPU behind the name 'cpu-amd-epyc-avx512'" in notes[0]
+    assert "model 1, stepping 1 in the committed run" in notes[0]
+    assert "model 17, stepping 1 in this one" in notes[0]
+
+
+def test_cpu_identity_reads_this_machine(common):
+    identity = common.cpu_identity()
+    if Path("/proc/cpuinfo").exists():
+        assert identity.get("family") and identity.get("model")
+    assert all(isinstance(v, str) and v for v in identity.values())
+
+
 # ------------------------------------------------------------------ the script
 
 
