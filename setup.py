@@ -6,7 +6,9 @@
 * `fedkernels._cpu_{default,avx2,avx512}`: the CPU kernels, once per instruction set; the
   package loads the best one the running CPU supports (see fedkernels/ops/native.py);
 * `fedkernels._cuda`: the CUDA kernels, when FEDKERNELS_CUDA=1, or when FEDKERNELS_CUDA=auto
-  (the default) and torch is a CUDA build and nvcc is found. TORCH_CUDA_ARCH_LIST is honoured.
+  (the default) and torch is a CUDA build and nvcc is found. TORCH_CUDA_ARCH_LIST is honoured;
+  without it the kernels are built for the visible GPUs, and with no GPU visible auto builds
+  none (FEDKERNELS_CUDA=1 then asks for TORCH_CUDA_ARCH_LIST).
 
 DEBUG=1 builds without optimisation and with debug symbols. FEDKERNELS_CPU_ISAS=avx2,default
 builds only the listed CPU variants (a faster developer build); a variant whose flags the
@@ -93,7 +95,20 @@ def want_cuda():
             "FEDKERNELS_CUDA=1 but torch is not a CUDA build or nvcc was not found "
             f"(torch.version.cuda={torch.version.cuda}, CUDA_HOME={cpp_extension.CUDA_HOME})"
         )
-    return mode == "1" or (mode == "auto" and possible)
+    if mode == "0" or not possible:
+        return False
+    # With neither a GPU to build for nor TORCH_CUDA_ARCH_LIST, torch's extension builder
+    # fails with an IndexError: PyPI's torch is a CUDA build, so a machine with nvcc and no
+    # GPU (a container, a CI runner) got there by default.
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
+        if mode == "1":
+            sys.exit("FEDKERNELS_CUDA=1 but no GPU is visible to build for: set "
+                     "TORCH_CUDA_ARCH_LIST to the GPUs' compute capabilities (e.g. 9.0)")
+        print("fedkernels: torch is a CUDA build and nvcc was found, but no GPU is visible and "
+              "TORCH_CUDA_ARCH_LIST is not set: building the CPU kernels only (FEDKERNELS_CUDA=1 "
+              "with TORCH_CUDA_ARCH_LIST, e.g. 9.0, builds the CUDA kernels too)", file=sys.stderr)
+        return False
+    return True
 
 
 def cuda_header_dirs():
