@@ -55,9 +55,9 @@ constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores
 // (SoftmaxStats::Ahead::far). A teacher's rows of a block are a few KiB, each in another place
 // of L: the hardware prefetchers do not follow them, and the next block's maxima, taken during
 // this block's exps, waited for memory. K = 40, N = 4096, C = 100 (65 MB of logits), two
-// threads, 2-core Zen 4, AVX-512 build, old and new builds in alternating processes: 4.2-4.7 ->
-// 3.8-3.85 ms per call (8 or 32 blocks on: within noise of 16; twice the block size with it:
-// no gain); C = 10 and 1000 even. With the logits in cache the prefetches are only work
+// threads, 2-core Zen 4, AVX-512 build, old and new builds in alternating processes: 4.52-4.61
+// -> 4.07-4.21 ms per call (8 or 32 blocks on: within noise of 16; twice the block size with
+// it: no gain); C = 10 and 1000 even. With the logits in cache the prefetches are only work
 // (K = 10, N = 4096, C = 100, 16 MB: 3-5 % more time, AVX2 build 3-6 %), so they start at
 // kEntropyFarMinBytes of logits, more than the last-level cache of most small machines (the
 // size the C library reports is not to be trusted: 320 MB on this 32 MB Zen 4 guest).

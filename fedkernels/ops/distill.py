@@ -94,19 +94,22 @@ def ensemble_pseudo_labels(
     return (y, w) if return_weights else y
 
 
+def _kl_count(reduction: str, num_samples, num_classes):
+    """The count the factor of ``reduction`` divides by (ints, or symbols when traced)."""
+    n = torch.sym_max(num_samples, 1)
+    if reduction in ("batchmean", "feddf"):
+        return n
+    if reduction == "dafkd":
+        return n * torch.sym_max(num_classes, 1)
+    if reduction == "sum":
+        return 1
+    raise ValueError(f"fedkernels.distill_kl: reduction must be one of {REDUCTIONS}, not {reduction!r}")
+
+
 def kl_scale(reduction: str, num_samples: int, num_classes: int, temperature: float) -> float:
     """The factor :math:`s` of :func:`distill_kl` for ``reduction`` (module docstring)."""
-    n = max(num_samples, 1)
-    t2 = temperature * temperature
-    if reduction == "batchmean":
-        return t2 / n
-    if reduction == "feddf":
-        return 1.0 / n
-    if reduction == "dafkd":
-        return t2 / (n * max(num_classes, 1))
-    if reduction == "sum":
-        return t2
-    raise ValueError(f"fedkernels.distill_kl: reduction must be one of {REDUCTIONS}, not {reduction!r}")
+    count = _kl_count(reduction, num_samples, num_classes)
+    return (1.0 if reduction == "feddf" else temperature * temperature) / count
 
 
 def distill_kl(
@@ -130,9 +133,8 @@ def distill_kl(
         loss, _ = _ops.distill_kl(
             student_logits, pseudo_labels, float(temperature), scale, with_grad
         )
-    if symbolic and reduction != "sum":
-        count = torch.sym_max(n, 1)
-        loss = loss / (count * torch.sym_max(c, 1) if reduction == "dafkd" else count)
+    if symbolic:
+        loss = loss / _kl_count(reduction, n, c)
     return loss
 
 
