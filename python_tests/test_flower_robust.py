@@ -14,6 +14,7 @@ import pytest
 flwr = pytest.importorskip("flwr")
 
 from flower_message_helpers import (  # noqa: E402
+    arrayrecord,
     assert_arrays_equal,
     assert_metrics_equal,
     assert_same_exception,
@@ -22,6 +23,7 @@ from flower_message_helpers import (  # noqa: E402
     outcome,
     real_reply,
 )
+from flwr.app import RecordDict  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 
 from fedkernels.integrations import flower_robust as ours_module  # noqa: E402
@@ -361,3 +363,30 @@ def test_float_replies_take_the_fedkernels_op(monkeypatch, name, op):
     want = getattr(flower, name)(**kwargs).aggregate_train(1, _messages(spec, False))
     assert calls == [op]
     assert_arrays_equal(got[0], want[0], 2e-5, 2e-6)
+
+
+def _on_a_line(positions, length=10**6):
+    """float32 replies x_k = t_k u along one random direction u of ``length`` values."""
+    u = np.random.default_rng(3).standard_normal(length).astype(np.float32)
+    return [RecordDict({"arrays": arrayrecord({"w": (np.float32(t) * u).astype(np.float32)})})
+            for t in positions]
+
+
+def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch):
+    """Flower's distances of 10^6 float32 values round by more than a few units in the last
+    place (‖x‖² + ‖y‖² − 2x·y, dot products of 10^6 terms): a near tie between the two lowest
+    scores (2 and 2 + 2γ, relative gap 5e-4 of the largest squared norm) is its rounding's,
+    so its selection runs. (The bound once ignored the length and kept the fused choice.)"""
+    calls = []
+    real = ours_module._flwr_select_multikrum
+    monkeypatch.setattr(ours_module, "_flwr_select_multikrum",
+                        lambda *a: calls.append(1) or real(*a))
+    gamma = 5e-4
+    contents = _on_a_line([-2.0, -1.0, 0.0, 1.0 + gamma, 3.0])
+    ours_module.select_multikrum(contents, 1, 1)
+    assert calls == [1]
+    # A clear gap (γ = 0.1) keeps the fused selection: the client at -1.
+    calls.clear()
+    contents = _on_a_line([-2.0, -1.0, 0.0, 1.1, 3.0])
+    picked = ours_module.select_multikrum(contents, 1, 1)
+    assert calls == [] and picked[0] is contents[1]

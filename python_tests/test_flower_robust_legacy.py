@@ -199,6 +199,29 @@ def test_krum_keeps_the_inlier():
     assert np.all(np.abs(w) < 1.0)
 
 
+def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch):
+    """Flower's legacy distances are float32 norms of 10^6-value differences, rounded by more
+    than a few units in the last place: a near tie between the two lowest scores (2 and
+    2 + 2γ, relative gap 1e-5) is its rounding's, so its code runs. (The bound once ignored
+    the length and kept the fused choice.)"""
+    calls = []
+    real = ours_module._flower_aggregate.aggregate_krum
+    monkeypatch.setattr(ours_module._flower_aggregate, "aggregate_krum",
+                        lambda *a: calls.append(1) or real(*a))
+    u = np.random.default_rng(3).standard_normal(10**6).astype(np.float32)
+
+    def combine(positions):
+        clients = [[(np.float32(t) * u).astype(np.float32)] for t in positions]
+        return clients, ours_module.Krum(num_malicious_clients=1)._combine(clients, [1] * 5)
+
+    combine([-2.0, -1.0, 0.0, 1.0 + 1e-5, 3.0])
+    assert calls == [1]
+    calls.clear()
+    clients, got = combine([-2.0, -1.0, 0.0, 1.1, 3.0])  # a clear gap: the fused choice
+    assert calls == []
+    np.testing.assert_array_equal(got[0], clients[1][0])
+
+
 @pytest.mark.parametrize("dtype", [np.bool_, np.int8])
 def test_krum_on_integer_or_bool_models_is_flowers(dtype):
     # Flower's concatenation keeps these dtypes: bool differences are its TypeError, int8

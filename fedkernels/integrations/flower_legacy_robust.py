@@ -69,7 +69,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without flwr
     ) from _err
 
 from fedkernels.aggregate import aggregate
-from fedkernels.integrations.flower import _FUSED_FLOAT_DTYPES, _as_tensors
+from fedkernels.integrations.flower import _FUSED_FLOAT_DTYPES, _as_tensors, _sum_rounding
 from fedkernels.integrations.flower_legacy import (
     Failures,
     FitResults,
@@ -204,15 +204,16 @@ class Krum(_RobustFit, _flower.Krum):
                                                     self.num_clients_to_keep)
         scores = krum_scores(torch.from_numpy(distances), self.num_malicious_clients).numpy()
         keep = self.num_clients_to_keep
-        # Flower's distances are float norms squared, off by a few units in the last place:
-        # where the scores that decide the selection are that close (identical or evenly
-        # spaced clients), its rounding decides, so its code runs. (Not with a NaN client,
-        # which Flower's argmin would select and ours never does.)
+        # Flower's distances are float norms squared, off by the rounding of a sum of the
+        # model's length (_sum_rounding): where the scores that decide the selection are that
+        # close (identical or evenly spaced clients), its rounding decides, so its code runs.
+        # (Not with a NaN client, which Flower's argmin would select and ours never does.)
         deciding = np.sort(scores)[:max(keep, 1) + 1]
         if len(deciding) > 1 and np.isfinite(scores).all():
             flat = np.result_type(*(a for c in clients for a in c))
             eps = float(np.finfo(flat if flat.kind == "f" else np.float64).eps)
-            if np.diff(deciding).min() <= 16.0 * eps * float(deciding[-1]):
+            length = sum(a.size for a in clients[0])
+            if np.diff(deciding).min() <= _sum_rounding(length, eps) * float(deciding[-1]):
                 return _flower_aggregate.aggregate_krum(list(zip(clients, examples)),
                                                         self.num_malicious_clients, keep)
         if keep > 0:

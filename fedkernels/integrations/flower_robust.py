@@ -102,6 +102,7 @@ from fedkernels.integrations.flower import (
     _as_tensors,
     _FusedFedAvgTrain,
     _ndarray_view,
+    _sum_rounding,
     _weights_from_records,
     fused_weighted_mean,
     ndarray_to_array,
@@ -290,15 +291,17 @@ def _flower_krum_rounding(columns: list[list[np.ndarray]], tensors: list[list[Te
                           distances: np.ndarray, num_closest: int) -> float:
     r"""A bound on the rounding of Flower's Krum scores: each distance is
     :math:`\|x\|^2 + \|y\|^2 - 2x\cdot y` in the replies' common dtype (exact for integer
-    replies), off by a few units in the last place of :math:`\|x\|^2 + \|y\|^2`, and a
-    score sums ``num_closest`` of them. The largest :math:`\|x_k\|` is bounded by
-    :math:`\|x_0\| + \max_k \|x_k - x_0\|` (one norm pass, not K)."""
+    replies), off by the rounding of a dot product of the model's length relative to
+    :math:`\|x\|^2 + \|y\|^2` (``_sum_rounding``), and a score sums ``num_closest`` of them.
+    The largest :math:`\|x_k\|` is bounded by :math:`\|x_0\| + \max_k \|x_k - x_0\|` (one
+    norm pass, not K)."""
     dtype = np.result_type(*(a for c in columns for a in c))
     if dtype.kind != "f":
         return 0.0
     first = math.sqrt(sum(float(torch.linalg.vector_norm(t)) ** 2 for t in tensors[0]))
     largest = (first + math.sqrt(float(distances[0].max()))) ** 2
-    return 16.0 * num_closest * float(np.finfo(dtype).eps) * largest
+    length = sum(t.numel() for t in tensors[0])
+    return num_closest * _sum_rounding(length, float(np.finfo(dtype).eps)) * largest
 
 
 class _MultiKrumTrain:
