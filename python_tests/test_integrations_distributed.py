@@ -119,6 +119,24 @@ def _check_results(rank: int, world: int, device: str) -> None:
     assert partial.total_weight.dtype == torch.float64
     assert float(partial.total_weight) == 2.0**24 + world
 
+    # Integer entries of every dtype follow int_policy as in aggregate. The backends reduce
+    # and broadcast few integer dtypes (gloo: no int16, uint16, uint32, uint64, "Invalid
+    # scalar type"; torch has no CPU max for the unsigned ones): these raised RuntimeError.
+    for int_dtype in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.bool):
+        clients = [{"x": torch.full((2,), float(k), device=device),
+                    "n": (torch.tensor([k % 2 == 1, k == 0]) if int_dtype == torch.bool else
+                          torch.tensor([k, 2**15 - 1 - k]).to(int_dtype)).to(device)}
+                   for k in range(world)]
+        for policy in ("max", "first"):
+            counter = clients[rank]["n"].clone()
+            got = all_reduce_aggregate([clients[rank]], [1.0], normalize=True,
+                                       int_policy=policy, timeout=HANG_BOUND_S)
+            expected = fedkernels.aggregate(clients, [1.0] * world, normalize=True,
+                                            int_policy=policy)
+            assert got["n"].dtype == int_dtype, (int_dtype, policy)
+            assert torch.equal(got["n"], expected["n"]), (int_dtype, policy, got["n"])
+            assert torch.equal(clients[rank]["n"], counter)  # the input is not written
+
     if world == 4:
         # Hierarchy: two "nodes" {0, 1} and {2, 3}; sum inside each node onto its leader,
         # sum across the leaders {0, 2}, broadcast back inside each node.

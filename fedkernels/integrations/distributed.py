@@ -55,6 +55,7 @@ from fedkernels.model_layout import (
     INT_POLICIES,
     Model,
     ModelLayout,
+    elementwise_max,
     real_number,
     split_clients,
     weight_vector,
@@ -206,6 +207,36 @@ def _all_gather(t: Tensor, group, timeout: timedelta | None, what: str) -> list[
 
 def _all_reduce(t: Tensor, op, group, timeout: timedelta | None, what: str) -> None:
     _wait(dist.all_reduce(t, op=op, group=group, async_op=True), timeout, what, group)
+
+
+# The backends reduce and broadcast only some integer dtypes (gloo: no bool, int16, uint16,
+# uint32 nor uint64, "Invalid scalar type"; NCCL: no bool nor int16). An integer tensor
+# travels as a wider signed one that holds every value in the same order (for max), and
+# comes back in its own dtype.
+_WIRE = {torch.bool: torch.uint8, torch.int16: torch.int32, torch.uint16: torch.int32,
+         torch.uint32: torch.int64}
+_TOP = -(2**63)  # the sign bit of int64: uint64 values keep their order as int64 once flipped
+
+
+def _int_wire(t: Tensor) -> Tensor:
+    """``t`` in a dtype every backend reduces, contiguous (the backends refuse other
+    tensors): a copy, or ``t`` itself when it is both."""
+    if t.dtype == torch.uint64:
+        return t.contiguous().view(torch.int64) ^ _TOP
+    wide = _WIRE.get(t.dtype)
+    if wide is None:
+        return t.contiguous()
+    return t.to(wide, memory_format=torch.contiguous_format)
+
+
+def _from_int_wire(wire: Tensor, t: Tensor) -> None:
+    """Writes the reduced ``wire`` back into ``t`` (nothing to do when it is ``t``)."""
+    if wire is t:
+        return
+    if t.dtype == torch.uint64:
+        t.copy_((wire ^ _TOP).view(torch.uint64))
+    else:
+        t.copy_(wire.to(t.dtype))
 
 
 # ---------------------------------------------------------------- agreement
@@ -487,8 +518,12 @@ class WeightedPartial:
                 raise TypeError(f"{API}: tensor {label} has dtype {values[0].dtype} and "
                                 "int_policy='error'")
             if self.int_policy == "max":
-                local = torch.stack(values).amax(dim=0)
-                self.ints[i] = local if i not in self.ints else torch.maximum(self.ints[i], local)
+                # elementwise_max: torch has no max for uint16/32/64 on the CPU. A copy: the
+                # collectives write into it.
+                local = values[0].clone()
+                for v in values[1:]:
+                    local = elementwise_max(local, v)
+                self.ints[i] = local if i not in self.ints else elementwise_max(self.ints[i], local)
             else:  # "first" / "skip": the first client seen
                 self.ints.setdefault(i, values[0].clone())
         self.count += len(clients)
@@ -562,8 +597,11 @@ class WeightedPartial:
             _wait(dist.broadcast(buffer, src=src, group=group, async_op=True), bound,
                   "broadcast of the model", group)
         for i in self._int_indices():
-            _wait(dist.broadcast(self._int_tensor(i), src=src, group=group, async_op=True),
-                  bound, "broadcast of an integer tensor", group)
+            t = self._int_tensor(i)
+            wire = _int_wire(t)
+            _wait(dist.broadcast(wire, src=src, group=group, async_op=True), bound,
+                  "broadcast of an integer tensor", group)
+            _from_int_wire(wire, t)
         self.count = self._counts.get(src, self.count)
         self._total.fill_(self._totals.get(src, float(self._total)))
         return self
@@ -589,23 +627,24 @@ class WeightedPartial:
         if self.int_policy == "max":
             for i in indices:
                 t = self._int_tensor(i)
-                # max of bools: any, as uint8 (the backends have no bool max)
-                wire = t.to(torch.uint8) if t.dtype == torch.bool else t
+                wire = _int_wire(t)
                 work = (dist.all_reduce(wire, op=dist.ReduceOp.MAX, group=group, async_op=True)
                         if dst is None else
                         dist.reduce(wire, dst=dst, op=dist.ReduceOp.MAX, group=group,
                                     async_op=True))
                 _wait(work, timeout, "max-reduce of an integer tensor", group)
-                if wire is not t:
-                    t.copy_(wire.bool())
+                _from_int_wire(wire, t)
             return
         # "first" (and "skip" without base): the first client of the lowest rank with clients.
         owners = [r for r, n in sorted(self._counts.items()) if n > 0]
         if not owners:
             raise ValueError(f"{API}: no rank has a client")
         for i in indices:
-            _wait(dist.broadcast(self._int_tensor(i), src=owners[0], group=group, async_op=True),
+            t = self._int_tensor(i)
+            wire = _int_wire(t)
+            _wait(dist.broadcast(wire, src=owners[0], group=group, async_op=True),
                   timeout, "broadcast of an integer tensor", group)
+            _from_int_wire(wire, t)
 
     # ---------------------------------------------------------------- reading
 
