@@ -137,6 +137,18 @@ def _check_results(rank: int, world: int, device: str) -> None:
             assert torch.equal(got["n"], expected["n"]), (int_dtype, policy, got["n"])
             assert torch.equal(clients[rank]["n"], counter)  # the input is not written
 
+    # A Module.state_dict()'s _metadata (module versions) is carried over, as aggregate does;
+    # the result was a plain dict without it. A rank without clients takes like='s.
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3)).to(device)
+    state = module.state_dict()
+    empty = world > 2 and rank == world - 1
+    got = all_reduce_aggregate([] if empty else [state], [] if empty else [1.0],
+                               normalize=True, like=state if empty else None)
+    expected = fedkernels.aggregate([state], [1.0], normalize=True)
+    assert got._metadata == expected._metadata == state._metadata
+    assert got._metadata is not state._metadata  # a copy
+    module.load_state_dict(got)
+
     if world == 4:
         # Hierarchy: two "nodes" {0, 1} and {2, 3}; sum inside each node onto its leader,
         # sum across the leaders {0, 2}, broadcast back inside each node.

@@ -59,6 +59,7 @@ from fedkernels.model_layout import (
     real_number,
     split_clients,
     weight_vector,
+    with_metadata,
 )
 from fedkernels.ops import summation
 
@@ -416,6 +417,9 @@ class WeightedPartial:
         self._totals: dict[int, float] = {}
         # In delta mode the ranks also agree on the base's values (a checksum of its bits).
         self._base_checksums = None if base is None else _bit_checksums(base)
+        # A Module.state_dict()'s _metadata (module versions, e.g. BatchNorm's), carried over
+        # to the result as aggregate does.
+        self._metadata = None
 
     @property
     def total_weight(self) -> Tensor:
@@ -463,6 +467,7 @@ class WeightedPartial:
             like_tensors = [b if f else t for b, t, f in
                             zip(base_tensors, like_tensors, layout.float_mask)]
         partial = cls(layout, like_tensors, base_tensors, int_policy, order)
+        partial._metadata = getattr(template, "_metadata", None)
         if clients:
             partial._add(clients, w)
         return partial
@@ -664,7 +669,8 @@ class WeightedPartial:
         r"""The aggregate: :math:`\mathrm{scale}\,S/[W]`, or :math:`b + \mathrm{scale}\,S/[W]`
         with a base; in the models' dtypes (base's in delta mode); written into ``out`` when
         given (which may be the base, for an in-place server step). A state_dict result has
-        the key order of this rank's first client (or ``like``/``base``)."""
+        the key order of this rank's first client (or ``like``/``base``), and its
+        ``_metadata`` (a ``Module.state_dict()``'s module versions) as a copy."""
         total = float(self.total_weight)
         if normalize and total == 0:
             raise ValueError(f"{API}: normalize=True but the weights sum to 0")
@@ -691,7 +697,7 @@ class WeightedPartial:
             return out
         model = self.layout.build(results)
         if self.layout.kind == "dict":
-            model = {n: model[n] for n in self.order}
+            model = with_metadata({n: model[n] for n in self.order}, self._metadata)
         return model
 
 
