@@ -283,6 +283,19 @@ def _check_disagreements(rank: int, world: int, device: str) -> None:
         partial = WeightedPartial.from_clients([_xy(rank, device, **changes)], one)
         _expect_failure(outcomes, "WeightedPartial.all_reduce", lambda: partial.all_reduce(),
                         ValueError, "tensor 'x' has shape (3, 2) on rank 1, (2, 3) on rank 0")
+        # Ranks that name another root, or call another collective: each waited in its own
+        # collective until the timeout (and a rank whose reduce completed returned).
+        _expect_failure(outcomes, "reduce dst", lambda: WeightedPartial.from_clients(
+            [mine], one).reduce(dst=odd if rank == odd else 0, timeout=SHORT_TIMEOUT_S),
+            ValueError, "dst is 1 on rank 1, 0 on rank 0")
+        _expect_failure(outcomes, "broadcast src", lambda: WeightedPartial.from_clients(
+            [mine], one).broadcast(src=odd if rank == odd else 0, timeout=SHORT_TIMEOUT_S),
+            ValueError, "src is 1 on rank 1, 0 on rank 0")
+        partial = WeightedPartial.from_clients([mine], one)
+        _expect_failure(outcomes, "reduce against all_reduce", lambda: (
+            partial.reduce(dst=0, timeout=SHORT_TIMEOUT_S) if rank == odd
+            else partial.all_reduce(timeout=SHORT_TIMEOUT_S)), ValueError,
+            "collective is 'reduce' on rank 1, 'all_reduce' on rank 0")
         if world > 2:
             # a rank without clients whose like= lacks a key
             last = world - 1

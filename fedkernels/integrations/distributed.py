@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import operator
 import struct
 from collections.abc import Sequence
 from datetime import timedelta
@@ -354,6 +355,17 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
     raise _disagreement(ranks, payloads)
 
 
+def _plain_rank(value):
+    """A rank (or any flag) as JSON data that every rank writes the same way: an int for any
+    integer (Python, NumPy or 0-d tensor), else its repr."""
+    if isinstance(value, str):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return repr(value)
+
+
 def _global_total(totals) -> float:
     """The ranks' weight totals summed exactly (``math.fsum``); a ``ValueError`` when the sum
     is beyond float64 (fsum raised OverflowError, and a rank's own total of inf gave a zero or
@@ -378,8 +390,9 @@ class WeightedPartial:
     Build it with :meth:`from_clients`, combine across ranks with :meth:`all_reduce` (or
     :meth:`reduce` + :meth:`broadcast` for hierarchies), and read the model with
     :meth:`result`. Each collective method first checks, with one small all_gather, that
-    every rank of the group holds a partial of the same layout (else every rank raises the
-    same ``ValueError``); ``timeout=`` (seconds or a ``timedelta``) bounds every wait."""
+    every rank of the group holds a partial of the same layout and calls the same method with
+    the same ``dst``/``src`` (else every rank raises the same ``ValueError``); ``timeout=``
+    (seconds or a ``timedelta``) bounds every wait."""
 
     def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
                  int_policy: str, order: list | None = None) -> None:
@@ -555,9 +568,16 @@ class WeightedPartial:
         """Checks, with one small all_gather, that every rank of ``group`` holds a partial of
         the same layout; returns each rank's client count. Every rank raises the same
         ``ValueError`` (naming the rank and the tensor) when they differ."""
+        return self._agree_on(group, timeout)
+
+    def _agree_on(self, group, timeout, **flags) -> list[int]:
+        """:meth:`agree`, the ranks also agreeing on ``flags`` (which collective, its
+        ``dst``/``src``): ranks that pass different roots would otherwise wait in different
+        collectives until the timeout, some returning a partial that others never summed."""
         ranks = _group_ranks(group)
+        flags = {k: _plain_rank(v) for k, v in flags.items()}
         counts, totals = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
-                                model=self.describe(), error=None, count=self.count,
+                                model=self.describe(**flags), error=None, count=self.count,
                                 total=float(self._total), require_clients=False)
         self._counts = dict(zip(ranks, counts))
         self._totals = dict(zip(ranks, totals))
@@ -568,7 +588,7 @@ class WeightedPartial:
     def all_reduce(self, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials of every rank of ``group`` (one all-reduce per accumulate
         dtype, usually one; plus a max over the integer tensors), after :meth:`agree`."""
-        self.agree(group, timeout=timeout)
+        self._agree_on(group, timeout, collective="all_reduce")
         return self._all_reduce_agreed(group, _as_timeout(timeout))
 
     def _all_reduce_agreed(self, group, timeout: timedelta | None) -> WeightedPartial:
@@ -582,7 +602,7 @@ class WeightedPartial:
 
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
-        self.agree(group, timeout=timeout)
+        self._agree_on(group, timeout, collective="reduce", dst=dst)
         bound = _as_timeout(timeout)
         total = _global_total(self._totals.values())  # on every rank, before the collectives
         for buffer in self.buffers:
@@ -596,7 +616,7 @@ class WeightedPartial:
 
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
         """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
-        self.agree(group, timeout=timeout)
+        self._agree_on(group, timeout, collective="broadcast", src=src)
         bound = _as_timeout(timeout)
         for buffer in self.buffers:
             _wait(dist.broadcast(buffer, src=src, group=group, async_op=True), bound,
