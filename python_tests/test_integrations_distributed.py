@@ -155,6 +155,10 @@ def _check_results(rank: int, world: int, device: str) -> None:
         nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         leaders = dist.new_group([0, 2])
         node, leader = nodes[rank // 2], (rank // 2) * 2
+        # A rank outside the group it passes is told so (it got "Invalid process group
+        # specified" from the backend lookup); it takes no part in any collective.
+        with pytest.raises(ValueError, match="is not a member of the group"):
+            all_reduce_aggregate([_xy(rank, device)], [1.0], group=nodes[1 - rank // 2])
         clients, weights = _clients(11, 9, torch.float32, device)
         # Leader 0 has no client of its own; rank 1 holds client 0 (int_policy="first").
         mine = [k for k in range(len(clients)) if 1 + k % 3 == rank]

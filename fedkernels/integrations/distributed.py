@@ -772,9 +772,9 @@ def all_reduce_aggregate(
         model = partial.describe(normalize=bool(normalize), scale=scale)
     except Exception as err:  # reported to every rank by the agreement below
         local_error = err
+    ranks = _group_ranks(group)  # first: a non-member's backend is unknown
     device = _control_device(group, partial.device if partial is not None
                              else torch.device("cpu"))
-    ranks = _group_ranks(group)
     try:
         counts, totals = _agree(group, bound, device, model=model, error=local_error,
                                 count=0 if partial is None else partial.count,
