@@ -7,6 +7,7 @@ framework only when it is imported itself, so ``import fedkernels`` never needs 
 - :mod:`.nvflare`: NVFlare's ``InTimeAccumulateWeightedAggregator`` and the FedAvg controller's
   aggregation (``pip install 'fedkernels[nvflare]'``);
 - :mod:`.fedlab`: FedLab's ``Aggregators`` on serialized parameter vectors;
+- :mod:`.fedml`: FedML's ``FedMLAggOperator.agg``, and ``install()`` into FedML's own class;
 - :mod:`.distributed`: weighted aggregation across ``torch.distributed`` ranks;
 - :mod:`.adapters`: conversions between modules, state_dicts, NumPy arrays and flat vectors.
 """
