@@ -428,7 +428,7 @@ def _one_weight(weight, what: str) -> Tensor:
             value = float(weight)
         except OverflowError:
             raise ValueError(f"{api}: the weight of {what} is beyond the float64 range") from None
-        w = torch.tensor([value], dtype=torch.float64)
+        w = torch.tensor([value], dtype=torch.float64, device="cpu")
     if value is not None and not math.isfinite(value):
         raise ValueError(f"{api}: the weight of {what} is {value}")
     return w

@@ -334,7 +334,7 @@ def weights_and_values(weights, num_clients: int,
         else:
             refuse_non_real_weights("fedkernels.aggregate", weights)
             try:
-                w = torch.as_tensor(np.asarray(weights, dtype=np.float64))
+                w = torch.as_tensor(np.asarray(weights, dtype=np.float64), device="cpu")
             except OverflowError:
                 big = next(k for k, x in enumerate(weights) if not _fits_float64(x))
                 raise ValueError(f"fedkernels.aggregate: weight of client {big} is an integer "

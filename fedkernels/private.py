@@ -173,7 +173,7 @@ def private_aggregate(
                          f"(NaN/Inf in clients {bad[:10]}); a non-finite update cannot be "
                          "clipped")
     coef = torch.tensor([wk * fk for wk, fk in zip(w, clip_factors(norms, float(clip_norm)))],
-                        dtype=torch.float64)
+                        dtype=torch.float64, device="cpu")
     std = float(noise_std)
     flat = _flat(cs, keep)
 

@@ -348,7 +348,7 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
             dict(zip(fused, _as_tensors([views[n][k] for n in fused], fused.values())))
             for k in range(len(records))
         ]
-        weights = torch.tensor([float(w) for w in factors], dtype=torch.float64)
+        weights = torch.tensor([float(w) for w in factors], dtype=torch.float64, device="cpu")
         result = aggregate(clients, weights, check_finite=check_finite)
         for n in fused:
             out[n] = result[n].numpy()
@@ -745,7 +745,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             return self._flower_aggregate_train(server_round, valid, failed)
         result: dict[str, Tensor] = {}
         if floats:
-            weights = torch.tensor([float(c) for c in coefficients], dtype=torch.float64)
+            weights = torch.tensor([float(c) for c in coefficients], dtype=torch.float64,
+                                   device="cpu")
             result = aggregate(clients, weights, base=base, check_finite=bool(self.check_finite))
         arrays = {}
         for t, name in enumerate(names):  # array by array: the float64 copies one at a time
@@ -882,7 +883,8 @@ class FusedStrategy(_FlowerFedAvg):
         if self.global_state is None or arrays is not self._sent:
             self.global_state = arrayrecord_to_state_dict(arrays, copy=True)
         messages = list(super().configure_train(server_round, arrays, config, grid))
-        self.on_configure(server_round, [m.metadata.dst_node_id for m in messages], grid)
+        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
+            self.on_configure(server_round, [m.metadata.dst_node_id for m in messages], grid)
         return messages
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
@@ -895,7 +897,11 @@ class FusedStrategy(_FlowerFedAvg):
                   for c in contents]
         metrics = [next(iter(c.metric_records.values())) for c in contents]
         node_ids = [m.metadata.src_node_id for m in valid]  # ints where a strategy needs them
-        new_state = self.combine(server_round, states, metrics, node_ids)
+        # The replies and x_t are CPU tensors, and so is every tensor the strategy makes here:
+        # under torch.set_default_device("cuda") the weights would otherwise land on the GPU,
+        # which the fused op refuses for CPU models.
+        with torch.device("cpu"):
+            new_state = self.combine(server_round, states, metrics, node_ids)
         record = state_dict_to_arrayrecord(new_state)
         self._sent = record
         aggregated_metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
@@ -914,7 +920,7 @@ class FusedStrategy(_FlowerFedAvg):
     def num_examples(self, metrics: list[MetricRecord]) -> Tensor:
         """:math:`n_k` (the ``weighted_by_key`` metric), float64 ``[K]``."""
         return torch.tensor([float(m[self.weighted_by_key]) for m in metrics],
-                            dtype=torch.float64)
+                            dtype=torch.float64, device="cpu")
 
     def losses(self, metrics: list[MetricRecord], key: str) -> Tensor:
         """:math:`f_k`, the float metric ``key`` of every reply, float64 ``[K]``."""
@@ -925,7 +931,7 @@ class FusedStrategy(_FlowerFedAvg):
                 raise ValueError(f"{type(self).__name__}: every reply's MetricRecord needs a "
                                  f"float '{key}' (the client's loss)")
             out.append(float(value))
-        return torch.tensor(out, dtype=torch.float64)
+        return torch.tensor(out, dtype=torch.float64, device="cpu")
 
     def combine(self, server_round: int, states: list[StateDict],
                 metrics: list[MetricRecord], node_ids: list[int]) -> StateDict:
@@ -1053,7 +1059,8 @@ class FedAU(FusedStrategy):
         self.cutoff = cutoff
         self.num_clients = num_clients
         self.nodes = _NodeIndex()
-        self.estimator = IntervalWeightEstimator(0, cutoff or None)
+        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
+            self.estimator = IntervalWeightEstimator(0, cutoff or None)
 
     def on_configure(self, server_round, node_ids, grid) -> None:
         self.nodes.add(grid.get_node_ids())
@@ -1098,11 +1105,12 @@ class AAggFF(FusedStrategy):
         if mode not in ("d", "s"):
             raise ValueError(f"AAggFF: mode must be 'd' or 's', not {mode!r}")
         self.mode, self.loss_key, self.num_clients = mode, loss_key, num_clients
-        if mode == "s":
-            self.decider = AAggFFS(AAggFFConfig(cdf=cdf, variant=variant))
-        else:
-            self.decider = AAggFFD(AAggFFDConfig(cdf=cdf, variant=variant,
-                                                 sampling_fraction=sampling_fraction))
+        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
+            if mode == "s":
+                self.decider = AAggFFS(AAggFFConfig(cdf=cdf, variant=variant))
+            else:
+                self.decider = AAggFFD(AAggFFDConfig(cdf=cdf, variant=variant,
+                                                     sampling_fraction=sampling_fraction))
         self.nodes = _NodeIndex()
         self._ready = False
 

@@ -174,7 +174,8 @@ def _fused_weighted_sum(clients: Sequence[Sequence[np.ndarray]], layers: Sequenc
     for arrays in clients:
         views = ndarrays_to_tensors([arrays[l] for l in layers])
         tensors.append([t if t.dtype == d else t.to(d) for t, d in zip(views, targets)])
-    sums = aggregate(tensors, torch.tensor(np.asarray(weights, dtype=np.float64)), scale=scale)
+    sums = aggregate(tensors, torch.tensor(np.asarray(weights, dtype=np.float64), device="cpu"),
+                     scale=scale)
     return [s.numpy().astype(d, copy=False) for s, d in zip(sums, dtypes)]
 
 
@@ -464,7 +465,7 @@ def _qffl_update(before: Sequence, clients: Sequence[Sequence], loss: float, q: 
     out: list = [None] * num_layers
     if fused and np.isfinite(c):
         sums = aggregate(client_tensors, torch.full((len(clients),), float(c),
-                                                    dtype=torch.float64), base=base)
+                                                    dtype=torch.float64, device="cpu"), base=base)
         for l, s in zip(fused, sums):
             out[l] = s.numpy().astype(flower_dtype(l))
     else:

@@ -85,7 +85,8 @@ def ensemble_pseudo_labels(
     log_prior = None
     if sample_sizes is not None:
         # log n_k in float64 on the CPU; the op checks it is finite (n_k > 0) and moves it.
-        log_prior = torch.as_tensor(sample_sizes, dtype=torch.float64).log()
+        log_prior = torch.as_tensor(sample_sizes, dtype=torch.float64,
+                                    device=None if isinstance(sample_sizes, Tensor) else "cpu").log()
     with below_autograd_unless_needed(logits, scores, log_prior):
         y, w = _ops.ensemble_pseudo_labels(
             logits, scores, log_prior, weighting, combine, float(temperature), float(tau),

@@ -82,7 +82,7 @@ def mix_endpoints(
     all three arguments.
     """
     if not isinstance(lam, Tensor):
-        lam = torch.tensor(lam, dtype=torch.float64)
+        lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l = list(global_params), list(local_params)
     with below_autograd_unless_needed(g, l, lam):
         return _ops.mix_endpoints(g, l, lam)
@@ -98,7 +98,7 @@ def superfed_stats(
     model (all three lists empty) gives a ``[0, 4]`` tensor on the CPU."""
     g, l, a = list(global_params), list(local_params), list(anchor)
     if not (g or l or a):  # no tensor to dispatch on: the native op cannot be called
-        return torch.zeros((0, 4), dtype=torch.float64)
+        return torch.zeros((0, 4), dtype=torch.float64, device="cpu")
     with below_autograd_unless_needed(g, l, a):
         return _ops.superfed_stats(g, l, a)
 
@@ -220,7 +220,7 @@ def mix_endpoints_with_stats(
     parameters (and one pass backward, where the gradients of both meet): returns the mixed
     parameters and the float64 ``[T, 4]`` statistics rows."""
     if not isinstance(lam, Tensor):
-        lam = torch.tensor(lam, dtype=torch.float64)
+        lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l, a = list(global_params), list(local_params), list(anchor)
     with below_autograd_unless_needed(g, l, lam, a):
         theta, stats = _ops.mix_endpoints_with_stats(g, l, lam, a)

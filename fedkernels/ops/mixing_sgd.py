@@ -78,7 +78,7 @@ def superfed_sgd_step_(
     are leaves requiring grad: call it under ``torch.no_grad()``, as an optimizer's step is.
     """
     if not isinstance(lam, Tensor):
-        lam = torch.tensor(lam, dtype=torch.float64)
+        lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     first = (first_step, first_step) if isinstance(first_step, bool) else tuple(first_step)
     refuse_jit_trace("superfed_sgd_step_")
     _ops.superfed_sgd_step_(
@@ -202,7 +202,7 @@ class SuPerFedSGD(torch.optim.Optimizer):
         :math:`\nu\cos^2(g, l) + R_{prox}(g, a)` (a scalar that depends on the statistics of
         this one fused pass). Add ``reg`` to the loss, call ``backward``, then :meth:`step`."""
         if not isinstance(lam, Tensor):
-            lam = torch.tensor(lam, dtype=torch.float64)
+            lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
         g, l = self.global_params, self.local_params
         with torch.no_grad():
             theta, stats = mix_endpoints_with_stats(g, l, lam, self.anchor)
