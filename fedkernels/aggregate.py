@@ -456,7 +456,8 @@ class Accumulator:
     values: the result carries no gradient (call :func:`aggregate` for a differentiable one).
     The accumulators hold the sum relative to a power of two near the largest weight and
     :math:`\sum w_k` is kept in float64, so weights whose float32 sum or value would overflow
-    or vanish (3e38 + 3e38, 1e-46) normalise as in :func:`aggregate`.
+    or vanish (3e38 + 3e38, 1e-46) normalise as in :func:`aggregate`. A copy made between
+    adds (``copy.copy``, ``copy.deepcopy``, pickling) goes on without touching the original.
 
     >>> acc = Accumulator()
     >>> for sd, n in incoming:        # doctest: +SKIP
@@ -627,6 +628,16 @@ class Accumulator:
                 d = a - units * b
                 out.append((b + ((d.double() if wide else d) * factor)).to(base[i].dtype))
         return with_metadata(layout.build(out), self._metadata)
+
+    def __copy__(self) -> Accumulator:
+        """A snapshot that goes on on its own: :meth:`add` writes the running sums in place,
+        so ``copy.copy`` gives the copy its own (``base`` stays shared: it is only read).
+        ``copy.deepcopy`` and pickling copy everything, ``base`` included."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new._acc = [a.clone() for a in self._acc]
+        new._ints = dict(self._ints)  # its tensors are replaced, never written
+        return new
 
     def reset(self) -> None:
         """Forgets every update added so far."""

@@ -3,6 +3,9 @@ rounding), keeps O(P) fp32 state, and rejects bad updates without changing its s
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from conftest import (
@@ -153,6 +156,36 @@ def test_result_is_repeatable_and_can_continue():
     acc.add(clients[3], 4.0)
     assert_close(acc.result(), fedkernels.aggregate(clients, [1.0, 2.0, 3.0, 4.0]),
                  num_clients=4)
+
+
+def _pickled(acc):
+    return pickle.loads(pickle.dumps(acc))
+
+
+@pytest.mark.parametrize("how", [copy.copy, copy.deepcopy, _pickled],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_a_copy_mid_stream_goes_on_without_touching_the_original(how):
+    """A copy made between adds (a snapshot, a leave-some-out variant, a checkpoint) continues
+    on its own: add() writes the running sums in place, so a shallow copy that shared them
+    changed the original's sums while its count and total weight stayed behind."""
+    clients = make_clients_list(4, [(10,), (3, 2)], torch.float32, seed=8)
+    ints = [{"w": c[0], "steps": torch.tensor([k, 9 - k])} for k, c in enumerate(clients)]
+    for updates in (clients, ints):
+        acc = Accumulator(base=updates[0], scale=0.5)
+        acc.add(updates[0], 1.0)
+        acc.add(updates[1], 2.0)
+        before = acc.result(normalize=True)
+        other = how(acc)
+        other.add(updates[2], 3.0)
+        other.add(updates[3], 4.0)
+        assert acc.count == 2 and other.count == 4
+        assert bitwise_equal(acc.result(normalize=True), before)
+        full = Accumulator(base=updates[0], scale=0.5)
+        for u, w in zip(updates, [1.0, 2.0, 3.0, 4.0]):
+            full.add(u, w)
+        assert bitwise_equal(other.result(normalize=True), full.result(normalize=True))
+        acc.add(updates[3], 4.0)  # and the original goes on too
+        assert acc.count == 3
 
 
 def test_reset():
