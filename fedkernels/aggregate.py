@@ -546,12 +546,15 @@ class Accumulator:
                             who=[what] if prev is None else ["the first update", what],
                             api="fedkernels.Accumulator")
         acc = self._acc
-        if rescale is not None:  # new tensors: the old ones stay until the update is accepted
-            acc = [a * rescale for a in acc]
-        if self._layout is None:
-            acc = [torch.zeros(t.shape, device=t.device,
-                               dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-                   for t in floats]
+        # The running sums are made as normal tensors also under torch.inference_mode(): made
+        # there, they would be inference tensors, which no later add() outside it could write.
+        with torch.inference_mode(False):
+            if rescale is not None:  # new tensors: the old ones stay until the update is accepted
+                acc = [a * rescale for a in acc]
+            if self._layout is None:
+                acc = [torch.zeros(t.shape, device=t.device, dtype=torch.float64
+                                   if t.dtype == torch.float64 else torch.float32)
+                       for t in floats]
         try:
             summation.weighted_sum_(acc, floats, w / unit, 1.0, False)
         except (RuntimeError, ValueError, TypeError) as err:

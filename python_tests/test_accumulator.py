@@ -188,6 +188,26 @@ def test_a_copy_mid_stream_goes_on_without_touching_the_original(how):
         assert acc.count == 3
 
 
+def test_first_add_under_inference_mode_then_outside():
+    """The running sums are normal tensors also when the first add() runs under
+    torch.inference_mode() (or an add that moves the scale of the sums does): made there, they
+    were inference tensors, and the next add() outside it failed ('Inplace update to inference
+    tensor outside InferenceMode')."""
+    clients = make_clients_list(3, [(10,), (3, 2)], torch.float32, seed=9)
+    weights = [1.0, 2.0, 2.0**40]  # the third moves the unit of the sums: a rescaling pass
+    acc = Accumulator()
+    with torch.inference_mode():
+        acc.add(clients[0], weights[0])
+    acc.add(clients[1], weights[1])
+    with torch.inference_mode():
+        acc.add(clients[2], weights[2])
+    acc.add(clients[0], 1.0)
+    full = Accumulator()
+    for c, w in zip(clients + clients[:1], weights + [1.0]):
+        full.add(c, w)
+    assert bitwise_equal(acc.result(normalize=True), full.result(normalize=True))
+
+
 def test_reset():
     clients = make_clients_list(2, [(10,)], torch.float32, seed=7)
     acc = Accumulator(scale=2.0)

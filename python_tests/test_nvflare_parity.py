@@ -920,3 +920,25 @@ def test_randomized_against_nvflare():
         _, r_o, s_o, _ = run(Ours, contributions, aggregation_weights=weights)
         same_dxo(r_o, r_t, rtol=1e-5, atol=1e-6)
         assert s_o == s_t
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_first_contribution_under_inference_mode_then_outside(kind):
+    """The running sums are normal tensors also when the first contribution arrives under
+    torch.inference_mode(): made there, they were inference tensors, and the next add() outside
+    it failed ('Inplace update to inference tensor outside InferenceMode'), where NVFlare's
+    NumPy sums go on. The result is NVFlare's (for torch inputs NVFlare's own fails there)."""
+    g = torch.Generator().manual_seed(3)
+    data = [{"w": torch.randn(5, 3, generator=g)} for _ in range(3)]
+    if kind == "numpy":
+        data = [{"w": d["w"].numpy()} for d in data]
+    ours, theirs = fk.WeightedAggregationHelper(), flare_helper.WeightedAggregationHelper()
+    with torch.inference_mode():
+        ours.add(data[0], 1.0, "site-0", 1)
+    for i, d in enumerate(data[1:], start=1):
+        ours.add(d, 1.0 + i, f"site-{i}", 1)
+    for i, d in enumerate(data):
+        theirs.add({"w": d["w"].numpy() if kind == "torch" else d["w"]}, 1.0 + i, f"site-{i}", 1)
+    got, want = ours.get_result()["w"], theirs.get_result()["w"]
+    got = got.numpy() if kind == "torch" else got
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)

@@ -208,7 +208,9 @@ class WeightedAggregationHelper:
         from the earlier contributions' for the same key. A weight that is not a real number
         (None, text) raises one that is also a ``TypeError``, as NVFlare's ``v * weight`` does.
         """
-        with self.lock:
+        # The running sums are made as normal tensors also under torch.inference_mode(): made
+        # there, they would be inference tensors, which no later add() outside it could write.
+        with self.lock, torch.inference_mode(False):
             who = f"contribution from {contributor_name!r}"
             try:
                 if isinstance(weight, (str, bytes, bytearray)):  # float("2") would take it,
