@@ -372,21 +372,36 @@ def _on_a_line(positions, length=10**6):
             for t in positions]
 
 
-def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch):
-    """Flower's distances of 10^6 float32 values round by more than a few units in the last
-    place (‖x‖² + ‖y‖² − 2x·y, dot products of 10^6 terms): a near tie between the two lowest
-    scores (2 and 2 + 2γ, relative gap 5e-4 of the largest squared norm) is its rounding's,
-    so its selection runs. (The bound once ignored the length and kept the fused choice.)"""
+def _spy_on_flowers_selection(monkeypatch) -> list:
     calls = []
     real = ours_module._flwr_select_multikrum
     monkeypatch.setattr(ours_module, "_flwr_select_multikrum",
                         lambda *a: calls.append(1) or real(*a))
-    gamma = 5e-4
+    return calls
+
+
+@pytest.mark.parametrize("gamma, flowers", [(5e-5, True), (1.1e-4, True), (0.1, False)])
+def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch, gamma, flowers):
+    """Flower's distances of 10^6 float32 values, ‖x‖² + ‖y‖² − 2x·y with dot products of
+    10^6 terms, round by more than a few units in the last place: where the two lowest scores
+    (2 and 2 + 2γ, in units of ‖u‖²) are closer than that, Flower's rounding orders them, so
+    its selection runs; a clear gap keeps the fused one (the reply at -1). γ = 1.1e-4 lies
+    between the bound that ignored the length (1.9e-4 ‖u‖²) and this one (2.5e-4 ‖u‖²)."""
+    calls = _spy_on_flowers_selection(monkeypatch)
     contents = _on_a_line([-2.0, -1.0, 0.0, 1.0 + gamma, 3.0])
-    ours_module.select_multikrum(contents, 1, 1)
-    assert calls == [1]
-    # A clear gap (γ = 0.1) keeps the fused selection: the client at -1.
-    calls.clear()
-    contents = _on_a_line([-2.0, -1.0, 0.0, 1.1, 3.0])
+    picked = ours_module.select_multikrum(contents, 1, 1)
+    assert calls == ([1] if flowers else [])
+    if not flowers:
+        assert picked[0] is contents[1]
+
+
+def test_krum_far_outlier_keeps_the_fused_selection(monkeypatch):
+    """A reply 1000 units away does not widen the rounding bound of the replies that decide
+    (the bound once took the largest norm of all replies, and sent every such call to
+    Flower's code); the fused selection, the reply at -1, is Flower's too."""
+    calls = _spy_on_flowers_selection(monkeypatch)
+    contents = _on_a_line([-2.0, -1.0, 0.0, 1.1, 1000.0])
     picked = ours_module.select_multikrum(contents, 1, 1)
     assert calls == [] and picked[0] is contents[1]
+    want = ours_module._flwr_select_multikrum(_on_a_line([-2.0, -1.0, 0.0, 1.1, 1000.0]), 1, 1)
+    np.testing.assert_array_equal(want[0]["arrays"]["w"].numpy(), picked[0]["arrays"]["w"].numpy())

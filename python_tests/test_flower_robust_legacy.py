@@ -199,27 +199,22 @@ def test_krum_keeps_the_inlier():
     assert np.all(np.abs(w) < 1.0)
 
 
-def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch):
-    """Flower's legacy distances are float32 norms of 10^6-value differences, rounded by more
-    than a few units in the last place: a near tie between the two lowest scores (2 and
-    2 + 2γ, relative gap 1e-5) is its rounding's, so its code runs. (The bound once ignored
-    the length and kept the fused choice.)"""
+@pytest.mark.parametrize("gamma, flowers", [(4e-6, True), (0.1, False)])
+def test_krum_near_tie_on_a_large_model_is_flowers(monkeypatch, gamma, flowers):
+    """Flower's legacy distances are float32 norms of 10^6-value differences, off by tens of
+    units in the last place: a near tie between the two lowest scores (2 and 2 + 2γ,
+    relative gap γ = 4e-6, past the 16 units the bound once allowed) is its rounding's, so its
+    code runs; a clear gap keeps the fused choice (the client at -1)."""
     calls = []
     real = ours_module._flower_aggregate.aggregate_krum
     monkeypatch.setattr(ours_module._flower_aggregate, "aggregate_krum",
                         lambda *a: calls.append(1) or real(*a))
     u = np.random.default_rng(3).standard_normal(10**6).astype(np.float32)
-
-    def combine(positions):
-        clients = [[(np.float32(t) * u).astype(np.float32)] for t in positions]
-        return clients, ours_module.Krum(num_malicious_clients=1)._combine(clients, [1] * 5)
-
-    combine([-2.0, -1.0, 0.0, 1.0 + 1e-5, 3.0])
-    assert calls == [1]
-    calls.clear()
-    clients, got = combine([-2.0, -1.0, 0.0, 1.1, 3.0])  # a clear gap: the fused choice
-    assert calls == []
-    np.testing.assert_array_equal(got[0], clients[1][0])
+    clients = [[(np.float32(t) * u).astype(np.float32)] for t in [-2.0, -1.0, 0.0, 1.0 + gamma, 3.0]]
+    got = ours_module.Krum(num_malicious_clients=1)._combine(clients, [1] * 5)
+    assert calls == ([1] if flowers else [])
+    if not flowers:
+        np.testing.assert_array_equal(got[0], clients[1][0])
 
 
 @pytest.mark.parametrize("dtype", [np.bool_, np.int8])

@@ -427,16 +427,6 @@ def _as_tensors(arrays: Sequence[np.ndarray], dtypes: Iterable[np.dtype]) -> lis
     return out
 
 
-def _sum_rounding(length: int, eps: float) -> float:
-    r"""A bound, relative to the magnitude summed, on the rounding of a sum or dot product of
-    ``length`` terms as NumPy and its BLAS compute them in a float type of machine epsilon
-    ``eps``: a few units in the last place, growing with the length. Flower's float32 Krum
-    distances were off by up to 2.5 eps (relative to the largest squared norm) at 10^3
-    parameters and 22 eps at 10^6; the bound, :math:`(16 + \sqrt{length} / 4)\,eps`, is 266 eps
-    there. Where two Krum scores are closer than this, Flower's rounding orders them."""
-    return (16.0 + math.sqrt(max(length, 1)) / 4.0) * eps
-
-
 def _to_arrayrecord(arrays: dict[str, np.ndarray], *, consume: bool = False) -> ArrayRecord:
     """An ArrayRecord of ``arrays``. ``consume`` drops each array from the dict once it is
     serialized, so the peak holds one model plus one array, not two models."""
