@@ -2,9 +2,10 @@
 fedml 0.9.6 wheel's files are installed) and against the formulas in float64 (always).
 
 ``import fedml`` runs FedML's ``__init__``, which imports many packages this suite does not
-install; the helper below loads only the two files the aggregation needs
-(``core/common/ml_engine_backend.py`` and ``ml/aggregator/agg_operator.py``) under their own
-module names, below empty parent packages, and removes them again after the module's tests.
+install; ``bench/fedml_files.py`` (shared with ``bench/bench_fedml.py``) loads only the two
+files the aggregation needs (``core/common/ml_engine_backend.py`` and
+``ml/aggregator/agg_operator.py``) under their own module names, below empty parent packages,
+and removes them again after the module's tests.
 Every call gets its own deep copy of the inputs, since both FedML and the drop-in write into
 client 0's dict (and, for the plain sums, into its tensors).
 """
@@ -12,10 +13,9 @@ client 0's dict (and, for the plain sums, into its tensors).
 from __future__ import annotations
 
 import copy
-import importlib.util
+import importlib
 import subprocess
 import sys
-import types
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -28,47 +28,22 @@ from conftest import DEVICES
 import fedkernels.integrations.fedml as drop_in
 from fedkernels.integrations.fedml import FedMLAggOperator, Installed, agg, install
 
-_PACKAGES = ["fedml", "fedml.core", "fedml.core.common", "fedml.ml", "fedml.ml.aggregator"]
-_FILES = {"fedml.core.common.ml_engine_backend": "core/common/ml_engine_backend.py",
-          "fedml.ml.aggregator.agg_operator": "ml/aggregator/agg_operator.py"}
-_SKIP = "fedml 0.9.6's files are not installed (pip install --no-deps fedml==0.9.6)"
-
-
-def _fedml_root() -> Path | None:
-    try:
-        spec = importlib.util.find_spec("fedml")  # finds the package without running it
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    root = Path(list(spec.submodule_search_locations)[0])
-    return root if all((root / f).is_file() for f in _FILES.values()) else None
+# The loader of FedML's files lives in bench/, next to the benchmark that uses it too.
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+fedml_files = importlib.import_module("fedml_files")
 
 
 @pytest.fixture(scope="module")
 def fedml_agg():
     """FedML's ``agg_operator`` module, loaded from the wheel's files without ``fedml/__init__``,
     and registered in ``sys.modules`` (where the drop-in's lazy import finds it)."""
-    root = _fedml_root()
+    root = fedml_files.fedml_root()
     if root is None:
-        pytest.skip(_SKIP)
-    names = _PACKAGES + list(_FILES)
-    saved = {n: sys.modules[n] for n in names if n in sys.modules}
-    try:
-        for name in _PACKAGES:
-            package = types.ModuleType(name)
-            package.__path__ = [str(root / Path(*name.split(".")[1:]))]
-            sys.modules[name] = package
-        for name, rel in _FILES.items():
-            spec = importlib.util.spec_from_file_location(name, root / rel)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            spec.loader.exec_module(module)
-        yield sys.modules["fedml.ml.aggregator.agg_operator"]
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
+        pytest.skip(fedml_files.MISSING)
+    with fedml_files.loaded(root) as module:
+        yield module
 
 
 class Args:
