@@ -185,6 +185,7 @@ BAD_ARGUMENTS = [
     ("compare_strategies.py", ["--threads", "0"], "argument --threads: must be at least 1"),
     ("bench_fedlab.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
     ("bench_nvflare.py", ["--threads", "0"], "argument --threads: must be at least 1"),
+    ("bench_fedml.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
 ]
 
 
@@ -221,11 +222,32 @@ def test_framework_comparisons_write_to_out_instead_of_the_committed_file(tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r["strategy"] for r in json.loads(out.read_text())["rows"]] == ["FedAvg"]
     assert list((folder / "results").iterdir()) == []
-    for script in ("bench_flower.py", "bench_robust.py", "bench_fedlab.py", "bench_nvflare.py"):
+    for script in ("bench_flower.py", "bench_robust.py", "bench_fedlab.py", "bench_nvflare.py",
+                   "bench_fedml.py"):
         proc = _run(folder / script, "--out", str(tmp_path), timeout=120)
         assert proc.returncode == 2 and "is a directory" in proc.stderr, proc.stderr
     proc = _run(folder / "bench_robust.py", "--memory-only", "--out", str(tmp_path / "no.json"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+
+
+def test_fedml_benchmark_without_fedmls_files_is_one_line_exit_2(tmp_path):
+    """bench_fedml.py times FedML's own code: without the wheel's files (here a fedml package
+    that shadows the installed one and lacks them) it says so, before any work."""
+    fake = tmp_path / "site" / "fedml"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(fake.parent),
+                                                      env.get("PYTHONPATH", "")]))
+    out = tmp_path / "out.json"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_fedml.py"), "--quick", "--out",
+                           str(out)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=BENCH)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bench_fedml.py: error: FedML's"), proc.stderr
+    assert "pip install --no-deps fedml==0.9.6" in lines[0]
+    assert proc.stdout == "" and not out.exists()
 
 
 def test_small_calls_spinners_stop_when_the_benchmark_is_killed(tmp_path):
