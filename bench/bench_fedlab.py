@@ -2,13 +2,14 @@
 (``fedkernels.integrations.fedlab``) on K serialized ResNet-18-sized parameter vectors
 (11.69 M float32 values, 46.8 MB each), K = 10 and 100, sample-count weights.
 
-For K = 100 the list cycles through 20 distinct vectors (936 MB, far beyond any L3 cache), so
-the inputs fit in memory on a shared machine; FedLab stacks all K anyway (a K·P copy plus the
-weighted K·P product). Time: the median of interleaved repeats (FedLab, ours, FedLab, ours, ...)
-in this process. Peak memory: each (K, implementation) in a fresh child process, the peak
-resident set of one call beyond what was resident before it (inputs built, one warm-up call,
-glibc set to return freed memory, see bench/common.py), result included. Effective bandwidth:
-(K + 1) vector sizes over the time, and its ratio to a read-bandwidth probe (a large ``sum``).
+Every vector is distinct (4.7 GB at K = 100; FedLab stacks all K, a K·P copy plus the
+weighted K·P product, so a K = 100 run needs about 15 GB): the fused op reads one tile of
+every vector before the next tile, so repeated vectors would be read from cache. Time: the
+median of interleaved repeats (FedLab, ours, FedLab, ours, ...) in this process. Peak memory:
+each (K, implementation) in a fresh child process, the peak resident set of one call beyond
+what was resident before it (inputs built, one warm-up call, glibc set to return freed memory,
+see bench/common.py), result included. Effective bandwidth: (K + 1) vector sizes over the
+time, and its ratio to a read-bandwidth probe (a large ``sum``).
 
     python bench/bench_fedlab.py            # writes bench/results/fedlab-<cpu>.json
     python bench/bench_fedlab.py --quick    # K = 10 only, 3 repeats
@@ -41,7 +42,6 @@ from common import (  # noqa: E402
 )
 
 IMPLS = ("fedlab", "fedkernels")
-DISTINCT = 20
 P = sum(int(torch.Size(s).numel()) for s in resnet18_shapes())
 
 
@@ -55,8 +55,7 @@ def fedavg(impl: str):
 
 def build_inputs(k: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    distinct = [torch.randn(P, generator=g) for _ in range(min(k, DISTINCT))]
-    vectors = [distinct[i % len(distinct)] for i in range(k)]
+    vectors = [torch.randn(P, generator=g) for _ in range(k)]
     weights = [float(100 + 7 * i) for i in range(k)]  # sample counts
     return vectors, weights
 
