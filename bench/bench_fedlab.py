@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -32,13 +31,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_aggregate import resnet18_shapes  # noqa: E402
 from common import (  # noqa: E402
     RESULTS_DIR,
-    at_least,
+    add_peer_arguments,
     bandwidth_probes,
     check_output_arguments,
     device_name,
     environment,
     exact_cpu_memory_accounting,
+    memory_in_child,
     peak_extra_memory,
+    peer_table,
 )
 
 IMPLS = ("fedlab", "fedkernels")
@@ -70,12 +71,7 @@ def child_memory(k: int, impl: str) -> int:
 
 
 def measure_memory(k: int, impl: str) -> int:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", str(k), impl,
-                          "--threads", str(torch.get_num_threads())],
-                         capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    return memory_in_child(__file__, k, impl, "--threads", torch.get_num_threads())
 
 
 def measure_time(k: int, repeats: int) -> tuple[dict[str, float], float]:
@@ -95,34 +91,16 @@ def measure_time(k: int, repeats: int) -> tuple[dict[str, float], float]:
 
 
 def markdown_table(rows: list[dict], env: dict) -> str:
-    lines = [
+    title = (
         f"FedLab Aggregators.fedavg_aggregate, K serialized ResNet-18-sized float32 vectors; "
         f"{env['device']}, {env['threads']} threads, torch {env['torch']}, fedlab "
-        f"{env['fedlab']}, {env['date'][:10]}; read probe {env['probes']['read_GBps']:.1f} GB/s",
-        "",
-        "| K | FedLab ms | fedkernels ms | speed-up | FedLab peak | fedkernels peak "
-        "| fedkernels GB/s (% of read probe) | max abs diff |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        mem = [f"{r[f'{i}_peak_MB']:.0f} MB" if f"{i}_peak_MB" in r else "-" for i in IMPLS]
-        lines.append(
-            f"| {r['K']} | {r['fedlab_ms']:.1f} | {r['fedkernels_ms']:.1f} | {r['speedup']:.2f}x | "
-            f"{mem[0]} | {mem[1]} | {r['fedkernels_GBps']:.1f} "
-            f"({100 * r['fedkernels_GBps'] / env['probes']['read_GBps']:.0f} %) | "
-            f"{r['max_abs_diff']:.1e} |")
-    return "\n".join(lines)
+        f"{env['fedlab']}, {env['date'][:10]}; read probe {env['probes']['read_GBps']:.1f} GB/s")
+    return peer_table(title, "fedlab", rows, env["probes"]["read_GBps"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="K = 10 only, 3 repeats")
-    parser.add_argument("--repeats", type=at_least(1), default=7)
-    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
-    parser.add_argument("--threads", type=at_least(1), help="torch threads (default: torch's)")
-    parser.add_argument("--out", metavar="FILE", help="results JSON (default "
-                        "bench/results/fedlab-<device>.json)")
-    parser.add_argument("--child-memory", nargs=2, metavar=("K", "IMPL"), help=argparse.SUPPRESS)
+    add_peer_arguments(parser, "bench/results/fedlab-<device>.json")
     args = parser.parse_args()
     check_output_arguments(args)  # an --out folder: refused now, not after the run
     if args.threads:

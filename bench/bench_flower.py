@@ -35,7 +35,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -53,6 +52,7 @@ from common import (  # noqa: E402
     device_name,
     environment,
     exact_cpu_memory_accounting,
+    memory_in_child,
     peak_extra_memory,
 )
 
@@ -151,12 +151,7 @@ def _qfedavg_call(strategy, global_record, prepared):
 
 
 def measure_memory(model: str, k: int, name: str, impl: str, distinct: int) -> int:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", model,
-                          str(k), name, impl, str(distinct)], capture_output=True, text=True,
-                         timeout=1800)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    return memory_in_child(__file__, model, k, name, impl, distinct, timeout=1800)
 
 
 def measure_time(model: str, k: int, name: str, repeats: int, distinct: int

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -43,6 +42,7 @@ from common import (  # noqa: E402
     device_name,
     environment,
     exact_cpu_memory_accounting,
+    memory_in_child,
     peak_extra_memory,
 )
 
@@ -113,12 +113,7 @@ def child_memory(k: int, kind: str, impl: str) -> int:
 
 
 def measure_memory(k: int, kind: str, impl: str) -> int:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", str(k), kind,
-                          impl, "--threads", str(torch.get_num_threads())],
-                         capture_output=True, text=True, timeout=900)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    return memory_in_child(__file__, k, kind, impl, "--threads", torch.get_num_threads())
 
 
 def measure_time(k: int, kind: str, repeats: int) -> dict[str, float]:

@@ -34,7 +34,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -52,6 +51,7 @@ from common import (  # noqa: E402
     device_name,
     environment,
     exact_cpu_memory_accounting,
+    memory_in_child,
     peak_extra_memory,
 )
 
@@ -239,11 +239,7 @@ def child_memory(k: int, rule: str, impl: str) -> int:
 
 
 def measure_memory(k: int, rule: str, impl: str) -> int:
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-memory", str(k),
-                          rule, impl], capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
-    return int(out.stdout.strip().splitlines()[-1])
+    return memory_in_child(__file__, k, rule, impl, timeout=3600)
 
 
 def measure_time(k: int, rule: str, repeats: int, global_record, replies) -> dict[str, float]:

@@ -509,6 +509,47 @@ def write_results(name: str, device: torch.device, payload: dict, save: bool = F
     return " and ".join(written)
 
 
+def memory_in_child(script: str, *child_args: object, timeout: float = 900) -> int:
+    """The peak memory that ``script --child-memory *child_args``, run in a fresh process,
+    prints as its last line (so that one case's allocations never count in another's)."""
+    out = subprocess.run([sys.executable, os.path.abspath(script), "--child-memory",
+                          *map(str, child_args)], capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory child failed:\n{out.stderr[-3000:]}")
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser, results: str) -> None:
+    """The arguments of the comparisons with a framework's own aggregation on K = 10 and 100
+    ResNet-18-sized clients (bench_fedlab.py, bench_fedml.py); ``results`` names the default
+    results file."""
+    parser.add_argument("--quick", action="store_true", help="K = 10 only, 3 repeats")
+    parser.add_argument("--repeats", type=at_least(1), default=7)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory children")
+    parser.add_argument("--threads", type=at_least(1), help="torch threads (default: torch's)")
+    parser.add_argument("--out", metavar="FILE", help=f"results JSON (default {results})")
+    parser.add_argument("--child-memory", nargs=2, metavar=("K", "IMPL"), help=argparse.SUPPRESS)
+
+
+def peer_table(title: str, peer: str, rows: list[dict], read_gbps: float) -> str:
+    """The markdown table of a framework comparison: ``rows`` hold ``K``, ``<peer>_ms``,
+    ``fedkernels_ms``, ``speedup``, ``fedkernels_GBps``, ``max_abs_diff`` and, unless the
+    memory children were skipped, ``<peer>_peak_MB`` and ``fedkernels_peak_MB``."""
+    name = {"fedlab": "FedLab", "fedml": "FedML"}.get(peer, peer)
+    lines = [title, "",
+             f"| K | {name} ms | fedkernels ms | speed-up | {name} peak | fedkernels peak "
+             "| fedkernels GB/s (% of read probe) | max abs diff |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mem = [f"{r[f'{i}_peak_MB']:.0f} MB" if f"{i}_peak_MB" in r else "-"
+               for i in (peer, "fedkernels")]
+        lines.append(
+            f"| {r['K']} | {r[f'{peer}_ms']:.1f} | {r['fedkernels_ms']:.1f} | "
+            f"{r['speedup']:.2f}x | {mem[0]} | {mem[1]} | {r['fedkernels_GBps']:.1f} "
+            f"({100 * r['fedkernels_GBps'] / read_gbps:.0f} %) | {r['max_abs_diff']:.1e} |")
+    return "\n".join(lines)
+
+
 def add_case_arguments(parser: argparse.ArgumentParser, tiny_help: str,
                        cpu_only: bool = False) -> None:
     """The arguments of the op benchmarks that time cases against a read probe: --device,
