@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     memory_in_child,
     peak_extra_memory,
     peer_table,
+    write_peer_results,
 )
 
 IMPLS = ("fedlab", "fedkernels")
@@ -131,12 +132,7 @@ def main() -> None:
     payload = {"environment": env, "model": f"resnet18-sized flat vectors (P = {P} float32)",
                "rows": rows}
     path = args.out or os.path.join(RESULTS_DIR, f"fedlab-{device_name(cpu)}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    print()
-    print(markdown_table(rows, env))
-    print(f"\nwritten: {path}")
+    write_peer_results(path, payload, markdown_table(rows, env))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from common import (  # noqa: E402
     peak_extra_memory,
     peer_table,
     timed,
+    write_peer_results,
 )
 
 IMPLS = ("fedml", "fedkernels")
@@ -221,12 +222,7 @@ def main() -> None:
                         "num_batches_tracked)",
                "optimizer": ARGS.federated_optimizer, "rows": rows}
     path = args.out or os.path.join(RESULTS_DIR, f"fedml-{device_name(CPU)}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    print()
-    print(markdown_table(rows, env))
-    print(f"\nwritten: {path}")
+    write_peer_results(path, payload, markdown_table(rows, env))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from common import (  # noqa: E402
     exact_cpu_memory_accounting,
     memory_in_child,
     peak_extra_memory,
+    write_peer_results,
 )
 
 IMPLS = ("nvflare", "fedkernels")
@@ -198,12 +199,7 @@ def main() -> None:
     payload = {"environment": env, "model": "resnet18 (62 tensors, 11.69 M float32 values)",
                "rows": rows}
     path = args.out or os.path.join(RESULTS_DIR, f"nvflare-{device_name(cpu)}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1)
-    print()
-    print(markdown_table(rows, env))
-    print(f"\nwritten: {path}")
+    write_peer_results(path, payload, markdown_table(rows, env))
 
 
 if __name__ == "__main__":

@@ -519,6 +519,17 @@ def memory_in_child(script: str, *child_args: object, timeout: float = 900) -> i
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def write_peer_results(path: str, payload: dict, table: str) -> None:
+    """Writes a framework comparison's results JSON (bench_fedlab.py, bench_fedml.py,
+    bench_nvflare.py) and prints its markdown table and where it went."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print()
+    print(table)
+    print(f"\nwritten: {path}")
+
+
 def add_peer_arguments(parser: argparse.ArgumentParser, results: str) -> None:
     """The arguments of the comparisons with a framework's own aggregation on K = 10 and 100
     ResNet-18-sized clients (bench_fedlab.py, bench_fedml.py); ``results`` names the default
