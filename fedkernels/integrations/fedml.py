@@ -197,8 +197,9 @@ def agg(args, raw_grad_list):
         weights = [raw_grad_list[i][0] / training_num for i in range(len(raw_grad_list))]
         fused_ok = all(isinstance(w, numbers.Real) and math.isfinite(w)
                        and abs(w) <= FLOAT32_MAX for w in weights)
-    fused = [e for e in entries if fused_ok and _fusable(e[2], in_place)]
-    rest = [e for e in entries if not (fused_ok and _fusable(e[2], in_place))]
+    fused, rest = [], []
+    for entry in entries:
+        (fused if fused_ok and _fusable(entry[2], in_place) else rest).append(entry)
 
     results = []  # (target dict, key, new value)
     if in_place:
