@@ -333,6 +333,71 @@ def _check_disagreements(rank: int, world: int, device: str) -> None:
     assert torch.equal(got["x"], torch.full((2, 3), expected_x, device=device))
 
 
+# ---------------------------------------------------------------- no client counted twice
+
+
+def _check_sums_once(rank: int, world: int, device: str) -> None:
+    """A partial knows which ranks' clients it holds: a collective that would add some twice,
+    or read a partial that reduce() sent away, raises the same error on every rank."""
+    one = torch.ones(1, dtype=torch.float64)
+    expected_x = sum(r + 1.0 for r in range(world)) / world
+    outcomes: list = []
+
+    def fresh():
+        return WeightedPartial.from_clients([_xy(rank, device)], one)
+
+    # all_reduce twice over the same ranks (it summed world copies of every client)
+    partial = fresh().all_reduce()
+    _expect_failure(outcomes, "all_reduce twice", partial.all_reduce, ValueError,
+                    "would count them twice", "clients of rank 0")
+    assert torch.equal(partial.result(normalize=True)["x"],  # the refused call changed nothing
+                       torch.full((2, 3), expected_x, device=device))
+    # adding clients after a collective, then summing again, is refused the same way
+    partial.add_clients([_xy(rank, device)], one)
+    _expect_failure(outcomes, "add, then all_reduce again", partial.all_reduce, ValueError,
+                    "would count them twice")
+
+    # after reduce, the other ranks' partials are no sums: refused until a broadcast fills them
+    partial = fresh().reduce(dst=0)
+    if rank != 0:
+        with pytest.raises(ValueError, match="summed onto another rank"):
+            partial.result()
+        with pytest.raises(ValueError, match="summed onto another rank"):
+            partial.add_clients([_xy(rank, device)], one)
+    _expect_failure(outcomes, "all_reduce after reduce", partial.all_reduce, ValueError,
+                    "rank 1's partial was summed onto another rank")
+    _expect_failure(outcomes, "broadcast from a reduced rank", lambda: partial.broadcast(src=1),
+                    ValueError, "broadcast from rank 1")
+    partial.broadcast(src=0)
+    assert torch.equal(partial.result(normalize=True)["x"],
+                       torch.full((2, 3), expected_x, device=device))
+    # everyone now holds every rank's clients, so another sum is refused
+    _expect_failure(outcomes, "all_reduce after broadcast", partial.all_reduce, ValueError,
+                    "would count them twice")
+
+    if world == 4:
+        # Orthogonal groups are fine: inside {0, 1} and {2, 3}, then across {0, 2} and {1, 3}.
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        across = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        partial = fresh().all_reduce(group=pairs[rank // 2])
+        partial.all_reduce(group=across[rank % 2])
+        assert torch.equal(partial.result(normalize=True)["x"],
+                           torch.full((2, 3), expected_x, device=device))
+        assert float(partial.total_weight) == world and partial.count == world
+        # The same pairs twice is not: {0, 1} then {0, 1} (and {2, 3} then {2, 3}).
+        partial = fresh().all_reduce(group=pairs[rank // 2])
+        _expect_failure(outcomes, "same pair twice",
+                        lambda: partial.all_reduce(group=pairs[rank // 2]), ValueError,
+                        f"clients of rank {2 * (rank // 2)}")
+
+    # Every rank saw the same messages, and the default group is still usable.
+    gathered = [None] * world
+    dist.all_gather_object(gathered, [o for o in outcomes if o[0] != "same pair twice"])
+    assert all(g == gathered[0] for g in gathered), gathered
+    got = fresh().all_reduce().result(normalize=True)
+    assert torch.equal(got["x"], torch.full((2, 3), expected_x, device=device))
+
+
 # ---------------------------------------------------------------- absent and dead ranks
 # Each of these leaves its process group unusable, so each runs on a spare group of all ranks
 # made for it beforehand; the default group stays healthy.
@@ -379,6 +444,8 @@ def _worker(rank: int, world: int, port: int, backend: str) -> None:
     spares = [dist.new_group(list(range(world))) for _ in range(2)] if world > 1 else []
     _check_disagreements(rank, world, device)
     _check_results(rank, world, device)
+    if world > 1:
+        _check_sums_once(rank, world, device)
     if spares:
         _check_absent_rank(rank, world, device, spares[0], store)
         _check_dead_rank(rank, world, device, spares[1])

@@ -320,14 +320,17 @@ def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
 
 
 def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dict | None,
-           error: BaseException | None, count: int, total: float,
-           require_clients: bool) -> tuple[list[int], list[float]]:
-    """One small all_gather of ``[status, count, payload length, total, digest]`` per rank
-    (``total``: the rank's sum of weights, its float64 bits). Returns every rank's client count
-    and weight total when all are ready and describe the same model; otherwise exchanges the
-    payloads (a second small gather) and raises the same exception on every rank, naming the
-    rank and the tensor at fault."""
+           error: BaseException | None, count: int, total: float, require_clients: bool,
+           sources: Sequence[int] = ()) -> tuple[list[int], list[float], list[list[int]]]:
+    """One small all_gather of ``[status, count, payload length, total, number of sources,
+    first source, digest]`` per rank (``total``: the rank's sum of weights, its float64 bits;
+    ``sources``: the global ranks whose clients the rank's partial holds). Returns every rank's
+    client count, weight total and sources when all are ready and describe the same model
+    (the sources take a second small gather only when some rank holds more than one);
+    otherwise exchanges the payloads (a second small gather) and raises the same exception on
+    every rank, naming the rank and the tensor at fault."""
     ranks = _group_ranks(group)
+    sources = list(sources)
     if error is not None:
         payload = {"error": [type(error).__name__, str(error)]}
         status, digest, total = _FAILED, bytes(32), 0.0
@@ -337,16 +340,23 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
         digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).digest()
     blob = json.dumps(payload, sort_keys=True).encode()
     (total_bits,) = struct.unpack("<q", struct.pack("<d", total))
-    head = torch.tensor([status, count, len(blob), total_bits, *struct.unpack("<4q", digest)],
+    head = torch.tensor([status, count, len(blob), total_bits, len(sources),
+                         sources[0] if sources else -1, *struct.unpack("<4q", digest)],
                         dtype=torch.int64, device=device)
     heads = [h.tolist() for h in _all_gather(head, group, timeout, "layout agreement")]
-    if all(h[0] == _OK for h in heads) and all(h[4:] == heads[0][4:] for h in heads):
+    if all(h[0] == _OK for h in heads) and all(h[6:] == heads[0][6:] for h in heads):
         counts = [h[1] for h in heads]
         if require_clients and sum(counts) == 0:
             raise ValueError(f"{API}: no client updates on any of the {len(ranks)} ranks "
                              "(K = 0)")
         totals = [struct.unpack("<d", struct.pack("<q", h[3]))[0] for h in heads]
-        return counts, totals
+        longest = max(h[4] for h in heads)
+        if longest <= 1:
+            return counts, totals, [[h[5]] if h[4] else [] for h in heads]
+        mine = torch.full((longest,), -1, dtype=torch.int64)
+        mine[:len(sources)] = torch.tensor(sources, dtype=torch.int64)
+        gathered = _all_gather(mine.to(device), group, timeout, "agreement on the sources")
+        return counts, totals, [g[:h[4]].tolist() for g, h in zip(gathered, heads)]
     longest = max(h[2] for h in heads)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -392,7 +402,13 @@ class WeightedPartial:
     :meth:`result`. Each collective method first checks, with one small all_gather, that
     every rank of the group holds a partial of the same layout and calls the same method with
     the same ``dst``/``src`` (else every rank raises the same ``ValueError``); ``timeout=``
-    (seconds or a ``timedelta``) bounds every wait."""
+    (seconds or a ``timedelta``) bounds every wait.
+
+    A partial remembers which ranks' clients it holds. A sum that would count some clients
+    twice (the same partials all-reduced twice, or partials that share a rank's clients after
+    an earlier collective) raises the same ``ValueError`` on every rank; so does reading or
+    summing a partial that :meth:`reduce` sent to another rank (its buffer is no longer a
+    sum: it may only receive a :meth:`broadcast`)."""
 
     def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
                  int_policy: str, order: list | None = None) -> None:
@@ -433,6 +449,11 @@ class WeightedPartial:
         # A Module.state_dict()'s _metadata (module versions, e.g. BatchNorm's), carried over
         # to the result as aggregate does.
         self._metadata = None
+        # The global ranks whose clients the sums hold: None before the first collective (this
+        # rank's own), () once reduce() summed them onto another rank (the buffer is then no
+        # sum). The collectives compare them, so that no client is counted twice.
+        self._sources: tuple[int, ...] | None = None
+        self._rank_sources: dict[int, list[int]] = {}
 
     @property
     def total_weight(self) -> Tensor:
@@ -488,6 +509,7 @@ class WeightedPartial:
     def add_clients(self, updates: Sequence[Model], weights) -> None:
         """Adds more clients, models of the partial's structure (state_dicts are matched by
         name), in one fused pass. Every input is checked before anything is added."""
+        self._check_not_spent("add clients to it")
         models, _ = split_clients(updates)
         clients = [self.layout.tensors(m, f"client {k}") for k, m in enumerate(models)]
         half = (torch.float16, torch.bfloat16)
@@ -576,12 +598,41 @@ class WeightedPartial:
         collectives until the timeout, some returning a partial that others never summed."""
         ranks = _group_ranks(group)
         flags = {k: _plain_rank(v) for k, v in flags.items()}
-        counts, totals = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
-                                model=self.describe(**flags), error=None, count=self.count,
-                                total=float(self._total), require_clients=False)
+        mine = [dist.get_rank()] if self._sources is None else list(self._sources)
+        counts, totals, sources = _agree(
+            group, _as_timeout(timeout), _control_device(group, self.device),
+            model=self.describe(**flags), error=None, count=self.count,
+            total=float(self._total), require_clients=False, sources=mine)
         self._counts = dict(zip(ranks, counts))
         self._totals = dict(zip(ranks, totals))
+        self._rank_sources = dict(zip(ranks, sources))
         return counts
+
+    def _check_sums_once(self, collective: str) -> list[int]:
+        """After the agreement, on every rank alike: the group's partials are sums (none was
+        reduced onto another rank) and hold disjoint sets of ranks' clients. Returns their
+        union."""
+        seen: dict[int, int] = {}
+        for rank, sources in self._rank_sources.items():
+            if not sources:
+                raise ValueError(f"{API}: rank {rank}'s partial was summed onto another rank "
+                                 f"by reduce(), so it holds no sum for this {collective}; it "
+                                 "can only receive a broadcast (or start anew with from_clients)")
+            for source in sources:
+                if source in seen:
+                    raise ValueError(
+                        f"{API}: the partials of ranks {seen[source]} and {rank} both hold the "
+                        f"clients of rank {source} (an earlier collective summed them); this "
+                        f"{collective} would count them twice. Start each round from new "
+                        "partials (from_clients)")
+                seen[source] = rank
+        return sorted(seen)
+
+    def _check_not_spent(self, what: str) -> None:
+        if self._sources == ():
+            raise ValueError(f"{API}: this partial was summed onto another rank by reduce(); "
+                             f"its buffer is no longer a sum, so it cannot {what}. Receive the "
+                             "result with broadcast(), or start anew with from_clients")
 
     # ---------------------------------------------------------------- collectives
 
@@ -592,19 +643,24 @@ class WeightedPartial:
         return self._all_reduce_agreed(group, _as_timeout(timeout))
 
     def _all_reduce_agreed(self, group, timeout: timedelta | None) -> WeightedPartial:
-        total = _global_total(self._totals.values())  # on every rank, before the collectives
+        # on every rank, before the collectives
+        sources = self._check_sums_once("all_reduce")
+        total = _global_total(self._totals.values())
         for buffer in self.buffers:
             _all_reduce(buffer, dist.ReduceOp.SUM, group, timeout, "all-reduce of the model")
         self._reduce_ints(group, dst=None, timeout=timeout)
         self.count = sum(self._counts.values())
         self._total.fill_(total)
+        self._sources = tuple(sources)
         return self
 
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
         self._agree_on(group, timeout, collective="reduce", dst=dst)
         bound = _as_timeout(timeout)
-        total = _global_total(self._totals.values())  # on every rank, before the collectives
+        # on every rank, before the collectives
+        sources = self._check_sums_once("reduce")
+        total = _global_total(self._totals.values())
         for buffer in self.buffers:
             _wait(dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True),
                   bound, "reduce of the model", group)
@@ -612,12 +668,18 @@ class WeightedPartial:
         if dist.get_rank() == dst:
             self.count = sum(self._counts.values())
             self._total.fill_(total)
+            self._sources = tuple(sources)
+        else:
+            self._sources = ()
         return self
 
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
         """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
         self._agree_on(group, timeout, collective="broadcast", src=src)
         bound = _as_timeout(timeout)
+        if src in self._rank_sources and not self._rank_sources[src]:
+            raise ValueError(f"{API}: broadcast from rank {src}, whose partial was summed onto "
+                             "another rank by reduce(): it holds no sum to send")
         for buffer in self.buffers:
             _wait(dist.broadcast(buffer, src=src, group=group, async_op=True), bound,
                   "broadcast of the model", group)
@@ -629,6 +691,7 @@ class WeightedPartial:
             _from_int_wire(wire, t)
         self.count = self._counts.get(src, self.count)
         self._total.fill_(self._totals.get(src, float(self._total)))
+        self._sources = tuple(self._rank_sources.get(src, self._sources or ()))
         return self
 
     def _int_indices(self) -> list[int]:
@@ -691,6 +754,7 @@ class WeightedPartial:
         given (which may be the base, for an in-place server step). A state_dict result has
         the key order of this rank's first client (or ``like``/``base``), and its
         ``_metadata`` (a ``Module.state_dict()``'s module versions) as a copy."""
+        self._check_not_spent("give a result")
         total = float(self.total_weight)
         if normalize and total == 0:
             raise ValueError(f"{API}: normalize=True but the weights sum to 0")
@@ -754,7 +818,7 @@ def all_reduce_aggregate(
     checksum of its bits), which would otherwise give each rank another model.
 
     Cost per rank: one fused pass over its clients (and, in delta mode, one read of the base
-    for its checksum), one small all_gather (8 integers per rank), one all-reduce of one model
+    for its checksum), one small all_gather (10 integers per rank), one all-reduce of one model
     (in the accumulate dtype), and one small max-reduce per integer tensor."""
     local_error: Exception | None = None
     partial: WeightedPartial | None = None
@@ -776,16 +840,18 @@ def all_reduce_aggregate(
     device = _control_device(group, partial.device if partial is not None
                              else torch.device("cpu"))
     try:
-        counts, totals = _agree(group, bound, device, model=model, error=local_error,
-                                count=0 if partial is None else partial.count,
-                                total=0.0 if partial is None else float(partial.total_weight),
-                                require_clients=True)
+        counts, totals, sources = _agree(
+            group, bound, device, model=model, error=local_error,
+            count=0 if partial is None else partial.count,
+            total=0.0 if partial is None else float(partial.total_weight),
+            require_clients=True, sources=[dist.get_rank()])
     except (ValueError, TypeError, RuntimeError) as err:
         if local_error is not None:
             raise err from local_error
         raise
     partial._counts = dict(zip(ranks, counts))
     partial._totals = dict(zip(ranks, totals))
+    partial._rank_sources = dict(zip(ranks, sources))
     # Every rank gathered the same totals, so every rank raises the same error here, before
     # the model-sized all-reduce.
     if normalize and _global_total(totals) == 0:
