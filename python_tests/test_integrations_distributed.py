@@ -119,6 +119,18 @@ def _check_results(rank: int, world: int, device: str) -> None:
     assert partial.total_weight.dtype == torch.float64
     assert float(partial.total_weight) == 2.0**24 + world
 
+    # normalize=True divides the weights by the global total before the sum, as aggregate
+    # does: raw weights beyond float32's range, or so small that 1 / W is, gave an error, inf,
+    # NaN or "value cannot be converted to type float without overflow".
+    clients = [{"x": torch.full((3,), rank * 2.0 + 1.0, device=device)} for rank in range(world)]
+    for unit in (1e39, 3e38, 1e300, 1e-40, 1e-46):
+        weights = [unit * (r + 1) for r in range(world)]
+        for base in (None, {"x": torch.ones(3, device=device)}):
+            got = all_reduce_aggregate([clients[rank]], [weights[rank]], normalize=True,
+                                       base=base)
+            expected = fedkernels.aggregate(clients, weights, normalize=True, base=base)
+            assert torch.allclose(got["x"], expected["x"], rtol=1e-6), (unit, got, expected)
+
     # Integer entries of every dtype follow int_policy as in aggregate. The backends reduce
     # and broadcast few integer dtypes (gloo: no int16, uint16, uint32, uint64, "Invalid
     # scalar type"; torch has no CPU max for the unsigned ones): these raised RuntimeError.

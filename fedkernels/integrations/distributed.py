@@ -473,6 +473,16 @@ class WeightedPartial:
 
         ``updates`` may be empty (a rank without clients); then ``like`` or ``base`` gives
         the structure. Every input is checked before anything is summed."""
+        partial, clients, w = cls._checked(updates, weights, base, like, int_policy)
+        if clients:
+            partial._add(clients, w)
+        return partial
+
+    @classmethod
+    def _checked(cls, updates, weights, base, like, int_policy
+                 ) -> tuple[WeightedPartial, list[list[Tensor]], Tensor | None]:
+        """:meth:`from_clients`'s checks: an empty partial of the clients' structure, the
+        clients' tensors in the layout's order and their weights, nothing summed yet."""
         if int_policy not in INT_POLICIES:
             raise ValueError(f"{API}: int_policy must be one of {INT_POLICIES}, "
                              f"not {int_policy!r}")
@@ -487,6 +497,7 @@ class WeightedPartial:
         base_tensors = None if base is None else layout.tensors(base, "base")
         like_tensors = clients[0] if clients else layout.tensors(template, what)
         _check_same_structure(layout, clients, base_tensors, like_tensors)
+        w = None
         if clients:
             w = weight_vector(weights, len(clients), False)
         elif weights is not None and len(weights) != 0:
@@ -502,9 +513,7 @@ class WeightedPartial:
                             zip(base_tensors, like_tensors, layout.float_mask)]
         partial = cls(layout, like_tensors, base_tensors, int_policy, order)
         partial._metadata = getattr(template, "_metadata", None)
-        if clients:
-            partial._add(clients, w)
-        return partial
+        return partial, clients, w
 
     def add_clients(self, updates: Sequence[Model], weights) -> None:
         """Adds more clients, models of the partial's structure (state_dicts are matched by
@@ -524,8 +533,11 @@ class WeightedPartial:
                                      f"{tuple(self.shapes[i])} on {self.device}")
         self._add(clients, weight_vector(weights, len(clients), False))
 
-    def _add(self, clients: list[list[Tensor]], weights) -> None:
-        """Adds checked clients (tensor lists in the layout's order) in one fused pass."""
+    def _add(self, clients: list[list[Tensor]], weights, divisor: float = 1.0) -> None:
+        """Adds checked clients (tensor lists in the layout's order) in one fused pass; the
+        weights divided by ``divisor`` (all_reduce_aggregate's global total, so that
+        normalize=True divides before it multiplies, as aggregate does: a raw weight beyond
+        float32's range, or one so small that its reciprocal is, then stays exact)."""
         # Read as values (as Accumulator reads them): the sum goes into a buffer that the
         # all-reduce overwrites, so no gradient could reach the clients or the weights, and
         # the in-place op refuses tensors that require grad (a module's parameters).
@@ -535,6 +547,9 @@ class WeightedPartial:
         floats = [i for i, f in enumerate(self.layout.float_mask) if f]
         inputs = [c[i].detach() for c in clients for i in floats]
         views = [self.views[i] for i in floats]
+        self._total.add_(w.sum().to(device="cpu", dtype=torch.float64))
+        if divisor != 1.0:
+            w = w / divisor
         total = w.sum()
         if self.base is not None and floats:
             base = [self.base[i].detach() for i in floats]
@@ -548,7 +563,6 @@ class WeightedPartial:
                 summation.weighted_sum_(views, base, -total.reshape(1), 1.0, False)
         if floats:
             summation.weighted_sum_(views, inputs, w, 1.0, False)
-        self._total.add_(total.to(device="cpu", dtype=torch.float64))
         for i, f in enumerate(self.layout.float_mask):
             if f:
                 continue
@@ -829,8 +843,11 @@ def all_reduce_aggregate(
         scale = real_number(API, "scale", scale)
         if not math.isfinite(scale):
             raise ValueError(f"{API}: scale must be finite, got {scale}")
-        partial = WeightedPartial.from_clients(updates, weights, base=base, like=like,
-                                               int_policy=int_policy)
+        # The clients are summed after the agreement, with normalize=True by weights already
+        # divided by the global total.
+        partial, clients, w = WeightedPartial._checked(updates, weights, base, like, int_policy)
+        count = len(clients)
+        local_total = 0.0 if w is None else float(w.sum())
         if out is not None:
             partial.check_out(out)
         model = partial.describe(normalize=bool(normalize), scale=scale)
@@ -842,8 +859,8 @@ def all_reduce_aggregate(
     try:
         counts, totals, sources = _agree(
             group, bound, device, model=model, error=local_error,
-            count=0 if partial is None else partial.count,
-            total=0.0 if partial is None else float(partial.total_weight),
+            count=0 if local_error is not None else count,
+            total=0.0 if local_error is not None else local_total,
             require_clients=True, sources=[dist.get_rank()])
     except (ValueError, TypeError, RuntimeError) as err:
         if local_error is not None:
@@ -854,7 +871,10 @@ def all_reduce_aggregate(
     partial._rank_sources = dict(zip(ranks, sources))
     # Every rank gathered the same totals, so every rank raises the same error here, before
     # the model-sized all-reduce.
-    if normalize and _global_total(totals) == 0:
+    total = _global_total(totals)
+    if normalize and total == 0:
         raise ValueError(f"{API}: normalize=True but the weights sum to 0")
+    if clients:
+        partial._add(clients, w, divisor=total if normalize else 1.0)
     partial._all_reduce_agreed(group, bound)
-    return partial.result(scale=scale, normalize=bool(normalize), out=out)
+    return partial.result(scale=scale, out=out)
