@@ -410,6 +410,35 @@ def _check_sums_once(rank: int, world: int, device: str) -> None:
     assert torch.equal(got["x"], torch.full((2, 3), expected_x, device=device))
 
 
+def _check_weight_ranges(rank: int, world: int, device: str) -> None:
+    """Weights the float32 accumulator cannot take make every rank raise the same error, also
+    where only some ranks hold them (one rank raising in the op would leave the others waiting
+    in the all-reduce)."""
+    mine = _xy(rank, device)
+    outcomes: list = []
+    # normalize=False: rank 1's raw weight is beyond float32 (checked before the agreement)
+    weight = torch.tensor([1e39 if rank == 1 else 1.0], dtype=torch.float64)
+    _expect_failure(outcomes, "raw weight beyond float32",
+                    lambda: all_reduce_aggregate([mine], weight, timeout=HANG_BOUND_S),
+                    ValueError, "rank 1 failed before the all-reduce", "1e+39")
+    if world > 2:
+        # normalize=True: weights that cancel to a sum 1e310 times smaller than themselves;
+        # only ranks 0 and 1 would overflow in w / W (checked after the agreement, on every
+        # rank)
+        weights = {0: [1e300], 1: [-1e300], 2: [1e-10]}.get(rank, [0.0])
+        _expect_failure(outcomes, "mixed signs that cancel",
+                        lambda: all_reduce_aggregate([mine], weights, normalize=True,
+                                                     timeout=HANG_BOUND_S),
+                        ValueError, "mixed signs that almost cancel")
+    gathered = [None] * world
+    dist.all_gather_object(gathered, outcomes)
+    assert all(g == outcomes for g in gathered), gathered
+    # the group is still usable
+    got = all_reduce_aggregate([mine], [1.0], normalize=True)
+    expected_x = sum(r + 1.0 for r in range(world)) / world
+    assert torch.equal(got["x"], torch.full((2, 3), expected_x, device=device))
+
+
 # ---------------------------------------------------------------- absent and dead ranks
 # Each of these leaves its process group unusable, so each runs on a spare group of all ranks
 # made for it beforehand; the default group stays healthy.
@@ -458,6 +487,7 @@ def _worker(rank: int, world: int, port: int, backend: str) -> None:
     _check_results(rank, world, device)
     if world > 1:
         _check_sums_once(rank, world, device)
+        _check_weight_ranges(rank, world, device)
     if spares:
         _check_absent_rank(rank, world, device, spares[0], store)
         _check_dead_rank(rank, world, device, spares[1])

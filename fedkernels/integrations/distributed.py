@@ -244,6 +244,7 @@ def _from_int_wire(wire: Tensor, t: Tensor) -> None:
 # ---------------------------------------------------------------- agreement
 
 _OK, _FAILED = 0, 1
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _entry_label(kind: str, label: str) -> str:
@@ -321,11 +322,13 @@ def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
 
 def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dict | None,
            error: BaseException | None, count: int, total: float, require_clients: bool,
-           sources: Sequence[int] = ()) -> tuple[list[int], list[float], list[list[int]]]:
-    """One small all_gather of ``[status, count, payload length, total, number of sources,
-    first source, digest]`` per rank (``total``: the rank's sum of weights, its float64 bits;
-    ``sources``: the global ranks whose clients the rank's partial holds). Returns every rank's
-    client count, weight total and sources when all are ready and describe the same model
+           sources: Sequence[int] = (), abs_total: float = 0.0
+           ) -> tuple[list[int], list[float], list[list[int]], list[float]]:
+    """One small all_gather of ``[status, count, payload length, total, abs_total, number of
+    sources, first source, digest]`` per rank (``total`` and ``abs_total``: the rank's sums of
+    weights and of their magnitudes, as float64 bits; ``sources``: the global ranks whose
+    clients the rank's partial holds). Returns every rank's client count, weight total,
+    sources and abs_total when all are ready and describe the same model
     (the sources take a second small gather only when some rank holds more than one);
     otherwise exchanges the payloads (a second small gather) and raises the same exception on
     every rank, naming the rank and the tensor at fault."""
@@ -339,24 +342,26 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
         status = _OK
         digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).digest()
     blob = json.dumps(payload, sort_keys=True).encode()
-    (total_bits,) = struct.unpack("<q", struct.pack("<d", total))
-    head = torch.tensor([status, count, len(blob), total_bits, len(sources),
+    bits = struct.unpack("<2q", struct.pack("<2d", total, abs_total))
+    head = torch.tensor([status, count, len(blob), *bits, len(sources),
                          sources[0] if sources else -1, *struct.unpack("<4q", digest)],
                         dtype=torch.int64, device=device)
     heads = [h.tolist() for h in _all_gather(head, group, timeout, "layout agreement")]
-    if all(h[0] == _OK for h in heads) and all(h[6:] == heads[0][6:] for h in heads):
+    if all(h[0] == _OK for h in heads) and all(h[7:] == heads[0][7:] for h in heads):
         counts = [h[1] for h in heads]
         if require_clients and sum(counts) == 0:
             raise ValueError(f"{API}: no client updates on any of the {len(ranks)} ranks "
                              "(K = 0)")
         totals = [struct.unpack("<d", struct.pack("<q", h[3]))[0] for h in heads]
-        longest = max(h[4] for h in heads)
+        abs_totals = [struct.unpack("<d", struct.pack("<q", h[4]))[0] for h in heads]
+        longest = max(h[5] for h in heads)
         if longest <= 1:
-            return counts, totals, [[h[5]] if h[4] else [] for h in heads]
+            return counts, totals, [[h[6]] if h[5] else [] for h in heads], abs_totals
         mine = torch.full((longest,), -1, dtype=torch.int64)
         mine[:len(sources)] = torch.tensor(sources, dtype=torch.int64)
         gathered = _all_gather(mine.to(device), group, timeout, "agreement on the sources")
-        return counts, totals, [g[:h[4]].tolist() for g, h in zip(gathered, heads)]
+        return (counts, totals, [g[:h[5]].tolist() for g, h in zip(gathered, heads)],
+                abs_totals)
     longest = max(h[2] for h in heads)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -613,7 +618,7 @@ class WeightedPartial:
         ranks = _group_ranks(group)
         flags = {k: _plain_rank(v) for k, v in flags.items()}
         mine = [dist.get_rank()] if self._sources is None else list(self._sources)
-        counts, totals, sources = _agree(
+        counts, totals, sources, _ = _agree(
             group, _as_timeout(timeout), _control_device(group, self.device),
             model=self.describe(**flags), error=None, count=self.count,
             total=float(self._total), require_clients=False, sources=mine)
@@ -832,7 +837,7 @@ def all_reduce_aggregate(
     checksum of its bits), which would otherwise give each rank another model.
 
     Cost per rank: one fused pass over its clients (and, in delta mode, one read of the base
-    for its checksum), one small all_gather (10 integers per rank), one all-reduce of one model
+    for its checksum), one small all_gather (11 integers per rank), one all-reduce of one model
     (in the accumulate dtype), and one small max-reduce per integer tensor."""
     local_error: Exception | None = None
     partial: WeightedPartial | None = None
@@ -843,11 +848,12 @@ def all_reduce_aggregate(
         scale = real_number(API, "scale", scale)
         if not math.isfinite(scale):
             raise ValueError(f"{API}: scale must be finite, got {scale}")
-        # The clients are summed after the agreement, with normalize=True by weights already
-        # divided by the global total.
         partial, clients, w = WeightedPartial._checked(updates, weights, base, like, int_policy)
         count = len(clients)
         local_total = 0.0 if w is None else float(w.sum())
+        abs_total = 0.0 if w is None else float(w.abs().sum())
+        if clients and not normalize:
+            partial._add(clients, w)
         if out is not None:
             partial.check_out(out)
         model = partial.describe(normalize=bool(normalize), scale=scale)
@@ -857,11 +863,12 @@ def all_reduce_aggregate(
     device = _control_device(group, partial.device if partial is not None
                              else torch.device("cpu"))
     try:
-        counts, totals, sources = _agree(
+        counts, totals, sources, abs_totals = _agree(
             group, bound, device, model=model, error=local_error,
             count=0 if local_error is not None else count,
             total=0.0 if local_error is not None else local_total,
-            require_clients=True, sources=[dist.get_rank()])
+            require_clients=True, sources=[dist.get_rank()],
+            abs_total=0.0 if local_error is not None else abs_total)
     except (ValueError, TypeError, RuntimeError) as err:
         if local_error is not None:
             raise err from local_error
@@ -872,9 +879,20 @@ def all_reduce_aggregate(
     # Every rank gathered the same totals, so every rank raises the same error here, before
     # the model-sized all-reduce.
     total = _global_total(totals)
-    if normalize and total == 0:
-        raise ValueError(f"{API}: normalize=True but the weights sum to 0")
-    if clients:
-        partial._add(clients, w, divisor=total if normalize else 1.0)
+    if normalize:
+        if total == 0:
+            raise ValueError(f"{API}: normalize=True but the weights sum to 0")
+        # With normalize=True each rank sums its clients now, by w_k / W with the global W (as
+        # aggregate divides before it multiplies: raw weights of any finite size). Every
+        # w_k / W, and a base's -sum w / W, is at most max(abs totals) / |W|: every rank
+        # refuses alike what a float32 accumulator cannot take, rather than one rank raising
+        # in the op while the others wait in the all-reduce.
+        largest = max(abs_totals) / abs(total)
+        if largest > _FLOAT32_MAX and any(b.dtype != torch.float64 for b in partial.buffers):
+            raise ValueError(f"{API}: normalize=True with weights of mixed signs that almost "
+                             f"cancel: sum |w| / |sum w| is {largest:.3g}, beyond float32's "
+                             "range in which this model accumulates")
+        if clients:
+            partial._add(clients, w, divisor=total)
     partial._all_reduce_agreed(group, bound)
     return partial.result(scale=scale, out=out)

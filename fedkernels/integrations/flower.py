@@ -953,8 +953,7 @@ class FusedStrategy(_FlowerFedAvg):
         if self.check_finite:
             _check_finite(clients)
         if isinstance(self.server_optimizer, _server.ServerSGD):
-            aggregate(clients, weights, base=params, scale=self.server_optimizer.lr,
-                                 out=params)
+            aggregate(clients, weights, base=params, scale=self.server_optimizer.lr, out=params)
         else:
             self.server_optimizer.apply(params, clients, weights, server_round)
         for n in names:
