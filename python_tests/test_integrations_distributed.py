@@ -430,6 +430,23 @@ def _check_weight_ranges(rank: int, world: int, device: str) -> None:
                         lambda: all_reduce_aggregate([mine], weights, normalize=True,
                                                      timeout=HANG_BOUND_S),
                         ValueError, "mixed signs that almost cancel")
+    # WeightedPartial holds its sums relative to a power of two near its largest weight, and
+    # the collectives bring every rank to the group's largest: weights far apart on different
+    # ranks, past float32's limits, sum and normalise as aggregate's (they gave inf or NaN).
+    clients = [_xy(r, device) for r in range(world)]
+    for weights in ([1e39] + [1.0] * (world - 1), [3e38] * world, [1e-46 * (r + 1) for r in
+                    range(world)], [1e-40] + [1e30] * (world - 1)):
+        expected = fedkernels.aggregate(clients, weights, normalize=True)
+        partial = WeightedPartial.from_clients([mine], [weights[rank]]).all_reduce()
+        got = partial.result(normalize=True)
+        assert torch.allclose(got["x"], expected["x"], rtol=1e-6), (weights, got["x"])
+        reduced = WeightedPartial.from_clients([mine], [weights[rank]]).reduce(dst=0)
+        reduced.broadcast(src=0)
+        assert torch.equal(reduced.result(normalize=True)["x"], got["x"])
+    # without normalize, a weight past float32 is refused as aggregate refuses it
+    partial = WeightedPartial.from_clients([mine], [1e39 if rank == 0 else 1.0]).all_reduce()
+    _expect_failure(outcomes, "partial result of a raw weight beyond float32",
+                    partial.result, ValueError, "beyond the float32 range")
     gathered = [None] * world
     dist.all_gather_object(gathered, outcomes)
     assert all(g == outcomes for g in gathered), gathered
@@ -571,6 +588,28 @@ def test_flat_and_list_clients():
     got = WeightedPartial.from_clients(lists, weights).result()
     for a, b in zip(got, fedkernels.aggregate(lists, weights)):
         torch.testing.assert_close(a, b)
+
+
+def test_extreme_weights_of_one_partial():
+    """Clients added in several calls whose weights grow past the first call's unit by more
+    than 2^32, or lie past float32's limits: result(normalize=True) as aggregate's."""
+    clients, weights = _clients(5, 4)
+    for scaled in ([1e-46, 1e-40, 1e30, 1e39], [1.0, 3e38, 3e38, 2.0], [1e300, 1e-300, 1.0, 1e200]):
+        partial = WeightedPartial.from_clients(clients[:1], scaled[:1])
+        partial.add_clients(clients[1:3], scaled[1:3])
+        partial.add_clients(clients[3:], scaled[3:])
+        expected = fedkernels.aggregate(clients, scaled, normalize=True)
+        _close(partial.result(normalize=True), expected, 1e-6, 1e-5)
+        base = {n: t + 1 for n, t in clients[0].items()}
+        partial = WeightedPartial.from_clients(clients[:2], scaled[:2], base=base)
+        partial.add_clients(clients[2:], scaled[2:])
+        expected = fedkernels.aggregate(clients, scaled, normalize=True, base=base, scale=0.5)
+        _close(partial.result(normalize=True, scale=0.5), expected, 1e-5, 1e-5)
+    partial = WeightedPartial.from_clients(clients, weights)
+    with pytest.raises(ValueError, match="scale 1e\\+39 is beyond the float32 range"):
+        partial.result(scale=1e39)
+    with pytest.raises(TypeError, match="scale"):
+        partial.result(scale="2")
 
 
 def test_rank_without_clients_needs_structure():

@@ -17,7 +17,8 @@ The ranks first agree on what they are about to sum. The buffer is laid out in a
 order (a state_dict's tensors sorted by name, a list's by position), so ranks whose dicts hold
 the same keys in another order still add tensor to tensor by name. Before the model-sized
 all-reduce, one small ``all_gather`` of a fixed-size record per rank (a status, the client
-count, the rank's :math:`\sum w_k` in float64, and a SHA-256 of the layout: kind, names,
+count, the rank's :math:`\sum w_k` and :math:`\sum |w_k|` in float64, the power of two its sums
+are relative to, which ranks' clients it holds, and a SHA-256 of the layout: kind, names,
 shapes, dtypes, device type, ``int_policy``, the call's flags and, in delta mode, a checksum of
 the base's bits) checks that every rank is ready and that the layouts and bases agree; every
 rank then adds the gathered weight totals itself (``math.fsum``, so :math:`W` is exact to
@@ -46,6 +47,7 @@ import math
 import operator
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -245,6 +247,7 @@ def _from_int_wire(wire: Tensor, t: Tensor) -> None:
 
 _OK, _FAILED = 0, 1
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
 def _entry_label(kind: str, label: str) -> str:
@@ -320,15 +323,32 @@ def _disagreement(ranks: list[int], payloads: list[dict]) -> Exception:
                       f"{_difference(models[0], models[first], ranks[0], ranks[first])}{others}")
 
 
+@dataclass
+class _Agreement:
+    """What the agreement gathered, one entry per rank of the group, in the group's order."""
+    counts: list[int]         # clients
+    totals: list[float]       # sum w
+    abs_totals: list[float]   # sum |w|
+    units: list[float]        # the power of two the rank's sums are relative to (0: none yet)
+    sources: list[list[int]]  # the global ranks whose clients the rank's partial holds
+
+
+def _unit_of(weight: float) -> float:
+    """The power of two at or just above ``|weight|`` (2^1023 past it: 2^1024 overflows)."""
+    return math.ldexp(1.0, min(math.frexp(abs(weight))[1], 1023))
+
+
+def _floats_of(bits: list[int]) -> list[float]:
+    return [struct.unpack("<d", struct.pack("<q", b))[0] for b in bits]
+
+
 def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dict | None,
-           error: BaseException | None, count: int, total: float, require_clients: bool,
-           sources: Sequence[int] = (), abs_total: float = 0.0
-           ) -> tuple[list[int], list[float], list[list[int]], list[float]]:
-    """One small all_gather of ``[status, count, payload length, total, abs_total, number of
-    sources, first source, digest]`` per rank (``total`` and ``abs_total``: the rank's sums of
-    weights and of their magnitudes, as float64 bits; ``sources``: the global ranks whose
-    clients the rank's partial holds). Returns every rank's client count, weight total,
-    sources and abs_total when all are ready and describe the same model
+           error: BaseException | None, require_clients: bool, count: int = 0,
+           total: float = 0.0, abs_total: float = 0.0, unit: float = 0.0,
+           sources: Sequence[int] = ()) -> _Agreement:
+    """One small all_gather of ``[status, count, payload length, total, abs_total, unit,
+    number of sources, first source, digest]`` per rank (the floats as their float64 bits; see
+    _Agreement). Returns what every rank sent when all are ready and describe the same model
     (the sources take a second small gather only when some rank holds more than one);
     otherwise exchanges the payloads (a second small gather) and raises the same exception on
     every rank, naming the rank and the tensor at fault."""
@@ -336,32 +356,33 @@ def _agree(group, timeout: timedelta | None, device: torch.device, *, model: dic
     sources = list(sources)
     if error is not None:
         payload = {"error": [type(error).__name__, str(error)]}
-        status, digest, total = _FAILED, bytes(32), 0.0
+        status, digest, total, abs_total, unit = _FAILED, bytes(32), 0.0, 0.0, 0.0
     else:
         payload = {"model": model}
         status = _OK
         digest = hashlib.sha256(json.dumps(model, sort_keys=True).encode()).digest()
     blob = json.dumps(payload, sort_keys=True).encode()
-    bits = struct.unpack("<2q", struct.pack("<2d", total, abs_total))
+    bits = struct.unpack("<3q", struct.pack("<3d", total, abs_total, unit))
     head = torch.tensor([status, count, len(blob), *bits, len(sources),
                          sources[0] if sources else -1, *struct.unpack("<4q", digest)],
                         dtype=torch.int64, device=device)
     heads = [h.tolist() for h in _all_gather(head, group, timeout, "layout agreement")]
-    if all(h[0] == _OK for h in heads) and all(h[7:] == heads[0][7:] for h in heads):
+    if all(h[0] == _OK for h in heads) and all(h[8:] == heads[0][8:] for h in heads):
         counts = [h[1] for h in heads]
         if require_clients and sum(counts) == 0:
             raise ValueError(f"{API}: no client updates on any of the {len(ranks)} ranks "
                              "(K = 0)")
-        totals = [struct.unpack("<d", struct.pack("<q", h[3]))[0] for h in heads]
-        abs_totals = [struct.unpack("<d", struct.pack("<q", h[4]))[0] for h in heads]
-        longest = max(h[5] for h in heads)
-        if longest <= 1:
-            return counts, totals, [[h[6]] if h[5] else [] for h in heads], abs_totals
-        mine = torch.full((longest,), -1, dtype=torch.int64)
-        mine[:len(sources)] = torch.tensor(sources, dtype=torch.int64)
-        gathered = _all_gather(mine.to(device), group, timeout, "agreement on the sources")
-        return (counts, totals, [g[:h[5]].tolist() for g, h in zip(gathered, heads)],
-                abs_totals)
+        agreement = _Agreement(counts, _floats_of([h[3] for h in heads]),
+                               _floats_of([h[4] for h in heads]),
+                               _floats_of([h[5] for h in heads]),
+                               [[h[7]] if h[6] else [] for h in heads])
+        longest = max(h[6] for h in heads)
+        if longest > 1:
+            mine = torch.full((longest,), -1, dtype=torch.int64)
+            mine[:len(sources)] = torch.tensor(sources, dtype=torch.int64)
+            gathered = _all_gather(mine.to(device), group, timeout, "agreement on the sources")
+            agreement.sources = [g[:h[6]].tolist() for g, h in zip(gathered, heads)]
+        return agreement
     longest = max(h[2] for h in heads)
     mine = torch.zeros(longest, dtype=torch.uint8)
     mine[:len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
@@ -400,7 +421,9 @@ def _global_total(totals) -> float:
 class WeightedPartial:
     r"""A partial weighted sum :math:`S` over some clients and their :math:`W = \sum w_k`:
     :math:`S` in one flat buffer per accumulate dtype (usually one), :math:`W` in float64,
-    plus the integer tensors.
+    plus the integer tensors. :math:`S` is held relative to a power of two near the largest
+    weight (as ``fedkernels.Accumulator`` holds it), so weights near or past float32's limits
+    normalise as in :func:`fedkernels.aggregate`.
 
     Build it with :meth:`from_clients`, combine across ranks with :meth:`all_reduce` (or
     :meth:`reduce` + :meth:`broadcast` for hierarchies), and read the model with
@@ -459,6 +482,12 @@ class WeightedPartial:
         # sum). The collectives compare them, so that no client is counted twice.
         self._sources: tuple[int, ...] | None = None
         self._rank_sources: dict[int, list[int]] = {}
+        # The sums are held relative to a power of two near the largest weight (0.0: no client
+        # yet, read as 1), as Accumulator holds them: weights near or past float32's limits
+        # (3e38 + 3e38, 1e-46) then sum and normalise as aggregate's do. The collectives first
+        # bring every rank's sums to the largest unit of the group.
+        self._unit = 0.0
+        self._units: dict[int, float] = {}
 
     @property
     def total_weight(self) -> Tensor:
@@ -552,9 +581,17 @@ class WeightedPartial:
         floats = [i for i, f in enumerate(self.layout.float_mask) if f]
         inputs = [c[i].detach() for c in clients for i in floats]
         views = [self.views[i] for i in floats]
-        self._total.add_(w.sum().to(device="cpu", dtype=torch.float64))
+        raw_total = w.sum().to(device="cpu", dtype=torch.float64)
+        peak = float(w.abs().max())
+        unit = self._unit
         if divisor != 1.0:
-            w = w / divisor
+            w, unit = w / divisor, 1.0
+        elif peak != 0 and (unit == 0.0 or peak > unit * 2.0**32):
+            new_unit = _unit_of(peak)
+            if unit != 0.0:
+                self._rescale(unit / new_unit)
+            unit = new_unit
+        w = w / (unit or 1.0)
         total = w.sum()
         if self.base is not None and floats:
             base = [self.base[i].detach() for i in floats]
@@ -568,14 +605,13 @@ class WeightedPartial:
                 summation.weighted_sum_(views, base, -total.reshape(1), 1.0, False)
         if floats:
             summation.weighted_sum_(views, inputs, w, 1.0, False)
+        self._total.add_(raw_total)
+        if peak != 0:
+            self._unit = unit
         for i, f in enumerate(self.layout.float_mask):
             if f:
                 continue
             values = [c[i] for c in clients]
-            if self.int_policy == "error":
-                label = self.layout.label(self.layout.names[i])
-                raise TypeError(f"{API}: tensor {label} has dtype {values[0].dtype} and "
-                                "int_policy='error'")
             if self.int_policy == "max":
                 # elementwise_max: torch has no max for uint16/32/64 on the CPU. A copy: the
                 # collectives write into it.
@@ -618,14 +654,18 @@ class WeightedPartial:
         ranks = _group_ranks(group)
         flags = {k: _plain_rank(v) for k, v in flags.items()}
         mine = [dist.get_rank()] if self._sources is None else list(self._sources)
-        counts, totals, sources, _ = _agree(
-            group, _as_timeout(timeout), _control_device(group, self.device),
-            model=self.describe(**flags), error=None, count=self.count,
-            total=float(self._total), require_clients=False, sources=mine)
-        self._counts = dict(zip(ranks, counts))
-        self._totals = dict(zip(ranks, totals))
-        self._rank_sources = dict(zip(ranks, sources))
-        return counts
+        agreed = _agree(group, _as_timeout(timeout), _control_device(group, self.device),
+                        model=self.describe(**flags), error=None, require_clients=False,
+                        count=self.count, total=float(self._total), unit=self._unit,
+                        sources=mine)
+        self._take(ranks, agreed)
+        return agreed.counts
+
+    def _take(self, ranks: list[int], agreed: _Agreement) -> None:
+        self._counts = dict(zip(ranks, agreed.counts))
+        self._totals = dict(zip(ranks, agreed.totals))
+        self._units = dict(zip(ranks, agreed.units))
+        self._rank_sources = dict(zip(ranks, agreed.sources))
 
     def _check_sums_once(self, collective: str) -> list[int]:
         """After the agreement, on every rank alike: the group's partials are sums (none was
@@ -647,6 +687,19 @@ class WeightedPartial:
                 seen[source] = rank
         return sorted(seen)
 
+    def _rescale(self, ratio: float) -> None:
+        """The sums relative to another unit: times ``ratio``, a power of two (exact)."""
+        for buffer in self.buffers:
+            buffer.mul_(ratio)
+
+    def _align_units(self) -> None:
+        """After the agreement, before a sum: every rank's sums relative to the group's
+        largest unit (ranks without clients have none)."""
+        common = max(self._units.values(), default=0.0)
+        if self._unit != 0.0 and self._unit != common:
+            self._rescale(self._unit / common)
+        self._unit = common
+
     def _check_not_spent(self, what: str) -> None:
         if self._sources == ():
             raise ValueError(f"{API}: this partial was summed onto another rank by reduce(); "
@@ -665,6 +718,7 @@ class WeightedPartial:
         # on every rank, before the collectives
         sources = self._check_sums_once("all_reduce")
         total = _global_total(self._totals.values())
+        self._align_units()
         for buffer in self.buffers:
             _all_reduce(buffer, dist.ReduceOp.SUM, group, timeout, "all-reduce of the model")
         self._reduce_ints(group, dst=None, timeout=timeout)
@@ -680,6 +734,7 @@ class WeightedPartial:
         # on every rank, before the collectives
         sources = self._check_sums_once("reduce")
         total = _global_total(self._totals.values())
+        self._align_units()
         for buffer in self.buffers:
             _wait(dist.reduce(buffer, dst=dst, op=dist.ReduceOp.SUM, group=group, async_op=True),
                   bound, "reduce of the model", group)
@@ -711,6 +766,7 @@ class WeightedPartial:
         self.count = self._counts.get(src, self.count)
         self._total.fill_(self._totals.get(src, float(self._total)))
         self._sources = tuple(self._rank_sources.get(src, self._sources or ()))
+        self._unit = self._units.get(src, self._unit)
         return self
 
     def _int_indices(self) -> list[int]:
@@ -755,6 +811,25 @@ class WeightedPartial:
 
     # ---------------------------------------------------------------- reading
 
+    def _narrow(self) -> str | None:
+        """The label of the first float tensor that accumulates in float32, if any."""
+        for i, f in enumerate(self.layout.float_mask):
+            if f and self.views[i].dtype == torch.float32:
+                return self.layout.label(self.layout.names[i])
+        return None
+
+    def check_scale(self, scale) -> float:
+        """``scale`` as a float: a finite real number, within float32's range where the
+        model accumulates in float32 (as :func:`fedkernels.aggregate` refuses it)."""
+        scale = real_number(API, "scale", scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"{API}: scale must be finite, got {scale}")
+        narrow = self._narrow()
+        if narrow and abs(scale) > _FLOAT32_MAX:
+            raise ValueError(f"{API}: scale {scale:.4g} is beyond the float32 range (|x| <= "
+                             f"{_FLOAT32_MAX:.4g}) of tensor {narrow}")
+        return scale
+
     def check_out(self, out: Model) -> list[Tensor]:
         """``out``'s tensors in the canonical order, after checking each has the result's
         shape, dtype and device (so a bad ``out`` fails before any collective)."""
@@ -772,12 +847,28 @@ class WeightedPartial:
         with a base; in the models' dtypes (base's in delta mode); written into ``out`` when
         given (which may be the base, for an in-place server step). A state_dict result has
         the key order of this rank's first client (or ``like``/``base``), and its
-        ``_metadata`` (a ``Module.state_dict()``'s module versions) as a copy."""
+        ``_metadata`` (a ``Module.state_dict()``'s module versions) as a copy.
+
+        As :func:`fedkernels.aggregate` and ``Accumulator``: ``scale``, and without
+        ``normalize`` a weight, beyond float32's range is refused for models that accumulate
+        in float32 (fp32, fp16, bf16); with ``normalize`` weights of any finite size give the
+        normalised model."""
         self._check_not_spent("give a result")
+        self.check_scale(scale)
         total = float(self.total_weight)
         if normalize and total == 0:
             raise ValueError(f"{API}: normalize=True but the weights sum to 0")
-        factor = scale / total if normalize else scale
+        unit = self._unit or 1.0
+        narrow = self._narrow()
+        if not normalize and narrow and unit > 2.0**128:  # the largest weight is past 2^128
+            raise ValueError(f"{API}: a weight is beyond the float32 range (|w| <= "
+                             f"{_FLOAT32_MAX:.4g}) of tensor {narrow}; use "
+                             "result(normalize=True), or float64 models")
+        # S = unit * the buffer
+        factor = scale * (unit / total if normalize else unit)
+        # A float32 tensor times a Python number rounds the number to float32: a factor beyond
+        # its range would give inf (and 0 * inf NaN), so such a factor multiplies in float64.
+        wide = not (factor == 0 or _FLOAT32_TINY <= abs(factor) <= _FLOAT32_MAX)
         out_tensors = None if out is None else self.check_out(out)
         results = []
         for i, f in enumerate(self.layout.float_mask):
@@ -790,6 +881,7 @@ class WeightedPartial:
                 results.append(value.clone() if target is None else target.copy_(value))
                 continue
             s = self.views[i]
+            s = s.double() if wide and s.dtype == torch.float32 else s
             if self.base is None:
                 value = (s * factor).to(self.dtypes[i])
             else:
@@ -837,7 +929,7 @@ def all_reduce_aggregate(
     checksum of its bits), which would otherwise give each rank another model.
 
     Cost per rank: one fused pass over its clients (and, in delta mode, one read of the base
-    for its checksum), one small all_gather (11 integers per rank), one all-reduce of one model
+    for its checksum), one small all_gather (12 integers per rank), one all-reduce of one model
     (in the accumulate dtype), and one small max-reduce per integer tensor."""
     local_error: Exception | None = None
     partial: WeightedPartial | None = None
@@ -846,14 +938,21 @@ def all_reduce_aggregate(
     try:
         bound = _as_timeout(timeout)
         scale = real_number(API, "scale", scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"{API}: scale must be finite, got {scale}")
         partial, clients, w = WeightedPartial._checked(updates, weights, base, like, int_policy)
+        scale = partial.check_scale(scale)
         count = len(clients)
         local_total = 0.0 if w is None else float(w.sum())
         abs_total = 0.0 if w is None else float(w.abs().sum())
         if clients and not normalize:
+            narrow = partial._narrow()
+            peak = float(w.abs().max())
+            if narrow and peak > _FLOAT32_MAX:  # as aggregate refuses it
+                raise ValueError(f"{API}: a weight of {peak:.4g} is beyond the float32 range "
+                                 f"(|w| <= {_FLOAT32_MAX:.4g}) of tensor {narrow}; use "
+                                 "normalize=True, or float64 models")
             partial._add(clients, w)
+        # With normalize=True the clients are summed after the agreement, relative to 1.
+        unit = 1.0 if normalize and count else partial._unit
         if out is not None:
             partial.check_out(out)
         model = partial.describe(normalize=bool(normalize), scale=scale)
@@ -863,22 +962,19 @@ def all_reduce_aggregate(
     device = _control_device(group, partial.device if partial is not None
                              else torch.device("cpu"))
     try:
-        counts, totals, sources, abs_totals = _agree(
-            group, bound, device, model=model, error=local_error,
-            count=0 if local_error is not None else count,
-            total=0.0 if local_error is not None else local_total,
-            require_clients=True, sources=[dist.get_rank()],
-            abs_total=0.0 if local_error is not None else abs_total)
+        ok = local_error is None
+        agreed = _agree(group, bound, device, model=model, error=local_error,
+                        require_clients=True, count=count if ok else 0,
+                        total=local_total if ok else 0.0, abs_total=abs_total if ok else 0.0,
+                        unit=unit if ok else 0.0, sources=[dist.get_rank()])
     except (ValueError, TypeError, RuntimeError) as err:
         if local_error is not None:
             raise err from local_error
         raise
-    partial._counts = dict(zip(ranks, counts))
-    partial._totals = dict(zip(ranks, totals))
-    partial._rank_sources = dict(zip(ranks, sources))
+    partial._take(ranks, agreed)
     # Every rank gathered the same totals, so every rank raises the same error here, before
     # the model-sized all-reduce.
-    total = _global_total(totals)
+    total = _global_total(agreed.totals)
     if normalize:
         if total == 0:
             raise ValueError(f"{API}: normalize=True but the weights sum to 0")
@@ -887,7 +983,7 @@ def all_reduce_aggregate(
         # w_k / W, and a base's -sum w / W, is at most max(abs totals) / |W|: every rank
         # refuses alike what a float32 accumulator cannot take, rather than one rank raising
         # in the op while the others wait in the all-reduce.
-        largest = max(abs_totals) / abs(total)
+        largest = max(agreed.abs_totals) / abs(total)
         if largest > _FLOAT32_MAX and any(b.dtype != torch.float64 for b in partial.buffers):
             raise ValueError(f"{API}: normalize=True with weights of mixed signs that almost "
                              f"cancel: sum |w| / |sum w| is {largest:.3g}, beyond float32's "
