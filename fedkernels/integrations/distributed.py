@@ -588,8 +588,9 @@ class WeightedPartial:
             w, unit = w / divisor, 1.0
         elif peak != 0 and (unit == 0.0 or peak > unit * 2.0**32):
             new_unit = _unit_of(peak)
-            if unit != 0.0:
+            if unit != 0.0:  # the sums so far, relative to the new unit
                 self._rescale(unit / new_unit)
+                self._unit = new_unit
             unit = new_unit
         w = w / (unit or 1.0)
         total = w.sum()
