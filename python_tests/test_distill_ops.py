@@ -652,7 +652,15 @@ def test_distill_kl_of_a_million_classes_keeps_float32_accuracy(device):
     ref = R.distill_kl_reference(xr, y.double(), 2.0)
     ref.backward()
     torch.testing.assert_close(loss.detach().cpu().double(), ref.detach(), rtol=2e-6, atol=0)
-    torch.testing.assert_close(x.grad.cpu().double(), xr.grad, rtol=1e-4, atol=1e-12)
+    # The gradient (T / N)(q sum y - y) cancels where q and y are close, so its error is
+    # bounded per element by float32 roundings of the larger term, not by a fixed atol: q
+    # carries the exp's error (2.2e-7 relative, about two roundings) and the row sum's. The
+    # AVX-512, AVX2 and default builds stay within 7 eps (q + y); a fixed atol of 1e-12 failed
+    # the default build by one element of 2.5e-10, 1.2e-12 off.
+    q = torch.softmax(s.double() / 2.0, -1)
+    bound = 12 * torch.finfo(torch.float32).eps * (q + y.double()) * (2.0 / 2)  # T / N = 1
+    err = (x.grad.cpu().double() - xr.grad).abs()
+    assert bool((err <= bound).all()), f"{float((err / bound).max()) * 12:.2f} eps"
 
 
 def test_distill_kl_backward_takes_the_kernel_gradient_without_filling_anything():

@@ -49,6 +49,9 @@ using at::vec::Vectorized;
 using namespace softmax_stats;
 
 constexpr int64_t kRowBlock = 64;      // most rows per KL loss partial
+// distill_kl's float rows go in groups of at most this many rows and values (kl_row_exps).
+constexpr int64_t kKlGroupRows = 8;
+constexpr int64_t kKlGroupElems = 1024;
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
 constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 // The entropy weighting's statistics prefetch into L2 the block they read this many blocks on
@@ -509,16 +512,28 @@ inline float exp2_row_sum(const float* s, int64_t C, float a, float b, float* e_
 // row whose max needs the full exp (exp2_row_ok: NaN, +-inf, |m| > 1e7). Passes over the row:
 // the max, the exps (stored only for the gradient), the terms with sum y, the gradient; all but
 // the first read from cache. The loss does not depend on whether the gradient is wanted.
+// In two steps, kl_row_exps (the max and the exps) and kl_row_terms (the rest), which the
+// caller takes for a group of rows each: every step ends in a sum over the row that the next
+// one waits for, and one row at a time those waits did not overlap.
+struct KlRowExps {
+  bool ok;  // false: the row needs the full exp (nothing else is set)
+  float a, b, sum_e;
+};
+
+inline KlRowExps kl_row_exps(const float* s, int64_t C, float inv_t, float* e) {
+  const float m = row_max(s, C) * inv_t;
+  if (!exp2_row_ok(m)) return {false, 0.0f, 0.0f, 0.0f};
+  const float a = inv_t * kLog2e, b = -(m * kLog2e);
+  return {true, a, b, exp2_row_sum(s, C, a, b, e)};
+}
+
 template <typename T>
-bool kl_row_exp2(const float* s, const float* y, int64_t C, float inv_t, float scale_over_t,
-                 T* g, float* e, double& loss) {
+void kl_row_terms(const float* s, const float* y, int64_t C, const KlRowExps& x,
+                  float scale_over_t, T* g, float* e, double& loss) {
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  const float m = row_max(s, C) * inv_t;
-  if (!exp2_row_ok(m)) return false;
-  const float a = inv_t * kLog2e, b = -(m * kLog2e);
-  const float sum_e = exp2_row_sum(s, C, a, b, g ? e : nullptr);
-  const Vec av(a), bv(b), log2_sum(std::log2(sum_e)), ln2(kLn2), zero(0.0f);
+  const float sum_e = x.sum_e;
+  const Vec av(x.a), bv(x.b), log2_sum(std::log2(sum_e)), ln2(kLn2), zero(0.0f);
   auto term = [&](const Vec& yv, int64_t c) {
     const Vec log_q = (at::vec::fmadd(Vec::loadu(s + c), av, bv) - log2_sum) * ln2;
     return Vec::blendv(yv * (log_of(yv) - log_q), zero, yv == zero);
@@ -563,7 +578,6 @@ bool kl_row_exp2(const float* s, const float* y, int64_t C, float inv_t, float s
     last.store(out + C - W);
     if constexpr (!std::is_same_v<T, float>) convert_from_acc(e, g, C);
   }
-  return true;
 }
 
 struct DistillCpu {
@@ -786,11 +800,13 @@ struct DistillCpu {
     // that the loss has the same bits for any number of threads.
     const int64_t loss_rows = std::clamp<int64_t>(N / 32, 8, kRowBlock);
     const int64_t blocks = (N + loss_rows - 1) / loss_rows;
-    // Float rows of a vector's width or more take the base-2 row kernel (kl_row_exp2), one row
-    // at a time; the rest (float64, short rows) go kBlockElems elements at a time.
+    // Float rows of a vector's width or more take the base-2 row kernel (kl_row_exps, then
+    // kl_row_terms) in groups of up to kKlGroupRows rows of kKlGroupElems values in all; the
+    // rest (float64, short rows) go kBlockElems elements at a time.
     constexpr bool kFloat = std::is_same_v<A, float>;
     const bool by_row = kFloat && C >= Vectorized<A>::size();
-    const int64_t R = by_row ? 1 : std::min(loss_rows, block_rows(C, N));
+    const int64_t R = by_row ? std::clamp<int64_t>(kKlGroupElems / C, 1, kKlGroupRows)
+                             : std::min(loss_rows, block_rows(C, N));
     std::vector<double> partial(blocks, 0.0);
 
     const int64_t bytes = (grad ? 3 : 2) * N * C * int64_t(sizeof(T));
@@ -805,7 +821,25 @@ struct DistillCpu {
           const A* y = w.acc(target + i0 * C, w.y, n);
           T* g = grad ? grad + i0 * C : nullptr;
           if constexpr (kFloat) {
-            if (by_row && kl_row_exp2(s, y, C, inv_t, scale_over_t, g, w.e.data(), block_loss)) {
+            if (by_row) {
+              // The group's exps, then its terms, each row's loss added in row order (the
+              // same bits as one row at a time). A row that needs the full exp takes it in
+              // its turn: kl_rows_full of one row writes w.e[0, C), which holds row 0's exps,
+              // used by then.
+              KlRowExps x[kKlGroupRows];
+              for (int64_t r = 0; r < rows; ++r) {
+                x[r] = kl_row_exps(s + r * C, C, inv_t, g ? w.e.data() + r * C : nullptr);
+              }
+              for (int64_t r = 0; r < rows; ++r) {
+                T* gr = g ? g + r * C : nullptr;
+                if (x[r].ok) {
+                  kl_row_terms(s + r * C, y + r * C, C, x[r], scale_over_t, gr,
+                               w.e.data() + r * C, block_loss);
+                } else {
+                  block_loss += kl_rows_full(s + r * C, y + r * C, 1, C, inv_t, scale_over_t,
+                                             gr, w);
+                }
+              }
               continue;
             }
           }
