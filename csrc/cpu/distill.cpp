@@ -443,7 +443,12 @@ double kl_rows_full(const A* s, const A* y, int64_t rows, int64_t C, A inv_t, A 
 // 1 / (m + 1) from vrcp14ps and a Newton step), and k ln 2 with ln 2 in two parts. ATen's log
 // is a call into Sleef, around which the KL pass kept its sums on the stack: the inline form
 // took a third less time for distill_kl over rows of 1000 classes (one thread, in cache). The
-// other builds take ATen's log.
+// AVX2 build does the same with the exponent and mantissa from the bits (an integer shift and
+// mask), vrcpps (12 bits) and a Newton step for 1 / (m + 1) (about 1e-7), and the special
+// values put back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give
+// -inf, +inf gives +inf, a negative y or NaN gives NaN. Against ATen's log, distill_kl took
+// ~30 % less time there (C = 30-1000, one thread, in cache). The default build takes ATen's
+// log.
 C10_ALWAYS_INLINE Vectorized<float> log_of(Vectorized<float> y) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 one = _mm512_set1_ps(1.0f);
@@ -464,6 +469,33 @@ C10_ALWAYS_INLINE Vectorized<float> log_of(Vectorized<float> y) {
   // k ln 2 in two parts: ln2_hi has 16 significant bits, so k ln2_hi is exact for |k| < 2^8.
   const __m512 lo = _mm512_fmadd_ps(k, _mm512_set1_ps(1.42860677e-06f), log_m);
   return _mm512_fmadd_ps(k, _mm512_set1_ps(0.693145752f), lo);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+  const __m256i bits = _mm256_castps_si256(y);
+  // y = 2^k m with m in [1, 2), read off the bits of a positive normal y
+  __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+      _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_castps_si256(one)));
+  __m256 k = _mm256_cvtepi32_ps(
+      _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127)));
+  const __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
+  m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
+  k = _mm256_add_ps(k, _mm256_and_ps(high, one));
+  const __m256 den = _mm256_add_ps(m, one);
+  __m256 r = _mm256_rcp_ps(den);
+  r = _mm256_mul_ps(r, _mm256_fnmadd_ps(den, r, _mm256_set1_ps(2.0f)));
+  const __m256 u = _mm256_mul_ps(_mm256_sub_ps(m, one), r);
+  const __m256 u2 = _mm256_mul_ps(u, u);
+  __m256 q = _mm256_fmadd_ps(_mm256_set1_ps(2.0f / 9), u2, _mm256_set1_ps(2.0f / 7));
+  q = _mm256_fmadd_ps(q, u2, _mm256_set1_ps(2.0f / 5));
+  q = _mm256_fmadd_ps(q, u2, _mm256_set1_ps(2.0f / 3));
+  const __m256 log_m = _mm256_fmadd_ps(_mm256_mul_ps(u, u2), q, _mm256_add_ps(u, u));
+  const __m256 lo = _mm256_fmadd_ps(k, _mm256_set1_ps(1.42860677e-06f), log_m);
+  __m256 out = _mm256_fmadd_ps(k, _mm256_set1_ps(0.693145752f), lo);
+  const float inf = std::numeric_limits<float>::infinity();
+  out = _mm256_blendv_ps(out, _mm256_set1_ps(-inf), _mm256_cmp_ps(y, zero, _CMP_EQ_OQ));
+  out = _mm256_blendv_ps(out, y, _mm256_cmp_ps(y, _mm256_set1_ps(inf), _CMP_EQ_OQ));
+  return _mm256_blendv_ps(out, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
+                          _mm256_cmp_ps(y, zero, _CMP_NGE_UQ));  // y < 0 or NaN
 #else
   return y.log();
 #endif
