@@ -147,6 +147,20 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
+def weight_unit(weight: float) -> float:
+    """The power of two at or just above ``|weight|`` that running sums are held relative to
+    (Accumulator, the distributed WeightedPartial); 2^1023 past it, since 2^1024 overflows
+    float64."""
+    return math.ldexp(1.0, min(math.frexp(abs(weight))[1], 1023))
+
+
+def needs_float64_factor(factor: float) -> bool:
+    """Whether a float32 tensor must be multiplied by ``factor`` in float64: a tensor times a
+    Python number rounds the number to the tensor's dtype, and a factor beyond float32's normal
+    range (the unit of a weight of 3e38 is 2^128) would give inf, and 0 * inf NaN."""
+    return not (factor == 0 or _FLOAT32_TINY <= abs(factor) <= FLOAT32_MAX)
+
+
 def _untied_entries(layout: ModelLayout, names: list, float_out: list[Tensor],
                     floats: list[list[Tensor]], float_base: list[Tensor]) -> list[int] | None:
     """The float entries to compute when some ``out`` entries are one tensor under several
@@ -527,8 +541,7 @@ class Accumulator:
         value = float(w[0])
         unit, rescale = self._unit, None
         if value != 0 and (unit is None or abs(value) > unit * 2.0**32):
-            # 2^1024 overflows float64: the unit of a weight beyond 2^1023 is 2^1023
-            new_unit = math.ldexp(1.0, min(math.frexp(abs(value))[1], 1023))
+            new_unit = weight_unit(value)
             rescale = None if unit is None else unit / new_unit
             unit = new_unit
         unit = unit if unit is not None else 1.0
@@ -619,11 +632,7 @@ class Accumulator:
                 continue
             a = next(acc)
             dtype = self._dtypes[i]
-            # A float32 tensor times a Python number rounds the number to float32: a factor
-            # beyond its range (the unit of a weight of 3e38 is 2^128) would give inf, and
-            # 0 * inf = NaN, so such a factor multiplies in float64.
-            wide = a.dtype == torch.float32 and not (
-                factor == 0 or _FLOAT32_TINY <= abs(factor) <= FLOAT32_MAX)
+            wide = a.dtype == torch.float32 and needs_float64_factor(factor)
             if base is None:
                 out.append(((a.double() if wide else a) * factor).to(dtype))
             else:

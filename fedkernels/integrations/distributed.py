@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fedkernels.aggregate import FLOAT32_MAX, needs_float64_factor, weight_unit
 from fedkernels.model_layout import (
     INT_POLICIES,
     Model,
@@ -246,8 +247,6 @@ def _from_int_wire(wire: Tensor, t: Tensor) -> None:
 # ---------------------------------------------------------------- agreement
 
 _OK, _FAILED = 0, 1
-_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
-_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the smallest normal float32
 
 
 def _entry_label(kind: str, label: str) -> str:
@@ -331,11 +330,6 @@ class _Agreement:
     abs_totals: list[float]   # sum |w|
     units: list[float]        # the power of two the rank's sums are relative to (0: none yet)
     sources: list[list[int]]  # the global ranks whose clients the rank's partial holds
-
-
-def _unit_of(weight: float) -> float:
-    """The power of two at or just above ``|weight|`` (2^1023 past it: 2^1024 overflows)."""
-    return math.ldexp(1.0, min(math.frexp(abs(weight))[1], 1023))
 
 
 def _floats_of(bits: list[int]) -> list[float]:
@@ -567,7 +561,7 @@ class WeightedPartial:
                                      f"{tuple(self.shapes[i])} on {self.device}")
         self._add(clients, weight_vector(weights, len(clients), False))
 
-    def _add(self, clients: list[list[Tensor]], weights, divisor: float = 1.0) -> None:
+    def _add(self, clients: list[list[Tensor]], weights, divisor: float | None = None) -> None:
         """Adds checked clients (tensor lists in the layout's order) in one fused pass; the
         weights divided by ``divisor`` (all_reduce_aggregate's global total, so that
         normalize=True divides before it multiplies, as aggregate does: a raw weight beyond
@@ -584,10 +578,10 @@ class WeightedPartial:
         raw_total = w.sum().to(device="cpu", dtype=torch.float64)
         peak = float(w.abs().max())
         unit = self._unit
-        if divisor != 1.0:
+        if divisor is not None:
             w, unit = w / divisor, 1.0
         elif peak != 0 and (unit == 0.0 or peak > unit * 2.0**32):
-            new_unit = _unit_of(peak)
+            new_unit = weight_unit(peak)
             if unit != 0.0:  # the sums so far, relative to the new unit
                 self._rescale(unit / new_unit)
                 self._unit = new_unit
@@ -826,9 +820,9 @@ class WeightedPartial:
         if not math.isfinite(scale):
             raise ValueError(f"{API}: scale must be finite, got {scale}")
         narrow = self._narrow()
-        if narrow and abs(scale) > _FLOAT32_MAX:
+        if narrow and abs(scale) > FLOAT32_MAX:
             raise ValueError(f"{API}: scale {scale:.4g} is beyond the float32 range (|x| <= "
-                             f"{_FLOAT32_MAX:.4g}) of tensor {narrow}")
+                             f"{FLOAT32_MAX:.4g}) of tensor {narrow}")
         return scale
 
     def check_out(self, out: Model) -> list[Tensor]:
@@ -863,13 +857,11 @@ class WeightedPartial:
         narrow = self._narrow()
         if not normalize and narrow and unit > 2.0**128:  # the largest weight is past 2^128
             raise ValueError(f"{API}: a weight is beyond the float32 range (|w| <= "
-                             f"{_FLOAT32_MAX:.4g}) of tensor {narrow}; use "
+                             f"{FLOAT32_MAX:.4g}) of tensor {narrow}; use "
                              "result(normalize=True), or float64 models")
         # S = unit * the buffer
         factor = scale * (unit / total if normalize else unit)
-        # A float32 tensor times a Python number rounds the number to float32: a factor beyond
-        # its range would give inf (and 0 * inf NaN), so such a factor multiplies in float64.
-        wide = not (factor == 0 or _FLOAT32_TINY <= abs(factor) <= _FLOAT32_MAX)
+        wide = needs_float64_factor(factor)
         out_tensors = None if out is None else self.check_out(out)
         results = []
         for i, f in enumerate(self.layout.float_mask):
@@ -947,9 +939,9 @@ def all_reduce_aggregate(
         if clients and not normalize:
             narrow = partial._narrow()
             peak = float(w.abs().max())
-            if narrow and peak > _FLOAT32_MAX:  # as aggregate refuses it
+            if narrow and peak > FLOAT32_MAX:  # as aggregate refuses it
                 raise ValueError(f"{API}: a weight of {peak:.4g} is beyond the float32 range "
-                                 f"(|w| <= {_FLOAT32_MAX:.4g}) of tensor {narrow}; use "
+                                 f"(|w| <= {FLOAT32_MAX:.4g}) of tensor {narrow}; use "
                                  "normalize=True, or float64 models")
             partial._add(clients, w)
         # With normalize=True the clients are summed after the agreement, relative to 1.
@@ -985,7 +977,7 @@ def all_reduce_aggregate(
         # refuses alike what a float32 accumulator cannot take, rather than one rank raising
         # in the op while the others wait in the all-reduce.
         largest = max(agreed.abs_totals) / abs(total)
-        if largest > _FLOAT32_MAX and any(b.dtype != torch.float64 for b in partial.buffers):
+        if largest > FLOAT32_MAX and partial._narrow():
             raise ValueError(f"{API}: normalize=True with weights of mixed signs that almost "
                              f"cancel: sum |w| / |sum w| is {largest:.3g}, beyond float32's "
                              "range in which this model accumulates")
