@@ -589,7 +589,7 @@ _KL_EDGE_ROWS = textwrap.dedent(
         return terms.sum(-1), (q * y.sum(-1, keepdim=True) - y) / T
 
     device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    for C in (1, 7, 16, 17, 100, 1000, 5000):
+    for C in (1, 7, 16, 17, 31, 32, 100, 1000, 5000):
         g = torch.Generator().manual_seed(C)
         s = 3 * torch.randn(12, C, generator=g, dtype=torch.float64)
         y = torch.softmax(2 * torch.randn(12, C, generator=g, dtype=torch.float64), -1)
