@@ -4,6 +4,8 @@ requires grad and grad mode is on, and gradients that match the op's autograd fo
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -71,6 +73,31 @@ def test_graph_exactly_when_a_gradient_can_flow(name):
     leaves = lambda xs: [t for x in xs for t in (x if isinstance(x, list) else [x])]  # noqa: E731
     for got, want in zip(leaves(grad_inputs), leaves(ref_inputs)):
         assert bitwise_equal(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("name", ["energy_from_logits", "ensemble_pseudo_labels", "distill_kl"])
+def test_torch_func_transforms_take_the_tensor_ops(name):
+    # torch.func refuses PyTorch's register_autograd layer ("must override the setup_context
+    # staticmethod"); the wrappers of the ops with tensor inputs run the same formula through
+    # a Function it takes (EagerAutograd): grad, jacrev and vmap of grad give the gradients of
+    # plain autograd.
+    from torch.func import grad, jacrev, vmap
+
+    wrapper, _, (x,) = _cases()[name]
+    x = x.double()
+    if name == "distill_kl":
+        target = torch.softmax(torch.randn(6, 4, dtype=torch.float64), -1)
+        wrapper = lambda s: fedkernels.distill_kl(s, target)  # noqa: E731
+    x_eager = x.clone().requires_grad_(True)
+    wrapper(x_eager).sum().backward()
+    total = lambda t: wrapper(t).sum()  # noqa: E731
+    torch.testing.assert_close(grad(total)(x), x_eager.grad)
+    jac = jacrev(wrapper)(x)
+    torch.testing.assert_close(jac.reshape(-1, x.numel()).sum(0).reshape(x.shape), x_eager.grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch's note that vmap loops over the op
+        batched = vmap(grad(total))(torch.stack([x, x]))
+    torch.testing.assert_close(batched, torch.stack([x_eager.grad, x_eager.grad]))
 
 
 @pytest.mark.parametrize("call", [

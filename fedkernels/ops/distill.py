@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import below_autograd_unless_needed, grad_can_flow
+from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -87,11 +87,15 @@ def ensemble_pseudo_labels(
         # log n_k in float64 on the CPU; the op checks it is finite (n_k > 0) and moves it.
         log_prior = torch.as_tensor(sample_sizes, dtype=torch.float64,
                                     device=None if isinstance(sample_sizes, Tensor) else "cpu").log()
-    with below_autograd_unless_needed(logits, scores, log_prior):
-        y, w = _ops.ensemble_pseudo_labels(
-            logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
-            odds == "double_sigmoid",
-        )
+    inputs = (logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
+              odds == "double_sigmoid")
+    function = (_PSEUDO_AUTOGRAD.function(logits, scores, log_prior)
+                if grad_can_flow(logits, scores, log_prior) else None)
+    if function is not None:
+        y, w = function.apply(*inputs)
+    else:
+        with below_autograd_unless_needed(logits, scores, log_prior):
+            y, w = _ops.ensemble_pseudo_labels(*inputs)
     return (y, w) if return_weights else y
 
 
@@ -130,10 +134,14 @@ def distill_kl(
     symbolic = isinstance(n, torch.SymInt) or isinstance(c, torch.SymInt)
     scale = kl_scale(reduction, 1 if symbolic else n, 1 if symbolic else c, float(temperature))
     with_grad = grad_can_flow(student_logits, pseudo_labels)
-    with below_autograd_unless_needed(student_logits, pseudo_labels):
-        loss, _ = _ops.distill_kl(
-            student_logits, pseudo_labels, float(temperature), scale, with_grad
-        )
+    function = _KL_AUTOGRAD.function(student_logits, pseudo_labels) if with_grad else None
+    if function is not None:
+        loss, _ = function.apply(student_logits, pseudo_labels, float(temperature), scale, True)
+    else:
+        with below_autograd_unless_needed(student_logits, pseudo_labels):
+            loss, _ = _ops.distill_kl(
+                student_logits, pseudo_labels, float(temperature), scale, with_grad
+            )
     if symbolic:
         loss = loss / _kl_count(reduction, n, c)
     return loss
@@ -272,13 +280,16 @@ def _pseudo_backward(ctx, grad_y, grad_w):
 torch.library.register_autograd(
     "fedkernels::ensemble_pseudo_labels", _pseudo_backward, setup_context=_pseudo_setup
 )
+_PSEUDO_AUTOGRAD = EagerAutograd(_ops.ensemble_pseudo_labels.default, _pseudo_setup,
+                                 _pseudo_backward)
 
 
 def _is_one(grad_loss: Tensor) -> bool:
     """Whether the incoming gradient is a plain CPU 1.0, as ``loss.backward()`` passes: then
     the kernel's gradient needs no scaling pass (a read and a write of N x C values, and a fresh
     output's page faults: about a fifth of a training step's time at N = 4096, C = 1000). Autograd
-    copies a gradient it cannot take over, so handing on the saved tensor is safe. Reading the
+    copies a gradient it cannot take over (``_kl_setup``), so handing on the saved tensor is
+    safe. Reading the
     value would synchronise a GPU and cannot be traced, so anything but an eager CPU tensor
     takes the multiplication."""
     return (type(grad_loss) is torch.Tensor and grad_loss.device.type == "cpu"
@@ -294,6 +305,12 @@ def _kl_setup(ctx, inputs, output):
     # Nothing flows into the gradient output: materialised, its zero gradient was an N x C
     # fill per loss.backward(), a quarter of a training step's time at N = 4096, C = 100.
     ctx.set_materialize_grads(False)
+    # Marked, the gradient output is saved as itself: autograd then copies the gradient handed
+    # on from it (_is_one) while a retained graph still holds it, and takes it over only once
+    # the graph is freed. Unmarked, it was saved as a separate alias that autograd did not
+    # count: with retain_graph, x.grad became the saved gradient, and an in-place change of
+    # x.grad (clipping, zeroing) made the next backward through the graph fail.
+    ctx.mark_non_differentiable(grad)
 
 
 def _kl_backward(ctx, grad_loss, _grad_of_grad):
@@ -324,3 +341,6 @@ def _kl_backward(ctx, grad_loss, _grad_of_grad):
 
 
 torch.library.register_autograd("fedkernels::distill_kl", _kl_backward, setup_context=_kl_setup)
+
+
+_KL_AUTOGRAD = EagerAutograd(_ops.distill_kl.default, _kl_setup, _kl_backward)

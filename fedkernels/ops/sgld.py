@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .autograd_bypass import below_autograd_unless_needed
+from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -50,6 +50,9 @@ def _opt(v: float | None) -> float | None:
 def energy_from_logits(logits: Tensor, labels: Tensor | None = None) -> Tensor:
     r"""Energies ``[N]`` of ``logits[N, C]``: :math:`-f_i[y_i]` with ``labels`` (int64 ``[N]``),
     :math:`-\mathrm{logsumexp}_c f_{ic}` without; in ``logits``' dtype."""
+    function = _ENERGY_AUTOGRAD.function(logits, labels) if grad_can_flow(logits) else None
+    if function is not None:
+        return function.apply(logits, labels)
     with below_autograd_unless_needed(logits):
         return _ops.energy_from_logits(logits, labels)
 
@@ -219,3 +222,4 @@ def _energy_backward(ctx, grad_e):
 torch.library.register_autograd(
     "fedkernels::energy_from_logits", _energy_backward, setup_context=_energy_setup
 )
+_ENERGY_AUTOGRAD = EagerAutograd(_ops.energy_from_logits.default, _energy_setup, _energy_backward)
