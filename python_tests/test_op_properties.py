@@ -186,6 +186,33 @@ def test_ensemble_pseudo_labels_and_distill_kl(data):
 
 @SETTINGS
 @given(st.data())
+def test_distill_kl_across_its_cpu_paths(data):
+    # Rows of fewer than 32 classes go a vector's width at a time (lanes, groups padded with
+    # zero rows), longer ones by row groups, huge maxima through the full exp: loss and
+    # gradient against float64 for any N (groups of 16 rows or not) and C on either side.
+    n, c = data.draw(st.integers(1, 70)), data.draw(st.integers(1, 40))
+    temperature = data.draw(st.sampled_from([0.5, 1.0, 3.0]))
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    s = 4 * torch.randn(n, c, generator=g, dtype=torch.float64)
+    y = torch.softmax(2 * torch.randn(n, c, generator=g, dtype=torch.float64), -1)
+    y = torch.where(torch.rand(n, c, generator=g, dtype=torch.float64) < 0.2, 0.0, y)
+    for i in data.draw(st.lists(st.integers(0, n - 1), max_size=3)):
+        s[i, data.draw(st.integers(0, c - 1))] = data.draw(st.sampled_from([1e8, -1e8, -50.0]))
+    s, y = s.float(), y.float()
+    x = s.clone().requires_grad_(True)
+    loss = fedkernels.distill_kl(x, y, temperature, reduction="sum")
+    loss.backward()
+    xr = s.double().requires_grad_(True)
+    log_q = torch.log_softmax(xr / temperature, -1)
+    yd = y.double()
+    want = (temperature ** 2) * torch.where(yd > 0, yd * (yd.clamp_min(1e-300).log() - log_q), 0.0).sum()
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), rtol=3e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=2e-6)
+
+
+@SETTINGS
+@given(st.data())
 def test_energy_and_sgld(data):
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64]))
     m, c = data.draw(st.integers(0, 4)), data.draw(st.integers(1, 4))

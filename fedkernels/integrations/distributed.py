@@ -813,7 +813,7 @@ class WeightedPartial:
                 return self.layout.label(self.layout.names[i])
         return None
 
-    def check_scale(self, scale) -> float:
+    def _check_scale(self, scale) -> float:
         """``scale`` as a float: a finite real number, within float32's range where the
         model accumulates in float32 (as :func:`fedkernels.aggregate` refuses it)."""
         scale = real_number(API, "scale", scale)
@@ -825,7 +825,7 @@ class WeightedPartial:
                              f"{FLOAT32_MAX:.4g}) of tensor {narrow}")
         return scale
 
-    def check_out(self, out: Model) -> list[Tensor]:
+    def _check_out(self, out: Model) -> list[Tensor]:
         """``out``'s tensors in the canonical order, after checking each has the result's
         shape, dtype and device (so a bad ``out`` fails before any collective)."""
         tensors = self.layout.tensors(out, "out")
@@ -849,7 +849,7 @@ class WeightedPartial:
         in float32 (fp32, fp16, bf16); with ``normalize`` weights of any finite size give the
         normalised model."""
         self._check_not_spent("give a result")
-        self.check_scale(scale)
+        self._check_scale(scale)
         total = float(self.total_weight)
         if normalize and total == 0:
             raise ValueError(f"{API}: normalize=True but the weights sum to 0")
@@ -862,7 +862,7 @@ class WeightedPartial:
         # S = unit * the buffer
         factor = scale * (unit / total if normalize else unit)
         wide = needs_float64_factor(factor)
-        out_tensors = None if out is None else self.check_out(out)
+        out_tensors = None if out is None else self._check_out(out)
         results = []
         for i, f in enumerate(self.layout.float_mask):
             target = None if out_tensors is None else out_tensors[i]
@@ -932,7 +932,7 @@ def all_reduce_aggregate(
         bound = _as_timeout(timeout)
         scale = real_number(API, "scale", scale)
         partial, clients, w = WeightedPartial._checked(updates, weights, base, like, int_policy)
-        scale = partial.check_scale(scale)
+        scale = partial._check_scale(scale)
         count = len(clients)
         local_total = 0.0 if w is None else float(w.sum())
         abs_total = 0.0 if w is None else float(w.abs().sum())
@@ -947,7 +947,7 @@ def all_reduce_aggregate(
         # With normalize=True the clients are summed after the agreement, relative to 1.
         unit = 1.0 if normalize and count else partial._unit
         if out is not None:
-            partial.check_out(out)
+            partial._check_out(out)
         model = partial.describe(normalize=bool(normalize), scale=scale)
     except Exception as err:  # reported to every rank by the agreement below
         local_error = err
