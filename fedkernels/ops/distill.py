@@ -89,13 +89,11 @@ def ensemble_pseudo_labels(
                                     device=None if isinstance(sample_sizes, Tensor) else "cpu").log()
     inputs = (logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
               odds == "double_sigmoid")
-    function = (_PSEUDO_AUTOGRAD.function(logits, scores, log_prior)
-                if grad_can_flow(logits, scores, log_prior) else None)
-    if function is not None:
-        y, w = function.apply(*inputs)
-    else:
+    out = _PSEUDO_AUTOGRAD.apply(*inputs) if grad_can_flow(logits, scores, log_prior) else None
+    if out is None:
         with below_autograd_unless_needed(logits, scores, log_prior):
-            y, w = _ops.ensemble_pseudo_labels(*inputs)
+            out = _ops.ensemble_pseudo_labels(*inputs)
+    y, w = out
     return (y, w) if return_weights else y
 
 
@@ -134,14 +132,12 @@ def distill_kl(
     symbolic = isinstance(n, torch.SymInt) or isinstance(c, torch.SymInt)
     scale = kl_scale(reduction, 1 if symbolic else n, 1 if symbolic else c, float(temperature))
     with_grad = grad_can_flow(student_logits, pseudo_labels)
-    function = _KL_AUTOGRAD.function(student_logits, pseudo_labels) if with_grad else None
-    if function is not None:
-        loss, _ = function.apply(student_logits, pseudo_labels, float(temperature), scale, True)
-    else:
+    inputs = (student_logits, pseudo_labels, float(temperature), scale, with_grad)
+    out = _KL_AUTOGRAD.apply(*inputs) if with_grad else None
+    if out is None:
         with below_autograd_unless_needed(student_logits, pseudo_labels):
-            loss, _ = _ops.distill_kl(
-                student_logits, pseudo_labels, float(temperature), scale, with_grad
-            )
+            out = _ops.distill_kl(*inputs)
+    loss = out[0]
     if symbolic:
         loss = loss / _kl_count(reduction, n, c)
     return loss

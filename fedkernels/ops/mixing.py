@@ -44,7 +44,12 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .autograd_bypass import backward_through_reference, below_autograd_unless_needed
+from .autograd_bypass import (
+    EagerAutograd,
+    backward_through_reference,
+    below_autograd_unless_needed,
+    grad_can_flow,
+)
 from .devices import check_device, check_list_device
 
 _ops = torch.ops.fedkernels
@@ -84,6 +89,9 @@ def mix_endpoints(
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l = list(global_params), list(local_params)
+    out = _MIX_AUTOGRAD.apply(g, l, lam) if grad_can_flow(g, l, lam) else None
+    if out is not None:
+        return out
     with below_autograd_unless_needed(g, l, lam):
         return _ops.mix_endpoints(g, l, lam)
 
@@ -99,6 +107,9 @@ def superfed_stats(
     g, l, a = list(global_params), list(local_params), list(anchor)
     if not (g or l or a):  # no tensor to dispatch on: the native op cannot be called
         return torch.zeros((0, 4), dtype=torch.float64, device="cpu")
+    out = _STATS_AUTOGRAD.apply(g, l, a) if grad_can_flow(g, l, a) else None
+    if out is not None:
+        return out
     with below_autograd_unless_needed(g, l, a):
         return _ops.superfed_stats(g, l, a)
 
@@ -222,9 +233,12 @@ def mix_endpoints_with_stats(
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l, a = list(global_params), list(local_params), list(anchor)
-    with below_autograd_unless_needed(g, l, lam, a):
-        theta, stats = _ops.mix_endpoints_with_stats(g, l, lam, a)
-    return theta, stats
+    out = _MIX_STATS_AUTOGRAD.apply(g, l, lam, a) if grad_can_flow(g, l, lam, a) else None
+    if out is None:
+        with below_autograd_unless_needed(g, l, lam, a):
+            out = _ops.mix_endpoints_with_stats(g, l, lam, a)
+    theta, stats = out
+    return list(theta), stats
 
 
 def superfed_mix(
@@ -414,6 +428,7 @@ def _mix_backward(ctx, grads):
 torch.library.register_autograd(
     "fedkernels::mix_endpoints", _mix_backward, setup_context=_mix_setup
 )
+_MIX_AUTOGRAD = EagerAutograd(_ops.mix_endpoints.default, _mix_setup, _mix_backward)
 
 
 def _stats_setup(ctx, inputs, output):
@@ -442,6 +457,7 @@ def _stats_backward(ctx, grad_stats):
 torch.library.register_autograd(
     "fedkernels::superfed_stats", _stats_backward, setup_context=_stats_setup
 )
+_STATS_AUTOGRAD = EagerAutograd(_ops.superfed_stats.default, _stats_setup, _stats_backward)
 
 
 def _mix_with_stats_reference(g, l, lam, a):
@@ -481,3 +497,5 @@ def _mix_stats_backward(ctx, grads, grad_stats):
 torch.library.register_autograd(
     "fedkernels::mix_endpoints_with_stats", _mix_stats_backward, setup_context=_mix_stats_setup
 )
+_MIX_STATS_AUTOGRAD = EagerAutograd(_ops.mix_endpoints_with_stats.default, _mix_stats_setup,
+                                    _mix_stats_backward)

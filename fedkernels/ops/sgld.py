@@ -50,9 +50,9 @@ def _opt(v: float | None) -> float | None:
 def energy_from_logits(logits: Tensor, labels: Tensor | None = None) -> Tensor:
     r"""Energies ``[N]`` of ``logits[N, C]``: :math:`-f_i[y_i]` with ``labels`` (int64 ``[N]``),
     :math:`-\mathrm{logsumexp}_c f_{ic}` without; in ``logits``' dtype."""
-    function = _ENERGY_AUTOGRAD.function(logits, labels) if grad_can_flow(logits) else None
-    if function is not None:
-        return function.apply(logits, labels)
+    out = _ENERGY_AUTOGRAD.apply(logits, labels) if grad_can_flow(logits) else None
+    if out is not None:
+        return out
     with below_autograd_unless_needed(logits):
         return _ops.energy_from_logits(logits, labels)
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import below_autograd_unless_needed
+from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
 from .devices import check_device, check_list_device
 from .native import refuse_jit_trace
 
@@ -33,8 +33,12 @@ def weighted_sum(
     with base and not ``delta``: ``b + scale * Σ_k w_k x_k``.
     """
     updates, base = list(updates), list(base)
+    inputs = (updates, weights, base, float(scale), bool(delta))
+    out = _WEIGHTED_SUM_AUTOGRAD.apply(*inputs) if grad_can_flow(updates, weights, base) else None
+    if out is not None:
+        return out
     with below_autograd_unless_needed(updates, weights, base):
-        return _ops.weighted_sum(updates, weights, base, float(scale), bool(delta))
+        return _ops.weighted_sum(*inputs)
 
 
 def weighted_sum_out(
@@ -155,3 +159,5 @@ def _weighted_sum_backward(ctx, grads):
 torch.library.register_autograd(
     "fedkernels::weighted_sum", _weighted_sum_backward, setup_context=_weighted_sum_setup
 )
+_WEIGHTED_SUM_AUTOGRAD = EagerAutograd(_ops.weighted_sum.default, _weighted_sum_setup,
+                                       _weighted_sum_backward)
