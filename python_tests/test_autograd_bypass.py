@@ -146,6 +146,31 @@ def test_torch_func_takes_the_list_ops(name):
     torch.testing.assert_close(pullback(cotangents), want_pullback(cotangents))
 
 
+@pytest.mark.parametrize("delta", [False, True])
+def test_torch_func_takes_weighted_sum(delta):
+    # b + s * sum_k w_k (x_k - [delta] b): jacrev in the updates and in the weights, and the
+    # Hessian in the weights, against the same expression in PyTorch ops.
+    from torch.func import jacrev
+
+    g = torch.Generator().manual_seed(4)
+    x, y, base = ([torch.randn(shape, generator=g, dtype=torch.float64) for shape in [(3,), (2,)]]
+                  for _ in range(3))
+    w = torch.tensor([0.25, 0.75], dtype=torch.float64)
+
+    def ours(x0, w):
+        return weighted_sum([x0, x[1], y[0], y[1]], w, base, 0.5, delta)[0]
+
+    def ref(x0, w):
+        b = base[0] if delta else 0
+        return base[0] + 0.5 * (w[0] * (x0 - b) + w[1] * (y[0] - b))
+
+    for argnums in (0, 1):
+        torch.testing.assert_close(jacrev(ours, argnums=argnums)(x[0], w),
+                                   jacrev(ref, argnums=argnums)(x[0], w))
+    hessian = [jacrev(jacrev(lambda v, f=f: f(x[0], v).pow(2).sum()))(w) for f in (ours, ref)]
+    torch.testing.assert_close(*hessian)
+
+
 @pytest.mark.parametrize("call", [
     lambda: weighted_sum([torch.ones(2), torch.ones(2)], [0.5, 0.5]),
     lambda: weighted_sum([np.ones(2), torch.ones(2)], torch.tensor([0.5, 0.5], dtype=torch.float64)),
