@@ -177,14 +177,14 @@ class EagerAutograd:
     ``autograd.Function`` classes for the op's Python wrapper, arguments and outputs that are
     lists of tensors passed flattened:
 
-    - ``plain``, which sets the context up in ``forward``: a call with the gradient and its
+    - a plain one, which sets the context up in ``forward``: a call with the gradient and its
       ``backward()`` took ~60 µs against ~90 µs through PyTorch's ``register_autograd`` layer
       (``distill_kl``, N = 256, C = 10, 2-core Zen 4; a Function with a separate
       ``setup_context`` took as long as that layer);
-    - ``transforms``, with its own ``setup_context`` and a generated vmap rule, for
-      ``torch.func`` (``grad``, ``vjp``, ``jacrev`` and ``vmap`` over them), which refuses
-      PyTorch's layer ("must override the setup_context staticmethod"). Forward-mode AD
-      (``jvp``, ``jacfwd``) has no formula.
+    - one with its own ``setup_context`` and a generated vmap rule, for
+      ``torch.func`` (``grad``, ``vjp``, ``jacrev``, and ``vmap`` over them where the op
+      has no list), which refuses PyTorch's layer ("must override the setup_context
+      staticmethod"). Forward-mode AD (``jvp``, ``jacfwd``) has no formula.
 
     :meth:`apply` runs the op through the one that fits, or returns None where the op's
     registered path must run (under ``torch.compile``, which traces that, and for tensor
