@@ -96,7 +96,7 @@ def test_torch_func_transforms_take_the_tensor_ops(name):
     jac = jacrev(wrapper)(x)
     torch.testing.assert_close(jac.reshape(-1, x.numel()).sum(0).reshape(x.shape), x_eager.grad)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PyTorch's note that vmap loops over the op
+        warnings.simplefilter("error")  # the ops' own vmap rules: not PyTorch's fallback
         batched = vmap(grad(total))(torch.stack([x, x]))
     torch.testing.assert_close(batched, torch.stack([x_eager.grad, x_eager.grad]))
 
@@ -169,6 +169,38 @@ def test_torch_func_takes_weighted_sum(delta):
                                    jacrev(ref, argnums=argnums)(x[0], w))
     hessian = [jacrev(jacrev(lambda v, f=f: f(x[0], v).pow(2).sum()))(w) for f in (ours, ref)]
     torch.testing.assert_close(*hessian)
+
+
+def test_vmap_rules_of_the_tensor_ops():
+    # energy_from_logits runs a batch as one call of B * N rows; distill_kl and the
+    # pseudo-labels once per entry. Batched and unbatched arguments, labels or not, an empty
+    # batch of rows; no warning (PyTorch's fallback asks for a rule).
+    from torch.func import vmap
+
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
+    lab = torch.randint(0, 4, (3, 5), generator=g)
+    y = torch.softmax(torch.randn(3, 5, 4, generator=g, dtype=torch.float64), -1)
+    teachers = torch.randn(4, 3, 5, 6, generator=g, dtype=torch.float64)
+    scores = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)
+    energy, kl, pseudo = (fedkernels.energy_from_logits, fedkernels.distill_kl,
+                          fedkernels.ensemble_pseudo_labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cases = [
+            (vmap(energy)(x), [energy(t) for t in x]),
+            (vmap(energy)(x, lab), [energy(t, v) for t, v in zip(x, lab)]),
+            (vmap(energy, in_dims=(1, None))(x, lab[:, 0]), [energy(x[:, j], lab[:, 0]) for j in range(5)]),
+            (vmap(energy, in_dims=(None, 0))(x[0], lab), [energy(x[0], v) for v in lab]),
+            (vmap(lambda s, t: kl(s, t, 2.0))(x, y), [kl(s, t, 2.0) for s, t in zip(x, y)]),
+            (vmap(lambda t: pseudo(t, weighting="entropy"))(teachers),
+             [pseudo(t, weighting="entropy") for t in teachers]),
+            (vmap(lambda s: pseudo(teachers[0], s, weighting="fedgo"))(scores),
+             [pseudo(teachers[0], s, weighting="fedgo") for s in scores]),
+        ]
+        assert vmap(energy)(torch.zeros(2, 0, 4)).shape == (2, 0)
+    for got, want in cases:
+        torch.testing.assert_close(got, torch.stack(want))
 
 
 @pytest.mark.parametrize("call", [

@@ -737,7 +737,7 @@ def test_distill_kl_under_torch_func_transforms():
     torch.testing.assert_close(jacrev(jacrev(ours))(s0), jacrev(jacrev(ref))(s0))
     batch = torch.stack([s0, 2 * s0, -s0])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PyTorch's note that vmap loops over the op
+        warnings.simplefilter("error")  # the op's own vmap rule: not PyTorch's fallback
         torch.testing.assert_close(vmap(grad(ours))(batch), vmap(grad(ref))(batch))
     for a, b in zip(grad_and_value(lambda y: ours(s0, y))(y0), grad_and_value(lambda y: ref(s0, y))(y0)):
         torch.testing.assert_close(a, b)

@@ -340,3 +340,21 @@ torch.library.register_autograd("fedkernels::distill_kl", _kl_backward, setup_co
 
 
 _KL_AUTOGRAD = EagerAutograd(_ops.distill_kl.default, _kl_setup, _kl_backward)
+
+
+def _vmap_each(op):
+    """A ``torch.vmap`` rule that calls ``op`` once per batch entry: what PyTorch's fallback
+    does, without its warning that asks the op's authors for a rule. (A loss per entry has no
+    cheaper batched form; the pseudo-labels' blocks are per entry too.)"""
+    def rule(info, in_dims, *args):
+        def entry(b):
+            return op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
+
+        outputs = [torch.stack(o) for o in zip(*(entry(b) for b in range(info.batch_size)))]
+        return tuple(outputs), (0,) * len(outputs)
+    return rule
+
+
+torch.library.register_vmap("fedkernels::distill_kl", _vmap_each(_ops.distill_kl))
+torch.library.register_vmap("fedkernels::ensemble_pseudo_labels",
+                            _vmap_each(_ops.ensemble_pseudo_labels))

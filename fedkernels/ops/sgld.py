@@ -223,3 +223,16 @@ torch.library.register_autograd(
     "fedkernels::energy_from_logits", _energy_backward, setup_context=_energy_setup
 )
 _ENERGY_AUTOGRAD = EagerAutograd(_ops.energy_from_logits.default, _energy_setup, _energy_backward)
+
+
+@torch.library.register_vmap("fedkernels::energy_from_logits")
+def _energy_vmap(info, in_dims, logits, labels):
+    """Under ``torch.vmap``: the batch's rows as one call of B * N rows (each row's energy
+    depends on that row alone)."""
+    def batched(t, dim):
+        return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+
+    x = batched(logits, in_dims[0])
+    y = None if labels is None else batched(labels, in_dims[1]).reshape(-1)
+    energies = _ops.energy_from_logits(x.reshape(-1, x.shape[-1]), y)
+    return energies.reshape(info.batch_size, x.shape[1]), 0
