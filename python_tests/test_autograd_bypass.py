@@ -199,6 +199,11 @@ def test_vmap_rules_of_the_tensor_ops():
              [pseudo(teachers[0], s, weighting="fedgo") for s in scores]),
         ]
         assert vmap(energy)(torch.zeros(2, 0, 4)).shape == (2, 0)
+    # Checked per entry, before the rows are merged (B * N rows would fit 1-D logits).
+    with pytest.raises(ValueError, match=r"got logits \[5, 4\] and labels \[6\] per vmap entry"):
+        vmap(energy)(x, torch.zeros(3, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"got logits \[4\] per vmap entry"):
+        vmap(energy)(torch.randn(3, 4))
     for got, want in cases:
         torch.testing.assert_close(got, torch.stack(want))
 

@@ -192,6 +192,7 @@ class EagerAutograd:
     """
 
     def __init__(self, op, setup_context, backward):
+        self._op = op
         schema = op._schema
         self._lists = any(isinstance(x.type, torch.ListType)
                           for x in (*schema.arguments, *schema.returns))
@@ -249,6 +250,15 @@ class EagerAutograd:
         self._plain = _function(f"Eager_{name}", list_forward, list_backward)
         self._transforms = _function(f"Transforms_{name}", lambda call, *flat: run(call, flat)[2],
                                      list_backward, list_setup)
+
+    def __call__(self, *inputs):
+        """The op's outputs for a wrapper: through :meth:`apply` when a gradient can flow (or
+        PyTorch's layer where that does not fit), the kernel below autograd otherwise."""
+        if grad_can_flow(*inputs):
+            out = self.apply(*inputs)
+            return self._op(*inputs) if out is None else out
+        with below_autograd_unless_needed(*inputs):
+            return self._op(*inputs)
 
     def apply(self, *inputs):
         """The op's outputs, through the Function that fits the call, or None (above)."""

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
+from .autograd_bypass import EagerAutograd, grad_can_flow
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -89,11 +89,7 @@ def ensemble_pseudo_labels(
                                     device=None if isinstance(sample_sizes, Tensor) else "cpu").log()
     inputs = (logits, scores, log_prior, weighting, combine, float(temperature), float(tau),
               odds == "double_sigmoid")
-    out = _PSEUDO_AUTOGRAD.apply(*inputs) if grad_can_flow(logits, scores, log_prior) else None
-    if out is None:
-        with below_autograd_unless_needed(logits, scores, log_prior):
-            out = _ops.ensemble_pseudo_labels(*inputs)
-    y, w = out
+    y, w = _PSEUDO_AUTOGRAD(*inputs)
     return (y, w) if return_weights else y
 
 
@@ -132,12 +128,7 @@ def distill_kl(
     symbolic = isinstance(n, torch.SymInt) or isinstance(c, torch.SymInt)
     scale = kl_scale(reduction, 1 if symbolic else n, 1 if symbolic else c, float(temperature))
     with_grad = grad_can_flow(student_logits, pseudo_labels)
-    inputs = (student_logits, pseudo_labels, float(temperature), scale, with_grad)
-    out = _KL_AUTOGRAD.apply(*inputs) if with_grad else None
-    if out is None:
-        with below_autograd_unless_needed(student_logits, pseudo_labels):
-            out = _ops.distill_kl(*inputs)
-    loss = out[0]
+    loss = _KL_AUTOGRAD(student_logits, pseudo_labels, float(temperature), scale, with_grad)[0]
     if symbolic:
         loss = loss / _kl_count(reduction, n, c)
     return loss

@@ -47,8 +47,6 @@ from . import reference
 from .autograd_bypass import (
     EagerAutograd,
     backward_through_reference,
-    below_autograd_unless_needed,
-    grad_can_flow,
 )
 from .devices import check_device, check_list_device
 
@@ -89,11 +87,7 @@ def mix_endpoints(
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l = list(global_params), list(local_params)
-    out = _MIX_AUTOGRAD.apply(g, l, lam) if grad_can_flow(g, l, lam) else None
-    if out is not None:
-        return out
-    with below_autograd_unless_needed(g, l, lam):
-        return _ops.mix_endpoints(g, l, lam)
+    return _MIX_AUTOGRAD(g, l, lam)
 
 
 def superfed_stats(
@@ -107,11 +101,7 @@ def superfed_stats(
     g, l, a = list(global_params), list(local_params), list(anchor)
     if not (g or l or a):  # no tensor to dispatch on: the native op cannot be called
         return torch.zeros((0, 4), dtype=torch.float64, device="cpu")
-    out = _STATS_AUTOGRAD.apply(g, l, a) if grad_can_flow(g, l, a) else None
-    if out is not None:
-        return out
-    with below_autograd_unless_needed(g, l, a):
-        return _ops.superfed_stats(g, l, a)
+    return _STATS_AUTOGRAD(g, l, a)
 
 
 def orthogonality_from_stats(
@@ -233,11 +223,7 @@ def mix_endpoints_with_stats(
     if not isinstance(lam, Tensor):
         lam = torch.tensor(lam, dtype=torch.float64, device="cpu")
     g, l, a = list(global_params), list(local_params), list(anchor)
-    out = _MIX_STATS_AUTOGRAD.apply(g, l, lam, a) if grad_can_flow(g, l, lam, a) else None
-    if out is None:
-        with below_autograd_unless_needed(g, l, lam, a):
-            out = _ops.mix_endpoints_with_stats(g, l, lam, a)
-    theta, stats = out
+    theta, stats = _MIX_STATS_AUTOGRAD(g, l, lam, a)
     return list(theta), stats
 
 

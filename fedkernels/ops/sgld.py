@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
+from .autograd_bypass import EagerAutograd
 from .devices import check_device
 
 _ops = torch.ops.fedkernels
@@ -50,11 +50,7 @@ def _opt(v: float | None) -> float | None:
 def energy_from_logits(logits: Tensor, labels: Tensor | None = None) -> Tensor:
     r"""Energies ``[N]`` of ``logits[N, C]``: :math:`-f_i[y_i]` with ``labels`` (int64 ``[N]``),
     :math:`-\mathrm{logsumexp}_c f_{ic}` without; in ``logits``' dtype."""
-    out = _ENERGY_AUTOGRAD.apply(logits, labels) if grad_can_flow(logits) else None
-    if out is not None:
-        return out
-    with below_autograd_unless_needed(logits):
-        return _ops.energy_from_logits(logits, labels)
+    return _ENERGY_AUTOGRAD(logits, labels)
 
 
 def sgld_step(
@@ -233,6 +229,12 @@ def _energy_vmap(info, in_dims, logits, labels):
         return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
 
     x = batched(logits, in_dims[0])
-    y = None if labels is None else batched(labels, in_dims[1]).reshape(-1)
+    y = None if labels is None else batched(labels, in_dims[1])
+    # checked per entry before the rows are merged, where the op's own check would see B * N
+    if x.dim() != 3 or (y is not None and y.shape[1:] != x.shape[1:2]):
+        got = "" if y is None else f" and labels {list(y.shape[1:])}"
+        raise ValueError(f"fedkernels.energy_from_logits: logits must be [N, C] and labels [N], "
+                         f"got logits {list(x.shape[1:])}{got} per vmap entry")
+    y = None if y is None else y.reshape(-1)
     energies = _ops.energy_from_logits(x.reshape(-1, x.shape[-1]), y)
     return energies.reshape(info.batch_size, x.shape[1]), 0

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .autograd_bypass import EagerAutograd, below_autograd_unless_needed, grad_can_flow
+from .autograd_bypass import EagerAutograd
 from .devices import check_device, check_list_device
 from .native import refuse_jit_trace
 
@@ -33,12 +33,7 @@ def weighted_sum(
     with base and not ``delta``: ``b + scale * Σ_k w_k x_k``.
     """
     updates, base = list(updates), list(base)
-    inputs = (updates, weights, base, float(scale), bool(delta))
-    out = _WEIGHTED_SUM_AUTOGRAD.apply(*inputs) if grad_can_flow(updates, weights, base) else None
-    if out is not None:
-        return out
-    with below_autograd_unless_needed(updates, weights, base):
-        return _ops.weighted_sum(*inputs)
+    return _WEIGHTED_SUM_AUTOGRAD(updates, weights, base, float(scale), bool(delta))
 
 
 def weighted_sum_out(
