@@ -257,7 +257,9 @@ class EagerAutograd:
         if grad_can_flow(*inputs):
             out = self.apply(*inputs)
             return self._op(*inputs) if out is None else out
-        with below_autograd_unless_needed(*inputs):
+        if torch.compiler.is_compiling():  # as below_autograd_unless_needed, without its check
+            return self._op(*inputs)
+        with torch._C._AutoDispatchBelowAutograd():
             return self._op(*inputs)
 
     def apply(self, *inputs):
