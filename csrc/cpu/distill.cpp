@@ -197,10 +197,10 @@ C10_ALWAYS_INLINE void axpy(A* y, const A* x, A a, int64_t n) {
 inline void exp2_softmax_row(const float* a, int64_t C, float inv_t, float m, float* e) {
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  const Vec scale(inv_t * kLog2e), b(-(m * kLog2e)), lo(kMinExp2);
+  const Vec scale(inv_t * kLog2e), b(-(m * kLog2e));
   auto one = [&](int64_t c) {
     const Vec y = at::vec::fmadd(Vec::loadu(a + c), scale, b);
-    (exp2_poly(y) & (y >= lo)).store(e + c);
+    exp2_or_zero(y).store(e + c);
   };
   int64_t c = 0;
   for (; c + W <= C; c += W) one(c);
@@ -444,23 +444,25 @@ double kl_rows_full(const A* s, const A* y, int64_t rows, int64_t C, A inv_t, A 
   return loss;
 }
 
-// ln y of float vectors: +-0 gives -inf, a negative y or NaN gives NaN. The AVX-512 build
-// takes it inline: y = 2^k m with m in [sqrt(1/2), sqrt(2)) (vgetexpps, vgetmantps, which
-// also makes a negative y NaN), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6)
-// with u = (m - 1) / (m + 1), |u| <= 0.172 (the series' next term is below 1e-9 of the value;
-// 1 / (m + 1) from vrcp14ps and a Newton step), and k ln 2 with ln 2 in two parts. ATen's log
-// is a call into Sleef, around which the KL pass kept its sums on the stack: the inline form
-// took a third less time for distill_kl over rows of 1000 classes (one thread, in cache). The
-// AVX2 build does the same with the exponent and mantissa from the bits (an integer shift and
-// mask), vrcpps (12 bits) and a Newton step for 1 / (m + 1) (about 1e-7), and the special
+// ln y of float vectors: +-0 gives -inf, a negative y or NaN gives NaN. ATen's log is a call
+// into Sleef, around which the KL pass kept its sums on the stack, so the vector builds take it
+// inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2) (vgetmantps, which also makes a
+// negative y NaN; vgetexpps and one masked add for k), m's top four mantissa bits pick one of 16
+// intervals (a vpermps from a register), r = m / c - 1 with c the interval's middle (one fused
+// multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r) by four terms of the series
+// (error below 6e-9), and k ln 2. Fourteen vector operations, against nineteen for the
+// atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2 build keeps (a vpermps there
+// holds only 8 entries): exponent and mantissa from the bits (an integer shift and mask),
+// ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6), u = (m - 1) / (m + 1),
+// |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1), and the special
 // values put back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give
 // -inf, +inf gives +inf, a negative y or NaN gives NaN. Against ATen's log, distill_kl took
 // ~30 % less time there (C = 30-1000, one thread, in cache). The default build takes ATen's
 // log.
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-// ln(2^k m) for m in [sqrt(1/2), sqrt(2)), from r, 1 / (m + 1) to 12 bits or better (one
+#if defined(CPU_CAPABILITY_AVX2)
+// log2(2^k m) for m in [sqrt(1/2), sqrt(2)), from r, 1 / (m + 1) to 12 bits or better (one
 // Newton step here): the series above.
-C10_ALWAYS_INLINE Vectorized<float> log_of_parts(Vectorized<float> m, Vectorized<float> k,
+C10_ALWAYS_INLINE Vectorized<float> log2_of_parts(Vectorized<float> m, Vectorized<float> k,
                                                  Vectorized<float> r) {
   using Vec = Vectorized<float>;
   const Vec one(1.0f), den = m + one;
@@ -470,19 +472,34 @@ C10_ALWAYS_INLINE Vectorized<float> log_of_parts(Vectorized<float> m, Vectorized
   q = at::vec::fmadd(q, u2, Vec(2.0f / 5));
   q = at::vec::fmadd(q, u2, Vec(2.0f / 3));
   const Vec log_m = at::vec::fmadd(u * u2, q, u + u);
-  // k ln 2 in two parts: ln2_hi has 16 significant bits, so k ln2_hi is exact for |k| < 2^8.
-  return at::vec::fmadd(k, Vec(0.693145752f), at::vec::fmadd(k, Vec(1.42860677e-06f), log_m));
+  return at::vec::fmadd(log_m, Vec(kLog2e), k);  // log2 y = k + ln m / ln 2
 }
 #endif
 
-C10_ALWAYS_INLINE Vectorized<float> log_of(Vectorized<float> y) {
+C10_ALWAYS_INLINE Vectorized<float> log2_of(Vectorized<float> y) {
 #if defined(CPU_CAPABILITY_AVX512)
-  __m512 m = _mm512_getmant_ps(y, _MM_MANT_NORM_1_2, _MM_MANT_SIGN_nan);
+  // 1 / c and -ln(1 / c) (from the rounded 1 / c, so that r's rounding is the only one) for
+  // the 16 intervals: [1 + j/16, 1 + (j+1)/16) for j < 8, [1/2 + j/32, 1/2 + (j+1)/32) above.
+  const __m512 inv_c = _mm512_setr_ps(
+      0.969696999f, 0.914285719f, 0.864864886f, 0.820512831f, 0.780487776f, 0.744186044f,
+      0.711111128f, 0.680851042f, 1.30612242f, 1.25490201f, 1.20754719f, 1.16363633f,
+      1.12280703f, 1.08474576f, 1.04918027f, 1.01587307f);
+  const __m512 ln_c = _mm512_setr_ps(
+      0.030771628f, 0.0896121562f, 0.145181984f, 0.19782573f, 0.247836202f, 0.295464218f,
+      0.340926558f, 0.384411722f, -0.267062753f, -0.227057487f, -0.188591182f, -0.151549861f,
+      -0.115831822f, -0.0813456401f, -0.0480091646f, -0.0157484151f);
+  using Vec = Vectorized<float>;
+  const __m512 m = _mm512_getmant_ps(y, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_nan);
+  const __m512 one = _mm512_set1_ps(1.0f);
   __m512 k = _mm512_getexp_ps(y);
-  const __mmask16 high = _mm512_cmp_ps_mask(m, _mm512_set1_ps(1.41421356f), _CMP_GT_OQ);
-  m = _mm512_mask_mul_ps(m, high, m, _mm512_set1_ps(0.5f));
-  k = _mm512_mask_add_ps(k, high, k, _mm512_set1_ps(1.0f));
-  return log_of_parts(m, k, _mm512_rcp14_ps(_mm512_add_ps(m, _mm512_set1_ps(1.0f))));
+  k = _mm512_mask_add_ps(k, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), k, one);  // m < 1: y's f >= 3/2
+  // vpermps reads the low four bits of each index: m's top four mantissa bits.
+  const __m512i j = _mm512_srli_epi32(_mm512_castps_si512(m), 19);
+  const Vec r(_mm512_fmsub_ps(m, _mm512_permutexvar_ps(j, inv_c), one));
+  Vec q = at::vec::fmadd(r, Vec(-0.25f), Vec(1.0f / 3));
+  q = at::vec::fmadd(q, r, Vec(-0.5f));
+  const Vec ln_m = at::vec::fmadd(r * r, q, r) + Vec(_mm512_permutexvar_ps(j, ln_c));
+  return at::vec::fmadd(ln_m, Vec(kLog2e), Vec(k));  // log2 y = k + ln m / ln 2
 #elif defined(CPU_CAPABILITY_AVX2)
   const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
   const __m256i bits = _mm256_castps_si256(y);
@@ -494,14 +511,26 @@ C10_ALWAYS_INLINE Vectorized<float> log_of(Vectorized<float> y) {
   const __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);
   m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
   k = _mm256_add_ps(k, _mm256_and_ps(high, one));
-  __m256 out = log_of_parts(m, k, _mm256_rcp_ps(_mm256_add_ps(m, one)));
+  __m256 out = log2_of_parts(m, k, _mm256_rcp_ps(_mm256_add_ps(m, one)));
   const float inf = std::numeric_limits<float>::infinity();
   out = _mm256_blendv_ps(out, _mm256_set1_ps(-inf), _mm256_cmp_ps(y, zero, _CMP_EQ_OQ));
   out = _mm256_blendv_ps(out, y, _mm256_cmp_ps(y, _mm256_set1_ps(inf), _CMP_EQ_OQ));
   return _mm256_blendv_ps(out, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()),
                           _mm256_cmp_ps(y, zero, _CMP_NGE_UQ));  // y < 0 or NaN
 #else
-  return y.log();
+  return y.log() * Vectorized<float>(kLog2e);
+#endif
+}
+
+// y d, 0 where y == 0 (a NaN y stays NaN): the loss terms, with 0 log 0 = 0. In the AVX-512
+// build a compare and a zero-masked multiply, where ATen's blendv of a compare took four
+// operations after the multiply.
+C10_ALWAYS_INLINE Vectorized<float> times_nonzero(Vectorized<float> y, Vectorized<float> d) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_NEQ_UQ), y, d);
+#else
+  const Vectorized<float> zero(0.0f);
+  return Vectorized<float>::blendv(y * d, zero, y == zero);
 #endif
 }
 
@@ -511,10 +540,10 @@ C10_ALWAYS_INLINE Vectorized<float> log_of(Vectorized<float> y) {
 inline float exp2_row_sum(const float* s, int64_t C, float a, float b, float* e_out) {
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  const Vec av(a), bv(b), lo(kMinExp2);
+  const Vec av(a), bv(b);
   auto one = [&](int64_t c) {
     const Vec y = at::vec::fmadd(Vec::loadu(s + c), av, bv);
-    const Vec e = exp2_poly(y) & (y >= lo);
+    const Vec e = exp2_or_zero(y);
     if (e_out) e.store(e_out + c);
     return e;
   };
@@ -569,10 +598,10 @@ void kl_row_terms(const float* s, const float* y, int64_t C, const KlRowExps& x,
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
   const float sum_e = x.sum_e;
-  const Vec av(x.a), bv(x.b), log2_sum(std::log2(sum_e)), ln2(kLn2), zero(0.0f);
+  const Vec av(x.a), bv(x.b), log2_sum(std::log2(sum_e));
+  // y (log2 y - log2 q) with log2 q = y2 - log2 S; ln 2 times the row's sum is its loss.
   auto term = [&](const Vec& yv, int64_t c) {
-    const Vec log_q = (at::vec::fmadd(Vec::loadu(s + c), av, bv) - log2_sum) * ln2;
-    return Vec::blendv(yv * (log_of(yv) - log_q), zero, yv == zero);
+    return times_nonzero(yv, (log2_of(yv) + log2_sum) - at::vec::fmadd(Vec::loadu(s + c), av, bv));
   };
   double row_loss = 0, sum_y = 0;  // chunks of kSumChunk added in float64, as row_sum
   for (int64_t c0 = 0; c0 < C; c0 += kSumChunk) {
@@ -593,7 +622,7 @@ void kl_row_terms(const float* s, const float* y, int64_t C, const KlRowExps& x,
     row_loss += static_cast<double>(lane_sum(acc));
     sum_y += static_cast<double>(lane_sum(acc_y));
   }
-  loss += row_loss;
+  loss += 0.693147180559945309 * row_loss;  // ln 2 in float64, as the sums
   if (g) {
     // (scale / T)(q sum y - y) with q = e / S: e (scale / T)(sum y / S) - y (scale / T), into
     // g, or for fp16/bf16 into e and then converted.
@@ -634,7 +663,7 @@ void kl_lanes(const float* s, const float* y, int64_t rows, int64_t C, float inv
   float* cy = cs + W * C;       // of y
   float* ce = cy + W * C;       // the exps
   float* pad = ce + W * C;      // 2 * W * C: the rows of a short group, then the gradient rows
-  const Vec a(inv_t * kLog2e), lo(kMinExp2), ln2(kLn2), zero(0.0f);
+  const Vec a(inv_t * kLog2e);
   for (int64_t r0 = 0; r0 < rows; r0 += W) {
     const int64_t cnt = std::min(W, rows - r0);
     const float* sr = s + r0 * C;
@@ -657,20 +686,20 @@ void kl_lanes(const float* s, const float* y, int64_t rows, int64_t C, float inv
     Vec sum(0.0f);
     for (int64_t c = 0; c < C; ++c) {
       const Vec y2 = at::vec::fmadd(Vec::loadu(cs + c * W), a, b);
-      const Vec e = exp2_poly(y2) & (y2 >= lo);
+      const Vec e = exp2_or_zero(y2);
       e.store(ce + c * W);
       sum = sum + e;
     }
-    const Vec log_sum = log_of(sum);
-    Vec acc(0.0f), acc_y(0.0f);
+    const Vec log2_sum = log2_of(sum);
+    Vec acc(0.0f), acc_y(0.0f);  // as kl_row_terms: y (log2 y - log2 q), then times ln 2
     for (int64_t c = 0; c < C; ++c) {
       const Vec yv = Vec::loadu(cy + c * W);
-      const Vec log_q = at::vec::fmadd(at::vec::fmadd(Vec::loadu(cs + c * W), a, b), ln2, log_sum.neg());
-      acc = acc + Vec::blendv(yv * (log_of(yv) - log_q), zero, yv == zero);
+      acc = acc + times_nonzero(yv, (log2_of(yv) + log2_sum) -
+                                        at::vec::fmadd(Vec::loadu(cs + c * W), a, b));
       acc_y = acc_y + yv;
     }
     alignas(64) float row_loss[W];
-    acc.store(row_loss);
+    (acc * Vec(kLn2)).store(row_loss);
     T* gr = g ? g + r0 * C : nullptr;
     if (g) {
       // (scale / T)(q sum y - y) with q = e / S, by columns into cs, then back to rows.
