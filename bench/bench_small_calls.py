@@ -9,8 +9,13 @@ median and the 90th percentile per call are printed in microseconds. With ``--bu
 cases are timed again while N spinning processes hold the cores (N = number of cores: every
 core busy), next to ``torch.add`` on 1 MiB with torch's threads, the kind of call that waits a
 scheduler quantum for a busy core. ``python_tests/test_cpu_threads.py`` runs the same cases and
-checks that none of them starts the thread team. Results: bench/results/<device>.json under
-``small_calls``.
+checks that none of them starts the thread team. The differentiable ops are also timed as a
+training step uses them (``with grad: ...``): the public wrapper on inputs that require grad
+and ``backward()`` of a scalar, interleaved with the same step written in PyTorch ops
+(``with grad, PyTorch: ...``, the formulas of fedkernels.ops.reference); at these sizes most of
+either step is per-call overhead (the wrappers', the dispatcher's and autograd's), and
+``torch_over_fused`` is the median over rounds of the per-round ratio. Results:
+bench/results/<device>.json under ``small_calls``.
 """
 
 from __future__ import annotations
@@ -103,6 +108,65 @@ def small_op_cases() -> dict:
     return cases
 
 
+def small_grad_cases() -> dict:
+    """name -> (fedkernels step, PyTorch step): one differentiable op as a training step calls
+    it on small inputs (a few KiB to 100 KiB), forward on leaves that require grad, then
+    ``backward()`` of a scalar, their gradients cleared first; the PyTorch step runs the op's
+    reference formula (fedkernels.ops.reference) on the same leaves."""
+    import fedkernels
+    from fedkernels import ops
+    from fedkernels.ops import reference as R
+
+    g = torch.Generator().manual_seed(1)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    def step(loss, leaves):
+        def run():
+            for t in leaves:
+                t.grad = None
+            loss().backward()
+        return run
+
+    def total(tensors):
+        return sum(t.sum() for t in tensors)
+
+    def pair(fused_loss, torch_loss, leaves):
+        return step(fused_loss, leaves), step(torch_loss, leaves)
+
+    cases = {}
+    for C in (10, 100):
+        s, y = leaf(256, C), torch.softmax(torch.randn(256, C, generator=g), 1)
+        cases[f"distill_kl[N=256,C={C}]"] = pair(
+            lambda s=s, y=y: fedkernels.distill_kl(s, y, 2.0),
+            lambda s=s, y=y: R.distill_kl_reference(s, y, 2.0), [s])
+    L = leaf(4, 256, 10)
+    z = torch.randn(4, 256, generator=g)
+    n = torch.tensor([10.0, 20.0, 30.0, 40.0], dtype=torch.float64)
+    r = torch.rand(256, 10, generator=g)
+    kw = dict(weighting="fedgo", sample_sizes=n)
+    cases["ensemble_pseudo_labels[fedgo,K=4,N=256,C=10]"] = pair(
+        lambda: (fedkernels.ensemble_pseudo_labels(L, z, **kw) * r).sum(),
+        lambda: (R.ensemble_pseudo_labels_reference(L, z, **kw) * r).sum(), [L])
+    E = leaf(1024, 10)
+    cases["energy_from_logits[N=1024,C=10]"] = pair(
+        lambda: fedkernels.energy_from_logits(E).sum(),
+        lambda: R.energy_from_logits_reference(E).sum(), [E])
+    shapes = [(64, 32), (64,), (10, 64), (10,)]  # a small MLP's parameters
+    P, Q = [leaf(*sh) for sh in shapes], [leaf(*sh) for sh in shapes]
+    cases["mix_endpoints[MLP, 4 tensors]"] = pair(
+        lambda: total(ops.mix_endpoints(P, Q, 0.3)),
+        lambda: total(R.mix_endpoints_reference(P, Q, 0.3)), P + Q)
+    clients = [[leaf(*sh) for sh in shapes] for _ in range(4)]
+    w4 = torch.full((4,), 0.25, dtype=torch.float64)
+    flat = [t for c in clients for t in c]
+    cases["weighted_sum[MLP, 4 tensors, K=4]"] = pair(
+        lambda: total(ops.weighted_sum(flat, w4)),
+        lambda: total(R.weighted_sum_reference(clients, w4)), flat)
+    return cases
+
+
 def time_cases(cases: dict, repeats: int) -> dict[str, list[float]]:
     for fn in cases.values():  # warm-up
         fn()
@@ -156,6 +220,10 @@ def main() -> None:
     n = (1 << 20) // 12  # torch.add on 1 MiB touched, with torch's threads
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
     cases["torch.add (1 MiB, reference)"] = lambda: torch.add(a, b, out=c)
+    grad_pairs = small_grad_cases()
+    for name, (fused, composed) in grad_pairs.items():
+        cases[f"with grad: {name}"] = fused
+        cases[f"with grad, PyTorch: {name}"] = composed
     print(f"# {environment(device)['device']}  torch threads {torch.get_num_threads()}  "
           f"{len(cases)} cases x {args.repeats} calls", flush=True)
     phases = {"quiet": 0} | ({"busy": args.busy} if args.busy else {})
@@ -174,11 +242,17 @@ def main() -> None:
                 proc.wait()
         for name, s in samples.items():
             rows[name][phase] = summary(s)
+        for name in grad_pairs:
+            fused, composed = samples[f"with grad: {name}"], samples[f"with grad, PyTorch: {name}"]
+            rows[f"with grad: {name}"][phase]["torch_over_fused"] = statistics.median(
+                t / f for t, f in zip(composed, fused))
     header = "".join(f"  {p} median / p90 (us)" for p in phases)
-    print(f"{'case':44s}{header}")
+    print(f"{'case':66s}{header}")
     for name, row in rows.items():
         cols = "".join(f"  {row[p]['median_us']:9.1f} / {row[p]['p90_us']:9.1f}   " for p in phases)
-        print(f"{name:44s}{cols}")
+        versus = "".join(f"  {p}: PyTorch {row[p]['torch_over_fused']:.2f}x the time"
+                         for p in phases if "torch_over_fused" in row[p])
+        print(f"{name:66s}{cols}{versus}")
     payload = {"environment": environment(device), "threads": torch.get_num_threads(),
                "busy_processes": args.busy, "repeats": args.repeats,
                "rows": [{"case": name} | row for name, row in rows.items()]}

@@ -138,8 +138,12 @@ def test_small_calls_busy_phase_times_every_case_and_stops_its_spinners(bench_co
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (run,) = _runs(bench_copy)
     rows = json.loads(run.read_text())["small_calls"]["rows"]
-    assert len(rows) == 30 and all({"quiet", "busy"} <= set(r) for r in rows)
+    # 29 ops and torch.add, then 6 steps with a gradient, each with its PyTorch step
+    assert len(rows) == 30 + 2 * 6 and all({"quiet", "busy"} <= set(r) for r in rows)
     assert all(r[p]["median_us"] > 0 for r in rows for p in ("quiet", "busy"))
+    steps = [r for r in rows if r["case"].startswith("with grad: ")]
+    assert len(steps) == 6 and all(r[p]["torch_over_fused"] > 0 for r in steps
+                                   for p in ("quiet", "busy"))
     assert not _spinners(), "a spinning process outlived the benchmark"
 
 
