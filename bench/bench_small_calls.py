@@ -168,11 +168,16 @@ def small_grad_cases() -> dict:
 
 
 def time_cases(cases: dict, repeats: int) -> dict[str, list[float]]:
+    """``repeats`` samples of every case, one call per case per round; every other round runs
+    the cases in reverse, so that no case always follows the same one (the case right after
+    ``torch.add`` and its thread team took ~130 µs more a call, a fused step timed just before
+    its PyTorch step 4x its time alone)."""
     for fn in cases.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}
-    for _ in range(repeats):
-        for name, fn in cases.items():
+    order = list(cases.items())
+    for r in range(repeats):
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
@@ -219,11 +224,11 @@ def main() -> None:
     cases = small_op_cases()
     n = (1 << 20) // 12  # torch.add on 1 MiB touched, with torch's threads
     a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    cases["torch.add (1 MiB, reference)"] = lambda: torch.add(a, b, out=c)
     grad_pairs = small_grad_cases()
     for name, (fused, composed) in grad_pairs.items():
         cases[f"with grad: {name}"] = fused
         cases[f"with grad, PyTorch: {name}"] = composed
+    cases["torch.add (1 MiB, reference)"] = lambda: torch.add(a, b, out=c)
     print(f"# {environment(device)['device']}  torch threads {torch.get_num_threads()}  "
           f"{len(cases)} cases x {args.repeats} calls", flush=True)
     phases = {"quiet": 0} | ({"busy": args.busy} if args.busy else {})

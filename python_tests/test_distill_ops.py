@@ -455,6 +455,39 @@ def test_pseudo_labels_backward_without_the_logits_gradient(weighting, combine):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weighting", WEIGHTINGS)
+@pytest.mark.parametrize("combine", ["logits", "probs"])
+def test_pseudo_labels_backward_of_one_input_alone(weighting, combine):
+    # Where only some inputs need a gradient the backward skips the stages the others need
+    # (with FedGO's weights and fixed scores, everything after the combine); each gradient must
+    # be the one of the full backward.
+    def grads(wanted):
+        logits, scores = make_inputs((3, 4, 5), torch.float64, weighting, seed=7)
+        prior = torch.tensor([0.1, 0.7, 1.3], dtype=torch.float64)
+        named = {"logits": logits, "prior": prior, "scores": scores}
+        inputs = [named[k].requires_grad_(True) for k in wanted if named[k] is not None]
+        y, w = ops.ensemble_pseudo_labels(logits, scores, prior, weighting, combine, 1.3, 0.8,
+                                          True)
+        upstream = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape)
+        loss = (y * upstream).sum() + (w * w).sum()
+        return dict(zip([k for k in wanted if named[k] is not None],
+                        torch.autograd.grad(loss, inputs)))
+
+    full = grads(["logits", "prior", "scores"])
+    for name, expected in full.items():
+        torch.testing.assert_close(grads([name])[name], expected, rtol=0, atol=0)
+    # and through the wrapper, the way a distillation step asks (logits alone, y only)
+    logits, scores = make_inputs((3, 4, 5), torch.float32, weighting, seed=8)
+    logits.requires_grad_(True)
+    kw = dict(weighting=weighting, combine=combine, temperature=2.0,
+              sample_sizes=torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    upstream = torch.rand(4, 5)
+    (fedkernels.ensemble_pseudo_labels(logits, scores, **kw) * upstream).sum().backward()
+    ref = logits.detach().clone().requires_grad_(True)
+    (R.ensemble_pseudo_labels_reference(ref, scores, **kw) * upstream).sum().backward()
+    torch.testing.assert_close(logits.grad, ref.grad)
+
+
 def test_pseudo_labels_compile():
     logits, scores = make_inputs((4, 6, 5), torch.float32, "fedgo")
 

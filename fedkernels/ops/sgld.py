@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .autograd_bypass import EagerAutograd
 from .devices import check_device
+from .row_softmax import softmax_last
 
 _ops = torch.ops.fedkernels
 
@@ -211,7 +212,7 @@ def _energy_backward(ctx, grad_e):
         onehot.scatter_(1, labels[:, None], 1.0)
         grad = -onehot * g
     else:
-        grad = -torch.softmax(logits.to(acc), dim=1) * g
+        grad = -softmax_last(logits.to(acc)) * g
     return grad.to(logits.dtype), None
 
 
