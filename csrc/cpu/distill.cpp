@@ -444,21 +444,20 @@ double kl_rows_full(const A* s, const A* y, int64_t rows, int64_t C, A inv_t, A 
   return loss;
 }
 
-// ln y of float vectors: +-0 gives -inf, a negative y or NaN gives NaN. ATen's log is a call
-// into Sleef, around which the KL pass kept its sums on the stack, so the vector builds take it
-// inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2) (vgetmantps, which also makes a
-// negative y NaN; vgetexpps and one masked add for k), m's top four mantissa bits pick one of 16
-// intervals (a vpermps from a register), r = m / c - 1 with c the interval's middle (one fused
-// multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r) by four terms of the series
-// (error below 6e-9), and k ln 2. Fourteen vector operations, against nineteen for the
-// atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2 build keeps (a vpermps there
-// holds only 8 entries): exponent and mantissa from the bits (an integer shift and mask),
-// ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6), u = (m - 1) / (m + 1),
-// |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1), and the special
-// values put back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give
-// -inf, +inf gives +inf, a negative y or NaN gives NaN. Against ATen's log, distill_kl took
-// ~30 % less time there (C = 30-1000, one thread, in cache). The default build takes ATen's
-// log.
+// log2 y of float vectors (the KL terms are in base 2): +-0 gives -inf, a negative y or NaN gives
+// NaN. ATen's log is a call into Sleef, around which the KL pass kept its sums on the stack, so the
+// vector builds take it inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2) (vgetmantps,
+// which also makes a negative y NaN; vgetexpps and one masked add for k), m's top four mantissa
+// bits pick one of 16 intervals (a vpermps from a register), r = m / c - 1 with c the interval's
+// middle (one fused multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r) by four
+// terms of the series (error below 6e-9), and log2 y = k + ln m / ln 2. Fourteen vector operations,
+// against nineteen for the atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2 build keeps
+// (a vpermps there holds only 8 entries): exponent and mantissa from the bits (an integer shift and
+// mask), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6), u = (m - 1) / (m + 1),
+// |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1), and the special values put
+// back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give -inf, +inf gives
+// +inf, a negative y or NaN gives NaN. Against ATen's log, distill_kl took ~30 % less time there
+// (C = 30-1000, one thread, in cache). The default build takes ATen's log.
 #if defined(CPU_CAPABILITY_AVX2)
 // log2(2^k m) for m in [sqrt(1/2), sqrt(2)), from r, 1 / (m + 1) to 12 bits or better (one
 // Newton step here): the series above.
