@@ -1,8 +1,8 @@
 """Fairness and participation comparisons in the shape of the papers' tables (offline, 2 CPU cores).
 
 Each experiment is one ``fedkernels compare`` run (every method on the same clients, seeds
-0,1,2,3,4 by default) whose table, JSON and plot are described in docs/participation.md and
-docs/fairness.md:
+0,1,2,3,4 by default) whose table, JSON and plot are described in docs/results/participation.md and
+docs/results/fairness.md:
 
 - ``fedau-bernoulli``, ``fedau-markov``, ``fedau-cyclic``: FedAU against averaging the
   participants, the known-p oracle, MIFA and FedVARP, 100 clients of digits (Dirichlet 0.3)
@@ -27,17 +27,17 @@ parameters from its grid (the papers' grids) at that learning rate. The criterio
 experiment's ``criterion``: validation pooled accuracy for the participation tables (the
 FedAU paper's metric), the mean of average and worst-10% client accuracy for the fairness
 tables, the mean of average and worst client AUROC for the heart table. The values the tuning
-chose are written into ``docs/experiments/tuning_<name>.json`` (every validation score is kept
+chose are written into ``experiments/tuning/tuning_<name>.json`` (every validation score is kept
 there), and every later run of that experiment uses them; without that file a run uses the
 values written below (the papers' choices, and a learning rate that trains FedAvg).
 
-    python docs/fairness_papers.py fedau-bernoulli             # one table, seeds 0-4
-    python docs/fairness_papers.py all --seeds 0,1,2           # every table, 3 seeds (faster)
-    python docs/fairness_papers.py semivred --tune             # the validation sweep first
-    python docs/fairness_papers.py all --save                  # into bench/results/ and docs/
+    python experiments/fairness_papers.py fedau-bernoulli             # one table, seeds 0-4
+    python experiments/fairness_papers.py all --seeds 0,1,2           # every table, 3 seeds (faster)
+    python experiments/fairness_papers.py semivred --tune             # the validation sweep first
+    python experiments/fairness_papers.py all --save                  # into bench/results/
 
 Without ``--save`` the results go to ``runs/fairness_papers/compare_<name>/``; with it to
-``bench/results/compare_<name>/`` and the plot to ``docs/<name>.png``.
+``bench/results/compare_<name>/`` (table, JSON and plot).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -65,7 +64,7 @@ from fedkernels.sim.run import Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 HEART_CSV = Path("runs") / "fairness_papers" / "heart_like.csv"  # relative to ROOT
-TUNING_DIR = ROOT / "docs" / "experiments"
+TUNING_DIR = ROOT / "experiments" / "tuning"
 
 # --------------------------------------------------------------------------- the experiments
 
@@ -265,10 +264,10 @@ def spec_text(label: str, name: str, params: dict[str, Any]) -> str:
 
 
 def ensure_heart_csv() -> None:
-    """Writes the heart-disease-like table (docs/make_heart_like_csv.py, seed 0) if missing."""
+    """Writes the heart-disease-like table (experiments/make_heart_like_csv.py, seed 0) if missing."""
     if not HEART_CSV.is_file():
         HEART_CSV.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, str(ROOT / "docs" / "make_heart_like_csv.py"),
+        subprocess.run([sys.executable, str(ROOT / "experiments" / "make_heart_like_csv.py"),
                         "--out", str(HEART_CSV)], check=True)
 
 
@@ -433,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="add the extra methods (FedAU without cutoff, average all)")
     parser.add_argument("--rounds", type=int, help="override the number of rounds")
     parser.add_argument("--save", action="store_true",
-                        help="write into bench/results/compare_<name>/ and docs/<name>.png")
+                        help="write into bench/results/compare_<name>/")
     parser.add_argument("--out", metavar="DIR", help="folder for compare_<name>/ "
                         "(default runs/fairness_papers/)")
     parser.add_argument("--reference-split", choices=["median", "mean"], default="median",
@@ -471,8 +470,6 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         entries = compare(algorithms, seeds, tree, out, spec["title"],
                           reference=spec.get("reference"), reference_split=args.reference_split)
-        if args.save:
-            shutil.copyfile(out / "compare.png", ROOT / "docs" / f"{name}.png")
         elapsed = time.perf_counter() - start
         late = late_accuracy(entries, tree["rounds"])
         (out / "late_accuracy.md").write_text(late)

@@ -1,5 +1,5 @@
 """FedEvg against its federated generative baseline (FedCVAE) on scikit-learn's digits
-(8x8, pixels in [0, 1]), in the thesis' four columns (docs/fedevg.md):
+(8x8, pixels in [0, 1]), in the thesis' four columns (docs/results/fedevg.md):
 
     K = 10 clients, full participation, Dirichlet alpha = 0.01 and 1;
     K = 100 clients, 10% participation, alpha = 0.01 and 1.
@@ -10,17 +10,17 @@ every ``--eval-every`` rounds. Two references per setting and seed use the same 
 recipe: the initial noise set of FedEvg (chance level) and ``spc`` real training digits per class
 (what M real samples can teach).
 
-    python docs/fedevg_digits.py                   # K = 100, alpha = 1; 3 seeds; a few minutes
-    python docs/fedevg_digits.py --sweep           # the four columns (times: docs/fedevg.md)
-    python docs/fedevg_digits.py --sweep --seeds 5 # five seeds, as the tables in docs/fedevg.md
-    python docs/fedevg_digits.py --settings K100-a1 --seeds 5 --local-epochs 5 \
-        --out docs/fedevg_digits_k100_e5.json --plot docs/fedevg_digits_k100_e5.png
+    python experiments/fedevg_digits.py                   # K = 100, alpha = 1; 3 seeds; a few minutes
+    python experiments/fedevg_digits.py --sweep           # the four columns (times: docs/results/fedevg.md)
+    python experiments/fedevg_digits.py --sweep --seeds 5 # five seeds, as in docs/results/fedevg.md
+    python experiments/fedevg_digits.py --settings K100-a1 --seeds 5 --local-epochs 5 \
+        --out experiments/fedevg_digits_k100_e5.json --plot experiments/fedevg_digits_k100_e5.png
 
 ``--resume`` keeps the runs already in ``--out`` that were made with the same rounds, evaluation
 interval and common settings, and runs only the missing seeds (runs are deterministic per seed).
 
-Writes ``--out`` (default docs/fedevg_digits.json) and the accuracy curves ``--plot`` (default
-docs/fedevg_digits_curves.png). Every hyperparameter is fixed before any run, the same way for
+Writes ``--out`` (default experiments/fedevg_digits.json) and the accuracy curves ``--plot`` (default
+experiments/fedevg_digits_curves.png). Every hyperparameter is fixed before any run, the same way for
 both methods: the thesis' or official scripts' values where they exist, the shared scale-downs
 (MLP models, batch 32, 100 rounds) identical for both; nothing is tuned on test data.
 """
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--settings", default="", help="comma-separated, e.g. K10-a1,K100-a1")
     parser.add_argument("--methods", default="fedevg,fedcvae")
     parser.add_argument("--images", action="store_true",
-                        help="write seed 0's final synthetic sets as PNG grids into docs/")
+                        help="write seed 0's final synthetic sets as PNG grids into experiments/")
     parser.add_argument("--local-epochs", type=int, default=None,
                         help="local epochs of both methods (default: theirs, 1); use with --out")
     parser.add_argument("--resume", action="store_true",

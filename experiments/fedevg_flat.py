@@ -1,4 +1,4 @@
-"""Why FedEvg's accuracy stops rising after about 20 rounds (docs/fedevg.md): FedEvg on digits,
+"""Why FedEvg's accuracy stops rising after about 20 rounds (docs/results/fedevg.md): FedEvg on digits,
 K = 10 clients, Dirichlet alpha = 1, full participation, 100 rounds, with the per-round
 diagnostics the strategy logs (energy gap between the clients' real data and the synthetic set
 under the freshly trained client models, mean server step |beta_t a_j| against the noise delta,
@@ -7,11 +7,11 @@ learning rate), and three yardsticks measured with the same classifier recipe: t
 its accuracy over 10 initialisations on the final synthetic set (evaluation noise), and its
 accuracy on 10 real digits per class and on every client's training data.
 
-    python docs/fedevg_flat.py                   # 3 seeds, diagnostics (about 8 minutes)
-    python docs/fedevg_flat.py --interventions   # also beta_0 = 1, spc 50, 5 local epochs
-    python docs/fedevg_flat.py --interventions --intervention-seeds 1   # cheaper
+    python experiments/fedevg_flat.py                   # 3 seeds, diagnostics (about 8 minutes)
+    python experiments/fedevg_flat.py --interventions   # also beta_0 = 1, spc 50, 5 local epochs
+    python experiments/fedevg_flat.py --interventions --intervention-seeds 1   # cheaper
 
-Writes ``--out`` (default docs/fedevg_flat.json) and ``--plot`` (docs/fedevg_flat.png).
+Writes ``--out`` (default experiments/fedevg_flat.json) and ``--plot`` (experiments/fedevg_flat.png).
 ``--resume`` keeps the runs already in ``--out`` made with the same rounds, interval and common
 settings, and runs only the missing ones (runs are deterministic per seed).
 """
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from fedevg_digits import COMMON, experiment_config  # docs/, the script's own folder
+from fedevg_digits import COMMON, experiment_config  # experiments/, the script's own folder
 
 from fedkernels.algorithms import build_strategy
 from fedkernels.algorithms.fedevg import train_on_synthetic

@@ -1,8 +1,8 @@
-"""Evidence for FedEvg's composition (docs/fedevg.md): a 2-D Gaussian mixture of 6
+"""Evidence for FedEvg's composition (docs/results/fedevg.md): a 2-D Gaussian mixture of 6
 classes split so that each of 3 clients sees only 2 classes; after T rounds, do the server's
 composed samples cover every client's modes? Compared for the signed and exact weightings.
 
-    OMP_NUM_THREADS=1 python docs/fedevg_toy.py   # writes docs/fedevg_toy.json
+    OMP_NUM_THREADS=1 python experiments/fedevg_toy.py   # writes experiments/fedevg_toy.json
 """
 
 from __future__ import annotations

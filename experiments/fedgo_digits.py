@@ -7,15 +7,15 @@ the convolutional DCGAN-style client discriminators (30 epochs, Adam 2e-4 betas 
 for DaFKD's and FedGO's weights; Fed-ET both as FedGO's paper runs it (variance weights only)
 and in full (hard consensus plus diversity term, lambda 0.05).
 
-    python docs/fedgo_digits.py                          # 3 seeds, 20 rounds (about 10 minutes)
-    python docs/fedgo_digits.py --seeds 5 --rounds 100   # the paper's seeds and rounds (long)
-    python docs/fedgo_digits.py --variants               # also FedGO with U as fake data, exact odds
+    python experiments/fedgo_digits.py                          # 3 seeds, 20 rounds (about 10 minutes)
+    python experiments/fedgo_digits.py --seeds 5 --rounds 100   # the paper's seeds and rounds (long)
+    python experiments/fedgo_digits.py --variants               # also FedGO with U as fake data, exact odds
 
 Reports the server model's test accuracy (pooled over the clients' test splits) at the last
 round, the last round's ensemble accuracy, and the paper's rounds-to-target: the first round
 whose accuracy reaches the target, the highest multiple of 5% that FedAvg reached within the run
 on every seed. Every setting is fixed before the runs and shared by all methods; nothing is
-chosen on test data. Writes ``--out`` (default docs/fedgo_digits.json) after every method;
+chosen on test data. Writes ``--out`` (default experiments/fedgo_digits.json) after every method;
 ``--resume`` keeps the runs already there that were made with the same rounds, alpha and
 generator steps and runs only the missing seeds (runs are deterministic per seed).
 """

@@ -16,7 +16,8 @@ component that generated them; ``oracle`` = agreement with the axes rule on a un
 1/2 sum_k |w_k(x) - w*_k(x)| between a method's client weights and the oracle's
 w*_k(x) = n_k p_k(x) / sum_j n_j p_j(x) (Theorem 3.4; the clients' densities are known here).
 
-    python docs/fedgo_toy.py [--seeds 5] [--out docs/fedgo_toy.json] [--plot docs/fedgo_toy_weights.png]
+    python experiments/fedgo_toy.py [--seeds 5] [--out experiments/fedgo_toy.json] \
+        [--plot experiments/fedgo_toy_weights.png]
 
 The plot shows each method's weights against the oracle's at the 4000 samples (seed 0), for the
 paper's training budget and for models trained to convergence.
@@ -177,8 +178,8 @@ def plot_weights(weights_by_setting, path):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
-    parser.add_argument("--out", default="docs/fedgo_toy.json")
-    parser.add_argument("--plot", default="docs/fedgo_toy_weights.png")
+    parser.add_argument("--out", default="experiments/fedgo_toy.json")
+    parser.add_argument("--plot", default="experiments/fedgo_toy_weights.png")
     args = parser.parse_args()
     torch.set_num_threads(1)
     settings = {

@@ -2,7 +2,7 @@
 
 Every value is made up by a seeded random generator: no patient is behind any row. The file
 has the shape real multi-site tabular data has, so that the CSV loader can be exercised on it
-(see docs/data.md):
+(see docs/guide/data.md):
 
 - four hospitals in a ``site`` column: cleveland, hungarian, switzerland, va (303, 294, 123
   and 200 rows by default, 920 in all);
@@ -18,8 +18,8 @@ has the shape real multi-site tabular data has, so that the CSV loader can be ex
 Features are drawn given the disease status (a class-conditional generator), so a model can
 learn the label, and sites differ in both their features and their label rates.
 
-    python docs/make_heart_like_csv.py --out heart.csv            # 920 rows, seed 0
-    python docs/make_heart_like_csv.py --out small.csv --rows 120 --seed 3
+    python experiments/make_heart_like_csv.py --out heart.csv            # 920 rows, seed 0
+    python experiments/make_heart_like_csv.py --out small.csv --rows 120 --seed 3
     fedkernels run --data.name csv --data.path heart.csv --data.label_column num \\
         --data.positive_labels 1,2,3,4 --data.client_column site --partition.kind natural
 """

@@ -1,12 +1,12 @@
-"""The personalized tables of docs/superfed.md from ``fedkernels compare`` results.
+"""The personalized tables of docs/results/superfed.md from ``fedkernels compare`` results.
 
 ``fedkernels compare`` runs the experiments and its personalized table gives mean ± std over
 seeds. This script reads one or more of its ``compare.json`` files and prints the longer table
-of docs/superfed.md: per-seed values of the personalized accuracy, SuPerFed's lambda choices
+of docs/results/superfed.md: per-seed values of the personalized accuracy, SuPerFed's lambda choices
 side by side (validation rows, the rows it trains on, the test split itself), ECE and MCE, the
 global model, and the measured seconds per run::
 
-    python docs/personalized_digits.py docs/personalized_digits_clean.json
+    python experiments/personalized_digits.py experiments/personalized_digits_clean.json
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Final accuracy of FedAvg, the robust rules and FedAvg with central DP under Byzantine attacks,
-on scikit-learn's digits. Writes docs/robust_attacks.json and docs/robust_dp_epsilon.png;
-docs/robust.md reports them.
+on scikit-learn's digits. Writes experiments/robust_attacks.json and experiments/robust_dp_epsilon.png;
+docs/results/robust.md reports them.
 
-    OMP_NUM_THREADS=1 nice -n 5 python docs/robust_attacks.py
+    OMP_NUM_THREADS=1 nice -n 5 python experiments/robust_attacks.py
 
 Setup of every cell: 20 clients (IID split), all of them in every round, 20 rounds, an MLP with
 one hidden layer of 32 units trained for 2 local epochs (batch 16, lr 0.3), 20 % of the clients

@@ -1,7 +1,7 @@
 """SuPerFed-MM/LM vs FedAvg vs FedProx on scikit-learn's digits with a pathological split
-(every client holds 2 classes). Writes docs/superfed_digits.json; docs/superfed.md reports it.
+(every client holds 2 classes). Writes experiments/superfed_digits.json; docs/results/superfed.md reports it.
 
-    OMP_NUM_THREADS=1 python docs/superfed_digits.py --seeds 0 1 2
+    OMP_NUM_THREADS=1 python experiments/superfed_digits.py --seeds 0 1 2
 
 Metric for every method: the mean over ALL clients of the accuracy on the client's own test
 split (20% of its data). FedAvg/FedProx: the final global model. SuPerFed: the mixed model

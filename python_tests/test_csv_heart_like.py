@@ -1,5 +1,5 @@
 """A multi-site clinical table with text columns and gaps (the shape of the UCI Heart Disease
-data, made up by docs/make_heart_like_csv.py) runs from the command line with no preparation by
+data, made up by experiments/make_heart_like_csv.py) runs from the command line with no preparation by
 the user, and results.json says what the loader did."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ RUN_TIMEOUT_S = 300
 
 def generator():
     spec = importlib.util.spec_from_file_location("make_heart_like_csv",
-                                                  ROOT / "docs" / "make_heart_like_csv.py")
+                                                  ROOT / "experiments" / "make_heart_like_csv.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -13,7 +13,7 @@ from fedkernels.integrations.fedlab import Aggregators, WeightError, fedasync_ag
 def _fedlab():
     return pytest.importorskip(
         "fedlab.utils.aggregator",
-        reason="fedlab is not installed (pip install --no-deps fedlab, see docs/integrations.md)",
+        reason="fedlab is not installed (pip install --no-deps fedlab, see docs/guide/integrations.md)",
     ).Aggregators
 
 

@@ -408,14 +408,14 @@ def test_module_import_does_not_import_fedml():
 
 
 def test_docs_example_runs_without_fedml(monkeypatch):
-    """The first example of docs/integrations.md's FedML section, which needs no FedML."""
+    """The first example of docs/guide/integrations.md's FedML section, which needs no FedML."""
     monkeypatch.setitem(sys.modules, "fedml.ml.aggregator.agg_operator", None)
-    text = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    text = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "integrations.md").read_text()
     section = text[text.index("## FedML"):]
     code = section[section.index("```python\n") + 10:]
     code = code[:code.index("```")]
     scope: dict = {}
-    exec(compile(code, "docs/integrations.md (FedML)", "exec"), scope)
+    exec(compile(code, "docs/guide/integrations.md (FedML)", "exec"), scope)
     state = scope["global_state"]
     assert list(state) == ["weight", "bias", "num_batches_tracked"]
     assert state["num_batches_tracked"].dtype == torch.get_default_dtype()

@@ -1,4 +1,4 @@
-"""docs/fairness_papers.py: hyperparameters are tuned on rows carved out of the clients'
+"""experiments/fairness_papers.py: hyperparameters are tuned on rows carved out of the clients'
 training splits only, and the script's method specs are what ``fedkernels compare`` reads."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fedkernels.sim.config import ExperimentConfig, from_dict
 from fedkernels.sim.data import load_dataset
 from fedkernels.sim.federation import build_federation
 
-SCRIPT = Path(__file__).resolve().parent.parent / "docs" / "fairness_papers.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "fairness_papers.py"
 
 
 @pytest.fixture(scope="module")

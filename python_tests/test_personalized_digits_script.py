@@ -1,4 +1,4 @@
-"""docs/personalized_digits.py: the long personalized table from a compare.json (per-seed
+"""experiments/personalized_digits.py: the long personalized table from a compare.json (per-seed
 values, SuPerFed-only columns left empty for the others, seed and method filters)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "docs" / "personalized_digits.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "personalized_digits.py"
 
 
 def load():
