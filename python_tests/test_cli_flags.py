@@ -1,6 +1,6 @@
 """``fedkernels run`` as a new user meets it: flags (no abbreviations, a hint for a misspelled
 one, help that shows one algorithm's options), values that make no sense (NaN, infinity), a CSV
-without a client column, a missing optional package, and the README's examples of errors.
+without a client column, a missing optional package, and the documented examples of errors.
 
 Each behaviour is checked once through the console script in a child process; variants run in
 this process (the same code, without a child's start-up cost)."""
@@ -272,12 +272,12 @@ def test_each_missing_package_is_named_before_anything_is_written(
     assert not (tmp_path / "x").exists()
 
 
-# ---------------------------------------------------------------- the README's examples
+# ---------------------------------------------------------------- the documented examples
 
 
-def readme_error_examples() -> list[tuple[list[str], str]]:
-    """``$ fedkernels ...`` lines of the README's shell transcripts and the line after each."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+def documented_error_examples() -> list[tuple[list[str], str]]:
+    """``$ fedkernels ...`` lines of docs/guide/cli.md's shell transcripts and the line after each."""
+    lines = (ROOT / "docs" / "guide" / "cli.md").read_text().splitlines()
     return [
         (line[2:].split()[1:], lines[i + 1])
         for i, line in enumerate(lines)
@@ -285,8 +285,8 @@ def readme_error_examples() -> list[tuple[list[str], str]]:
     ]
 
 
-def test_readme_error_examples_are_what_the_command_prints():
-    examples = readme_error_examples()
+def test_documented_error_examples_are_what_the_command_prints():
+    examples = documented_error_examples()
     assert len(examples) >= 2
     for argv, expected in examples:
         done = fedkernels(*argv)

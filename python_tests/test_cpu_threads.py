@@ -90,8 +90,9 @@ _FORK_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_runs_the_ops_after_setting_one_thread():
-    """README, Guarantees: a child forked after the parent ran a multi-threaded op (torch's own
-    ops too) must call torch.set_num_threads(1) before its first op; with it the ops run."""
+    """docs/guide/python_api.md, Guarantees: a child forked after the parent ran a multi-threaded
+    op (torch's own ops too) must call torch.set_num_threads(1) before its first op; with it the
+    ops run."""
     done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
