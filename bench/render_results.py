@@ -10,7 +10,7 @@ The name after ``generated:`` is a key of BLOCKS below. Every block starts with 
 names the machine, the date and the results file it comes from, so a number on a page can be
 traced to one JSON key, and a rerun benchmark changes the page only through this script.
 
-    python bench/render_results.py            # rewrite the blocks in docs/results/*.md
+    python bench/render_results.py            # rewrite the blocks in README.md, docs/results/*.md
     python bench/render_results.py --check    # exit 1 if a page differs from its JSON
 
 Exit status: 0 when the pages are up to date (or were rewritten), 1 when ``--check`` finds a
@@ -408,6 +408,68 @@ def ncu_block(root: Path, name: str, key: str = "ncu") -> str:
     return f"*Source: `bench/results/{name}`, key `{key}`.*\n\n" + table(header, rows)
 
 
+# ---------------------------------------------------------------- the README's headline table
+
+
+def _one(rows: list[dict], **match) -> dict:
+    found = [r for r in rows if all(r.get(k) == v for k, v in match.items())]
+    if len(found) != 1:
+        raise RenderError(f"expected one row with {match}, found {len(found)}")
+    return found[0]
+
+
+def headline_block(root: Path) -> str:
+    """A few figures of the committed runs, each linking to the page that has the whole table."""
+    page = "docs/results/"
+    agg = section(root, INTEL, "aggregate")["rows"]
+    case = {"model": "resnet18", "dtype": "float32", "K": 10}
+    fused_out = _one(agg, method="fused out=", **case)
+    loop, foreach = _one(agg, method="loop", **case), _one(agg, method="foreach", **case)
+    gpu = section(root, H200, "aggregate")["rows"]
+    op_out, gpu_foreach = _one(gpu, method="op out=", **case), _one(gpu, method="foreach", **case)
+    flower = _one(load(root, "flower-cpu-amd-epyc-avx2.json")["rows"], model="resnet18", K=100,
+                  distinct_clients=100, strategy="FedAvg")
+    fedlab = _one(load(root, "fedlab-cpu-amd-epyc-avx2.json")["rows"], K=100)
+    median = _one(section(root, INTEL, "robust_ops")["rows"], case="median", K=10,
+                  variant="stack+median")
+    fedgo = _one(section(root, INTEL, "ensemble_pseudo_labels")["rows"], K=40, N=4096, C=1000,
+                 weighting="fedgo")
+    superfed = section(root, INTEL, "superfed")["models"]["resnet18"]["median_ms"]
+    vmap = section(root, INTEL, "vmap")["rows"]["5 epochs, batch 10"]
+    rows = [
+        ["`aggregate`: 10 ResNet-18-sized clients, fp32, into a preallocated model",
+         f"{fused_out['pct_read_probe']:.0f} % of the read probe; the per-tensor loop takes "
+         f"{ratio(loop['time_vs_fused'])}×, `_foreach_add_` {ratio(foreach['time_vs_fused'])}× "
+         "the time of the allocating call", "2-core Xeon",
+         f"[aggregate]({page}bench_aggregate.md)"],
+        ["`weighted_sum`, the same case on a GPU",
+         f"{sig(op_out['median_ms'])} ms, {op_out['pct_copy_probe']:.0f} % of the copy probe; "
+         f"`_foreach` takes {ratio(gpu_foreach['median_ms'] / op_out['median_ms'])}×",
+         "NVIDIA H200", f"[gpu]({page}gpu.md)"],
+        ["Flower `FedAvg` round, 100 ResNet-18-sized replies",
+         f"{ratio(flower['speedup'])}× faster than Flower's class; peak extra memory "
+         f"{sig(flower['fedkernels_peak_MB'])} MB against {sig(flower['flower_peak_MB'])} MB",
+         "2-core EPYC", f"[frameworks]({page}bench_frameworks.md)"],
+        ["FedLab `fedavg_aggregate`, K = 100",
+         f"{ratio(fedlab['speedup'])}× faster; peak {sig(fedlab['fedkernels_peak_MB'])} MB "
+         f"against {sig(fedlab['fedlab_peak_MB'])} MB", "2-core EPYC",
+         f"[frameworks]({page}bench_frameworks.md)"],
+        ["coordinate median of 10 ResNet-18-sized clients",
+         f"{ratio(median['speedup_of_fedkernels'])}× faster than `torch.stack` + `torch.median`",
+         "2-core Xeon", f"[robust]({page}bench_robust.md)"],
+        ["FedGO pseudo-labels, 40 teachers, 4096 samples, 1000 classes",
+         f"{ratio(fedgo['speedup_median_of_ratios'])}× faster than the PyTorch composition",
+         "2-core Xeon", f"[distillation]({page}bench_distillation.md)"],
+        ["SuPerFed local step (MM, `SuPerFedSGD`), ResNet-18",
+         f"{ratio(superfed['superfed_sgd_step_mm'] / superfed['fedavg'])}× the time of a "
+         "FedAvg step", "Xeon, one thread", f"[superfed]({page}bench_superfed.md)"],
+        ["`--vmap`: one round of 100 clients, 5 local epochs",
+         f"{ratio(vmap['speedup'])}× faster than training them one by one", "2-core Xeon",
+         f"[simulation]({page}simulation.md)"],
+    ]
+    return table(["what", "measured", "machine", "page"], rows)
+
+
 # ---------------------------------------------------------------- the blocks
 
 INTEL = "cpu-intel-r-xeon-r-processor-avx512.json"
@@ -469,6 +531,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu/superfed": lambda r: superfed_block(r, H200),
     "gpu/robust-ops": lambda r: robust_ops_block(r, H200),
     "gpu/ncu": lambda r: ncu_block(r, H200),
+    "readme/headline": headline_block,
 }
 
 
@@ -495,7 +558,7 @@ def render_page(text: str, root: Path, page: str, seen: set[str]) -> str:
 
 
 def pages(root: Path) -> list[Path]:
-    return sorted((root / "docs" / "results").glob("*.md"))
+    return [root / "README.md", *sorted((root / "docs" / "results").glob("*.md"))]
 
 
 def run(root: Path, check: bool) -> tuple[int, list[str]]:
