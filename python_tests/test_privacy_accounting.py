@@ -300,7 +300,7 @@ def test_strategies_that_bypass_the_weighted_mean_are_refused():
 
 
 def test_adaptive_step_direction_against_flower():
-    """Documents the departure in docs/algorithms/robust.md: with every update clipped, the
+    """Documents the departure in docs/algorithms/robust_and_private.md: with every update clipped, the
     paper's rule (ours) raises C; Flower's server-side class lowers it by the same factor."""
     pytest.importorskip("flwr")
     from unittest.mock import MagicMock
