@@ -48,6 +48,7 @@ class Federation:
     image_shape: tuple[int, ...] | None = None
     server_x: Tensor | None = None  # the server's unlabeled data (data.server_fraction)
     data_info: dict[str, Any] = field(default_factory=dict)  # what the loader did (Dataset.info)
+    vocab_size: int | None = None  # rows of int64 tokens: their number of distinct values
 
     @property
     def num_clients(self) -> int:
@@ -146,7 +147,8 @@ def build_federation(
     # Tabular features (imputation, scaling, category levels) are fitted on the union of the
     # clients' training rows only: no test row leaks into them.
     dataset = dataset.fit_features(np.concatenate([train for train, _ in splits]))
-    server_x = None if server_rows is None else dataset.x[torch.from_numpy(server_rows)]
+    # pixels become float rows here, client by client: the pool stays uint8
+    server_x = None if server_rows is None else dataset.rows(torch.from_numpy(server_rows))
     clients = []
     flipped = 0
     for k, (train, test) in enumerate(splits):
@@ -158,9 +160,9 @@ def build_federation(
         flipped += int((train_y != dataset.y[train_t]).sum())
         clients.append(
             ClientData(
-                dataset.x[train_t],
+                dataset.rows(train_t),
                 train_y,
-                dataset.x[test_t],
+                dataset.rows(test_t),
                 dataset.y[test_t],
                 train,
                 test,
@@ -183,4 +185,5 @@ def build_federation(
         dataset.image_shape,
         server_x,
         info,
+        dataset.vocab_size,
     )
