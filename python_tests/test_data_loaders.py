@@ -551,14 +551,18 @@ def test_cli_run_on_mnist_files(tmp_path, capsys):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        code = main(["run", "--data.name", "mnist", "--data.root", str(tmp_path / "data"),
-                     "--rounds", "1", "--model.name", "logreg", "--partition.num_clients", "3",
-                     "--no-progress", "--no-plots", "--out", str(out)])
+        flags = ["run", "--data.name", "mnist", "--data.root", str(tmp_path / "data"),
+                 "--rounds", "1", "--model.name", "logreg", "--partition.num_clients", "3",
+                 "--no-progress", "--no-plots"]
+        code = main([*flags, "--out", str(out)])
+        official = main([*flags, "--data.official_split", "--out", str(tmp_path / "official")])
     finally:
         torch.set_num_threads(threads)
-    assert code == 0, capsys.readouterr().err
+    assert code == 0 and official == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     assert results["data_preparation"]["parts"] == {"train": 30, "test": 20}
+    config = json.loads((tmp_path / "official" / "config.json").read_text())
+    assert config["data"]["official_split"] is True
     assert main(["run", "--data.name", "cifar10", "--data.root", str(tmp_path / "data"),
                  "--no-progress", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -579,3 +583,24 @@ def test_fedkernels_command_on_mnist_files(tmp_path):
     done = fedkernels("run", "--data.name", "mnist", "--data.root", str(tmp_path / "data"),
                       "--rounds", "1", *FAST, "--out", str(tmp_path / "run2"))
     assert_one_line_error(done, str(truncated), "truncated")
+
+
+def test_official_split_gives_clients_the_publishers_test_rows(tmp_path):
+    write_mnist(tmp_path, gz=False, num_train=60, num_test=30)
+    d = load("mnist", tmp_path)
+    fed = build_federation(d, PartitionConfig(num_clients=3), 0.2, 0, use_official_split=True)
+    for client in fed.clients:
+        assert (client.train_index < 60).all() and (client.test_index >= 60).all()
+    assert sum(c.num_test for c in fed.clients) == 30
+    # a client without test rows of the publisher's split is refused, naming it
+    groups = (np.arange(90) >= 60).astype(np.int64)  # client 0 holds no test rows
+    natural = Dataset(d.x, d.y, 10, groups, official_test=d.official_test)
+    with pytest.raises(ConfigError, match="client 0 has 60 training and 0 test rows"):
+        build_federation(natural, PartitionConfig(kind="natural"), 0.2, 0, use_official_split=True)
+    digits = load_dataset(DataConfig(), 3, 0)
+    with pytest.raises(ConfigError, match="needs a data set with the publisher's test split"):
+        build_federation(digits, PartitionConfig(num_clients=3), 0.2, 0, use_official_split=True)
+    with pytest.raises(ConfigError, match="data.official_split is a setting of mnist"):
+        DataConfig(official_split=True)
+    with pytest.raises(ConfigError, match="test_fraction is not read with data.official_split"):
+        DataConfig(name="mnist", root="/d", official_split=True, test_fraction=0.3)

@@ -79,6 +79,7 @@ DATASET_OPTIONS = {
     "split": ("emnist",),
     "coarse": ("cifar100",),
     "extra": ("svhn",),
+    "official_split": (*FILE_DATASETS, "mnist1d"),
     "num_samples": ("gaussian_mixture", "mnist1d"),
 }
 
@@ -125,6 +126,11 @@ class DataConfig:
     coarse: bool = _field(False, "cifar100: the 20 coarse superclasses instead of the 100 classes")
     extra: bool = _field(
         False, "svhn: add the 531,131 images of extra_32x32.mat to the training images"
+    )
+    official_split: bool = _field(
+        False,
+        "mnist ... mnist1d: a client's test rows are its rows of the publisher's test set, the "
+        "others its training rows (instead of a random test_fraction of each client's rows)",
     )
     alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
     beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
@@ -201,6 +207,9 @@ class DataConfig:
                  "data.num_samples must be >= 2")
         _require(self.name not in FILE_DATASETS or bool(self.root),
                  f"data.name={self.name} needs data.root, the folder holding its files")
+        _require(not self.official_split or self.test_fraction == _default(DATA_FIELDS[
+            "test_fraction"]), "data.test_fraction is not read with data.official_split (the "
+                 "publisher's split decides the test rows): leave one of them out")
         for option, names in DATASET_OPTIONS.items():
             value, default = getattr(self, option), _default(DATA_FIELDS[option])
             _require(value == default or self.name in names,
