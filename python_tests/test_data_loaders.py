@@ -167,7 +167,7 @@ def test_idx_label_count_and_range(tmp_path):
 
 def test_missing_files_say_where_they_were_looked_for(tmp_path):
     message = one_line_error("mnist", tmp_path, str(tmp_path / "MNIST" / "raw"))
-    assert "docs/guide/data.md" in message and "--data.download" in message
+    assert "docs/guide/datasets.md" in message and "--data.download" in message
     assert "does not exist" in one_line_error("mnist", tmp_path / "nope", "nope")
 
 

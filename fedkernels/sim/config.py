@@ -111,7 +111,7 @@ class DataConfig:
     root: str | None = _field(
         None,
         "folder holding the publisher's files of data.name (mnist ... shakespeare); the layouts "
-        "each data set accepts are in docs/guide/data.md",
+        "each data set accepts are in docs/guide/datasets.md",
     )
     download: bool = _field(
         False,

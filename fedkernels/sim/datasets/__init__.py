@@ -55,6 +55,6 @@ def load_publisher_dataset(config: DataConfig) -> Dataset:
             hint = (" (or add --data.download to fetch them with torchvision)"
                     if config.name in TORCHVISION_CLASSES else "")
             raise MissingFiles(f"{config.name}: {err}; where to get the files: "
-                               f"docs/guide/data.md{hint}") from None
+                               f"docs/guide/datasets.md{hint}") from None
     download(config.name, Path(config.root), config.split, config.extra)
     return _read(config)

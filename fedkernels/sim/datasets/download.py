@@ -26,7 +26,7 @@ def torchvision_datasets() -> Any:
         raise ConfigError(
             f"data.download needs torchvision, which cannot be imported ({reason}): pip install "
             "'fedkernels[vision]' (torchvision 0.28.0 for torch 2.13), or put the files in "
-            "data.root by hand (docs/guide/data.md)"
+            "data.root by hand (docs/guide/datasets.md)"
         ) from None
 
 
@@ -34,7 +34,7 @@ def download(name: str, root: str | Path, split: str = "byclass", extra: bool = 
     """Fetches the training and test files of ``name`` into ``root`` (created if missing)."""
     if name not in TORCHVISION_CLASSES:
         raise ConfigError(f"data.download: torchvision cannot fetch {name}; put its files in "
-                          "data.root by hand (docs/guide/data.md)")
+                          "data.root by hand (docs/guide/datasets.md)")
     folder = Path(root).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     cls = getattr(torchvision_datasets(), TORCHVISION_CLASSES[name])
