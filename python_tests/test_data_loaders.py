@@ -355,6 +355,11 @@ def test_femnist_users_are_natural_clients(tmp_path):
     assert d.official_test.sum() == 6
     fed = build_federation(d, PartitionConfig(kind="natural", min_samples=2), 0.2, 0)
     assert fed.num_clients == 3 and [c.num_train + c.num_test for c in fed.clients] == [6, 5, 7]
+    # LEAF's own split: each writer's rows of test/ are its test rows
+    fed = build_federation(d, PartitionConfig(kind="natural", min_samples=2), 0.2, 0,
+                           use_official_split=True)
+    assert [(c.num_train, c.num_test) for c in fed.clients] == [(4, 2), (3, 2), (5, 2)]
+    assert all(d.official_test[c.test_index].all() for c in fed.clients)
 
 
 def test_femnist_without_user_data(tmp_path):
