@@ -187,9 +187,10 @@ class DataConfig:
                  "data.num_samples must be >= 2")
         _require(self.name not in FILE_DATASETS or bool(self.root),
                  f"data.name={self.name} needs data.root, the folder holding its files")
-        _require(not self.official_split or self.test_fraction == _default(DATA_FIELDS[
-            "test_fraction"]), "data.test_fraction is not read with data.official_split (the "
-                 "publisher's split decides the test rows): leave one of them out")
+        default_fraction = _default(DATA_FIELDS["test_fraction"])
+        _require(not self.official_split or self.test_fraction == default_fraction,
+                 "data.test_fraction is not read with data.official_split (the publisher's "
+                 "split decides the test rows): leave one of them out")
         for option, names in DATASET_OPTIONS.items():
             value, default = getattr(self, option), _default(DATA_FIELDS[option])
             _require(value == default or self.name in names,
