@@ -69,6 +69,21 @@ def known_encoding(name: str) -> bool:
     return True
 
 
+# data sets read from the publisher's files in data.root
+FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "svhn", "cinic10",
+                 "tiny_imagenet", "femnist", "shakespeare")
+# DataConfig's fields that only some data sets read (CSV's are checked apart, CSV_FIELDS)
+DATASET_OPTIONS = {
+    "root": FILE_DATASETS,
+    "download": ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "svhn"),
+    "split": ("emnist",),
+    "coarse": ("cifar100",),
+    "extra": ("svhn",),
+    "official_split": (*FILE_DATASETS, "mnist1d"),
+    "num_samples": ("gaussian_mixture", "mnist1d"),
+}
+
+
 def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata={"help": help})
@@ -79,13 +94,26 @@ def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
 class DataConfig:
     """Where the samples come from (:mod:`fedkernels.sim.data`)."""
 
-    name: Literal["digits", "synthetic", "gaussian_mixture", "csv"] = _field(
+    name: Literal[
+        "digits", "synthetic", "gaussian_mixture", "csv", "mnist", "fashion_mnist", "emnist",
+        "cifar10", "cifar100", "svhn", "cinic10", "tiny_imagenet", "femnist", "shakespeare",
+        "mnist1d",
+    ] = _field(
         "digits",
-        "data set: scikit-learn digits, FedProx synthetic(alpha,beta), Gaussian "
-        "mixture, or a CSV file",
+        "data set: built-in, a CSV file, or a publisher's (docs/guide/datasets.md)",
     )
     test_fraction: float = _field(
         0.2, "fraction of each client's samples held out for its test split"
+    )
+    root: str | None = _field(None, "folder of the publisher's files")
+    download: bool = _field(False, "fetch missing files with torchvision (not for all sets)")
+    split: Literal["byclass", "bymerge", "balanced", "letters", "digits", "mnist"] = _field(
+        "byclass", "emnist: the split"
+    )
+    coarse: bool = _field(False, "cifar100: the 20 superclasses")
+    extra: bool = _field(False, "svhn: add extra_32x32.mat to training")
+    official_split: bool = _field(
+        False, "clients' test rows are their rows of the publisher's test set"
     )
     alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
     beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
@@ -93,7 +121,9 @@ class DataConfig:
         False, "synthetic: one shared model and input distribution (the IID variant)"
     )
     max_samples: int = _field(2000, "synthetic: cap on the log-normal number of samples per user")
-    num_samples: int = _field(3000, "gaussian_mixture: number of samples")
+    num_samples: int | None = _field(
+        None, "gaussian_mixture, mnist1d: number of samples (default: 3000, 5000)"
+    )
     num_features: int = _field(10, "gaussian_mixture: dimension")
     num_classes: int = _field(5, "gaussian_mixture: number of classes (one Gaussian each)")
     separation: float = _field(2.0, "gaussian_mixture: scale of the class means (unit noise)")
@@ -153,7 +183,19 @@ class DataConfig:
         _require(0.0 <= self.server_fraction < 1.0, "data.server_fraction must be in [0, 1)")
         _require(self.alpha >= 0 and self.beta >= 0, "data.alpha and data.beta must be >= 0")
         _require(self.max_samples >= 50, "data.max_samples must be >= 50 (the generator's minimum)")
-        _require(self.num_samples >= 2, "data.num_samples must be >= 2")
+        _require(self.num_samples is None or self.num_samples >= 2,
+                 "data.num_samples must be >= 2")
+        _require(self.name not in FILE_DATASETS or bool(self.root),
+                 f"data.name={self.name} needs data.root, the folder holding its files")
+        default_fraction = _default(DATA_FIELDS["test_fraction"])
+        _require(not self.official_split or self.test_fraction == default_fraction,
+                 "data.test_fraction is not read with data.official_split (the publisher's "
+                 "split decides the test rows): leave one of them out")
+        for option, names in DATASET_OPTIONS.items():
+            value, default = getattr(self, option), _default(DATA_FIELDS[option])
+            _require(value == default or self.name in names,
+                     f"data.{option} is a setting of {', '.join(names)}, but data.name is "
+                     f"{self.name!r}: leave it out, or choose one of those data sets")
         _require(self.num_features >= 1, "data.num_features must be >= 1")
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
@@ -177,6 +219,9 @@ class DataConfig:
             self.label_noise != "none" or self.noise_rate == 0.0,
             "data.noise_rate needs data.label_noise (symmetric or pair)",
         )
+
+
+DATA_FIELDS = {f.name: f for f in dataclasses.fields(DataConfig)}
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Loaders: scikit-learn's bundled digits (real 8x8 images, no download), the FedProx
 synthetic(alpha, beta) generator, a Gaussian mixture, user tensors, and a CSV file with a client
 column. A data set that comes with its own clients (synthetic users, the CSV's client column)
-carries them in ``groups`` for the ``natural`` partition.
+carries them in ``groups`` for the ``natural`` partition. The publishers' data sets (MNIST,
+CIFAR, SVHN, CINIC-10, Tiny-ImageNet, LEAF, MNIST-1D) are read by :mod:`fedkernels.sim.datasets`.
 
 A CSV file's features depend on statistics (medians, means, category levels) that must come
 from the training rows alone; which rows those are is only known once the data is split among
@@ -24,19 +25,34 @@ import torch
 from torch import Tensor
 
 from . import seeding
-from .config import ConfigError, DataConfig
+from .config import FILE_DATASETS, ConfigError, DataConfig
 from .tabular import TableEncoder, client_codes, feature_columns, map_labels, read_table, require_columns
+
+# x's dtype -> the kind of its rows (any other float dtype is "features")
+INPUT_KINDS = {torch.uint8: "pixels", torch.int64: "tokens"}
+GAUSSIAN_MIXTURE_SAMPLES = 3000  # data.num_samples's default for gaussian_mixture
+# read by fedkernels.sim.datasets (files in data.root, or the mnist1d generator)
+PUBLISHER_DATASETS = (*FILE_DATASETS, "mnist1d")
 
 
 @dataclass
 class Dataset:
-    """Samples ``x[i]`` (float32, flattened features) with labels ``y[i]`` in ``[0, num_classes)``.
+    """Samples ``x[i]`` (one row each) with labels ``y[i]`` in ``[0, num_classes)``.
+
+    A row is one of three kinds (:attr:`input_kind`), told by ``x``'s dtype:
+
+    * ``features`` (float): the model's input as it is;
+    * ``pixels`` (uint8): an image's bytes, which the model sees scaled to [0, 1] as float32
+      (:meth:`rows`); a quarter of the memory of float rows while the pool is whole;
+    * ``tokens`` (int64): indices in ``[0, vocab_size)`` of a sequence (characters of text).
 
     ``groups[i]`` is sample i's natural client (an integer; clients are the sorted distinct
-    values), or ``None``. ``image_shape`` (e.g. ``(1, 8, 8)``) says how a CNN views a row.
-    ``info`` says what the loader did (label mapping, encoded, imputed and standardised
-    columns); a run records it in ``results.json``. ``encoder`` (tabular data) rebuilds ``x``
-    with statistics of the training rows only (:meth:`fit_features`).
+    values), or ``None``. ``image_shape`` (e.g. ``(1, 8, 8)``; ``(1, 40)`` for a 1-D signal)
+    says how a CNN views a row. ``official_test[i]`` is True where the publisher put sample i
+    in its test set (None: the data set has no such split). ``info`` says what the loader did
+    (label mapping, encoded, imputed and standardised columns, files read); a run records it in
+    ``results.json``. ``encoder`` (tabular data) rebuilds ``x`` with statistics of the training
+    rows only (:meth:`fit_features`).
     """
 
     x: Tensor
@@ -47,11 +63,15 @@ class Dataset:
     name: str = "tensors"
     info: dict[str, Any] = field(default_factory=dict)
     encoder: TableEncoder | None = field(default=None, repr=False)
+    vocab_size: int | None = None
+    official_test: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        if self.x.dim() != 2 or not self.x.is_floating_point():
+        kind = INPUT_KINDS.get(self.x.dtype, "features" if self.x.is_floating_point() else None)
+        if self.x.dim() != 2 or kind is None:
             raise ConfigError(
-                f"dataset x must be a 2-D float tensor, got {tuple(self.x.shape)} {self.x.dtype}"
+                f"dataset x must be a 2-D float, uint8 (pixels) or int64 (tokens) tensor, got "
+                f"{tuple(self.x.shape)} {self.x.dtype}"
             )
         if self.y.shape != (self.x.shape[0],) or self.y.dtype != torch.int64:
             raise ConfigError(f"dataset y must be int64 of shape ({self.x.shape[0]},)")
@@ -59,14 +79,36 @@ class Dataset:
             raise ConfigError("dataset is empty")
         if int(self.y.min()) < 0 or int(self.y.max()) >= self.num_classes:
             raise ConfigError(f"dataset labels must lie in [0, {self.num_classes})")
-        if not torch.isfinite(self.x).all():
+        if kind == "tokens":
+            if self.vocab_size is None or self.vocab_size < 1:
+                raise ConfigError("dataset x of int64 tokens needs vocab_size >= 1")
+            if int(self.x.min()) < 0 or int(self.x.max()) >= self.vocab_size:
+                raise ConfigError(f"dataset tokens must lie in [0, {self.vocab_size})")
+        elif self.vocab_size is not None:
+            raise ConfigError(f"dataset vocab_size is for int64 tokens, but x is {self.x.dtype}")
+        if kind == "features" and not torch.isfinite(self.x).all():
             raise ConfigError("dataset x has non-finite values")
         if self.groups is not None and len(self.groups) != self.x.shape[0]:
             raise ConfigError("dataset groups must have one entry per sample")
+        if self.official_test is not None and (
+            self.official_test.shape != (self.x.shape[0],) or self.official_test.dtype != np.bool_
+        ):
+            raise ConfigError("dataset official_test must be a boolean mask, one entry per sample")
         if self.image_shape is not None and math.prod(self.image_shape) != self.x.shape[1]:
             raise ConfigError(
                 f"image_shape {self.image_shape} does not match {self.x.shape[1]} features"
             )
+
+    @property
+    def input_kind(self) -> str:
+        """``features``, ``pixels`` or ``tokens`` (the class docstring)."""
+        return INPUT_KINDS.get(self.x.dtype, "features")
+
+    def rows(self, index: Tensor) -> Tensor:
+        """The model inputs of the samples ``index``: pixels as float32 in [0, 1], features
+        and tokens as stored."""
+        x = self.x[index]
+        return x.to(torch.float32).div_(255.0) if self.input_kind == "pixels" else x
 
     @property
     def num_samples(self) -> int:
@@ -270,6 +312,11 @@ def load_csv(
 
 def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
     """The data set ``config`` names; ``num_clients`` is the number of synthetic users."""
+    if config.name in PUBLISHER_DATASETS:
+        # imported here: the loaders import Dataset from this module
+        from .datasets import load_publisher_dataset
+
+        return load_publisher_dataset(config)
     rng = seeding.numpy_rng(seed, seeding.DATA)
     if config.name == "digits":
         return load_digits()
@@ -284,7 +331,8 @@ def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
         )
     if config.name == "gaussian_mixture":
         return gaussian_mixture(
-            config.num_samples, config.num_features, config.num_classes, config.separation, rng
+            config.num_samples or GAUSSIAN_MIXTURE_SAMPLES, config.num_features, config.num_classes,
+            config.separation, rng,
         )
     return load_csv(
         config.path,

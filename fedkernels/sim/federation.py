@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import seeding
-from .config import PartitionConfig
+from .config import ConfigError, PartitionConfig
 from .data import Dataset
 from .partition import partition
 
@@ -48,6 +48,7 @@ class Federation:
     image_shape: tuple[int, ...] | None = None
     server_x: Tensor | None = None  # the server's unlabeled data (data.server_fraction)
     data_info: dict[str, Any] = field(default_factory=dict)  # what the loader did (Dataset.info)
+    vocab_size: int | None = None  # rows of int64 tokens: their number of distinct values
 
     @property
     def num_clients(self) -> int:
@@ -73,6 +74,21 @@ def split_client(
     shuffled = rng.permutation(indices)
     num_test = min(max(1, round(test_fraction * len(indices))), len(indices) - 1)
     return np.sort(shuffled[num_test:]), np.sort(shuffled[:num_test])
+
+
+def official_split(
+    indices: np.ndarray, official_test: np.ndarray, client: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """One client's rows cut by the publisher's split: its rows of the publisher's test set
+    are its test rows, the others its training rows (each part must be non-empty)."""
+    test = official_test[indices]
+    if test.all() or not test.any():
+        raise ConfigError(
+            f"data.official_split: client {client} has {int((~test).sum())} training and "
+            f"{int(test.sum())} test rows of the publisher's split, and needs both (fewer "
+            "clients, or leave data.official_split out for a random split of each client)"
+        )
+    return np.sort(indices[~test]), np.sort(indices[test])
 
 
 def server_split(
@@ -118,13 +134,18 @@ def build_federation(
     *,
     label_noise: str = "none",
     noise_rate: float = 0.0,
+    use_official_split: bool = False,
 ) -> Federation:
     """Partitions ``dataset`` and splits each client's share into train and test, with the
     split of client k seeded by ``(seed, SPLIT, k)``. With ``server_fraction`` > 0 that
     fraction of every class is first held out, unlabeled, for the server (``server_x``).
     ``label_noise``/``noise_rate`` flip client k's training labels (:func:`noisy_labels`,
     stream ``(seed, LABEL_NOISE, k)``); test labels stay clean, and ``data_info`` records the
-    fraction actually flipped."""
+    fraction actually flipped. ``use_official_split`` splits each client by the publisher's
+    train/test split (:func:`official_split`) instead of ``test_fraction``."""
+    if use_official_split and dataset.official_test is None:
+        raise ConfigError(f"data.official_split needs a data set with the publisher's test "
+                          f"split (mnist ... mnist1d); {dataset.name} has none")
     labels = dataset.y.numpy()
     rows = np.arange(len(labels))
     server_rows = None
@@ -139,14 +160,18 @@ def build_federation(
         seeding.numpy_rng(seed, seeding.PARTITION),
     )
     parts = [rows[p] for p in parts]
-    splits = [
-        split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
-        for k, rows in enumerate(parts)
-    ]
+    if use_official_split:
+        splits = [official_split(rows, dataset.official_test, k) for k, rows in enumerate(parts)]
+    else:
+        splits = [
+            split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
+            for k, rows in enumerate(parts)
+        ]
     # Tabular features (imputation, scaling, category levels) are fitted on the union of the
     # clients' training rows only: no test row leaks into them.
     dataset = dataset.fit_features(np.concatenate([train for train, _ in splits]))
-    server_x = None if server_rows is None else dataset.x[torch.from_numpy(server_rows)]
+    # pixels become float rows here, client by client: the pool stays uint8
+    server_x = None if server_rows is None else dataset.rows(torch.from_numpy(server_rows))
     clients = []
     flipped = 0
     for k, (train, test) in enumerate(splits):
@@ -158,9 +183,9 @@ def build_federation(
         flipped += int((train_y != dataset.y[train_t]).sum())
         clients.append(
             ClientData(
-                dataset.x[train_t],
+                dataset.rows(train_t),
                 train_y,
-                dataset.x[test_t],
+                dataset.rows(test_t),
                 dataset.y[test_t],
                 train,
                 test,
@@ -183,4 +208,5 @@ def build_federation(
         dataset.image_shape,
         server_x,
         info,
+        dataset.vocab_size,
     )

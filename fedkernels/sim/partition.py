@@ -110,7 +110,7 @@ def partition(
         if groups is None:
             raise ConfigError(
                 "partition.kind=natural needs a data set with its own clients "
-                "(synthetic, or csv with data.client_column)"
+                "(synthetic, femnist, shakespeare, or csv with data.client_column)"
             )
         parts = natural(groups)
     elif n < config.num_clients * config.min_samples:

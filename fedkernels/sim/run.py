@@ -86,6 +86,7 @@ class Simulation:
         self.federation = build_federation(
             dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
+            use_official_split=config.data.official_split,
         )
         fed = self.federation
         self.attack = build_attack(config.attack, fed.num_clients, seed)
