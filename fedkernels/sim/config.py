@@ -254,11 +254,9 @@ class ModelConfig:
     channels: list[int] = _field([16, 32], "cnn: channels of the two conv blocks")
     batch_norm: bool = _field(False, "mlp/cnn: BatchNorm after each hidden layer")
     norm: Literal["batch", "group", "none"] = _field(
-        "batch",
-        "resnet18, vgg11, superfed_resnet9, superfed_mobilenet: the norm after each conv: "
-        "BatchNorm, GroupNorm (model.groups groups; FedAU's ResNet-18) or none",
+        "batch", "norm after each conv: resnet18, vgg11, superfed_resnet9, _mobilenet"
     )
-    groups: int = _field(2, "norm=group: number of groups of each GroupNorm")
+    groups: int = _field(2, "norm=group: groups of each GroupNorm")
 
     def __post_init__(self) -> None:
         _require(all(h >= 1 for h in self.hidden), "model.hidden widths must be >= 1")
@@ -296,10 +294,7 @@ class ClientConfig:
     momentum: float = _field(0.0, "SGD momentum")
     weight_decay: float = _field(0.0, "SGD weight decay (L2)")
     augment: Literal[AUGMENTATIONS] = _field(
-        "none",
-        "augmentation of each training minibatch of images, on its device: crop_flip (random "
-        "crop of the image padded by 4 pixels, and horizontal flip with probability 1/2: the "
-        "CIFAR papers'), crop, or flip",
+        "none", "training images, on device: random crop (4-pixel pad) and/or flip"
     )
 
     def __post_init__(self) -> None:

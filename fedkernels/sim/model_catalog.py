@@ -263,36 +263,36 @@ _ENTRIES = [
                "McMahan et al. 2017 (FedAvg), CNN", "MNIST, FEMNIST", (1, 28, 28), 10,
                _count_twocnn),
     ModelEntry("superfed_twonn", "3x200 ReLU MLP, bias-free, Xavier init",
-               "SuPerFed (Hahn et al. 2022) code, TwoNN", "MNIST", (784,), 10,
+               "SuPerFed (Hahn et al. 2022) code, TwoNN; Table 2.3", "MNIST", (784,), 10,
                _count_superfed_twonn),
     ModelEntry("superfed_twocnn", "conv5x5 32, conv5x5 64 (padded pools), FC 200-200, bias-free",
-               "SuPerFed code, TwoCNN", "CIFAR-10 at 28x28", (3, 28, 28), 10,
+               "SuPerFed code, TwoCNN; Table 2.3", "CIFAR-10 at 28x28", (3, 28, 28), 10,
                _count_superfed_twocnn),
     ModelEntry("superfed_vgg9", "6 conv3x3 (16..512), 4 max-pools, FC 256, bias-free",
-               "SuPerFed code, VGG9", "FEMNIST", (1, 28, 28), 62, _count_superfed_vgg9),
+               "SuPerFed code, VGG9; Table 2.5", "FEMNIST", (1, 28, 28), 62, _count_superfed_vgg9),
     ModelEntry("superfed_resnet9", "ResNet-9 (stride-2 stem, max-pool, 4 blocks), FC 256",
-               "SuPerFed code, ResNet9", "CIFAR-100 at 28x28", (3, 28, 28), 100,
+               "SuPerFed code, ResNet9; Table 2.4", "CIFAR-100 at 28x28", (3, 28, 28), 100,
                _count_superfed_resnet9, ("norm", "groups"), vmap=_NORM_VMAP),
     ModelEntry("superfed_mobilenet", "MobileNet (4 depthwise-separable blocks), FC 256",
-               "SuPerFed code, MobileNet", "TinyImageNet", (3, 64, 64), 200,
+               "SuPerFed code, MobileNet; Table 2.4", "TinyImageNet", (3, 64, 64), 200,
                _count_superfed_mobilenet, ("norm", "groups"), vmap=_NORM_VMAP),
     ModelEntry("superfed_char_lstm", "embedding 8, 2-layer LSTM 256, bias-free",
-               "SuPerFed code, NextCharLM", "Shakespeare (its 100 printable characters)",
+               "SuPerFed code, NextCharLM; Table 2.5", "Shakespeare (its 100 printable characters)",
                (80,), 100, _count_superfed_char_lstm, vocab=100,
                vmap="yes (PyTorch runs the LSTM client by client)"),
     ModelEntry("fedau_cnn_fashion_mnist", "conv3x3 32 twice (max-pools), FC 128",
-               "FedAU (Wang and Ji 2024) code", "Fashion-MNIST", (1, 28, 28), 10,
+               "FedAU (Wang and Ji 2024) code (not in Table 1)", "Fashion-MNIST", (1, 28, 28), 10,
                _count_fedau_cnn("fashion_mnist")),
     ModelEntry("fedau_cnn_svhn", "conv3x3 32 twice (max-pools), FC 128",
-               "FedAU, Table 1 models", "SVHN", (3, 32, 32), 10, _count_fedau_cnn("svhn")),
+               "FedAU code; Table 1", "SVHN", (3, 32, 32), 10, _count_fedau_cnn("svhn")),
     ModelEntry("fedau_cnn_cifar10", "conv3x3 32 twice (max-pools), FC 256-64",
-               "FedAU, Table 1 models", "CIFAR-10", (3, 32, 32), 10,
+               "FedAU code; Table 1", "CIFAR-10", (3, 32, 32), 10,
                _count_fedau_cnn("cifar10")),
     ModelEntry("fedau_cnn_cifar100", "conv3x3 32 twice (max-pools), FC 512-256, dropout 0.2",
-               "FedAU, Table 1 models", "CIFAR-100", (3, 32, 32), 100,
+               "FedAU code; Table 1", "CIFAR-100", (3, 32, 32), 100,
                _count_fedau_cnn("cifar100")),
     ModelEntry("fedau_cnn_cinic10", "conv3x3 32 twice (max-pools), FC 512-256, dropout 0.2",
-               "FedAU, Table 1 models", "CINIC-10", (3, 32, 32), 10,
+               "FedAU code; Table 1", "CINIC-10", (3, 32, 32), 10,
                _count_fedau_cnn("cinic10")),
     ModelEntry("vgg11", "VGG-11 for 32x32 (conv3x3 64..512, 5 max-pools), FC 512-512, dropout",
                "FedGO's VGG11-BN (pytorch-vgg-cifar10)", "CIFAR-10/100", (3, 32, 32), 10,
@@ -318,11 +318,7 @@ MODEL_NAMES: tuple[str, ...] = tuple(MODEL_CATALOG)
 
 
 def model_name_help() -> str:
-    """The help of ``model.name``: each model with its parameters on its standard input."""
-    listed = "; ".join(
-        f"{e.name} {e.parameters():,} ({e.input_words})" for e in MODEL_CATALOG.values()
-    )
-    return (
-        "the model; parameters on its standard input: " + listed
-        + " (docs/guide/models.md)"
-    )
+    """The help of ``model.name``: each model with its parameters on its standard input
+    (:attr:`ModelEntry.input_words`)."""
+    listed = ", ".join(f"{e.name} {e.parameters():,}" for e in MODEL_CATALOG.values())
+    return f"the model (docs/guide/models.md), parameters on its standard input: {listed}"

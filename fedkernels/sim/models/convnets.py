@@ -83,7 +83,7 @@ class TwoCNN(ConvPoolNet):
 
 
 class SuPerFedTwoNN(MLP):
-    """SuPerFed's TwoNN (its official code; the paper's Table 2 MNIST model): three hidden
+    """SuPerFed's TwoNN (official code; the MNIST model of the thesis' Table 2.3): three hidden
     layers of 200 ReLU units, no biases, Xavier-normal weights. 238,800 parameters on MNIST
     (784 features, 10 classes); the spec's count."""
 
@@ -93,7 +93,7 @@ class SuPerFedTwoNN(MLP):
 
 
 class SuPerFedTwoCNN(ConvPoolNet):
-    """SuPerFed's TwoCNN (official code; the CIFAR-10 model of the paper's Table 2): 5x5 convs
+    """SuPerFed's TwoCNN (official code; the CIFAR-10 model of the thesis' Table 2.3): 5x5 convs
     with 32 and 64 channels and padding 1, each with a ReLU and a 2x2 max-pool with padding 1,
     then 200-200 ReLU layers; no biases, Xavier-normal weights. 722,800 parameters on CIFAR-10
     resized to 3x28x28 (the paper's "about 723k"); 721,200 on 1x28x28."""

@@ -84,7 +84,7 @@ class ResNet18(nn.Module):
 
 
 class SuPerFedResNet9(nn.Module):
-    """SuPerFed's ResNet9 (official code; the CIFAR-100 model of the paper's Table 2.4): a
+    """SuPerFed's ResNet9 (official code; the CIFAR-100 model of the thesis' Table 2.4): a
     bias-free 3x3 stride-2 stem with norm and ReLU, a 3x3 stride-2 max-pool, one basic block
     per stage (64, 128, 256, 512 channels; strides 1, 1, 2, 2), global average pooling, then
     FC 256, ReLU, FC to the classes without biases; Xavier-normal weights. ``norm``: batch
@@ -115,7 +115,7 @@ class SuPerFedResNet9(nn.Module):
 
 
 class SuPerFedMobileNet(nn.Module):
-    """SuPerFed's MobileNet (official code; the TinyImageNet model of the paper's Table 2.4): a
+    """SuPerFed's MobileNet (official code; the TinyImageNet model of the thesis' Table 2.4): a
     bias-free 3x3 stride-2 stem with 32 channels, four depthwise-separable blocks (3x3
     depthwise conv without padding, norm, ReLU, 1x1 conv, norm, ReLU) to 64, 128, 256 and 512
     channels with strides 1, 2, 2, 1, global average pooling, then FC 256, ReLU, FC to the

@@ -14,7 +14,7 @@ class CharLSTM(nn.Module):
     parameters on rows of 80 tokens of its 80-character vocabulary with 80 classes; LEAF's
     TensorFlow cells have one bias per gate where ``nn.LSTM`` has two, 2,048 more than
     LEAF's 817,872. ``bias=False`` with a 100-character vocabulary is SuPerFed's NextCharLM
-    (official code; its Shakespeare model in Table 2.4): 821,024 parameters, the paper's
+    (official code; the Shakespeare model of the thesis' Table 2.5): 821,024 parameters, the paper's
     "about 0.82M", with a Xavier-normal output layer.
     """
 

@@ -73,7 +73,7 @@ class VGG11(VGG):
 
 
 class SuPerFedVGG9(VGG):
-    """SuPerFed's VGG9 (official code; the FEMNIST model of the paper's Table 2.4): bias-free
+    """SuPerFed's VGG9 (official code; the FEMNIST model of the thesis' Table 2.5): bias-free
     3x3 convs 16, M, 32, M, 64, 128, M, 256, 512, M with ReLUs and no norm, then FC 256, ReLU,
     FC to the classes, no biases, Xavier-normal weights. 1,718,416 parameters on FEMNIST
     (1x28x28, 62 classes); the paper's "about 1.72M"."""
