@@ -5,7 +5,8 @@ The server keeps a balanced synthetic set :math:`\hat x` (``spc`` samples per cl
 labels :math:`\hat y`, initialised from N(0, I)). Each round:
 
 1. every participant re-initialises an energy model / classifier f (a SiLU MLP with spectral
-   norm on its last layer; :math:`E(x, y) = -f(x)[y]`), trains it on its real data plus persistent
+   norm on its last layer, or with ``energy_model=resnet10`` the official code's ResNet-10;
+   :math:`E(x, y) = -f(x)[y]`), trains it on its real data plus persistent
    SGLD chains started from the downloaded :math:`\hat x` (loss
    :math:`L = \overline{E(x, y)} - \overline{E(\hat x', \hat y)} + CE(f(x), y)
    + \lambda CE(f(\hat x), \hat y)`,
@@ -51,10 +52,11 @@ from fedkernels.ops.sgld import energy_from_logits, sgld_compose_step, sgld_step
 from fedkernels.sim import seeding
 from fedkernels.sim.client import ClientUpdate
 from fedkernels.sim.config import ConfigError
+from fedkernels.sim.models.energy import FedEvgResNet10
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
 
-from .generators import ConditionalVAE
+from .generators import ConditionalVAE, resolve_image_shape
 from .registry import register
 
 # Random streams of their own (beside those of fedkernels.sim.seeding).
@@ -91,6 +93,9 @@ class FedEvgConfig:
     weight_decay: float = field(default=1e-4, metadata={"help": "client Adam weight decay"})
     local_epochs: int = field(default=1, metadata={"help": "E, local epochs"})
     batch_size: int = field(default=64, metadata={"help": "B, local minibatch size"})
+    energy_model: Literal["mlp", "resnet10"] = field(
+        default="mlp", metadata={"help": "the clients' energy model: SiLU MLP (hidden) or the "
+                                         "official code's ResNet-10 (image data)"})
     hidden: list[int] = field(default_factory=lambda: [128, 128],
                               metadata={"help": "energy-model MLP hidden widths"})
     server_epochs: int = field(default=1, metadata={"help": "epochs of the synthetic-set classifier"})
@@ -112,6 +117,9 @@ class FedEvgConfig:
             raise ConfigError("fedevg: grad_clip must be > 0 (or None)")
         if self.classify_every < 1:
             raise ConfigError("fedevg: classify_every must be >= 1")
+        if self.energy_model != "mlp" and self.hidden != [128, 128]:
+            raise ConfigError("fedevg: hidden is the MLP energy model's; energy_model=resnet10 "
+                              "has fixed widths")
         c = CONSTANTS[self.constants]
         if self.server_beta_last is None:
             self.server_beta_last = c["server_beta_last"]
@@ -311,6 +319,17 @@ class FedEvg(Strategy):
         cfg = self.config
         return cfg.lr * cfg.lr_decay ** ((round_index + 1) // cfg.lr_decay_step)
 
+    def new_energy_model(self, num_features: int) -> nn.Module:
+        """A freshly initialised energy model (``energy_model``) for rows of ``num_features``;
+        the ResNet-10 views them as the run's model does, else as ``image_shape``."""
+        cfg = self.config
+        if cfg.energy_model == "resnet10":
+            shape = getattr(self.info.model, "image_shape", None)
+            if shape is None or len(shape) != 3:
+                shape = resolve_image_shape(num_features, cfg.image_shape)
+            return FedEvgResNet10(shape, self.info.num_classes)
+        return EnergyMLP(num_features, cfg.hidden, self.info.num_classes)
+
     # -- clients: local training, then the upload
 
     def train_client(self, global_state, data, round_index, client_id):
@@ -323,7 +342,7 @@ class FedEvg(Strategy):
         seed = seeding.torch_seed(self.info.seed, CLIENT, round_index, client_id)
         gen = torch.Generator().manual_seed(seed)
         with seeding.torch_stream(self.info.seed, CLIENT, round_index, client_id):
-            model = EnergyMLP(data.train_x.shape[1], cfg.hidden, self.info.num_classes)
+            model = self.new_energy_model(data.train_x.shape[1])
         opt = torch.optim.Adam(model.parameters(), lr=self.client_lr(round_index),
                                betas=(0.5, 0.999), weight_decay=cfg.weight_decay)
         buf = x_init.clone()

@@ -7,6 +7,8 @@ learning rate :math:`\gamma_t = \gamma\,\rho^t` (``lr * lr_decay**t``) on
 .. math:: \ell_k(x) = \mathrm{CE}(x; \text{minibatch}) + P(x, x_t),
 
 where :math:`P` is the strategy's local penalty (FedProx: :math:`\tfrac{\mu}{2}\|x - x_t\|^2`).
+With ``client.augment`` each minibatch of images is augmented first (:mod:`.augment`), with
+draws from the client's own torch stream.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import seeding
+from .augment import build_augmentation
 from .config import ClientConfig
 from .federation import ClientData
 from .strategy import Strategy
@@ -71,23 +74,34 @@ def _cut(order: np.ndarray, size: int) -> list[np.ndarray]:
 
 
 class LocalTrainer:
-    """Trains clients one after another on a reusable working copy of the model."""
+    """Trains clients one after another on a reusable working copy of the model.
+    ``image_shape`` (default: the model's ``image_shape`` attribute) is how ``client.augment``
+    views the rows."""
 
     def __init__(
-        self, model: nn.Module, config: ClientConfig, strategy: Strategy, seed: int
+        self,
+        model: nn.Module,
+        config: ClientConfig,
+        strategy: Strategy,
+        seed: int,
+        *,
+        image_shape: tuple[int, ...] | None = None,
     ) -> None:
         self.model = copy.deepcopy(model)
         self.config = config
         self.strategy = strategy
         self.seed = seed
         self.parameter_names = [n for n, _ in self.model.named_parameters()]
+        self.augment = build_augmentation(
+            config.augment, image_shape or getattr(model, "image_shape", None)
+        )
 
     def train(
         self, global_state: dict[str, Tensor], data: ClientData, round_index: int, client_id: int
     ) -> ClientUpdate:
         """Local training of client ``client_id`` in round ``round_index`` (module docstring);
-        minibatch order from ``(seed, BATCHES, round, client)``, torch randomness (dropout) from
-        ``(seed, LOCAL_TRAINING, round, client)``."""
+        minibatch order from ``(seed, BATCHES, round, client)``, torch randomness (augmentation,
+        dropout) from ``(seed, LOCAL_TRAINING, round, client)``."""
         model, config = self.model, self.config
         model.load_state_dict(global_state)
         model.train()
@@ -107,7 +121,10 @@ class LocalTrainer:
         with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
             for rows in plan:
                 index = torch.from_numpy(rows)
-                loss = F.cross_entropy(model(data.train_x[index]), data.train_y[index])
+                x = data.train_x[index]
+                if self.augment is not None:
+                    x = self.augment(x)
+                loss = F.cross_entropy(model(x), data.train_y[index])
                 penalty = self.strategy.local_penalty(dict(model.named_parameters()), global_params)
                 optimizer.zero_grad(set_to_none=True)
                 objective = self.strategy.transform_local_loss(loss)

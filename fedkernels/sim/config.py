@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from .model_catalog import LEGACY_MODELS, LEGACY_OPTIONS, MODEL_CATALOG, MODEL_NAMES, model_name_help
+
 
 class ConfigError(ValueError):
     """An invalid configuration value or combination of values."""
@@ -289,12 +291,17 @@ class ParticipationConfig:
 
 @dataclass
 class ModelConfig:
-    """The model every client trains (:mod:`fedkernels.sim.models`)."""
+    """The model every client trains (:mod:`fedkernels.sim.models`; the models, with their
+    sources and sizes, are :mod:`fedkernels.sim.model_catalog`)."""
 
-    name: Literal["logreg", "mlp", "cnn"] = _field("mlp", "logistic regression, MLP or small CNN")
+    name: Literal[MODEL_NAMES] = _field("mlp", model_name_help())
     hidden: list[int] = _field([64], "mlp: hidden layer widths")
     channels: list[int] = _field([16, 32], "cnn: channels of the two conv blocks")
     batch_norm: bool = _field(False, "mlp/cnn: BatchNorm after each hidden layer")
+    norm: Literal["batch", "group", "none"] = _field(
+        "batch", "norm after each conv: resnet18, vgg11, superfed_resnet9, _mobilenet"
+    )
+    groups: int = _field(2, "norm=group: groups of each GroupNorm")
 
     def __post_init__(self) -> None:
         _require(all(h >= 1 for h in self.hidden), "model.hidden widths must be >= 1")
@@ -302,6 +309,22 @@ class ModelConfig:
             len(self.channels) == 2 and all(c >= 1 for c in self.channels),
             "model.channels must be two positive numbers",
         )
+        _require(self.groups >= 1, "model.groups must be >= 1")
+        entry = MODEL_CATALOG[self.name]
+        for f in dataclasses.fields(self):
+            if f.name == "name" or f.name in entry.options or getattr(self, f.name) == _default(f):
+                continue
+            if self.name in LEGACY_MODELS and f.name in LEGACY_OPTIONS:
+                continue
+            reads = ", ".join(f"model.{o}" for o in entry.options) or "no other model option"
+            raise ConfigError(f"model.{f.name} is not a setting of model.name={self.name} (it "
+                              f"reads {reads}): leave it out, or choose a model that reads it")
+        _require(self.groups == _default(MODEL_FIELDS["groups"]) or self.norm == "group",
+                 "model.groups is read only with model.norm=group")
+
+
+MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
+AUGMENTATIONS = ("none", "crop_flip", "crop", "flip")
 
 
 @dataclass
@@ -315,6 +338,9 @@ class ClientConfig:
     lr_decay: float = _field(1.0, "per-round factor: lr_t = lr * lr_decay**t")
     momentum: float = _field(0.0, "SGD momentum")
     weight_decay: float = _field(0.0, "SGD weight decay (L2)")
+    augment: Literal[AUGMENTATIONS] = _field(
+        "none", "training images, on device: random crop (4-pixel pad) and/or flip"
+    )
 
     def __post_init__(self) -> None:
         _require_finite(self, "client")

@@ -27,8 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.utils.parametrizations import _SpectralNorm
 
 from . import seeding
+from .augment import build_augmentation
 from .client import ClientUpdate, batch_plan, local_lr
 from .config import ClientConfig, ConfigError
 from .federation import ClientData
@@ -41,7 +43,13 @@ def check_batchable(model: nn.Module) -> None:
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             raise ConfigError(
                 f"vmap client training cannot handle BatchNorm (layer {name!r}): padded rows would "
-                "enter the batch statistics; use model.batch_norm=false or vmap=false"
+                "enter the batch statistics; use model.batch_norm=false (model.norm=group or none "
+                "for the paper models) or vmap=false"
+            )
+        if isinstance(module, _SpectralNorm):
+            # its power iteration writes the shared u, v buffers in place at every forward
+            raise ConfigError(
+                f"vmap client training cannot handle spectral norm (layer {name!r}); use vmap=false"
             )
 
 
@@ -49,7 +57,13 @@ class BatchedTrainer:
     """Trains a list of clients with one vmapped step per local step (module docstring)."""
 
     def __init__(
-        self, model: nn.Module, config: ClientConfig, strategy: Strategy, seed: int
+        self,
+        model: nn.Module,
+        config: ClientConfig,
+        strategy: Strategy,
+        seed: int,
+        *,
+        image_shape: tuple[int, ...] | None = None,
     ) -> None:
         check_batchable(model)
         self.model = copy.deepcopy(model)
@@ -57,6 +71,9 @@ class BatchedTrainer:
         self.strategy = strategy
         self.seed = seed
         self.parameter_names = [n for n, _ in self.model.named_parameters()]
+        self.augment = build_augmentation(
+            config.augment, image_shape or getattr(model, "image_shape", None)
+        )
 
     def train(
         self,
@@ -66,8 +83,8 @@ class BatchedTrainer:
         client_ids: list[int],
     ) -> list[ClientUpdate]:
         """Local training of ``clients`` (ids ``client_ids``) in round ``round_index``, with the
-        minibatch plans of the sequential path; dropout draws from
-        ``(seed, LOCAL_TRAINING, round)``, so it differs from the sequential path's."""
+        minibatch plans of the sequential path; augmentation and dropout draw from
+        ``(seed, LOCAL_TRAINING, round)``, so they differ from the sequential path's."""
         config, k_count = self.config, len(clients)
         plans = [
             batch_plan(
@@ -100,9 +117,10 @@ class BatchedTrainer:
         model.train()
         with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index):
             for s in range(index.shape[0]):
-                grads, (_, data_loss) = step(
-                    params, x_all[rows, index[s]], y_all[rows, index[s]], mask[s]
-                )
+                x = x_all[rows, index[s]]
+                if self.augment is not None:  # padding rows too: the mask drops them anyway
+                    x = self.augment(x.flatten(0, 1)).view_as(x)
+                grads, (_, data_loss) = step(params, x, y_all[rows, index[s]], mask[s])
                 on = active[s]
                 for n in names:
                     p, g = params[n], grads[n]

@@ -1,5 +1,4 @@
-"""Small models for the simulations. Any ``nn.Module`` that maps a ``[B, d]`` float batch to
-``[B, C]`` logits works as well (pass it to :class:`~fedkernels.sim.run.Simulation`)."""
+"""The simulator's first models: logistic regression, an MLP and a small CNN."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import seeding
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError
 
 
 class LogisticRegression(nn.Module):
@@ -36,21 +34,27 @@ class RowBatchNorm(nn.BatchNorm1d):
 
 
 class MLP(nn.Module):
-    """Fully connected ReLU network; optional BatchNorm after each hidden layer."""
+    """Fully connected ReLU network; optional BatchNorm after each hidden layer, optional
+    bias-free linear layers."""
 
     def __init__(
-        self, num_features: int, hidden: list[int], num_classes: int, batch_norm: bool = False
+        self,
+        num_features: int,
+        hidden: list[int],
+        num_classes: int,
+        batch_norm: bool = False,
+        bias: bool = True,
     ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         width = num_features
         for h in hidden:
-            layers.append(nn.Linear(width, h))
+            layers.append(nn.Linear(width, h, bias=bias))
             if batch_norm:
                 layers.append(RowBatchNorm(h))
             layers.append(nn.ReLU())
             width = h
-        layers.append(nn.Linear(width, num_classes))
+        layers.append(nn.Linear(width, num_classes, bias=bias))
         self.layers = nn.Sequential(*layers)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -91,23 +95,3 @@ class SmallCNN(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x = x.view(x.shape[0], *self.image_shape)
         return self.head(self.features(x).flatten(1))
-
-
-def build_model(
-    config: ModelConfig,
-    num_features: int,
-    num_classes: int,
-    image_shape: tuple[int, ...] | None,
-    seed: int,
-) -> nn.Module:
-    """The model ``config`` names, initialised from the ``(seed, MODEL_INIT)`` stream."""
-    with seeding.torch_stream(seed, seeding.MODEL_INIT):
-        if config.name == "logreg":
-            return LogisticRegression(num_features, num_classes)
-        if config.name == "mlp":
-            return MLP(num_features, config.hidden, num_classes, config.batch_norm)
-        if image_shape is None:
-            raise ConfigError(
-                "model.name=cnn needs image data (digits, or tensors with an image shape)"
-            )
-        return SmallCNN(image_shape, num_classes, config.channels, config.batch_norm)
