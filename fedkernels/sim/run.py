@@ -94,7 +94,8 @@ class Simulation:
             self.attack.poison_labels(fed)
         if model is None:
             model = build_model(
-                config.model, fed.num_features, fed.num_classes, fed.image_shape, seed
+                config.model, fed.num_features, fed.num_classes, fed.image_shape, seed,
+                vocab_size=fed.vocab_size,
             )
         self.sampler = build_sampler(config.participation, fed, seed)
         fixed_count = self.sampler.fixed_count
@@ -110,7 +111,8 @@ class Simulation:
         self.history = ParticipationHistory(fed.num_clients)
         self.strategy = strategy
         trainer_class = BatchedTrainer if config.vmap else LocalTrainer
-        self.trainer = trainer_class(model, config.client, strategy, seed)
+        self.trainer = trainer_class(model, config.client, strategy, seed,
+                                     image_shape=fed.image_shape)
         self.eval_model = copy.deepcopy(model)
         self.records: list[dict[str, Any]] = []
         self.next_round = 0
