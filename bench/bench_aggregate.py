@@ -7,8 +7,8 @@
     python bench/bench_aggregate.py --save          # also update bench/results/<device>.json
     python bench/bench_aggregate.py --check         # exit 1 if a ratio regressed > 20 %
 
-Results go to a new file under bench/results/runs/ (see common.py); only --save touches the
-committed table. Each (model, dtype, K) block is timed in rounds, every method once per round,
+Results go to a new file under bench/results/runs/ (see harness/results.py); only --save
+touches the committed table. Each (model, dtype, K) block is timed in rounds, every method once per round,
 so that the load of a shared machine falls on all methods alike. --check compares this run's
 ratios (each baseline's time over the fused op's, and the fused op's bandwidth over the read
 probe) with the committed run for this device, never absolute times.
@@ -27,11 +27,10 @@ Each row is one way of computing sum_k w_k x_k over K client models:
 
 The minimum traffic of the op is (K + 1) * P elements (read every client once, write once);
 GB/s is that traffic over the median time; "% read" compares it with the read probe measured
-again right before the block (``read_probe_GBps`` in each row; the host's bandwidth moves within
-a run: 32-47 GB/s in one run on the AVX-512 CI machine), "% copy" with the copy probe of the
-run's start. "extra MB" is the peak memory one call allocates
-beyond its inputs, result included ("x out" in units of one result); on the CPU it is measured
-in a child process. "vs fused" is each method's time over the fused op's (higher = slower).
+again right before the block (``read_probe_GBps`` in each row; a shared host's bandwidth moves
+within a run), "% copy" with the copy probe of the run's start. "extra MB" is the peak memory
+one call allocates beyond its inputs, result included ("x out" in units of one result); on the
+CPU it is measured in a child process. "vs fused" is each method's time over the fused op's (higher = slower).
 """
 
 from __future__ import annotations
@@ -45,66 +44,27 @@ import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fedkernels
 
-from common import (  # noqa: E402
-    MIN_PROBE_BYTES,
-    ReadProbe,
+from harness.cli import (
     add_check_arguments,
     add_clock_argument,
     add_output_arguments,
     at_least,
-    bandwidth_probes,
-    check_against_committed,
     check_output_arguments,
-    environment,
-    exact_cpu_memory_accounting,
     fail,
-    interleaved_medians,
-    peak_extra_memory,
-    print_probes,
-    require_committed,
     resolve_device,
-    use_cpu_clock,
-    write_results,
 )
+from harness.machine import environment
+from harness.memory import exact_cpu_memory_accounting, peak_extra_memory
+from harness.model_shapes import lora_shapes, resnet18_shapes, transformer_shapes
+from harness.probes import MIN_PROBE_BYTES, ReadProbe, bandwidth_probes, print_probes
+from harness.regression_check import check_against_committed, require_committed
+from harness.results import write_results
+from harness.timing import interleaved_medians, use_cpu_clock
 
-import fedkernels  # noqa: E402
-
-
-def resnet18_shapes() -> list[tuple[int, ...]]:
-    """The 62 parameter tensors of torchvision's ResNet-18 (11.69 M parameters)."""
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    c_in = 64
-    for c_out, first_stride in [(64, 1), (128, 2), (256, 2), (512, 2)]:
-        for block in range(2):
-            cin = c_in if block == 0 else c_out
-            shapes += [(c_out, cin, 3, 3), (c_out,), (c_out,), (c_out, c_out, 3, 3), (c_out,), (c_out,)]
-            if block == 0 and (first_stride != 1 or cin != c_out):
-                shapes += [(c_out, cin, 1, 1), (c_out,), (c_out,)]
-        c_in = c_out
-    return shapes + [(1000, 512), (1000,)]
-
-
-def transformer_shapes(layers: int = 16, d: int = 256, ff: int = 1024,
-                       vocab: int = 8000) -> list[tuple[int, ...]]:
-    """A pre-norm transformer encoder: 12 tensors per layer, embeddings and a final norm
-    (196 tensors, 14.7 M parameters with the defaults)."""
-    shapes: list[tuple[int, ...]] = [(vocab, d), (512, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,),
-                   (d,), (d,), (ff, d), (ff,), (d, ff), (d,)]
-    return shapes + [(d,), (d,)]
-
-
-def lora_shapes() -> list[tuple[int, ...]]:
-    """A LoRA adapter: 256 tensors of 64 Ki elements (bench_cost_curve.lora_shapes)."""
-    from bench_cost_curve import lora_shapes as named_lora_shapes
-
-    return list(named_lora_shapes().values())
-
-
-MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes, "lora": lora_shapes}
+MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes,
+          "lora": lambda: list(lora_shapes().values())}
 # --tiny: a few small, odd-sized tensors (a smoke test of the script, not a measurement)
 TINY_SHAPES = [(64, 33), (33,), (7, 3, 3), ()]
 

@@ -8,7 +8,7 @@ the model size P, and where the time goes at each end.
     python bench/bench_cost_curve.py --check    # exit 1 if a ratio regressed > 20 %
 
 Sections of one run (results under the key "cost_curve", "cost_curve_full" with --full; see
-common.py for where they go):
+harness/results.py for where they go):
 
   sweep        a model of two tensors (a weight and a bias of P/1000 elements), P from 1e4
                to 1e7 (1e9 with --full), K in {2, 10, 100, 1000}, float32 and bfloat16. A
@@ -25,7 +25,7 @@ common.py for where they go):
                clients spread over 2 and 4 gloo processes on this machine, against one
                process aggregating all 8; P = 1e5 and 1e7 (1e5, 1e6, 1e7 with --full).
 
-Methods of a sweep or lora case, timed in interleaved rounds (see common.py):
+Methods of a sweep or lora case, timed in interleaved rounds (see harness/timing.py):
 
   fused        fedkernels.aggregate(clients, w), allocating its result
   fused out=   fedkernels.aggregate(clients, w, out=result), into a preallocated model
@@ -45,7 +45,7 @@ cuda times the GPU ones).
 The distributed section reports wall times (a collective's cost is mostly waiting), the
 slowest rank's in each round; the one-process baseline runs on rank 0 in the same rounds.
 On a machine shared with other work, ``--threads 1 --clock process`` times the other
-sections by this process's CPU time (see common.py).
+sections by this process's CPU time (see harness/timing.py).
 The client tensors are filled with constants (the weighted sum costs the same whatever the
 values), which keeps generating 8 GiB of clients quick.
 """
@@ -64,33 +64,25 @@ from datetime import timedelta
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fedkernels
+from fedkernels.ops import summation
 
-from common import (  # noqa: E402
-    MIN_PROBE_BYTES,
+from harness.cli import (
     add_check_arguments,
     add_clock_argument,
     add_output_arguments,
     at_least,
-    bandwidth_probes,
-    check_against_committed,
     check_output_arguments,
-    cpu_clock,
-    environment,
-    exact_cpu_memory_accounting,
     fail,
-    interleaved_medians,
-    peak_extra_memory,
     positive_number,
-    print_probes,
-    release_freed_memory,
-    require_committed,
-    use_cpu_clock,
-    write_results,
 )
-
-import fedkernels  # noqa: E402
-from fedkernels.ops import summation  # noqa: E402
+from harness.machine import environment
+from harness.memory import exact_cpu_memory_accounting, peak_extra_memory, release_freed_memory
+from harness.model_shapes import lora_shapes
+from harness.probes import MIN_PROBE_BYTES, bandwidth_probes, print_probes
+from harness.regression_check import check_against_committed, require_committed
+from harness.results import write_results
+from harness.timing import cpu_clock, interleaved_medians, use_cpu_clock
 
 CPU = torch.device("cpu")  # the cost curve of the CPU kernels (the machine of this project)
 GIB = 1 << 30
@@ -107,16 +99,6 @@ def two_tensor_shapes(numel: int) -> dict[str, tuple[int, ...]]:
     """A weight and a bias (P / 1000 elements, at least 1), P elements in all."""
     bias = max(1, numel // 1000)
     return {"weight": (numel - bias,), "bias": (bias,)}
-
-
-def lora_shapes(pairs: int = 128, rank: int = 16, width: int = 4096) -> dict[str, tuple[int, ...]]:
-    """A LoRA adapter: an A (rank x width) and a B (width x rank) matrix per adapted layer;
-    256 tensors of 64 Ki elements with the defaults."""
-    shapes = {}
-    for i in range(pairs):
-        shapes[f"layers.{i}.lora_A.weight"] = (rank, width)
-        shapes[f"layers.{i}.lora_B.weight"] = (width, rank)
-    return shapes
 
 
 def numel_of(shapes: dict) -> int:

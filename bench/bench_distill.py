@@ -1,7 +1,7 @@
 """The fused pseudo-label op against its PyTorch composition (docs/algorithms/distillation.md).
 
     OMP_NUM_THREADS=2 python bench/bench_distill.py [--device cuda] [--repeats 7]
-    python bench/bench_distill.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
+    python bench/bench_distill.py --check  # exit 1 if a ratio regressed > 20 %
 
 For K in {10, 40} teachers, N in {256, 4096} samples and C in {10, 100, 1000} classes (fp32):
 
@@ -14,10 +14,10 @@ Weightings timed: ``fedgo`` (scores from the discriminators: the op reads L once
 ``entropy`` (a per-teacher softmax and entropy first: the composition materialises several
 [K, N, C] intermediates). Effective bandwidth counts the minimum traffic (read L and the scores,
 write y and w) and is compared with the read-bandwidth probe measured again right before the
-case (``read_probe_GBps``; common.ReadProbe). The machine may be shared: each fused op is
-timed interleaved with its composition, and a ratio is the median over rounds of the per-round
-ratio; ``entropy_over_fedgo_median_of_ratios`` (the entropy weighting's time over FedGO's)
-comes from rounds of the two fused calls alone, with a third call in the same rounds:
+case (``read_probe_GBps``; harness.probes.ReadProbe). The machine may be shared: each fused op
+is timed interleaved with its composition, and a ratio is the median over rounds of the
+per-round ratio; ``entropy_over_fedgo_median_of_ratios`` (the entropy weighting's time over
+FedGO's) comes from rounds of the two fused calls alone, with a third call in the same rounds:
 ``fedkernels.energy_from_logits`` over the same K * N rows, which takes the row maxima and sums
 of exps with the entropy weighting's own exp code and nothing else
 (``softmax_stats_over_fedgo_median_of_ratios``). Where the logits stay in cache between the
@@ -27,32 +27,25 @@ within 1.3x of FedGO's time without faster exps. Where the logits come from memo
 overlap the reads and the bound does not apply. Each fused op also runs back to back
 (``fused_back_to_back_ms``): interleaved with the composition, whose large temporaries can make
 the C library hand memory back to the system, the op's outputs may land on fresh pages, and
-every 4 KiB of them then costs a page fault inside the call (``fused_faults_per_call``); back
-to back, the allocator reuses the previous call's pages. Results:
-bench/results/<device>.json under ``ensemble_pseudo_labels``.
+every 4 KiB of them then costs a page fault inside the call (``fused_faults_per_call``); back to
+back, the allocator reuses the previous call's pages. Results: bench/results/<device>.json under
+``ensemble_pseudo_labels``.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from functools import partial
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_case_arguments,
-    finish_case_run,
-    minor_faults,
-    start_case_run,
-    timed,
-)
+import fedkernels
+from fedkernels.ops import reference as R
 
-import fedkernels  # noqa: E402
-from fedkernels.ops import reference as R  # noqa: E402
+from harness.case_runs import add_case_arguments, finish_case_run, start_case_run
+from harness.memory import minor_faults
+from harness.timing import timed
 
 KS = (10, 40)
 NS = (256, 4096)

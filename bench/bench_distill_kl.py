@@ -2,7 +2,7 @@
 (docs/algorithms/distillation.md, section 4).
 
     OMP_NUM_THREADS=2 python bench/bench_distill_kl.py [--device cuda] [--repeats 7]
-    python bench/bench_distill_kl.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
+    python bench/bench_distill_kl.py --check  # exit 1 if a ratio regressed > 20 %
 
 For N in {256, 4096, 65536} samples and C in {10, 100, 1000} classes (fp32; the largest case is
 left out, 262 MB per tensor), the loss T^2 / N * KL(y || softmax(s / T)) of a student's logits s
@@ -14,25 +14,24 @@ against pseudo-labels y at T = 2, in two modes:
 
 ``fused`` is ``fedkernels.distill_kl(s, y, T)`` (one read of s and y; in train mode the gradient
 is written in the same pass); ``torch`` is
-``F.kl_div(F.log_softmax(s / T, 1), y, reduction="batchmean") * T * T``, eager, with autograd's
-backward in train mode. Effective bandwidth counts the minimum traffic (read s and y, and write
-the gradient in train mode) and is compared with the read-bandwidth probe measured again right
-before the case (``read_probe_GBps``; common.ReadProbe). The two are timed interleaved and the
-speedup is the median over rounds of the per-round ratio. Results: bench/results/<device>.json
-under ``distill_kl``.
+``F.kl_div(F.log_softmax(s / T, 1), y, reduction="batchmean") * T * T``, eager, with
+autograd's backward in train mode. Effective bandwidth counts the minimum traffic (read s and
+y, and write the gradient in train mode) and is compared with the read-bandwidth probe measured
+again right before the case (``read_probe_GBps``; harness.probes.ReadProbe). The two are timed
+interleaved and the speedup is the median over rounds of the per-round ratio. Results:
+bench/results/<device>.json under ``distill_kl``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+import fedkernels
+
+from harness.case_runs import (
     add_case_arguments,
     finish_case_run,
     fused_versus_torch,
@@ -41,8 +40,6 @@ from common import (  # noqa: E402
     rows_by_classes,
     start_case_run,
 )
-
-import fedkernels  # noqa: E402
 
 NS = (256, 4096, 65536)
 CS = (10, 100, 1000)

@@ -1,7 +1,7 @@
 """The fused energy op against the PyTorch expression a user writes (docs/algorithms/fedevg.md).
 
     OMP_NUM_THREADS=2 python bench/bench_energy.py [--device cuda] [--repeats 7]
-    python bench/bench_energy.py --check  # exit 1 if a ratio regressed > 20 % (bench/common.py)
+    python bench/bench_energy.py --check  # exit 1 if a ratio regressed > 20 %
 
 For N in {256, 4096, 65536} samples and C in {10, 100, 1000} classes (fp32; the largest case is
 left out, 262 MB), the marginal energy E_i = -logsumexp_c f_ic that FedEvg computes for every
@@ -13,20 +13,20 @@ SGLD step:
 
 Effective bandwidth counts the minimum traffic (read f, write E) and is compared with the
 read-bandwidth probe measured again right before the case (``read_probe_GBps``;
-common.ReadProbe). The two are timed interleaved and the speedup is the median over rounds of
-the per-round ratio. Results: bench/results/<device>.json under ``energy_from_logits``.
+harness.probes.ReadProbe). The two are timed interleaved and the speedup is the median over
+rounds of the per-round ratio. Results: bench/results/<device>.json under
+``energy_from_logits``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+import fedkernels
+
+from harness.case_runs import (
     add_case_arguments,
     finish_case_run,
     fused_versus_torch,
@@ -35,8 +35,6 @@ from common import (  # noqa: E402
     rows_by_classes,
     start_case_run,
 )
-
-import fedkernels  # noqa: E402
 
 NS = (256, 4096, 65536)
 CS = (10, 100, 1000)

@@ -8,7 +8,7 @@ every vector before the next tile, so repeated vectors would be read from cache.
 median of interleaved repeats (FedLab, ours, FedLab, ours, ...) in this process. Peak memory:
 each (K, implementation) in a fresh child process, the peak resident set of one call beyond
 what was resident before it (inputs built, one warm-up call, glibc set to return freed memory,
-see bench/common.py), result included. Effective bandwidth: (K + 1) vector sizes over the
+see harness/memory.py), result included. Effective bandwidth: (K + 1) vector sizes over the
 time, and its ratio to a read-bandwidth probe (a large ``sum``).
 
     python bench/bench_fedlab.py            # writes bench/results/fedlab-<cpu>.json
@@ -21,27 +21,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    add_peer_arguments,
-    bandwidth_probes,
-    check_output_arguments,
-    device_name,
-    environment,
-    exact_cpu_memory_accounting,
-    memory_in_child,
-    peak_extra_memory,
-    peer_table,
-    write_peer_results,
-)
+from harness.cli import check_output_arguments
+from harness.machine import device_name, environment
+from harness.memory import exact_cpu_memory_accounting, memory_in_child, peak_extra_memory
+from harness.model_shapes import resnet18_shapes
+from harness.peer_comparisons import add_peer_arguments, peer_table, write_peer_results
+from harness.probes import bandwidth_probes
+from harness.results import RESULTS_DIR
 
 IMPLS = ("fedlab", "fedkernels")
 P = sum(int(torch.Size(s).numel()) for s in resnet18_shapes())

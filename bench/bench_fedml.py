@@ -4,11 +4,10 @@ parameter tensors, 11.69 M values, 46.8 MB, and an int64 ``num_batches_tracked``
 BatchNorm), K = 10 and 100, sample-count weights.
 
 FedML's code is its own, from the installed wheel (``pip install --no-deps fedml==0.9.6``),
-loaded by ``bench/fedml_files.py`` without running ``fedml/__init__`` (the script exits with
-status 2 when the files are not there). Every client is a distinct dict (4.7 GB at K = 100):
+loaded by ``bench/harness/fedml_files.py`` without running ``fedml/__init__`` (the script
+exits with status 2 when the files are not there). Every client is a distinct dict (4.7 GB at K = 100):
 both implementations take one tensor across all K clients at a time, so a list that repeated
-a few dicts would read the repeats from cache (with 20 distinct dicts at K = 100 the drop-in
-"read" at 1.9 times the probe).
+a few dicts would read the repeats from cache, faster than memory allows.
 
 Both implementations write their result into client 0's dict. Each call therefore gets its
 own shallow copy of the list whose client 0 entry holds a fresh copy of client 0's dict (the
@@ -17,7 +16,7 @@ the timed work is the aggregation alone. Time: the median of interleaved repeats
 FedML, ours, ...) in this process; the result is freed after the clock stops. The two results
 are compared once per K (the same keys and dtypes, and values within fp32 rounding: FedML
 rounds each of its K products and sums in float32). Peak memory: each (K, implementation) in
-a fresh child process, as in bench/bench_fedlab.py (see bench/common.py). Effective bandwidth:
+a fresh child process, as in bench/bench_fedlab.py (see harness/memory.py). Effective bandwidth:
 (K + 1) model sizes over the time, and its ratio to a read-bandwidth probe (a large ``sum``)
 measured at the start of the same run.
 
@@ -37,25 +36,15 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import fedml_files  # noqa: E402
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    add_peer_arguments,
-    bandwidth_probes,
-    check_output_arguments,
-    device_name,
-    environment,
-    exact_cpu_memory_accounting,
-    fail,
-    memory_in_child,
-    peak_extra_memory,
-    peer_table,
-    timed,
-    write_peer_results,
-)
+from harness import fedml_files
+from harness.cli import check_output_arguments, fail
+from harness.machine import device_name, environment
+from harness.memory import exact_cpu_memory_accounting, memory_in_child, peak_extra_memory
+from harness.model_shapes import resnet18_shapes
+from harness.peer_comparisons import add_peer_arguments, peer_table, write_peer_results
+from harness.probes import bandwidth_probes
+from harness.results import RESULTS_DIR
+from harness.timing import timed
 
 IMPLS = ("fedml", "fedkernels")
 ARGS = SimpleNamespace(federated_optimizer="FedAvg")  # FedML's args: torch backend by default

@@ -16,7 +16,7 @@ the whole model. Rows record D; use ``--distinct 100`` (4.7 GB of replies for Re
 Time: the median of interleaved repeats (Flower, ours, Flower, ours, ...) in this process.
 Peak memory: each (model, K, strategy, implementation) in a fresh child process, the peak
 resident set of one ``aggregate_train`` call beyond what was resident before it (replies
-built, one warm-up call done; glibc set to return freed memory, bench/common.py). The
+built, one warm-up call done; glibc set to return freed memory, harness/memory.py). The
 result's serialization into an ArrayRecord is part of both. Effective bandwidth: the minimum
 traffic of the weighted mean, (K + 1) model sizes, over the time, and its ratio to a read
 bandwidth probe (a large ``sum``) measured in the same run.
@@ -35,26 +35,17 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    at_least,
-    bandwidth_probes,
-    check_output_arguments,
-    device_name,
-    environment,
-    exact_cpu_memory_accounting,
-    memory_in_child,
-    peak_extra_memory,
-)
+from harness.cli import at_least, check_output_arguments
+from harness.machine import device_name, environment
+from harness.memory import exact_cpu_memory_accounting, memory_in_child, peak_extra_memory
+from harness.model_shapes import resnet18_shapes
+from harness.probes import bandwidth_probes
+from harness.results import RESULTS_DIR
 
 STRATEGIES = ("FedAvg", "FedAdam", "QFedAvg")
 

@@ -10,7 +10,7 @@ own tests send) and as torch tensors (PyTorch jobs).
 Time: the median of interleaved repeats (NVFlare, ours, NVFlare, ours, ...) in this process.
 Peak memory: each (K, input, implementation) in a fresh child process, the peak resident set of
 one round beyond what was resident before it (contributions built, one warm-up round done, glibc
-set to return freed memory, see bench/common.py). Effective bandwidth: the minimum traffic of
+set to return freed memory, see harness/memory.py). Effective bandwidth: the minimum traffic of
 the round, (K + 1) model sizes, over the time, and its ratio to a read-bandwidth probe (a large
 ``sum``) measured in the same run.
 
@@ -25,27 +25,18 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    at_least,
-    bandwidth_probes,
-    check_output_arguments,
-    device_name,
-    environment,
-    exact_cpu_memory_accounting,
-    memory_in_child,
-    peak_extra_memory,
-    write_peer_results,
-)
+from harness.cli import at_least, check_output_arguments
+from harness.machine import device_name, environment
+from harness.memory import exact_cpu_memory_accounting, memory_in_child, peak_extra_memory
+from harness.model_shapes import resnet18_shapes
+from harness.peer_comparisons import write_peer_results
+from harness.probes import bandwidth_probes
+from harness.results import RESULTS_DIR
 
 IMPLS = ("nvflare", "fedkernels")
 INPUTS = ("numpy", "torch")

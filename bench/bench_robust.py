@@ -18,7 +18,7 @@ Time: median of interleaved repeats (Flower, fedkernels, stack, Flower, ...), fr
 Messages for every call (the rules empty the replies' records, as Flower's do). Peak memory:
 each (K, rule, implementation) in a fresh child process, the peak resident set of one call
 beyond what was resident before it (replies built; one warm-up call on a small model done
-first, so imports and first-use allocations are not counted; bench/common.py).
+first, so imports and first-use allocations are not counted; harness/memory.py).
 
     python bench/bench_robust.py                  # K = 10 and 50, writes bench/results/robust-<cpu>.json
     python bench/bench_robust.py --cases 10 --repeats 3 --rules FedMedian,Krum
@@ -34,26 +34,17 @@ import logging
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    at_least,
-    bandwidth_probes,
-    check_output_arguments,
-    device_name,
-    environment,
-    exact_cpu_memory_accounting,
-    memory_in_child,
-    peak_extra_memory,
-)
+from harness.cli import at_least, check_output_arguments
+from harness.machine import device_name, environment
+from harness.memory import exact_cpu_memory_accounting, memory_in_child, peak_extra_memory
+from harness.model_shapes import resnet18_shapes
+from harness.probes import bandwidth_probes
+from harness.results import RESULTS_DIR
 
 RULES = ("FedMedian", "FedTrimmedAvg", "Krum", "MultiKrum", "Bulyan", "DPFixed", "DPAdaptive")
 IMPLS = ("flower", "fedkernels", "stack")

@@ -34,30 +34,24 @@ bench/results/<device>.json under ``robust_ops``).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_aggregate import resnet18_shapes  # noqa: E402
-from common import (  # noqa: E402
-    MIN_PROBE_BYTES,
+from fedkernels.ops import private as private_ops
+from fedkernels.ops import robust as robust_ops
+
+from harness.cli import (
     add_clock_argument,
     add_output_arguments,
     at_least,
-    bandwidth_probes,
     check_output_arguments,
-    environment,
-    interleaved_medians,
-    print_probes,
     resolve_device,
-    use_cpu_clock,
-    write_results,
 )
-
-from fedkernels.ops import private as private_ops  # noqa: E402
-from fedkernels.ops import robust as robust_ops  # noqa: E402
+from harness.machine import environment
+from harness.model_shapes import resnet18_shapes
+from harness.probes import MIN_PROBE_BYTES, bandwidth_probes, print_probes
+from harness.results import write_results
+from harness.timing import interleaved_medians, use_cpu_clock
 
 
 def stack_median(clients, K, T):

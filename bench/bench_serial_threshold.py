@@ -23,19 +23,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_output_arguments,
-    at_least,
-    check_output_arguments,
-    cpu_clock,
-    environment,
-    write_results,
-)
+from harness.cli import add_output_arguments, at_least, check_output_arguments
+from harness.machine import environment
+from harness.results import write_results
+from harness.timing import cpu_clock
 
 
 def per_call(fn, threads: int, number: int) -> float:

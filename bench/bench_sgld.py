@@ -2,7 +2,7 @@
 section 5).
 
     OMP_NUM_THREADS=2 python bench/bench_sgld.py [--device cuda] [--repeats 7] [--max-elements N]
-    python bench/bench_sgld.py --check     # exit 1 if a ratio regressed > 20 % (bench/common.py)
+    python bench/bench_sgld.py --check     # exit 1 if a ratio regressed > 20 %
 
 For K in {10, 100} clients, M in {100, 1000} synthetic samples, D = 3*32*32 (fp32, signed
 weighting, tau = 3, clamp [0, 1], drawn noise):
@@ -20,10 +20,10 @@ weighting, tau = 3, clamp [0, 1], drawn noise):
 - ``torch``: what a user writes: ``softmax`` over clients, ``clamp`` of G, ``einsum``, ``randn``,
   ``clamp``, eager.
 
-Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M
-energies and weights: every client gradient read once, ``x`` read once, ``x'`` written once (the
+Effective bandwidth counts the op's minimum traffic, (K + 2)*M*D*4 bytes plus the K x M energies
+and weights: every client gradient read once, ``x`` read once, ``x'`` written once (the
 convention of bench_aggregate.py and bench_distill.py), and is compared with the read-bandwidth
-probe measured again right before the case (``read_probe_GBps``; common.ReadProbe);
+probe measured again right before the case (``read_probe_GBps``; harness.probes.ReadProbe);
 ``grads_fraction_of_read_probe`` counts ``grads`` alone. The variants are timed interleaved; the
 speedup is the median over rounds of the per-round ratio. Results: bench/results/<device>.json
 under ``sgld_compose_step``.
@@ -33,22 +33,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_case_arguments,
-    at_least,
-    finish_case_run,
-    minor_faults,
-    start_case_run,
-    timed,
-)
+import fedkernels
 
-import fedkernels  # noqa: E402
+from harness.case_runs import add_case_arguments, finish_case_run, start_case_run
+from harness.cli import at_least
+from harness.memory import minor_faults
+from harness.timing import timed
 
 KS = (10, 100)
 MS = (100, 1000)

@@ -27,18 +27,12 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_output_arguments,
-    check_output_arguments,
-    environment,
-    fail,
-    write_results,
-)
+from harness.cli import add_output_arguments, check_output_arguments, fail
+from harness.machine import environment
+from harness.results import write_results
 
 
 def small_op_cases() -> dict:
@@ -169,9 +163,8 @@ def small_grad_cases() -> dict:
 
 def time_cases(cases: dict, repeats: int) -> dict[str, list[float]]:
     """``repeats`` samples of every case, one call per case per round; every other round runs
-    the cases in reverse, so that no case always follows the same one (the case right after
-    ``torch.add`` and its thread team took ~130 µs more a call, a fused step timed just before
-    its PyTorch step 4x its time alone)."""
+    the cases in reverse, so that no case always follows the same one: a case timed right
+    after another pays for what that one leaves behind (a woken thread team, evicted caches)."""
     for fn in cases.values():  # warm-up
         fn()
     samples: dict[str, list[float]] = {name: [] for name in cases}

@@ -4,7 +4,7 @@ with the calling thread in IEEE mode (the default) and in flush mode
 floats".
 
     OMP_NUM_THREADS=2 python bench/bench_subnormals.py [--repeats 7] [--tiny]
-    python bench/bench_subnormals.py --check  # exit 1 if a ratio regressed > 20 % (common.py)
+    python bench/bench_subnormals.py --check  # exit 1 if a ratio regressed > 20 %
 
 Every case runs on two inputs of the same shape: ``subnormal`` (30 % of the values subnormal;
 for the KL, the softmax of a sharp teacher, which has them naturally) and ``normal`` (the same
@@ -17,32 +17,25 @@ operand or result (Intel cores without flush mode) spends far longer on the firs
 - ``ensemble_pseudo_labels`` (entropy weighting, K = 10, N = 256, C = 1000), ``distill_kl``
   (N = 1024, C = 1000) and ``energy_from_logits`` (2560 x 1000) against their references.
 
-These last three take subnormals as 0 in any mode; the others follow the caller's mode, in
-every worker thread. Each case's four calls (fused and PyTorch on both inputs) are timed
-interleaved (common.interleaved_medians); ``fused_subnormal_over_normal`` is the fused op's
-time on the subnormal input over its time on the normal one (1 = no cost), ``torch_...`` the
-same for PyTorch, and ``speedup_on_subnormal`` PyTorch's time over the fused op's on the
-subnormal input. Results: bench/results/<device>.json under ``subnormals``.
+These last three take subnormals as 0 in any mode; the others follow the caller's mode, in every
+worker thread. Each case's four calls (fused and PyTorch on both inputs) are timed interleaved
+(harness.timing.interleaved_medians); ``fused_subnormal_over_normal`` is the fused op's time on
+the subnormal input over its time on the normal one (1 = no cost), ``torch_...`` the same for
+PyTorch, and ``speedup_on_subnormal`` PyTorch's time over the fused op's on the subnormal input.
+Results: bench/results/<device>.json under ``subnormals``.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    add_case_arguments,
-    finish_case_run,
-    interleaved_medians,
-    start_case_run,
-)
+import fedkernels
+from fedkernels.ops import reference as R
 
-import fedkernels  # noqa: E402
-from fedkernels.ops import reference as R  # noqa: E402
+from harness.case_runs import add_case_arguments, finish_case_run, start_case_run
+from harness.timing import interleaved_medians
 
 TINY = torch.finfo(torch.float32).tiny
 

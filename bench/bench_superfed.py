@@ -34,29 +34,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    MIN_PROBE_BYTES,
-    add_output_arguments,
-    at_least,
-    bandwidth_probes,
-    check_output_arguments,
-    environment,
-    resolve_device,
-    synchronize,
-    write_results,
-)
+import fedkernels
 
-import fedkernels  # noqa: E402
+from harness.cli import add_output_arguments, at_least, check_output_arguments, resolve_device
+from harness.machine import environment
+from harness.probes import MIN_PROBE_BYTES, bandwidth_probes
+from harness.results import write_results
+from harness.timing import synchronize
 
 NU, MU = 1.0, 0.01
 

@@ -14,36 +14,28 @@ the same global model with the same minibatch plans on both paths:
 
 Reported: the median wall time of one round's client training over repeats, the speedup
 (sequential / vmap), and the largest difference between the two paths' trained parameters.
-Results go under the key "vmap" of a new file in bench/results/runs/ (see common.py); --save
+Results go under the key "vmap" of a new file in bench/results/runs/ (see harness/results.py); --save
 also merges them into the committed bench/results/<device>.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fedkernels.algorithms import FedAvg
+from fedkernels.sim.client import LocalTrainer
+from fedkernels.sim.config import ClientConfig, ModelConfig, PartitionConfig
+from fedkernels.sim.data import load_digits
+from fedkernels.sim.federation import build_federation
+from fedkernels.sim.models import build_model
+from fedkernels.sim.vmap import BatchedTrainer
 
-from common import (  # noqa: E402
-    add_output_arguments,
-    at_least,
-    check_output_arguments,
-    environment,
-    median_time,
-    write_results,
-)
-
-from fedkernels.algorithms import FedAvg  # noqa: E402
-from fedkernels.sim.client import LocalTrainer  # noqa: E402
-from fedkernels.sim.config import ClientConfig, ModelConfig, PartitionConfig  # noqa: E402
-from fedkernels.sim.data import load_digits  # noqa: E402
-from fedkernels.sim.federation import build_federation  # noqa: E402
-from fedkernels.sim.models import build_model  # noqa: E402
-from fedkernels.sim.vmap import BatchedTrainer  # noqa: E402
+from harness.cli import add_output_arguments, at_least, check_output_arguments
+from harness.machine import environment
+from harness.results import write_results
+from harness.timing import median_time
 
 SETTINGS = {
     "1 epoch, batch 10": ClientConfig(epochs=1, batch_size=10, lr=0.05),

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS_DIR, at_least, new_run_path  # noqa: E402
+from fedkernels.cli.compare import compare, markdown_table
 
-from fedkernels.cli.compare import compare, markdown_table  # noqa: E402
+from harness.cli import at_least
+from harness.results import RESULTS_DIR, new_run_path
 
 COMMON = {
     "data": {"name": "digits"},

@@ -37,7 +37,6 @@ METRICS = {
 def workload() -> None:
     import torch
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import fedkernels
     from fedkernels import ops
 
@@ -47,8 +46,7 @@ def workload() -> None:
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device=dev, generator=gen).to(dtype)
 
-    from bench_aggregate import resnet18_shapes
-    from bench_cost_curve import lora_shapes
+    from harness.model_shapes import lora_shapes, resnet18_shapes
 
     resnet = resnet18_shapes()
     lora = list(lora_shapes().values())
@@ -177,11 +175,12 @@ def main() -> None:
     if not os.path.exists(ncu):
         sys.exit("gpu_profile: ncu (Nsight Compute) not found")
     os.makedirs(args.out, exist_ok=True)
-    here = os.path.dirname(os.path.abspath(__file__))
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
            "--print-units", "base", "--nvtx", "--metrics", ",".join(METRICS),
            sys.executable, os.path.abspath(__file__), "--workload", "--out", args.out]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.path.dirname(here)]))
+    # the profiled child imports the source tree's fedkernels (an in-place build) first
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     with open(os.path.join(args.out, "ncu.csv"), "w") as f:
         f.write(proc.stdout)

@@ -107,12 +107,14 @@ skip() {  # skip NAME WHY
 
 # Test files that import an optional package at module level which is missing here, without
 # pytest.importorskip: left out of the pytest run (and listed in the summary) instead of
-# failing the whole collection.
+# failing the whole collection. The suite's own modules (python_tests/ and bench/, which
+# pytest puts on the path) are not packages to install.
 ignored_test_files() {
   "$PY" - "$REPO/python_tests" <<'EOF'
 import ast, importlib.util, pathlib, sys
 folder = pathlib.Path(sys.argv[1])
-sys.path.insert(0, str(folder))
+own = {p.stem for d in (folder, folder.parent / "bench") if d.is_dir() for p in d.iterdir()
+       if p.suffix == ".py" or (p / "__init__.py").is_file()}
 for path in sorted(folder.glob("test_*.py")):
     text = path.read_text()
     missing = set()
@@ -124,7 +126,8 @@ for path in sorted(folder.glob("test_*.py")):
             names = [node.module]
         for name in names:
             top = name.split(".")[0]
-            if importlib.util.find_spec(top) is None and f'importorskip("{top}")' not in text:
+            if (top not in own and importlib.util.find_spec(top) is None
+                    and f'importorskip("{top}")' not in text):
                 missing.add(top)
     if missing:
         print(f"{path.relative_to(folder.parent)}\t{', '.join(sorted(missing))}")
@@ -248,7 +251,7 @@ if [[ -z "${CUDA_HOME:-}" ]]; then
 fi
 export CUDA_HOME
 export PATH="$(dirname "$NVCC"):$PATH"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build, and bench/ imports
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"  # the in-place build
 mkdir -p "$OUTDIR" || refuse "cannot create $OUTDIR"
 OUTDIR="$(cd "$OUTDIR" && pwd)"
 

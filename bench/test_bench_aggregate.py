@@ -5,15 +5,11 @@
 The tables with bandwidth and memory come from bench/bench_aggregate.py.
 """
 
-import os
-import sys
-
 import pytest
 import torch
+from bench_aggregate import make_clients, methods
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_aggregate import make_clients, methods, resnet18_shapes  # noqa: E402
+from harness.model_shapes import resnet18_shapes
 
 NUM_CLIENTS = 10
 

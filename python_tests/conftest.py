@@ -204,12 +204,15 @@ def cuda_device():
 
 
 def copy_bench(tmp_path) -> Path:
-    """bench/*.py copied into tmp_path/bench with an empty results/ folder, so that a benchmark
-    script run there writes its results there, never into the repository's bench/results/."""
+    """bench/*.py and the package bench/harness/ copied into tmp_path/bench with an empty
+    results/ folder, so that a benchmark script run there writes its results there (the
+    harness finds results/ beside itself), never into the repository's bench/results/."""
     bench = Path(__file__).resolve().parent.parent / "bench"
     folder = Path(tmp_path) / "bench"
     folder.mkdir()
     for script in bench.glob("*.py"):
         shutil.copy(script, folder)
+    shutil.copytree(bench / "harness", folder / "harness",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (folder / "results").mkdir()
     return folder

@@ -5,61 +5,52 @@ tested on synthetic results; one end-to-end run checks the exit status of the sc
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import bench_aggregate
+import bench_cost_curve
+import bench_subnormals
 import pytest
+import torch
 from conftest import copy_bench
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def _bench_module(name: str):
-    """A module of bench/ (which imports its siblings by their plain names)."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
-
-
-@pytest.fixture(scope="module")
-def common():
-    return _bench_module("common")
-
+from harness import timing
+from harness.machine import cpu_identity, device_name
+from harness.regression_check import check_against_committed, ratio_regressions
 
 # ------------------------------------------------------------------ the comparison
 
 
-def test_equal_ratios_pass(common):
+def test_equal_ratios_pass():
     ratios = {"a: loop time / fused time": 2.0, "b: fused GB/s / read probe": 0.9}
-    regressions, compared = common.ratio_regressions(ratios, dict(ratios))
+    regressions, compared = ratio_regressions(ratios, dict(ratios))
     assert regressions == [] and compared == sorted(ratios)
 
 
-def test_more_than_20_percent_worse_is_flagged(common):
+def test_more_than_20_percent_worse_is_flagged():
     committed = {"x": 2.0, "y": 2.0, "z": 2.0, "w": 1.0}
     fresh = {"x": 1.6, "y": 1.74, "z": 3.0, "w": 0.5}  # 1.25x and 2x worse; 1.15x; better
-    regressions, compared = common.ratio_regressions(committed, fresh)
+    regressions, compared = ratio_regressions(committed, fresh)
     assert [r[0] for r in regressions] == ["w", "x"]  # worst first
     name, old, new, factor = regressions[1]
     assert (old, new) == (2.0, 1.6) and factor == pytest.approx(1.25)
     assert compared == ["w", "x", "y", "z"]
 
 
-def test_the_tolerance_is_a_parameter(common):
+def test_the_tolerance_is_a_parameter():
     committed, fresh = {"x": 2.0}, {"x": 1.74}
-    assert common.ratio_regressions(committed, fresh, 0.2)[0] == []
-    assert [r[0] for r in common.ratio_regressions(committed, fresh, 0.1)[0]] == ["x"]
+    assert ratio_regressions(committed, fresh, 0.2)[0] == []
+    assert [r[0] for r in ratio_regressions(committed, fresh, 0.1)[0]] == ["x"]
     with pytest.raises(ValueError, match="tolerance"):
-        common.ratio_regressions(committed, fresh, -0.1)
+        ratio_regressions(committed, fresh, -0.1)
 
 
-def test_absolute_times_do_not_matter(common):
+def test_absolute_times_do_not_matter():
     """The whole machine twice as slow: every time doubles, no ratio moves."""
-    bench_aggregate = _bench_module("bench_aggregate")
 
     def payload(scale):
         rows = []
@@ -70,19 +61,19 @@ def test_absolute_times_do_not_matter(common):
                          "pct_read_probe": 80.0})
         return {"rows": rows}
 
-    regressions, compared = common.ratio_regressions(bench_aggregate.ratios(payload(1.0)),
-                                                     bench_aggregate.ratios(payload(2.0)))
+    regressions, compared = ratio_regressions(bench_aggregate.ratios(payload(1.0)),
+                                              bench_aggregate.ratios(payload(2.0)))
     assert regressions == [] and len(compared) == 4
 
 
-def test_cases_in_one_run_only_are_not_compared(common):
-    regressions, compared = common.ratio_regressions({"a": 1.0, "gone": 5.0},
-                                                     {"a": 1.0, "new": 0.1})
+def test_cases_in_one_run_only_are_not_compared():
+    regressions, compared = ratio_regressions({"a": 1.0, "gone": 5.0},
+                                              {"a": 1.0, "new": 0.1})
     assert regressions == [] and compared == ["a"]
 
 
-def test_unusable_values_are_skipped(common):
-    regressions, compared = common.ratio_regressions(
+def test_unusable_values_are_skipped():
+    regressions, compared = ratio_regressions(
         {"zero": 0.0, "nan": float("nan"), "none": None, "ok": 1.0},
         {"zero": 1.0, "nan": 1.0, "none": 1.0, "ok": 0.1})
     assert compared == ["ok"] and [r[0] for r in regressions] == ["ok"]
@@ -100,19 +91,17 @@ def _aggregate_payload(fused_ms: float, loop_ms: float, pct: float) -> dict:
     ]}
 
 
-def test_a_cpu_results_file_names_the_cpu_build(common, monkeypatch):
+def test_a_cpu_results_file_names_the_cpu_build(monkeypatch):
     # One model name covers CPUs with and without AVX-512: their runs must not share a file.
-    import torch
-
     import fedkernels
 
     monkeypatch.setattr(fedkernels.ops.native, "cpu_capability", "avx512")
-    assert common.device_name(torch.device("cpu")).endswith("-avx512")
+    assert device_name(torch.device("cpu")).endswith("-avx512")
     monkeypatch.setattr(fedkernels.ops.native, "cpu_capability", "avx2")
-    assert common.device_name(torch.device("cpu")).endswith("-avx2")
+    assert device_name(torch.device("cpu")).endswith("-avx2")
 
 
-def test_a_timed_calls_result_is_freed_after_the_clock(common, monkeypatch):
+def test_a_timed_calls_result_is_freed_after_the_clock(monkeypatch):
     events = []
 
     class Result:
@@ -125,25 +114,21 @@ def test_a_timed_calls_result_is_freed_after_the_clock(common, monkeypatch):
         events.append("clock")
         return next(ticks)
 
-    monkeypatch.setattr(common, "_CPU_CLOCK", clock)
-    import torch
+    monkeypatch.setattr(timing, "_CPU_CLOCK", clock)
 
-    assert common.timed(Result, torch.device("cpu")) == 1
+    assert timing.timed(Result, torch.device("cpu")) == 1
     assert events == ["clock", "clock", "freed"]
 
 
-def test_check_against_a_committed_file(common, tmp_path, capsys):
-    import torch
-
-    bench_aggregate = _bench_module("bench_aggregate")
+def test_check_against_a_committed_file(tmp_path, capsys):
     path = tmp_path / "device.json"
     path.write_text(json.dumps({"aggregate": _aggregate_payload(10.0, 30.0, 90.0),
                                 "other": {"rows": []}}))
     cpu = torch.device("cpu")
 
     def check(fresh, name="aggregate", where=path):
-        return common.check_against_committed(name, cpu, fresh, bench_aggregate.ratios,
-                                              0.2, path=str(where))
+        return check_against_committed(name, cpu, fresh, bench_aggregate.ratios, 0.2,
+                                       path=str(where))
 
     assert check(_aggregate_payload(20.0, 60.0, 90.0)) == 0  # twice slower, same ratios
     assert "no ratio regressed" in capsys.readouterr().out
@@ -164,7 +149,6 @@ def test_check_against_a_committed_file(common, tmp_path, capsys):
 
 
 def test_cost_curve_ratios():
-    cost_curve = _bench_module("bench_cost_curve")
     rows = []
     for numel in (10 ** 4, 10 ** 7):
         for method, ms in [("fused", 1.0), ("fused out=", 0.9), ("op only", 0.5),
@@ -180,7 +164,7 @@ def test_cost_curve_ratios():
         "distributed": [{"world": 2, "P": 10 ** 7, "one process_ms": 30.0,
                          "all_reduce_aggregate_ms": 60.0}],
     }
-    found = cost_curve.ratios(payload)
+    found = bench_cost_curve.ratios(payload)
     assert found["sweep/bfloat16/K=10/P=10000: loop time / fused time"] == 3.0
     assert found["sweep/bfloat16/K=10/P=10000000: foreach time / fused time"] == 2.0
     # bandwidth ratios only where a call is bandwidth, not per-call overhead
@@ -198,30 +182,26 @@ def test_subnormal_ratios_name_the_input_sizes():
     sets the ratios: its --check had compared them with the committed full-size run under the
     same names and reported regressions of up to 66x. The sizes are now in the names; rows
     recorded before the sizes were are the full sizes."""
-    subnormals = _bench_module("bench_subnormals")
 
     def row(op, inputs=None):
         r = {"op": op, "mode": "ieee", "fused_subnormal_over_normal": 1.0,
              "speedup_on_subnormal": 20.0}
         return r if inputs is None else dict(r, inputs=inputs)
 
-    tiny, full = subnormals.input_sizes(True), subnormals.input_sizes(False)
-    assert set(tiny) == set(full) == set(subnormals.cases(True))
+    tiny, full = bench_subnormals.input_sizes(True), bench_subnormals.input_sizes(False)
+    assert set(tiny) == set(full) == set(bench_subnormals.cases(True))
     assert all(tiny[op] != full[op] for op in tiny)
-    committed = subnormals.ratios({"rows": [row("aggregate")]})  # an older run: no sizes
-    assert not set(committed) & set(subnormals.ratios({"rows": [row("aggregate",
-                                                                    tiny["aggregate"])]}))
-    assert set(committed) == set(subnormals.ratios({"rows": [row("aggregate",
-                                                                 full["aggregate"])]}))
+    ratios = bench_subnormals.ratios
+    committed = ratios({"rows": [row("aggregate")]})  # an older run: no sizes
+    assert not set(committed) & set(ratios({"rows": [row("aggregate", tiny["aggregate"])]}))
+    assert set(committed) == set(ratios({"rows": [row("aggregate", full["aggregate"])]}))
     assert all(full["aggregate"] in name for name in committed)
 
 
-def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
+def test_check_says_when_the_settings_differ(tmp_path, capsys):
     """A run with --threads 1, --clock process or another torch compared with a committed
     two-thread wall-clock run: the ratios move for that reason alone, and the check says so."""
-    import torch
 
-    bench_aggregate = _bench_module("bench_aggregate")
     committed = _aggregate_payload(10.0, 30.0, 90.0)
     committed["environment"].update(threads=2, torch="2.13.0")
     path = tmp_path / "device.json"
@@ -230,8 +210,8 @@ def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
     def check(**env):
         fresh = _aggregate_payload(10.0, 30.0, 90.0)
         fresh["environment"].update({"threads": 2, "torch": "2.13.0", **env})
-        status = common.check_against_committed("aggregate", torch.device("cpu"), fresh,
-                                                bench_aggregate.ratios, 0.2, path=str(path))
+        status = check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                         bench_aggregate.ratios, 0.2, path=str(path))
         return status, [ln for ln in capsys.readouterr().out.splitlines()
                         if "not like for like" in ln]
 
@@ -247,19 +227,17 @@ def test_check_says_when_the_settings_differ(common, tmp_path, capsys):
     path.write_text(json.dumps({"aggregate": committed}))
     fresh = _aggregate_payload(10.0, 30.0, 90.0)
     fresh["probes"] = {"probe_bytes": 1 << 23}
-    assert common.check_against_committed("aggregate", torch.device("cpu"), fresh,
-                                          bench_aggregate.ratios, 0.2, path=str(path)) == 0
+    assert check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                   bench_aggregate.ratios, 0.2, path=str(path)) == 0
     assert ("not like for like: a read probe of 1024 MiB in the committed run, 8 MiB in this "
             "one") in capsys.readouterr().out
 
 
-def test_check_says_when_another_cpu_ran_under_the_same_name(common, tmp_path, capsys):
+def test_check_says_when_another_cpu_ran_under_the_same_name(tmp_path, capsys):
     """Virtual machines report generic model names ("AMD EPYC") that cover several CPU
     generations, so one results file can hold another CPU's run: the check names the
     difference. A committed run without the CPU's identity is not compared."""
-    import torch
 
-    bench_aggregate = _bench_module("bench_aggregate")
     path = tmp_path / "device.json"
 
     def check(old_cpu, new_cpu):
@@ -269,8 +247,8 @@ def test_check_says_when_another_cpu_ran_under_the_same_name(common, tmp_path, c
         path.write_text(json.dumps({"aggregate": committed}))
         fresh = _aggregate_payload(10.0, 30.0, 90.0)
         fresh["environment"].update(device="cpu-amd-epyc-avx512", cpu=new_cpu)
-        status = common.check_against_committed("aggregate", torch.device("cpu"), fresh,
-                                                bench_aggregate.ratios, 0.2, path=str(path))
+        status = check_against_committed("aggregate", torch.device("cpu"), fresh,
+                                         bench_aggregate.ratios, 0.2, path=str(path))
         return status, [ln for ln in capsys.readouterr().out.splitlines()
                         if "not like for like" in ln]
 
@@ -285,8 +263,8 @@ def test_check_says_when_another_cpu_ran_under_the_same_name(common, tmp_path, c
     assert "model 17, stepping 1 in this one" in notes[0]
 
 
-def test_cpu_identity_reads_this_machine(common):
-    identity = common.cpu_identity()
+def test_cpu_identity_reads_this_machine():
+    identity = cpu_identity()
     if Path("/proc/cpuinfo").exists():
         assert identity.get("family") and identity.get("model")
     assert all(isinstance(v, str) and v for v in identity.values())
@@ -302,17 +280,16 @@ def _env() -> dict:
     return env
 
 
-def test_check_exit_status_of_the_script(tmp_path, common):
+def test_check_exit_status_of_the_script(tmp_path):
     """bench_aggregate.py --tiny --check against committed ratios no run can reach: exit 1,
     naming the ratios; --check with --save is refused (exit 2) before any work."""
-    import torch
 
     folder = copy_bench(tmp_path)
     committed = {"rows": [
         {"model": "tiny", "dtype": "float32", "K": 2, "method": m, "median_ms": 1.0,
          "time_vs_fused": 1e9 if m != "fused" else 1.0, "pct_read_probe": 1e9}
         for m in ("fused", "fused out=", "loop", "foreach")]}
-    path = folder / "results" / f"{common.device_name(torch.device('cpu'))}.json"
+    path = folder / "results" / f"{device_name(torch.device('cpu'))}.json"
     path.write_text(json.dumps({"aggregate": committed}))
     run = subprocess.run([sys.executable, str(folder / "bench_aggregate.py"), "--tiny",
                           "--check", "--out", str(tmp_path / "fresh.json")],
@@ -341,14 +318,13 @@ def test_check_exit_status_of_the_script(tmp_path, common):
      ["K=2 N=8 C=5 entropy: torch time / fused time",
       "K=2 N=8 C=5 entropy: fused GB/s / read probe"]),
 ])
-def test_check_of_the_op_benchmarks(tmp_path, common, script, key, row, flagged):
+def test_check_of_the_op_benchmarks(tmp_path, script, key, row, flagged):
     """bench_sgld.py and bench_distill.py --tiny --check against a committed case with ratios
     no run can reach: exit 1 and every ratio of that case named; against a committed run with
     no case in common: exit 2."""
-    import torch
 
     folder = copy_bench(tmp_path)
-    committed = folder / "results" / f"{common.device_name(torch.device('cpu'))}.json"
+    committed = folder / "results" / f"{device_name(torch.device('cpu'))}.json"
 
     def check() -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, str(folder / script), "--tiny", "--check",
@@ -370,7 +346,8 @@ def test_check_of_the_op_benchmarks(tmp_path, common, script, key, row, flagged)
 _FAKE_BENCH = """
 import json, os, sys
 import torch
-from common import RECHECK_ENV, check_against_committed
+from harness.regression_check import check_against_committed
+from harness.results import RECHECK_ENV
 values = json.loads(sys.argv[1])
 fresh = values["second" if os.environ.get(RECHECK_ENV) else "first"]
 sys.exit(check_against_committed("fake", torch.device("cpu"), {"ratios": fresh},
@@ -384,7 +361,7 @@ sys.exit(check_against_committed("fake", torch.device("cpu"), {"ratios": fresh},
     ({"a": 0.5, "b": 1.0}, {"a": 0.95, "b": 0.1}, 0, []),  # c: not flagged, so not timed again
     ({"a": 0.5}, {"a": 0.6}, 1, ["a"]),  # the better value, 0.6, is still 1.67x worse
 ])
-def test_flagged_ratios_are_timed_again(tmp_path, common, first, second, status, regressed):
+def test_flagged_ratios_are_timed_again(tmp_path, first, second, status, regressed):
     """A ratio the run flags counts only when a second run of the script (same arguments, a
     fresh process) also finds it worse: the better of its two values is compared. Ratios the
     first run did not flag are not looked at again."""

@@ -18,6 +18,8 @@ import pytest
 import torch
 from conftest import copy_bench
 
+from harness.machine import device_name
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 DEVICE_SCRIPTS = [
     "bench_aggregate.py", "bench_distill.py", "bench_distill_kl.py", "bench_energy.py",
@@ -38,10 +40,7 @@ def _run(script: Path, *args: str, timeout: float = 600) -> subprocess.Completed
 
 
 def _cpu_name() -> str:
-    spec = importlib.util.spec_from_file_location("bench_common", BENCH / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.device_name(torch.device("cpu"))
+    return device_name(torch.device("cpu"))
 
 
 @pytest.fixture
@@ -420,3 +419,29 @@ def test_gpu_validate_names_the_test_a_crash_happened_in(tmp_path):
         proc = subprocess.run(["bash", "-c", f'{function}\ncrashed_test "$1"', "-", str(log)],
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0 and proc.stdout.strip() == want, proc
+
+
+def test_gpu_validate_leaves_out_only_test_files_missing_an_installed_package(tmp_path):
+    """The suite's own modules (python_tests/, and bench/ with its package harness, which pytest
+    puts on the path) are not missing packages: only a test file importing a package that is
+    not installed, without importorskip, is left out of the CUDA run."""
+    script = (BENCH / "gpu_validate.sh").read_text()
+    start = script.index("ignored_test_files() {")
+    function = script[start:script.index("\n}\n", start) + 3]
+    tests, bench = tmp_path / "python_tests", tmp_path / "bench"
+    (bench / "harness").mkdir(parents=True)
+    tests.mkdir()
+    (bench / "harness" / "__init__.py").write_text("")
+    (bench / "bench_shapes.py").write_text("")
+    (tests / "conftest.py").write_text("")
+    (tests / "test_own.py").write_text(
+        "import json\nimport bench_shapes\nfrom conftest import x\nfrom harness import timing\n")
+    (tests / "test_missing.py").write_text("import no_such_package_here.sub\n")
+    (tests / "test_skips.py").write_text(
+        'import pytest\npytest.importorskip("no_such_package_here")\nimport no_such_package_here\n')
+    proc = subprocess.run(["bash", "-c", f'PY="$2"\n{function}\nignored_test_files', "-",
+                           str(tmp_path), sys.executable],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(_env(), REPO=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["python_tests/test_missing.py\tno_such_package_here"]

@@ -2,7 +2,7 @@
 fedml 0.9.6 wheel's files are installed) and against the formulas in float64 (always).
 
 ``import fedml`` runs FedML's ``__init__``, which imports many packages this suite does not
-install; ``bench/fedml_files.py`` (shared with ``bench/bench_fedml.py``) loads only the two
+install; ``bench/harness/fedml_files.py`` (shared with ``bench/bench_fedml.py``) loads only the two
 files the aggregation needs (``core/common/ml_engine_backend.py`` and
 ``ml/aggregator/agg_operator.py``) under their own module names, below empty parent packages,
 and removes them again after the module's tests.
@@ -13,7 +13,6 @@ client 0's dict (and, for the plain sums, into its tensors).
 from __future__ import annotations
 
 import copy
-import importlib
 import subprocess
 import sys
 import warnings
@@ -28,11 +27,7 @@ from conftest import DEVICES
 import fedkernels.integrations.fedml as drop_in
 from fedkernels.integrations.fedml import FedMLAggOperator, Installed, agg, install
 
-# The loader of FedML's files lives in bench/, next to the benchmark that uses it too.
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-fedml_files = importlib.import_module("fedml_files")
+from harness import fedml_files  # bench/harness/: the benchmark of FedML uses it too
 
 
 @pytest.fixture(scope="module")
