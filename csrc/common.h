@@ -94,7 +94,7 @@ inline at::Tensor contiguous_aligned(const at::Tensor& t) {
 // Whether two of t's elements may share memory, for a tensor an op writes. at::has_internal_overlap
 // says Yes only for a zero stride (an expanded view) and TooHard for every other view that is not
 // dense, including as_strided ones whose rows overlap (strides (2, 1) over sizes (2, 3)), which
-// the ops then wrote with no error and a wrong result. Those are decided here: sorted by stride,
+// an op trusting it would write with no error and a wrong result. Those are decided here: sorted by stride,
 // each dimension's stride must reach past the elements the smaller ones span (the test of
 // fedkernels/memory_footprints.py). Conservative: an interleaved view that overlaps nothing
 // (strides (4, 3) over sizes (2, 3)) is refused too, and can be written through a clone.

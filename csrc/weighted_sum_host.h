@@ -50,8 +50,8 @@ inline bool base_dtype_ok(at::ScalarType update, at::ScalarType base) {
 }
 
 // Names a tensor argument in an error ("client k, tensor t", or "base tensor t" for k < 0).
-// Formatted only when a check fails: building a string per tensor per call cost ~0.5 us each,
-// the bulk of the op's host time for a model of hundreds of tensors on the GPU.
+// Formatted only when a check fails: a string per tensor per call would be the bulk of the op's
+// host time for a model of hundreds of tensors on the GPU.
 struct Where {
   int64_t k, t;
 };
