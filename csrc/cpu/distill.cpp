@@ -12,10 +12,11 @@
 // are combined and normalised a vector's width of rows at a time too, one row per lane
 // (RowLanes). Scores and weights are computed for a block of rows at once, vectorised across rows.
 // The weighted combination takes four teachers per pass over a row's accumulator (a third of the
-// loads and stores of one pass per teacher). Every value of a row is computed from that row alone, in client order, with the lane
-// layout fixed by C, so the results do not depend on the blocking or the number of threads. The KL
-// loss is summed per block of rows in float64 (about 32 blocks of 8 to kRowBlock rows, sized from N
-// alone) and the blocks are added in order after the parallel loop.
+// loads and stores of one pass per teacher). Every value of a row is computed from that row
+// alone, in client order, with the lane layout fixed by C, so the results do not depend on the
+// blocking or the number of threads. The KL loss is summed per block of rows in float64 (about
+// 32 blocks of 8 to kRowBlock rows, sized from N alone) and the blocks are added in order after
+// the parallel loop.
 //
 // Subnormals: both ops run with subnormal inputs and results taken as 0 (parallel.h,
 // DenormalModeScope), whatever the caller's mode. Probabilities below 2^-126 are common (the
@@ -438,17 +439,18 @@ double kl_rows_full(const A* s, const A* y, int64_t rows, int64_t C, A inv_t, A 
 
 // log2 y of float vectors (the KL terms are in base 2): +-0 gives -inf, a negative y or NaN gives
 // NaN. ATen's log is a call into Sleef, around which the KL pass would keep its sums on the stack,
-// so the vector builds take it inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2) (vgetmantps,
-// which also makes a negative y NaN; vgetexpps and one masked add for k), m's top four mantissa
-// bits pick one of 16 intervals (a vpermps from a register), r = m / c - 1 with c the interval's
-// middle (one fused multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r) by four
-// terms of the series (error below 6e-9), and log2 y = k + ln m / ln 2. Fourteen vector operations,
-// against nineteen for the atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2 build keeps
-// (a vpermps there holds only 8 entries): exponent and mantissa from the bits (an integer shift and
-// mask), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6), u = (m - 1) / (m + 1),
-// |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1), and the special values put
-// back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give -inf, +inf gives
-// +inf, a negative y or NaN gives NaN. The default build takes ATen's log.
+// so the vector builds take it inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2)
+// (vgetmantps, which also makes a negative y NaN; vgetexpps and one masked add for k), m's top four
+// mantissa bits pick one of 16 intervals (a vpermps from a register), r = m / c - 1 with c the
+// interval's middle (one fused multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r)
+// by four terms of the series (error below 6e-9), and log2 y = k + ln m / ln 2. Fourteen vector
+// operations, against nineteen for the atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2
+// build keeps (a vpermps there holds only 8 entries): exponent and mantissa from the bits (an
+// integer shift and mask), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6),
+// u = (m - 1) / (m + 1), |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1),
+// and the special values put back by compares: +-0 and, as the ops take subnormals as 0, a
+// subnormal y give -inf, +inf gives +inf, a negative y or NaN gives NaN. The default build takes
+// ATen's log.
 #if defined(CPU_CAPABILITY_AVX2)
 // log2(2^k m) for m in [sqrt(1/2), sqrt(2)), from r, 1 / (m + 1) to 12 bits or better (one
 // Newton step here): the series above.

@@ -32,11 +32,12 @@ inline bool run_serial(int64_t bytes, PassCost cost) {
 }
 
 // How a thread treats subnormal floats (below 2^-126 in float, 2^-1022 in double): the x86
-// flush-to-zero and denormals-are-zero bits of MXCSR, which torch.set_flush_denormal(True) sets
-// on the calling thread only. An operation that reads or makes a subnormal can cost a microcode
-// assist of a hundred cycles or more (bench/bench_subnormals.py). Each worker of parallel_for_bytes runs in its caller's mode, so the results and their speed
-// do not depend on the number of threads (torch's own kernels flushed only the calling
-// thread's share). Elsewhere than x86 the mode is left as it is.
+// flush-to-zero and denormals-are-zero bits of MXCSR, which torch.set_flush_denormal(True) sets on
+// the calling thread only. An operation that reads or makes a subnormal can cost a microcode assist
+// of a hundred cycles or more (bench/bench_subnormals.py). Each worker of parallel_for_bytes runs
+// in its caller's mode, so the results and their speed do not depend on the number of threads
+// (torch's own kernels flush only the calling thread's share). Elsewhere than x86 the mode is left
+// as it is.
 #if defined(FEDKERNELS_HAS_MXCSR)
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: FTZ (bit 15) | DAZ (bit 6)
 inline unsigned denormal_mode() { return _mm_getcsr() & kFlushDenormals; }

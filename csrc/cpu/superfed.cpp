@@ -3,15 +3,15 @@
 // csrc/cpu/*.cpp this file is compiled once per instruction set (see setup.py) into a library of
 // its own.
 //
-// One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each
-// element is read before it is written): the plan's tensors are cut into chunks of at most kChunk
-// elements and at least kMinChunk, whole tiles, sized from the model alone (balanced_chunk, so
-// that the threads get even shares), the parallel unit, each walked in tiles of kTile elements,
-// two vectors of the accumulate type at a time, through SuperfedOp<kind>::apply. The reductions (the lam gradient, the four
-// statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64 inputs) in vector
-// lanes, each tile's sum is added in float64 to its chunk's partial, and the partials are added
-// per tensor in chunk order after the parallel loop: the result does not depend on the number of
-// threads, and is bitwise the same run after run.
+// One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each element
+// is read before it is written): the plan's tensors are cut into chunks of at most kChunk elements
+// and at least kMinChunk, whole tiles, sized from the model alone (balanced_chunk, so that the
+// threads get even shares), the parallel unit, each walked in tiles of kTile elements, two vectors
+// of the accumulate type at a time, through SuperfedOp<kind>::apply. The reductions (the lam
+// gradient, the four statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64
+// inputs) in vector lanes, each tile's sum is added in float64 to its chunk's partial, and the
+// partials are added per tensor in chunk order after the parallel loop: the result does not depend
+// on the number of threads, and is bitwise the same run after run.
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
