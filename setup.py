@@ -99,7 +99,7 @@ def want_cuda():
         return False
     # With neither a GPU to build for nor TORCH_CUDA_ARCH_LIST, torch's extension builder
     # fails with an IndexError: PyPI's torch is a CUDA build, so a machine with nvcc and no
-    # GPU (a container, a CI runner) got there by default.
+    # GPU (a container, a CI runner) would get there by default.
     if not os.environ.get("TORCH_CUDA_ARCH_LIST") and torch.cuda.device_count() == 0:
         if mode == "1":
             sys.exit("FEDKERNELS_CUDA=1 but no GPU is visible to build for: set "

@@ -1,17 +1,17 @@
 // What every fedkernels op shares, on the host and in the kernels of both backends: the
-// accumulate type of each supported dtype, the checks of dtypes and devices every op's
-// validation runs (each raising an error that names the op and the argument), and the one
-// dispatch from a runtime dtype to the kernel templates.
+// accumulate type of each supported dtype, the checks of dtypes, devices, scalar arguments and
+// (overlap.h) written memory that every op's validation runs (each raising an error that names
+// the op and the argument), and the one dispatch from a runtime dtype to the kernel templates.
 #pragma once
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
-#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <type_traits>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "host_device.h"
+#include "overlap.h"
 
 namespace fedkernels {
 
@@ -91,29 +92,6 @@ inline at::Tensor contiguous_aligned(const at::Tensor& t) {
   return is_contiguous_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Whether two of t's elements may share memory, for a tensor an op writes. at::has_internal_overlap
-// says Yes only for a zero stride (an expanded view) and TooHard for every other view that is not
-// dense, including as_strided ones whose rows overlap (strides (2, 1) over sizes (2, 3)), which
-// the ops then wrote with no error and a wrong result. Those are decided here: sorted by stride,
-// each dimension's stride must reach past the elements the smaller ones span (the test of
-// fedkernels/memory_footprints.py). Conservative: an interleaved view that overlaps nothing
-// (strides (4, 3) over sizes (2, 3)) is refused too, and can be written through a clone.
-inline bool may_overlap_itself(const at::Tensor& t) {
-  const at::MemOverlap status = at::has_internal_overlap(t);
-  if (status != at::MemOverlap::TooHard) return status == at::MemOverlap::Yes;
-  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions of size > 1
-  for (int64_t d = 0; d < t.dim(); ++d) {
-    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
-  }
-  std::sort(dims.begin(), dims.end());
-  int64_t reach = 1;  // elements spanned by the dimensions of smaller stride
-  for (const auto& [stride, size] : dims) {
-    if (stride < reach) return true;
-    reach += (size - 1) * stride;
-  }
-  return false;
-}
-
 // The memory a kernel reads and writes, for one call: a tensor's own where is_contiguous_aligned,
 // else a dense copy of an input (kept alive until the kernel has run) or a dense temporary for
 // an output, copied into it by finish(). Pointers stay valid while the call's buffers live.
@@ -162,6 +140,22 @@ inline void check_list_device(
   for (size_t i = 0; i < list.size(); ++i) {
     check_device(op, list[i], expected, /*allow_cpu=*/false, name, " tensor ", i);
   }
+}
+
+// ---------------------------------------------------------------- scalar arguments
+
+// ValueError "fedkernels.<op>: <name> must be finite and >= 0, got <value>" (NaN fails too).
+inline void check_finite_nonnegative(const char* op, const char* name, double value) {
+  TORCH_CHECK_VALUE(
+      std::isfinite(value) && value >= 0, "fedkernels.", op, ": ", name,
+      " must be finite and >= 0, got ", value);
+}
+
+// ValueError "fedkernels.<op>: <name> must be finite and > 0, got <value>".
+inline void check_finite_positive(const char* op, const char* name, double value) {
+  TORCH_CHECK_VALUE(
+      std::isfinite(value) && value > 0, "fedkernels.", op, ": ", name,
+      " must be finite and > 0, got ", value);
 }
 
 }  // namespace fedkernels

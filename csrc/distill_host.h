@@ -73,10 +73,8 @@ inline std::tuple<at::Tensor, at::Tensor> ensemble_pseudo_labels_host(
   const int64_t K = logits.size(0), N = logits.size(1), C = logits.size(2);
   TORCH_CHECK_VALUE(K >= 1, op, "need at least one client (logits.shape[0] is 0)");
   TORCH_CHECK_VALUE(C >= 1, op, "need at least one class (logits.shape[2] is 0)");
-  TORCH_CHECK_VALUE(
-      std::isfinite(temperature) && temperature > 0, op, "temperature must be finite and > 0, got ",
-      temperature);
-  TORCH_CHECK_VALUE(std::isfinite(tau) && tau > 0, op, "tau must be finite and > 0, got ", tau);
+  check_finite_positive("ensemble_pseudo_labels", "temperature", temperature);
+  check_finite_positive("ensemble_pseudo_labels", "tau", tau);
   const at::Device device = logits.device();
   const at::ScalarType acc = accumulate_dtype(logits.scalar_type());
 
@@ -172,9 +170,7 @@ inline std::tuple<at::Tensor, at::Tensor> distill_kl_host(
       target.scalar_type() == student.scalar_type(), op, "pseudo_labels have dtype ",
       target.scalar_type(), ", student_logits ", student.scalar_type());
   check_device("distill_kl", target, student.device(), /*allow_cpu=*/false, "pseudo_labels");
-  TORCH_CHECK_VALUE(
-      std::isfinite(temperature) && temperature > 0, op, "temperature must be finite and > 0, got ",
-      temperature);
+  check_finite_positive("distill_kl", "temperature", temperature);
   TORCH_CHECK_VALUE(std::isfinite(scale), op, "scale must be finite, got ", scale);
   const int64_t N = student.size(0), C = student.size(1);
   TORCH_CHECK_VALUE(N == 0 || C >= 1, op, "need at least one class (C is 0)");

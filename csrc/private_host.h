@@ -73,19 +73,12 @@ inline void run_private_sum(
   const int64_t K = clients_of(op, clients, coefficients);
   const int64_t T = check_clients(op, clients, K);
   check_like_clients(op, base, clients, T, "base");
-  TORCH_CHECK_VALUE(
-      std::isfinite(noise_std) && noise_std >= 0, "fedkernels.", op,
-      ": noise_std must be finite and >= 0, got ", noise_std);
+  check_finite_nonnegative(op, "noise_std", noise_std);
   const at::Tensor w = checked_coefficients(op, coefficients, K);
   if (check_out) {
     check_like_clients(op, out, clients, T, "out");
-    auto inputs = named_clients(clients, K, T);
-    if (!in_place) {
-      for (const auto t : c10::irange(T)) {
-        inputs.emplace_back(&base[t], "base tensor " + std::to_string(t));
-      }
-    }
-    check_outputs_apart(op, out, inputs);
+    check_outputs_apart(
+        op, out, clients, K, in_place ? at::TensorList() : base, kOutputAliasWhy);
   }
   DenseBuffers dense;
   auto plans = make_plans(clients, K, T, base, out, dense);

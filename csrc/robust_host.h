@@ -5,7 +5,6 @@
 // on the client-list checks here.
 #pragma once
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -13,7 +12,6 @@
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -21,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "client_lists.h"
 #include "common.h"
 #include "order_stats.h"
 
@@ -55,9 +54,9 @@ struct ClientListPlan {
 
 using ClientListRunner = void (*)(ClientListPlan&);
 
-inline std::string client_tensor(int64_t k, int64_t t) {
-  return "client " + std::to_string(k) + ", tensor " + std::to_string(t);
-}
+// The end of the error of an out tensor that overlaps an input.
+constexpr const char* kOutputAliasWhy =
+    "; the output must not alias a client (or base, except in place)";
 
 // Checks a client-major list of K clients of T tensors each (same shapes, dtypes and device as
 // client 0's); returns T.
@@ -68,22 +67,7 @@ inline int64_t check_clients(const char* op, at::TensorList clients, int64_t K) 
       n % K == 0, "fedkernels.", op, ": got ", n, " client tensors for ", K,
       " clients; expected K * T tensors, client-major");
   const int64_t T = n / K;
-  if (T == 0) return 0;
-  const at::Device device = clients[0].device();
-  for (const auto t : c10::irange(T)) {
-    const at::Tensor& ref = clients[t];
-    check_supported_float(op, ref.scalar_type(), client_tensor(0, t));
-    for (const auto k : c10::irange(K)) {
-      const at::Tensor& x = clients[k * T + t];
-      check_device(op, x, device, /*allow_cpu=*/false, client_tensor(k, t));
-      TORCH_CHECK_VALUE(
-          x.sizes() == ref.sizes(), "fedkernels.", op, ": ", client_tensor(k, t), " has shape ",
-          x.sizes(), ", client 0 has ", ref.sizes());
-      TORCH_CHECK_TYPE(
-          x.scalar_type() == ref.scalar_type(), "fedkernels.", op, ": ", client_tensor(k, t),
-          " has dtype ", x.scalar_type(), ", client 0 has ", ref.scalar_type());
-    }
-  }
+  if (T > 0) check_client_tensors(op, clients, K, T, clients[0].device());
   return T;
 }
 
@@ -104,73 +88,6 @@ inline void check_like_clients(
         x.scalar_type() == ref.scalar_type(), "fedkernels.", op, ": ", name, " tensor ", t,
         " has dtype ", x.scalar_type(), ", clients have ", ref.scalar_type());
   }
-}
-
-// Raises unless every out tensor has one element of memory each and overlaps no input (the
-// inputs' byte ranges sorted once, each output located by binary search) and no other output.
-inline void check_outputs_apart(
-    const char* op, at::TensorList out, const std::vector<std::pair<const at::Tensor*,
-                                                                   std::string>>& inputs) {
-  struct Range {
-    uintptr_t begin, end;
-    int64_t index;
-  };
-  auto range = [](const at::Tensor& t, int64_t index) {
-    const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-    int64_t span = 1;
-    for (const auto d : c10::irange(t.dim())) span += (t.size(d) - 1) * t.stride(d);
-    return Range{begin, begin + static_cast<uintptr_t>(span) * t.element_size(), index};
-  };
-  auto sorted = [](std::vector<Range> r) {
-    std::sort(r.begin(), r.end(), [](const Range& a, const Range& b) { return a.begin < b.begin; });
-    return r;
-  };
-  std::vector<Range> ins, outs;
-  for (const auto i : c10::irange(inputs.size())) {
-    const at::Tensor& t = *inputs[i].first;
-    if (t.numel() > 0 && t.data_ptr() != nullptr) ins.push_back(range(t, i));
-  }
-  for (const auto i : c10::irange(out.size())) {
-    TORCH_CHECK_VALUE(
-        !may_overlap_itself(out[i]), "fedkernels.", op, ": out tensor ", i,
-        " has elements that share memory (an expanded or overlapping view)");
-    if (out[i].numel() > 0 && out[i].data_ptr() != nullptr) outs.push_back(range(out[i], i));
-  }
-  ins = sorted(std::move(ins));
-  outs = sorted(std::move(outs));
-  for (size_t i = 1; i < outs.size(); ++i) {
-    TORCH_CHECK_VALUE(
-        outs[i].begin >= outs[i - 1].end, "fedkernels.", op, ": out tensor ", outs[i].index,
-        " overlaps out tensor ", outs[i - 1].index);
-  }
-  // Inputs may overlap each other; track the furthest end among inputs that start before.
-  std::vector<uintptr_t> reach(ins.size());
-  for (size_t i = 0; i < ins.size(); ++i) {
-    reach[i] = std::max(ins[i].end, i ? reach[i - 1] : 0);
-  }
-  for (const auto& o : outs) {
-    // inputs starting before o.end; the last of them reaching past o.begin overlaps
-    auto it = std::lower_bound(ins.begin(), ins.end(), o.end,
-                               [](const Range& r, uintptr_t v) { return r.begin < v; });
-    for (auto j = it - ins.begin() - 1; j >= 0 && reach[j] > o.begin; --j) {
-      if (ins[j].end > o.begin) {
-        TORCH_CHECK_VALUE(
-            false, "fedkernels.", op, ": out tensor ", o.index, " overlaps ",
-            inputs[ins[j].index].second, "; the output must not alias a client (or base, except "
-            "in place)");
-      }
-    }
-  }
-}
-
-inline std::vector<std::pair<const at::Tensor*, std::string>> named_clients(
-    at::TensorList clients, int64_t K, int64_t T) {
-  std::vector<std::pair<const at::Tensor*, std::string>> named;
-  named.reserve(clients.size());
-  for (const auto k : c10::irange(K)) {
-    for (const auto t : c10::irange(T)) named.emplace_back(&clients[k * T + t], client_tensor(k, t));
-  }
-  return named;
 }
 
 // Plans per dtype (in dtype order) over the non-empty tensors of a client-major list; base and
@@ -237,7 +154,7 @@ inline void run_robust(
   check_rule_param(rule, K, param);
   if (check_out) {
     check_like_clients(op, out, clients, T, "out");
-    check_outputs_apart(op, out, named_clients(clients, K, T));
+    check_outputs_apart(op, out, clients, K, {}, kOutputAliasWhy);
   }
   if (T > 0 && clients[0].is_cuda()) {
     TORCH_CHECK_VALUE(

@@ -7,7 +7,6 @@
 #pragma once
 
 #include <ATen/core/Generator.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -20,6 +19,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "common.h"
 #include "elementwise.h"
@@ -108,13 +108,13 @@ struct SgldPlan {
 using SgldRunner = void (*)(const SgldPlan&);
 
 inline void check_step_args(
-    const char* op, double step_size, double noise_std, const std::optional<double>& grad_clip,
+    const char* name, double step_size, double noise_std, const std::optional<double>& grad_clip,
     const std::optional<double>& clamp_min, const std::optional<double>& clamp_max,
     SgldPlan& p) {
+  const std::string prefix = std::string("fedkernels.") + name + ": ";
+  const char* op = prefix.c_str();
   TORCH_CHECK_VALUE(std::isfinite(step_size), op, "step_size must be finite, got ", step_size);
-  TORCH_CHECK_VALUE(
-      std::isfinite(noise_std) && noise_std >= 0, op, "noise_std must be finite and >= 0, got ",
-      noise_std);
+  check_finite_nonnegative(name, "noise_std", noise_std);
   if (grad_clip.has_value()) {
     TORCH_CHECK_VALUE(*grad_clip > 0, op, "grad_clip must be > 0, got ", *grad_clip);
     p.tau = *grad_clip;
@@ -160,11 +160,6 @@ inline void check_noise(
   }
 }
 
-// Writes into x in place when inplace (through a contiguous temporary when x is not
-// contiguous, or misaligned), else into a new tensor; returns the tensor holding x'. `read`
-// names the tensors the kernel reads: writing x directly, none may share only part of x's
-// memory (the kernel would read values it has already overwritten); the same memory, element
-// for element, is fine.
 // An in-place x must hold one element of memory each (not an expanded view): checked before
 // any noise is drawn, so a refused call leaves the generator as it was.
 inline void check_writable_x(const char* op, const at::Tensor& x, bool inplace) {
@@ -174,19 +169,31 @@ inline void check_writable_x(const char* op, const at::Tensor& x, bool inplace) 
       "in place; pass a tensor with one element of memory each (x.clone())");
 }
 
+// Writes into x in place when inplace (through a contiguous temporary when x is not
+// contiguous, or misaligned), else into a new tensor; returns the tensor holding x'. `read`
+// names the tensors the kernel reads: writing x directly, none may share only part of x's
+// memory (the kernel would read values it has already overwritten); the same memory, element
+// for element, is fine.
 inline at::Tensor finish_into(
     const char* op, const at::Tensor& x, bool inplace,
     std::initializer_list<std::pair<const char*, const at::Tensor*>> read, SgldPlan& p,
     SgldRunner runner) {
-  at::Tensor out;
   const bool direct = inplace && is_contiguous_aligned(x);
-  for (const auto& [name, t] : read) {
-    TORCH_CHECK_VALUE(
-        !direct || !t->defined() || at::get_overlap_status(x, *t) != at::MemOverlapStatus::Partial,
-        op, name, " shares part of x's memory, which the op writes in place; pass a copy (",
-        name, ".clone())");
+  if (direct) {
+    std::vector<const at::Tensor*> tensors{&x};  // written, then read
+    std::vector<const char*> names{"x"};
+    for (const auto& [name, t] : read) {
+      tensors.push_back(t);
+      names.push_back(name);
+    }
+    if (const auto shared = find_shared_memory(tensors, 1, /*same_elements_ok=*/true)) {
+      const char* name = names[shared->second];
+      TORCH_CHECK_VALUE(
+          false, op, name, " shares part of x's memory, which the op writes in place; pass a "
+          "copy (", name, ".clone())");
+    }
   }
-  out = direct ? x : at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor out = direct ? x : at::empty_like(x, at::MemoryFormat::Contiguous);
   p.out = out.mutable_data_ptr();
   if (p.M * p.D > 0 || p.K > 0) runner(p);
   if (inplace && !direct) {
@@ -211,7 +218,7 @@ inline at::Tensor sgld_step_host(
       x.scalar_type());
   check_device(name, grad, x.device(), /*allow_cpu=*/false, "grad");
   SgldPlan p;
-  check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
+  check_step_args(name, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
   check_writable_x(op, x, inplace);
   at::Tensor noise_c;
   check_noise(name, x, noise, generator, p, noise_c);
@@ -274,7 +281,7 @@ inline std::tuple<at::Tensor, at::Tensor> sgld_compose_step_host(
     }
   }
   SgldPlan p;
-  check_step_args(op, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
+  check_step_args(name, step_size, noise_std, grad_clip, clamp_min, clamp_max, p);
   check_writable_x(op, x, inplace);
   at::Tensor noise_c;
   check_noise(name, x, noise, generator, p, noise_c);

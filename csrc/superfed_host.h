@@ -5,7 +5,6 @@
 // by one kernel call of the backend, and the registration of a backend's kernels.
 #pragma once
 
-#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -403,38 +402,34 @@ struct InPlaceDense {
   }
 };
 
-// `xs` (a list updated in place) overlaps neither itself nor the other lists of the call.
-inline void check_no_alias(
-    const char* op, at::TensorList xs, const char* name,
-    std::initializer_list<std::pair<at::TensorList, const char*>> others) {
-  for (const auto t : c10::irange(xs.size())) {
-    if (xs[t].numel() == 0) continue;
-    TORCH_CHECK_VALUE(
-        !may_overlap_itself(xs[t]), "fedkernels.", op, ": ", name, " tensor ", t,
-        " has elements that share memory (an expanded or overlapping view); it is updated in "
-        "place");
-    for (const auto& [ys, other] : others) {
-      for (const auto u : c10::irange(ys.size())) {
-        if (ys[u].numel() == 0 || (ys.data() == xs.data() && u == t)) continue;
-        const auto overlap = at::get_overlap_status(xs[t], ys[u]);
-        TORCH_CHECK_VALUE(
-            overlap != at::MemOverlapStatus::Full && overlap != at::MemOverlapStatus::Partial,
-            "fedkernels.", op, ": ", name, " tensor ", t, " overlaps ", other, " tensor ", u,
-            " in memory; it is updated in place");
-      }
-    }
+// The lists a call updates in place (`written`, in order) hold one element of memory each and
+// overlap neither each other nor the lists it only reads; errors name "<list> tensor <t>".
+inline void check_updated_lists_apart(
+    const char* op, std::initializer_list<std::pair<at::TensorList, const char*>> written,
+    std::initializer_list<std::pair<at::TensorList, const char*>> read) {
+  std::vector<std::pair<at::TensorList, const char*>> lists(written);
+  lists.insert(lists.end(), read.begin(), read.end());
+  int64_t num_written = 0;
+  for (const auto& w : written) num_written += static_cast<int64_t>(w.first.size());
+  std::vector<const at::Tensor*> tensors;
+  for (const auto& [list, name] : lists) {
+    for (const auto& x : list) tensors.push_back(&x);
   }
+  auto name_of = [&](int64_t i) {  // tensor i of the lists laid end to end
+    size_t j = 0;
+    for (; i >= static_cast<int64_t>(lists[j].first.size()); ++j) i -= lists[j].first.size();
+    return std::string(lists[j].second) + " tensor " + std::to_string(i);
+  };
+  check_written_apart(
+      op, tensors, num_written, name_of, "; it is updated in place",
+      " in memory; it is updated in place");
 }
 
 inline void check_sgd_settings(const char* op, const SgdSettings& s) {
   const std::pair<const char*, double> values[] = {
       {"lr", s.lr}, {"momentum", s.momentum}, {"dampening", s.dampening},
       {"weight_decay", s.weight_decay}};
-  for (const auto& [name, v] : values) {
-    TORCH_CHECK_VALUE(
-        std::isfinite(v) && v >= 0, "fedkernels.", op, ": ", name, " must be finite and >= 0, got ",
-        v);
-  }
+  for (const auto& [name, v] : values) check_finite_nonnegative(op, name, v);
   TORCH_CHECK_VALUE(
       !s.nesterov || (s.momentum > 0 && s.dampening == 0), "fedkernels.", op,
       ": nesterov needs momentum > 0 and dampening 0 (as torch.optim.SGD)");
@@ -458,17 +453,11 @@ inline void superfed_sgd_step_host(
     check_matching_list(op, g, buffer_g, "global_params", "global_momentum");
     check_matching_list(op, g, buffer_l, "global_params", "local_momentum");
   }
-  check_no_alias(op, g, "global_params",
-                 {{g, "global_params"}, {l, "local_params"}, {buffer_g, "global_momentum"},
-                  {buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
-  check_no_alias(op, l, "local_params",
-                 {{l, "local_params"}, {buffer_g, "global_momentum"},
-                  {buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
-  check_no_alias(op, buffer_g, "global_momentum",
-                 {{buffer_g, "global_momentum"}, {buffer_l, "local_momentum"}, {grads, "grads"},
-                  {a, "anchor"}});
-  check_no_alias(op, buffer_l, "local_momentum",
-                 {{buffer_l, "local_momentum"}, {grads, "grads"}, {a, "anchor"}});
+  check_updated_lists_apart(
+      op,
+      {{g, "global_params"}, {l, "local_params"}, {buffer_g, "global_momentum"},
+       {buffer_l, "local_momentum"}},
+      {{grads, "grads"}, {a, "anchor"}});
   if (T == 0) return;
   InPlaceDense dense;
   auto gd = dense.list(g);

@@ -4,13 +4,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -19,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "client_lists.h"
 #include "common.h"
 
 namespace fedkernels {
@@ -47,72 +46,6 @@ using WeightedSumRunner = void (*)(const WeightedSumPlan&);
 inline bool base_dtype_ok(at::ScalarType update, at::ScalarType base) {
   return base == update ||
       (base == at::kFloat && (update == at::kHalf || update == at::kBFloat16));
-}
-
-// Names a tensor argument in an error ("client k, tensor t", or "base tensor t" for k < 0).
-// Formatted only when a check fails: building a string per tensor per call cost ~0.5 us each,
-// the bulk of the op's host time for a model of hundreds of tensors on the GPU.
-struct Where {
-  int64_t k, t;
-};
-
-inline std::string describe(const Where& w) {
-  if (w.k < 0) return "base tensor " + std::to_string(w.t);
-  return "client " + std::to_string(w.k) + ", tensor " + std::to_string(w.t);
-}
-
-// Byte range [begin, end) a tensor may touch, for overlap checks between lists.
-struct MemoryRange {
-  uintptr_t begin, end;
-  int role;  // 0 = output, 1 = input
-  int64_t index;
-};
-
-inline MemoryRange range_of(const at::Tensor& t, int role, int64_t index) {
-  auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  int64_t span = 0;
-  if (t.numel() > 0) {
-    span = 1;
-    for (const auto d : c10::irange(t.dim())) span += (t.size(d) - 1) * t.stride(d);
-  }
-  return {begin, begin + static_cast<uintptr_t>(span) * t.element_size(), role, index};
-}
-
-// Raise if any output overlaps any input or another output (a sort and a sweep, so that
-// K = 1000 clients of 200 tensors each cost milliseconds, not seconds).
-inline void check_no_overlap(
-    at::TensorList outs, const std::vector<std::pair<const at::Tensor*, Where>>& inputs) {
-  std::vector<MemoryRange> ranges;
-  ranges.reserve(outs.size() + inputs.size());
-  for (const auto i : c10::irange(outs.size())) {
-    if (outs[i].numel() > 0) ranges.push_back(range_of(outs[i], 0, i));
-  }
-  for (const auto i : c10::irange(inputs.size())) {
-    if (inputs[i].first->numel() > 0) ranges.push_back(range_of(*inputs[i].first, 1, i));
-  }
-  std::sort(ranges.begin(), ranges.end(), [](const MemoryRange& a, const MemoryRange& b) {
-    return a.begin < b.begin;
-  });
-  // Track the open range that reaches furthest, separately for outputs and inputs; an output
-  // starting inside any open range (or any range starting inside an open output) overlaps.
-  const MemoryRange* open_out = nullptr;
-  const MemoryRange* open_in = nullptr;
-  for (const auto& r : ranges) {
-    const MemoryRange* clash = nullptr;
-    if (open_out && r.begin < open_out->end) clash = open_out;
-    if (!clash && r.role == 0 && open_in && r.begin < open_in->end) clash = open_in;
-    if (clash) {
-      const MemoryRange& o = r.role == 0 ? r : *clash;
-      const MemoryRange& other = r.role == 0 ? *clash : r;
-      TORCH_CHECK_VALUE(
-          false, "fedkernels.weighted_sum: out tensor ", o.index, " overlaps ",
-          other.role == 0 ? "out tensor " + std::to_string(other.index)
-                          : describe(inputs[other.index].second),
-          "; the output must not alias a client update (or base, except in place)");
-    }
-    auto& open = r.role == 0 ? open_out : open_in;
-    if (!open || r.end > open->end) open = &r;
-  }
 }
 
 struct WeightedSumShape {
@@ -169,32 +102,18 @@ inline WeightedSumShape check_inputs(
           ", beyond the float32 range in which tensors that are not float64 accumulate");
     }
   }
-  for (const auto t : c10::irange(T)) {
+  check_client_tensors(op, updates, K, T, device);
+  for (const auto t : c10::irange(base.size())) {
+    const at::Tensor& b = base[t];
     const at::Tensor& ref = updates[t];
-    check_supported_float(op, ref.scalar_type(), "client 0, tensor ", t);
-    for (const auto k : c10::irange(K)) {
-      const at::Tensor& x = updates[k * T + t];
-      if (x.device() != device) {  // checked here so that the name is built only to raise
-        check_device(op, x, device, /*allow_cpu=*/false, describe({k, t}));
-      }
-      TORCH_CHECK_VALUE(
-          x.sizes() == ref.sizes(), "fedkernels.weighted_sum: ", describe({k, t}), " has shape ",
-          x.sizes(), ", client 0 has ", ref.sizes());
-      TORCH_CHECK_TYPE(
-          x.scalar_type() == ref.scalar_type(), "fedkernels.weighted_sum: ", describe({k, t}),
-          " has dtype ", x.scalar_type(), ", client 0 has ", ref.scalar_type());
-    }
-    if (!base.empty()) {
-      const at::Tensor& b = base[t];
-      check_device(op, b, device, /*allow_cpu=*/false, "base tensor ", t);
-      TORCH_CHECK_VALUE(
-          b.sizes() == ref.sizes(), "fedkernels.weighted_sum: base tensor ", t, " has shape ",
-          b.sizes(), ", clients have ", ref.sizes());
-      TORCH_CHECK_TYPE(
-          base_dtype_ok(ref.scalar_type(), b.scalar_type()), "fedkernels.weighted_sum: base tensor ",
-          t, " has dtype ", b.scalar_type(), " for ", ref.scalar_type(),
-          " updates; expected the same dtype (or float32 for half-precision updates)");
-    }
+    check_device(op, b, device, /*allow_cpu=*/false, "base tensor ", t);
+    TORCH_CHECK_VALUE(
+        b.sizes() == ref.sizes(), "fedkernels.weighted_sum: base tensor ", t, " has shape ",
+        b.sizes(), ", clients have ", ref.sizes());
+    TORCH_CHECK_TYPE(
+        base_dtype_ok(ref.scalar_type(), b.scalar_type()), "fedkernels.weighted_sum: base tensor ",
+        t, " has dtype ", b.scalar_type(), " for ", ref.scalar_type(),
+        " updates; expected the same dtype (or float32 for half-precision updates)");
   }
   return {K, T, narrow};
 }
@@ -221,21 +140,11 @@ inline void check_outputs(
     TORCH_CHECK_TYPE(
         o.scalar_type() == result_dtype(updates, base, t), "fedkernels.weighted_sum: out tensor ",
         t, " has dtype ", o.scalar_type(), ", expected ", result_dtype(updates, base, t));
-    TORCH_CHECK_VALUE(
-        !may_overlap_itself(o), "fedkernels.weighted_sum: out tensor ", t,
-        " has elements that share memory (an expanded or overlapping view)");
   }
-  std::vector<std::pair<const at::Tensor*, Where>> inputs;
-  inputs.reserve(updates.size() + base.size());
-  for (const auto k : c10::irange(K)) {
-    for (const auto t : c10::irange(T)) inputs.emplace_back(&updates[k * T + t], Where{k, t});
-  }
-  if (!out_is_base) {
-    for (const auto t : c10::irange(base.size())) {
-      inputs.emplace_back(&base[t], Where{-1, static_cast<int64_t>(t)});
-    }
-  }
-  check_no_overlap(out, inputs);
+  // In place, base is the output itself.
+  check_outputs_apart(
+      "weighted_sum", out, updates, K, out_is_base ? at::TensorList() : base,
+      "; the output must not alias a client update (or base, except in place)");
 }
 
 // Runs the kernel into `out` (already validated). Non-contiguous (or misaligned) tensors are

@@ -220,8 +220,7 @@ def _refuse_gradients_into_out(layout: ModelLayout, names: list, floats: list[li
     the call without ``out`` is differentiable). Nor may it write a leaf that requires grad,
     as no in-place op may. The op refuses both before writing anything (its autograd kernel,
     csrc/ops.cpp), so this runs only after the op failed, to name the tensor: a pass over
-    every tensor in Python costs ~100 ns a tensor, a quarter of a call on a model of many
-    small tensors."""
+    every tensor in Python would be a large part of a call on a model of many small tensors."""
     if not torch.is_grad_enabled():
         return
     api = "fedkernels.aggregate"

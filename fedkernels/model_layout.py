@@ -285,10 +285,10 @@ def refuse_non_real_weights(api: str, weights) -> None:
     if isinstance(weights, np.ndarray):
         kind = {"b": "bool", "U": "str", "S": "bytes"}.get(weights.dtype.kind)
     elif isinstance(weights, (list, tuple)):
-        # None too: NumPy reads it as NaN, which was then reported as a NaN weight
+        # None too: NumPy reads it as NaN, which would be reported as a NaN weight
         odd = [x for x in weights if x is None or isinstance(x, (bool, np.bool_, str, bytes))]
         kind = type(odd[0]).__name__ if odd else None
-    else:  # weights=None: NumPy made it one NaN ("weights of shape ()")
+    else:  # weights=None: NumPy would make it one NaN ("weights of shape ()")
         kind = {str: "str", bytes: "bytes", type(None): "None"}.get(type(weights))
     if kind is not None:
         raise TypeError(f"{api}: weights must be real numbers, got {kind}")

@@ -216,6 +216,57 @@ def test_sgld_out_of_place_accepts_overlapping_inputs():
     assert torch.equal(fk.sgld_step(x, grad, step_size=0.5, noise_std=0.0), expected)
 
 
+def _two_views(buffer: bytearray, dtype=torch.float32):
+    """Two tensors over one buffer, each with a storage of its own (as two torch.frombuffer or
+    from_numpy calls give): the same memory without a shared storage."""
+    return torch.frombuffer(buffer, dtype=dtype), torch.frombuffer(buffer, dtype=dtype)
+
+
+def test_sgld_step_refuses_a_grad_over_the_same_buffer_through_another_storage():
+    a, b = _two_views(bytearray(40 * 4))
+    a.copy_(torch.randn(40))
+    before = a.clone()
+    with pytest.raises(ValueError, match="grad shares part of x's memory"):
+        fk.sgld_step_(a[8:40], b[0:32], step_size=0.5, noise_std=0.0)
+    assert torch.equal(a, before)
+
+
+def test_out_aliasing_a_client_through_another_storage_is_refused():
+    a, b = _two_views(bytearray(12 * 4))
+    clients = [a[0:6], torch.randn(6)]
+    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 0, tensor 0"):
+        summation.weighted_sum_out(clients, w, [], 1.0, False, [b[3:9]])
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 0, tensor 0"):
+        robust_ops.coordinate_median(clients, 2, [b[3:9]])
+
+
+def test_superfed_step_refuses_endpoints_that_are_one_strided_view():
+    # Two views of the same every-other column: not dense, so torch's overlap test cannot tell,
+    # and the step would update the elements twice.
+    buf = torch.randn(3, 8)
+    g, l = [buf[:, ::2]], [buf[:, ::2]]
+    before = buf.clone()
+    with pytest.raises(ValueError, match="global_params tensor 0 overlaps local_params tensor 0"):
+        _ops.superfed_sgd_step_(g, l, [], [], [torch.randn(3, 4)],
+                                torch.zeros(1, 4, dtype=torch.float64),
+                                torch.tensor([0.5], dtype=torch.float64), [], 0.1, 0.0, 0.0, 0.0,
+                                False, [False, False])
+    assert torch.equal(buf, before)
+
+
+def test_an_overlap_error_names_the_first_output_and_input_in_list_order():
+    # Client 1's tensors lie in memory in the reverse of their order, and out is client 1: the
+    # message names tensor 0 (the first in the list), not the lowest address.
+    buf = torch.randn(10)
+    updates = [torch.randn(5), torch.randn(5), buf[5:10], buf[0:5]]  # client-major, T = 2
+    w = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 1, tensor 0;"):
+        summation.weighted_sum_out(updates, w, [], 1.0, False, [updates[2], updates[3]])
+    with pytest.raises(ValueError, match="out tensor 0 overlaps client 1, tensor 0;"):
+        robust_ops.coordinate_median(updates, 2, [updates[2], updates[3]])
+
+
 def test_krum_refuses_an_out_that_is_a_client():
     clients = [torch.randn(5) for _ in range(6)]
     kept = [c.clone() for c in clients]

@@ -49,11 +49,9 @@ inline int64_t total_numel(const std::vector<int64_t>& numels) {
 
 // Elements per chunk of a pass over `total` elements: at most max_chunk, a multiple of align,
 // and small enough for about chunks_wanted chunks. at::parallel_for gives each thread an equal
-// run of chunk indices, so a pass of few chunks was split by count, not work: a 100 K-element
-// weight and its bias were two chunks and a tiny one, and one of two threads did all of it
-// (weighted sum, K = 10: 175 us on two threads, 189 on one; 2-core Xeon). The size depends on
-// the sizes alone, so a pass whose chunks keep partial sums still gives the same values for any
-// number of threads.
+// run of chunk indices, not of work: a large weight and its bias as two chunks (one tiny) would
+// leave one thread all the work. The size depends on the sizes alone, so a pass whose chunks
+// keep partial sums gives the same values for any number of threads.
 inline int64_t balanced_chunk(int64_t total, int64_t max_chunk, int64_t align,
                               int64_t chunks_wanted = 32) {
   const int64_t want = (total / chunks_wanted + align - 1) / align * align;

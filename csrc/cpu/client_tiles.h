@@ -33,11 +33,8 @@ struct TileArgs {
 // Where the loads of client k's tile prefetch from: the same offsets of the client kClientGroup
 // further on, that is of the next group of this tile or, after the last group, of the first
 // clients of the next tile. The hardware prefetchers follow few of the K streams, which switch
-// every tile (8 KiB); prefetching into L2 a line per line loaded, a call of ResNet-18's or the
-// transformer's shapes into out= took 6-29 % less time (2-core Zen 4, AVX-512 and AVX2 builds,
-// K = 10 and 50, fp32 and bf16; both versions timed in one process, interleaved). Into L1 was
-// no faster than none: the prefetches then hold the core's few L1 miss buffers. The same
-// client's next tile gave the same gain, with K clients' next tiles in flight instead of 4.
+// every tile (8 KiB), so a line is prefetched into L2 per line loaded; prefetches into L1 would
+// hold the core's few L1 miss buffers.
 // An address, not a pointer: after a tensor's last tile it lies past the tensor's end, which is
 // prefetched (harmless) but never read, and a pointer there would be undefined behaviour.
 template <typename T>

@@ -12,16 +12,15 @@
 // are combined and normalised a vector's width of rows at a time too, one row per lane
 // (RowLanes). Scores and weights are computed for a block of rows at once, vectorised across rows.
 // The weighted combination takes four teachers per pass over a row's accumulator (a third of the
-// loads and stores of one pass per teacher: FedGO at K = 40, N = 4096, C = 1000 went from ~41 to
-// ~27 ms). Every value of a row is computed from that row alone, in client order, with the lane
-// layout fixed by C, so the results do not depend on the blocking or the number of threads. The KL
-// loss is summed per block of rows in float64 (about 32 blocks of 8 to kRowBlock rows, sized from N
-// alone) and the blocks are added in order after the parallel loop.
+// loads and stores of one pass per teacher). Every value of a row is computed from that row
+// alone, in client order, with the lane layout fixed by C, so the results do not depend on the
+// blocking or the number of threads. The KL loss is summed per block of rows in float64 (about
+// 32 blocks of 8 to kRowBlock rows, sized from N alone) and the blocks are added in order after
+// the parallel loop.
 //
 // Subnormals: both ops run with subnormal inputs and results taken as 0 (parallel.h,
 // DenormalModeScope), whatever the caller's mode. Probabilities below 2^-126 are common (the
-// softmax of a confident teacher at C = 1000) and each one cost a microcode assist: with 30 %
-// of the values subnormal an entropy call took 17x its time, a KL with such targets 6x. At that
+// softmax of a confident teacher at C = 1000) and each one costs a microcode assist. At that
 // size they change no sum (a row's s is at least 1), and the base-2 exps already give 0 there.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -53,26 +52,21 @@ constexpr int64_t kRowBlock = 64;      // most rows per KL loss partial
 constexpr int64_t kKlGroupRows = 8;
 constexpr int64_t kKlGroupElems = 1024;
 // distill_kl's float rows of fewer classes go a vector's width of rows at a time (kl_lanes).
-// Against the row kernel (2-core Zen 4, N = 4096, both builds in alternating processes), lanes
-// took 40-50 % less time at C = 16-31 in the AVX-512 build and 30-50 % at C = 10-31 in the AVX2
-// one; from C = 40 they still won for the loss alone but lost with the gradient (its transpose
-// back), and the path must not depend on whether the gradient is wanted.
+// Above it the lanes lose with the gradient (its transpose back), and the path must not depend
+// on whether the gradient is wanted (chosen by bench/bench_distill_kl.py).
 constexpr int64_t kKlLanesMaxClasses = 32;
 constexpr int64_t kBlockElems = 2048;  // elements of one teacher's rows per block (R * C)
 constexpr int64_t kBlockScores = 65536;  // bound on K * R, the per-block scores and weights
 // The entropy weighting's statistics prefetch into L2 the block they read this many blocks on
 // (SoftmaxStats::Ahead::far). A teacher's rows of a block are a few KiB, each in another place
 // of L: the hardware prefetchers do not follow them, and the next block's maxima, taken during
-// this block's exps, waited for memory. K = 40, N = 4096, C = 100 (65 MB of logits), two
-// threads, 2-core Zen 4, AVX-512 build, old and new builds in alternating processes: 4.52-4.61
-// -> 4.07-4.21 ms per call (8 or 32 blocks on: within noise of 16; twice the block size with
-// it: no gain); C = 10 and 1000 even. With the logits in cache the prefetches are only work
-// (K = 10, N = 4096, C = 100, 16 MB: 3-5 % more time, AVX2 build 3-6 %), so they start at
-// kEntropyFarMinBytes of logits, more than the last-level cache of most small machines (the
-// size the C library reports is not to be trusted: 320 MB on this 32 MB Zen 4 guest).
+// this block's exps, would wait for memory. With the logits in cache the prefetches are only
+// work, so they start at kEntropyFarMinBytes of logits, more than the last-level cache of most
+// small machines (the size the C library reports is not to be trusted in a virtual machine).
+// Both values chosen by bench/bench_distill.py.
 constexpr int64_t kEntropyFarBlock = 16;
 constexpr int64_t kEntropyFarMinBytes = int64_t(32) << 20;
-constexpr int kCombineGroup = 4;  // teachers per pass of the combination (8 was no faster)
+constexpr int kCombineGroup = 4;  // teachers per pass of the combination
 // Most values a thread keeps of a block's K teachers (their exps for combine = "probs", or
 // fp16/bf16 rows converted to float): 16 MB of float each.
 constexpr int64_t kKeptBlocksElems = int64_t(1) << 22;
@@ -176,8 +170,7 @@ C10_ALWAYS_INLINE void axpy_group(A* y, const A* const* x, const A* a, int64_t n
   }
   // The last partial vector as a full one ending at y + n, taken from the values before the
   // loop writes them and stored after it: where it overlaps the loop's last vector it holds the
-  // same sums, rounded alike. Against a scalar tail, FedGO pseudo-labels at C = 40-100 took 1-4 %
-  // less time (one thread, in cache, old and new builds in alternating processes), same bits.
+  // same sums, rounded alike: cheaper than a scalar tail, with the same bits.
   const bool partial = n % W != 0;
   const Vec tail = partial ? at(n - W) : Vec(A(0));
   for (int64_t c = 0; c + W <= n; c += W) at(c).store(y + c);
@@ -445,19 +438,19 @@ double kl_rows_full(const A* s, const A* y, int64_t rows, int64_t C, A inv_t, A 
 }
 
 // log2 y of float vectors (the KL terms are in base 2): +-0 gives -inf, a negative y or NaN gives
-// NaN. ATen's log is a call into Sleef, around which the KL pass kept its sums on the stack, so the
-// vector builds take it inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2) (vgetmantps,
-// which also makes a negative y NaN; vgetexpps and one masked add for k), m's top four mantissa
-// bits pick one of 16 intervals (a vpermps from a register), r = m / c - 1 with c the interval's
-// middle (one fused multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r) by four
-// terms of the series (error below 6e-9), and log2 y = k + ln m / ln 2. Fourteen vector operations,
-// against nineteen for the atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2 build keeps
-// (a vpermps there holds only 8 entries): exponent and mantissa from the bits (an integer shift and
-// mask), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6), u = (m - 1) / (m + 1),
-// |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1), and the special values put
-// back by compares: +-0 and, as the ops take subnormals as 0, a subnormal y give -inf, +inf gives
-// +inf, a negative y or NaN gives NaN. Against ATen's log, distill_kl took ~30 % less time there
-// (C = 30-1000, one thread, in cache). The default build takes ATen's log.
+// NaN. ATen's log is a call into Sleef, around which the KL pass would keep its sums on the stack,
+// so the vector builds take it inline. The AVX-512 build: y = 2^k m with m in [3/4, 3/2)
+// (vgetmantps, which also makes a negative y NaN; vgetexpps and one masked add for k), m's top four
+// mantissa bits pick one of 16 intervals (a vpermps from a register), r = m / c - 1 with c the
+// interval's middle (one fused multiply-subtract by 1 / c, |r| <= 0.031), ln m = ln c + ln(1 + r)
+// by four terms of the series (error below 6e-9), and log2 y = k + ln m / ln 2. Fourteen vector
+// operations, against nineteen for the atanh series below over [sqrt(1/2), sqrt(2)), which the AVX2
+// build keeps (a vpermps there holds only 8 entries): exponent and mantissa from the bits (an
+// integer shift and mask), ln m = 2 atanh(u) = 2u + u^3 (2/3 + 2/5 u^2 + 2/7 u^4 + 2/9 u^6),
+// u = (m - 1) / (m + 1), |u| <= 0.172, with vrcpps (12 bits) and a Newton step for 1 / (m + 1),
+// and the special values put back by compares: +-0 and, as the ops take subnormals as 0, a
+// subnormal y give -inf, +inf gives +inf, a negative y or NaN gives NaN. The default build takes
+// ATen's log.
 #if defined(CPU_CAPABILITY_AVX2)
 // log2(2^k m) for m in [sqrt(1/2), sqrt(2)), from r, 1 / (m + 1) to 12 bits or better (one
 // Newton step here): the series above.
@@ -522,7 +515,7 @@ C10_ALWAYS_INLINE Vectorized<float> log2_of(Vectorized<float> y) {
 }
 
 // y d, 0 where y == 0 (a NaN y stays NaN): the loss terms, with 0 log 0 = 0. In the AVX-512
-// build a compare and a zero-masked multiply, where ATen's blendv of a compare took four
+// build a compare and a zero-masked multiply, where ATen's blendv of a compare takes four
 // operations after the multiply.
 C10_ALWAYS_INLINE Vectorized<float> times_nonzero(Vectorized<float> y, Vectorized<float> d) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -578,7 +571,7 @@ inline float exp2_row_sum(const float* s, int64_t C, float a, float b, float* e_
 // the first read from cache. The loss does not depend on whether the gradient is wanted.
 // In two steps, kl_row_exps (the max and the exps) and kl_row_terms (the rest), which the
 // caller takes for a group of rows each: every step ends in a sum over the row that the next
-// one waits for, and one row at a time those waits did not overlap.
+// one waits for, and one row at a time those waits would not overlap.
 struct KlRowExps {
   bool ok;  // false: the row needs the full exp (nothing else is set)
   float a, b, sum_e;
@@ -649,9 +642,9 @@ void kl_row_terms(const float* s, const float* y, int64_t C, const KlRowExps& x,
 // each row's max, sum and log sum as vectors and its loss terms summed in its lane in class
 // order, so a row's loss and gradient depend on that row alone. A group of fewer than W rows is
 // padded with zero rows, which are neither added nor written. Rows whose max needs the full exp
-// (exp2_row_ok) are redone after by kl_rows_full, in row order. Through kl_rows_full (below the
-// vector width) a row of 10 classes had taken ~90 cycles of per-row scalar maxima, sums and
-// logs. Scratch: 5 * W * C floats.
+// (exp2_row_ok) are redone after by kl_rows_full, in row order. Rows this short would spend most
+// of their time in kl_rows_full's per-row scalar maxima, sums and logs. Scratch: 5 * W * C
+// floats.
 template <typename T>
 void kl_lanes(const float* s, const float* y, int64_t rows, int64_t C, float inv_t,
               float scale_over_t, T* g, float* scratch, KlScratch<float>& w, double& loss) {
@@ -944,10 +937,9 @@ struct DistillCpu {
     T* grad = static_cast<T*>(p.grad);
     const A inv_t = static_cast<A>(1.0 / p.temperature);
     const A scale_over_t = static_cast<A>(p.scale / p.temperature);
-    // Rows per loss partial: about 32 blocks, so that two threads share them evenly (a fixed 64
-    // gave N = 300 five blocks, three of them on one thread: as long as N = 384, C = 1000), at
-    // least 8 rows (blocks of 2 rows of 10 classes cost a tiny call 7 %), and from N alone, so
-    // that the loss has the same bits for any number of threads.
+    // Rows per loss partial: about 32 blocks, so that two threads share them evenly, at least 8
+    // rows (smaller blocks only add their overhead), and from N alone, so that the loss has the
+    // same bits for any number of threads.
     // Float rows of a vector's width or more take the base-2 row kernel (kl_row_exps, then
     // kl_row_terms) in groups of up to kKlGroupRows rows of kKlGroupElems values in all;
     // shorter float rows a vector's width of rows at a time (kl_lanes), whose blocks are whole

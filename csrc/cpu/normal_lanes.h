@@ -6,9 +6,8 @@
 //
 // Philox works on values of kWays registers, and Box-Muller takes both pairs of a block as one
 // value of 2 kWays registers: the Philox multiplies and the polynomial chains of Box-Muller are
-// latency-bound, and one register per value left the core idle most of the time (about 1.4
-// instructions per cycle on an AVX2 EPYC). Two ways nearly doubled that; four chains in
-// Box-Muller took the noise from ~2.3 to ~1.8 ns per normal (one Zen 3 thread, in cache).
+// latency-bound, and one register per value leaves the core idle most of the time; more
+// independent chains keep more of it busy.
 #pragma once
 
 #include <cstdint>
@@ -179,8 +178,8 @@ FEDKERNELS_INLINE void store_groups(const VecF<kWays> (&v)[4], float* eps) {
       for (int j = 0; j < 4; ++j) o[4 * i + j] = v[j].r[w][i];
     }
 #else
-    // A 4 x 8 transpose in 12 shuffles (GCC's rendering of the loop above took ~10 % of the
-    // noise's time): pairs interleaved, then quadruples, then 128-bit halves.
+    // A 4 x 8 transpose in 12 shuffles (GCC renders the loop above poorly): pairs
+    // interleaved, then quadruples, then 128-bit halves.
     const __m256 v0 = (__m256)v[0].r[w], v1 = (__m256)v[1].r[w];
     const __m256 v2 = (__m256)v[2].r[w], v3 = (__m256)v[3].r[w];
     const __m256 t0 = _mm256_unpacklo_ps(v0, v1), t1 = _mm256_unpackhi_ps(v0, v1);
@@ -248,7 +247,7 @@ FEDKERNELS_INLINE void normal_block(uint64_t seed, uint64_t g0, float* eps, Betw
 // eps[0, 4 (g1 - g0)) = the noise of Philox groups [g0, g1) under `seed`. `between()` runs ten
 // times per block of kLanes groups (once per Philox round; once per group on the scalar path):
 // the caller's chance to start memory traffic that the arithmetic then hides. A few requests
-// at a time, spread over the block, got more of them served than one burst per block.
+// at a time, spread over the block, get more of them served than one burst per block.
 struct NoWork {
   void operator()() const {}
 };

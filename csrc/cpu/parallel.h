@@ -1,22 +1,13 @@
 // When the CPU kernels use a thread team: a pass that touches fewer than kSerialMaxBytes (read
 // plus written), counted at its cost, runs on the calling thread. Waking the team costs more
-// than such a pass saves, and on a busy machine it costs a scheduler quantum:
-// bench/bench_serial_threshold.py measures the trade-off for one memory-bound pass, and each
-// op's cost per byte against it (results in bench/results/<device>.json).
+// than such a pass saves, and on a busy machine it costs a scheduler quantum; the bound keeps
+// what staying on one thread can cost well under that quantum, while large inputs keep every
+// thread. Chosen by bench/bench_serial_threshold.py (the trade-off for one memory-bound pass,
+// and each op's cost per byte against it).
 //
-// On the 2-core CI machine (AMD EPYC, shared, load ~10): a pass of 4 MiB took ~150 us on one
-// thread; two threads were faster from 128-256 KiB when the second core happened to be free,
-// but took ~27 ms whenever it was not, which only passes of ~64 MiB outweigh. 4 MiB bounds
-// what staying on one thread can cost at about half of a 150 us pass, so inputs under ~1 MB
-// never wait for a core, while large inputs keep every thread.
-//
-// That bound holds for streaming passes (a few operations per value: weighted_sum, the SuPerFed
-// mix). Passes with an exp, a sort or a double-precision sum per value take 3-100x a streaming
-// pass's time per byte from cache (one thread, 3 MiB, Zen 4): a 3 MiB KL took ~400 us and a
-// 3 MiB coordinate median of 100 clients ~1.3 ms on one thread while a second core sat idle.
-// They count each byte kArithmetic times, which puts their threshold at 1 MiB: below it the
-// slowest of them (pairwise distances of 100 clients, ~1.3 ms) still takes less than the
-// quantum a busy core costs, so inputs under ~1 MB still never wait for one.
+// Passes with an exp, a sort or a double-precision sum per value cost several times a
+// streaming pass per byte; they count each byte kArithmetic times, so that they too stay
+// serial only while they take less than the quantum a busy core costs.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -41,13 +32,12 @@ inline bool run_serial(int64_t bytes, PassCost cost) {
 }
 
 // How a thread treats subnormal floats (below 2^-126 in float, 2^-1022 in double): the x86
-// flush-to-zero and denormals-are-zero bits of MXCSR, which torch.set_flush_denormal(True) sets
-// on the calling thread only. An operation that reads or makes a subnormal can cost a microcode
-// assist of a hundred cycles or more: with 30 % of the inputs subnormal, a weighted sum of ten
-// clients took 15x its time, an entropy pseudo-label call 17x (2-core Xeon, one thread).
-// Each worker of parallel_for_bytes runs in its caller's mode, so the results and their speed
-// do not depend on the number of threads (torch's own kernels flushed only the calling
-// thread's share). Elsewhere than x86 the mode is left as it is.
+// flush-to-zero and denormals-are-zero bits of MXCSR, which torch.set_flush_denormal(True) sets on
+// the calling thread only. An operation that reads or makes a subnormal can cost a microcode assist
+// of a hundred cycles or more (bench/bench_subnormals.py). Each worker of parallel_for_bytes runs
+// in its caller's mode, so the results and their speed do not depend on the number of threads
+// (torch's own kernels flush only the calling thread's share). Elsewhere than x86 the mode is left
+// as it is.
 #if defined(FEDKERNELS_HAS_MXCSR)
 constexpr unsigned kFlushDenormals = 0x8040;  // MXCSR: FTZ (bit 15) | DAZ (bit 6)
 inline unsigned denormal_mode() { return _mm_getcsr() & kFlushDenormals; }
@@ -86,13 +76,12 @@ class DenormalModeScope {
 // Items per piece for a pass over n items (rows, or elements) cut into pieces of at most
 // max_size items (a multiple of unit) that parallel_for_bytes(0, pieces, 1, bytes, cost, ...)
 // runs. at::parallel_for gives each thread ceil(pieces / threads) consecutive pieces, so few
-// pieces split unevenly: 13 blocks of 20 rows (entropy pseudo-labels at N = 256, C = 100) gave
-// one thread 140 rows and the other 116, and the call took as long as the 140. Where the pieces
-// are few, this takes the number of pieces, up to twice as many, whose largest share per thread
-// is smallest (16 blocks of 16: 128 rows each); smaller pieces than that only add their
-// overhead (32 chunks of an order-statistics pass cost 3-6 % where the old ones split evenly).
-// The size depends on the thread count: only for passes whose values do not depend on the
-// pieces (balanced_chunk, chunk_loop.h, sizes them from the model alone).
+// pieces split unevenly (13 pieces of 20 rows on two threads: 140 rows and 116) and the call
+// lasts as long as the largest share. Where the pieces are few, this takes the number of
+// pieces, up to twice as many, whose largest share per thread is smallest (16 of 16 rows: 128
+// each); smaller pieces than that only add their overhead. The size depends on the thread
+// count: only for passes whose values do not depend on the pieces (balanced_chunk,
+// chunk_loop.h, sizes them from the model alone).
 inline int64_t split_for_threads(int64_t max_size, int64_t n, int64_t unit, int64_t bytes,
                                  PassCost cost) {
   const int64_t threads = run_serial(bytes, cost) ? 1 : at::get_num_threads();

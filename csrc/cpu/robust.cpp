@@ -5,10 +5,9 @@
 // coordinates a vector width at a time: the K client values of those coordinates are gathered,
 // sorted by a branch-free network of vector min/max (Batcher's) and reduced, with the values of
 // the scalar rule of csrc/order_stats.h (NaN last). A group with a NaN goes through the same
-// network with stand-ins for its NaNs, and the lanes whose rule sees a NaN return NaN: one
-// client sending NaN (the simplest attack on a robust rule) had sent every group to the scalar
-// rule, 20-30x the time (K = 10 and 50, 2^18 coordinates). No [K, P] stack is built: each client
-// is read once, in place.
+// network with stand-ins for its NaNs, and the lanes whose rule sees a NaN return NaN, so one
+// client sending NaN (the simplest attack on a robust rule) does not send every group to the
+// much slower scalar rule. No [K, P] stack is built: each client is read once, in place.
 //
 // Distances: chunks of up to kDistChunk elements, sized from the model alone (balanced_chunk),
 // are the work items; a chunk converts its K slices to float64 a block at a time and adds
@@ -46,22 +45,20 @@ constexpr int64_t kDistBlock = 256;        // elements converted to float64 at a
 constexpr int kPairGroup = 4;              // pairs whose sums run together
 
 // Order statistics of more than kPrefetchFromClients clients prefetch each client's values
-// kPrefetchAhead bytes ahead into L2: the hardware prefetchers follow about that many streams.
-// Median of ResNet-18 (AVX-512, 2-core Zen 4, both versions in one process): K = 24, 32 and
-// 50 took 23-38 % less time, K = 16 the same, K = 10 ~10 % more; 1 KiB ahead was as good as
-// 2 KiB and better than 512 bytes, into L1 worse than into L2.
+// kPrefetchAhead bytes ahead into L2: the hardware prefetchers follow about that many streams,
+// and fewer clients lose by the extra instructions. Both values chosen by
+// bench/bench_robust_ops.py.
 constexpr int64_t kPrefetchFromClients = 16;
 constexpr int64_t kPrefetchAhead = 1024;
 
 // The distances read each client's next block kDistPrefetchAhead bytes ahead into L2 as they
-// convert a block: ResNet-18 (same machine and method) K = 10 22 % less time, K = 24 and 50
-// 7-8 % (1 KiB ahead gave less at K = 10, 4 KiB the same).
+// convert a block (chosen by bench/bench_robust_ops.py).
 constexpr int64_t kDistPrefetchAhead = 2048;
 
 // The compare-exchanges (i, j), i < j, of Batcher's odd-even merge sort of K values: the network
 // for the next power of two with every pair that reaches past K - 1 dropped (those would compare
 // with padding values above every number, which never move). K = 10 takes 32 of them and
-// K = 50 403, against 45 and 1225 for the odd-even transposition sort this replaces.
+// K = 50 403, where an odd-even transposition sort takes 45 and 1225.
 // fn(i, j) for each compare-exchange in order; constexpr, so it also builds the compile-time
 // lists below.
 template <typename Fn>
@@ -156,10 +153,8 @@ C10_ALWAYS_INLINE void pair_sums(const double* xi, const double* buf, int64_t j0
 }
 
 // The same network as a compile-time list, run on K vectors held in registers: for up to
-// kFixedNetworkMax clients in the AVX-512 build (32 vector registers). Median of ResNet-18,
-// 2-core Zen 4, both versions in one process: K = 10 39 -> 19 ms, K = 16 79 -> 30 ms, K = 5
-// 13 % less time. The AVX2 build (16 registers) gained 9-12 % at K = 10 and 16 but lost 45 %
-// at K = 5, and the default build lost 15-35 %: they keep the list (sort_columns).
+// kFixedNetworkMax clients in the AVX-512 build, whose 32 vector registers hold them. Builds
+// with fewer registers keep the run-time list (sort_columns), which is faster there.
 template <int K>
 constexpr int batcher_size() {
   int count = 0;
@@ -229,8 +224,8 @@ void sort_fixed_any(Vectorized<A>* v, int64_t K) {
 // branches; its values are then picked by blends and summed in ascending order, as the scalar
 // rule does. An infinite median breaks that order (inf - inf is NaN): false then, and the
 // caller takes the scalar rule. Infinite values around a finite median keep it (their
-// distances are +inf, ordered like any other): one client sending +inf had sent every group
-// to the scalar rule, 5-6x the time (K = 10 and 50). `moved` holds K vectors of scratch.
+// distances are +inf, ordered like any other), so one client sending +inf does not send every
+// group to the scalar rule. `moved` holds K vectors of scratch.
 template <typename A>
 bool median_window_sorted(const Vectorized<A>* cols, int64_t K, int64_t w, Vectorized<A>* moved,
                           A* res) {
@@ -266,9 +261,8 @@ struct RobustCpu {
     const int64_t bytes = (K + 1) * total_numel(p.numels) * int64_t(sizeof(T));
     const auto network = batcher_pairs(K);
     const bool prefetch = K > kPrefetchFromClients;
-    // Chunks that split evenly between the threads (split_for_threads): a fixed size had split
-    // 20 K coordinates into 5 chunks, three on one thread. Each coordinate's result is its own,
-    // whatever the chunks.
+    // Chunks that split evenly between the threads (split_for_threads). Each coordinate's
+    // result is its own, whatever the chunks.
     const int64_t chunk = split_for_threads(kRobustChunk, total_numel(p.numels), kRobustAlign,
                                             bytes, PassCost::kArithmetic);
     for_each_chunk(p.numels, chunk, bytes, PassCost::kArithmetic, [&](int64_t, const ChunkRange& r) {
@@ -276,8 +270,8 @@ struct RobustCpu {
       std::vector<Vec> cols(K), moved(K);
       // Client k's coordinates [r.begin, r.end) as A at x[k][0..len): the input itself, or
       // for fp16/bf16 converted by vector instructions into a per-thread buffer first (a
-      // scalar cast per value made an fp16 median 3.3x slower than an fp32 one of the same
-      // model). The results go to `res` and are converted back at the end.
+      // scalar cast per value does not vectorize). The results go to `res` and are converted
+      // back at the end.
       const int64_t len = r.end - r.begin;
       constexpr bool kConvert = !std::is_same_v<T, A>;
       thread_local std::vector<A> converted;
@@ -403,7 +397,7 @@ struct RobustCpu {
           for (int64_t e = 0; e < len; ++e) d[e] = static_cast<double>(x[e]);
         }
         // Pairs (i, j) a group of up to kPairGroup j's at a time: their sums are independent
-        // chains that overlap (one pair's chain of dependent adds left the core mostly idle),
+        // chains that overlap (one pair's chain of dependent adds leaves the core mostly idle),
         // and x_i is loaded once for the group. Each pair adds its terms in the same order as
         // alone.
         int64_t q = 0;

@@ -7,11 +7,10 @@
 // elements (multiples of 4, the noise's Philox blocks) are the parallel unit, each walked in
 // tiles of kTile elements whose accumulators stay in L1. A tile's noise is drawn first, and
 // while its arithmetic runs the tile's gradients are prefetched into L2 a few lines at a time
-// (drawn after the sum, the noise left memory idle: K = 10 took ~10 % longer); then the
-// accumulator takes the K clipped client gradients in client order, over runs of one sample
-// (whose weight is constant), four clients' loads in flight per vector pass (one client a pass
-// took 7.8 ms at K = 10, M = 1000 without noise, four 5.2 ms), and the last pass of clients
-// adds the step, the noise and the clamp. The result does not depend on the number of threads,
+// (noise drawn after the sum would leave memory idle); then the accumulator takes the K
+// clipped client gradients in client order, over runs of one sample (whose weight is
+// constant), four clients' loads in flight per vector pass, and the last pass of clients adds
+// the step, the noise and the clamp. The result does not depend on the number of threads,
 // nor on the grouping (the same roundings in the same order). The noise seed is drawn from the
 // CPU generator (one random64 per call), so a seeded torch.Generator reproduces a run.
 //
@@ -45,8 +44,8 @@ using at::vec::Vectorized;
 constexpr int64_t kGroupGrain = 1024;  // Philox groups (4 elements) per parallel work item
 constexpr int64_t kTile = 2048;        // elements per tile (a multiple of 4 * kLanes)
 // Gradient cache lines prefetched per call of draw_normals' `between` (ten per block of
-// normals): 3 beat one burst of 24 per block by about a quarter of the noise's cost at K = 10,
-// M = 1000 on one Zen 3 thread; 4 issued more than one core's misses can carry.
+// normals): spread requests get more served than one burst per block, and more than 3 at a
+// time issue more than one core's misses can carry (chosen by bench/bench_sgld.py).
 constexpr int kPrefetchLines = 3;
 
 constexpr int kClientGroup = 4;  // clients whose loads are in flight together
@@ -196,8 +195,7 @@ struct SgldCpu {
   template <typename T>
   static void energy(const EnergyPlan& p) {
     // Subnormal logits and exps taken as 0, as in the distillation ops (distill.cpp, top): they
-    // change no log-sum-exp, and each one cost a microcode assist (15x the time with 30 % of
-    // the logits subnormal).
+    // change no log-sum-exp, and each one costs a microcode assist.
     const DenormalModeScope flush(kFlushDenormals);
     using A = acc_type<T>;
     using Stats = softmax_stats::SoftmaxStats<A>;

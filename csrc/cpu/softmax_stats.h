@@ -37,8 +37,7 @@ C10_ALWAYS_INLINE Vectorized<float> max_raw(Vectorized<float> a, Vectorized<floa
 // The sum and the (NaN-blind, as max_raw) maximum of a float vector's lanes. The sum adds in
 // ATen's vec_reduce_all order (lane i with lane i + 8, then i + 4, i + 2, i + 1), so its bits
 // are the same; the AVX-512 build goes through the register's halves, since Zen 4 runs 512-bit
-// shuffles at a fraction of the speed of 256-bit ones (the two reductions of a row of C = 100
-// logits took a fifth of its entropy pass).
+// shuffles at a fraction of the speed of 256-bit ones.
 #if defined(CPU_CAPABILITY_AVX512)
 template <typename Op256, typename Op128>
 C10_ALWAYS_INLINE float lane_reduce(Vectorized<float> v, Op256 op256, Op128 op128) {
@@ -70,8 +69,8 @@ C10_ALWAYS_INLINE float lane_max_raw(Vectorized<float> v) {
 #endif
 
 // The sum and the maximum (NaN if a lane is NaN) of a float64 vector's lanes, in registers:
-// ATen's vec_reduce_all went through the stack, and with it a float64 row of 100 logits spent
-// more time on its two reductions than on its exps.
+// ATen's vec_reduce_all goes through the stack, which would cost a short row more than its
+// exps.
 C10_ALWAYS_INLINE double lane_sum(Vectorized<double> v) {
 #if defined(CPU_CAPABILITY_AVX512)
   return _mm512_reduce_add_pd(v);
@@ -103,8 +102,7 @@ C10_ALWAYS_INLINE double lane_max(Vectorized<double> v) {
 // random data would mispredict. Float rows take the maximum with max_raw in two accumulators and
 // OR the unordered lanes apart (a NaN lane's mask is all ones, itself a NaN): a step per vector
 // with no dependence through memory. The generic form (kept for float64) passes its accumulator
-// to vec_reduce_all by reference, which kept it on the stack: with it a float pseudo-label call
-// at K = 1, N = 256, C = 1000 took 147 us instead of 125 (AVX-512, 2-core Zen 4).
+// to vec_reduce_all by reference, which keeps it on the stack.
 template <typename A>
 C10_ALWAYS_INLINE A row_max(const A* x, int64_t n) {
   using Vec = Vectorized<A>;
@@ -166,12 +164,11 @@ C10_ALWAYS_INLINE Vectorized<float> scale_by_pow2(Vectorized<float> p, Vectorize
 
 // 2^y for y in [-125, ~0] (and NaN in, NaN or garbage out: callers check their sums): y = n + f
 // with n = round(y) by the 1.5 * 2^23 trick and f = y - n exact in [-1/2, 1/2], 2^f by a
-// degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 measured in float
+// degree-5 polynomial with 2^0 = 1 exactly (minimax in relative error, 2.2e-7 in float
 // arithmetic), and 2^n added to the exponent. Ten vector operations, five of them fused
 // multiply-adds: the base-2 form drops the two-part ln 2 reduction, and the integer scaling
 // drops a multiply. The AVX-512 build takes f with vreduceps and scales with vscalefps (exact
-// for these normal results): eight operations, the same bits, 4-5 % less time for an in-cache
-// entropy pass on a 2-core Zen 4 (old and new builds in alternating processes).
+// for these normal results): eight operations, the same bits.
 C10_ALWAYS_INLINE Vectorized<float> exp2_poly_of(Vectorized<float> f) {
   using Vec = Vectorized<float>;
   Vec p = at::vec::fmadd(Vec(0.0013202982f), f, Vec(0.0096749524f));
@@ -185,9 +182,8 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_poly(Vectorized<float> y) {
   using Vec = Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
   // f = y - round(y) in one vreduceps, then n = y - f (exact): on Intel, vrndscaleps is two
-  // micro-ops, and the exps are bound by micro-ops. The same f and n, the same bits; energies
-  // of 2560 rows of 100 and 256 rows of 1000 took 6-7 % less time (one thread, in cache,
-  // 2-core Xeon). Only a +-inf y gives a different value (f = 0, not NaN), and no caller keeps
+  // micro-ops, and the exps are bound by micro-ops. The same f and n, the same bits. Only a
+  // +-inf y gives a different value (f = 0, not NaN), and no caller keeps
   // one: exp2_arg clamps y, exp2_softmax_row and exp2_row_sum mask y < kMinExp2 to 0.
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   return _mm512_scalef_ps(exp2_poly_of(Vec(f)), _mm512_sub_ps(y, f));
@@ -215,7 +211,7 @@ constexpr float kExp2RowMaxAbs = 1e7f;  // the largest |m| of a base-2 row (exp2
 
 // 2^y, and 0 where y < kMinExp2 (or y is NaN): for the KL rows, whose far-below-the-max exps
 // are dropped rather than clamped. The AVX-512 build masks vscalefps by the compare: one
-// operation where ATen's vector compare and the AND took three, the same bits.
+// operation where ATen's vector compare and the AND take three, the same bits.
 C10_ALWAYS_INLINE Vectorized<float> exp2_or_zero(Vectorized<float> y) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 f = _mm512_reduce_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -240,24 +236,19 @@ C10_ALWAYS_INLINE Vectorized<float> exp2_arg(Vectorized<float> x, Vectorized<flo
 // s and t (above) of one long float row (n >= 2 W) with exp2_row_ok(m), in one read, in base 2 (t
 // is sum 2^y y, not yet times ln 2), as the vectors s[0..W) and t[0..W) whose lanes add up to
 // them: the caller adds the lanes of a block's rows after all their exps (a row's lane sums
-// right after its exps were a chain of dependent shuffles that held up the next row). The row
-// max m may come from max_raw, which can miss a NaN: a NaN logit makes t NaN (through y), and
-// the caller then redoes the row with exp_sums_full. The
-// exps are compute bound, so while they run the same span of a block read later (pf, if not
-// null: SoftmaxStats::Ahead) is prefetched, a cache line per line of x: its loads then overlap
-// this row's arithmetic.
-// Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3).
-// Measured on a 2-core Zen 4, both prefetch kinds timed in one process (K = 40, 655 MB): in
-// the AVX-512 build rows of 900 to 4000 classes took 12-18 % less time with L2 (long rows'
-// prefetches into L1 held the core's few L1 miss buffers, and the exps stalled behind them),
-// rows of 100 to 700 classes 10-25 % more; the AVX2 build was even (+-4 %) from 900 classes and
-// also lost with L2 below.
+// right after its exps would be a chain of dependent shuffles that holds up the next row). The
+// row max m may come from max_raw, which can miss a NaN: a NaN logit makes t NaN (through y),
+// and the caller then redoes the row with exp_sums_full. The exps are compute bound, so while
+// they run the same span of a block read later (pf, if not null: SoftmaxStats::Ahead) is
+// prefetched, a cache line per line of x: its loads then overlap this row's arithmetic.
+// Rows of kPrefetchToL2Classes or more prefetch into L2 (kLocality 2), shorter ones into L1 (3):
+// long rows' prefetches into L1 would hold the core's few L1 miss buffers and stall the exps
+// behind them (chosen by bench/bench_distill.py).
 constexpr int64_t kPrefetchToL2Classes = 800;
 
 // Values per chunk of a long float sum. A lane of a float accumulator adds up n / W values, and
-// its rounding errors grow with n: energies of rows of 1e6 classes were 2e-6 off in relative
-// terms (torch.logsumexp, which sums in a cascade, 3e-8). Rows longer than this are summed in
-// chunks whose lane sums are added in float64, which keeps the error that of one chunk.
+// its rounding errors grow with n, so rows longer than this are summed in chunks whose lane sums
+// are added in float64, which keeps the error that of one chunk.
 constexpr int64_t kSumChunk = 4096;
 
 // exp2_sums of kRows rows of n >= W values each, row j at x + j * stride (s + j * W, t + j * W,
@@ -266,12 +257,8 @@ constexpr int64_t kSumChunk = 4096;
 // partial vector is loaded as a full one ending at x + n). Two rows at once interleave two
 // independent chains of the same operations, row by row in the same order (the same bits as
 // one row at a time): a row's last, unpaired vector is one long chain of dependent operations,
-// which took about twice the time of a vector in the paired loop (rows of 112 classes as long
-// as rows of 128); next to the other row's chain it overlaps. Energies at C = 34-200 took
-// 6-8 % less time, entropy pseudo-labels 3-9 % (one thread, in cache, 2-core Zen 4, old and new
-// builds in alternating processes); rows of 1000 classes or more, unchanged.
-// Without kWithT only s is summed (t may be null): energies need no t, and its multiply-adds
-// were an eighth of the loop's operations.
+// which next to the other row's chain overlaps.
+// Without kWithT only s is summed (t may be null): energies need no t.
 template <int kRows, int kLocality, bool kWithT>
 C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n, const float* m,
                                      float* s, float* t, const float* const* pf,
@@ -291,14 +278,11 @@ C10_ALWAYS_INLINE void exp2_sums_span(const float* x, int64_t stride, int64_t n,
   int64_t c = 0;
   constexpr int64_t kLine = 64;
   // Two vectors per step into one accumulator per sum (two more would not stay in registers):
-  // s takes the pair's sum, t two chained multiply-adds (a multiply, a multiply-add and an add
-  // before: entropy calls took 0.96-1.0x the time, AVX-512 and AVX2, one thread, 2-core Xeon).
-  // The chains are no bound: two rows' steps hold far more independent work than their length.
+  // s takes the pair's sum, t two chained multiply-adds. The chains are no bound: two rows'
+  // steps hold far more independent work than their length.
   // The side maxima have a loop of their own (kMax: every row takes one, a row without nj[j]
-  // its own, unused): a branch on nj[j] inside the loop made GCC keep the four s and t
-  // accumulators on the stack, a load and a store per step each. Without it, entropy
-  // pseudo-labels in cache took 5-6 % less time (K = 10 and 40, N = 256, C = 100, one thread,
-  // AVX-512, 2-core Zen 4, old and new builds in alternating processes), the same bits.
+  // its own, unused): a branch on nj[j] inside the loop makes GCC keep the four s and t
+  // accumulators on the stack, a load and a store per step each.
   auto steps = [&](auto with_max) {
     constexpr bool kMax = decltype(with_max)::value;
     const float* mj[kRows];
@@ -394,9 +378,9 @@ C10_ALWAYS_INLINE void exp2_sums(const float* x, int64_t n, float m, float* s, f
 // s and t (above; t only with with_t) of one row with the full exp (any m, any A), in one read:
 // whole vectors, the last partial one as a full vector ending at x + n with its lanes counted
 // already masked to 0, and a row shorter than a vector one value at a time with std::exp (a
-// partial vector goes through a buffer, which made short float64 rows 3x slower than a scalar
-// loop). NaN and +-inf carry through (a NaN or infinite max makes H NaN, as in the reference); a
-// class with e = 0 (a -inf logit) adds 0 to t, not 0 * -inf.
+// partial vector goes through a buffer, slower than a scalar loop for short rows). NaN and +-inf
+// carry through (a NaN or infinite max makes H NaN, as in the reference); a class with e = 0 (a
+// -inf logit) adds 0 to t, not 0 * -inf.
 template <typename A>
 void exp_sums_full(const A* x, int64_t n, A m, A& s, A& t, bool with_t) {
   using Vec = Vectorized<A>;
@@ -504,8 +488,7 @@ struct RowColumns {
 #if defined(CPU_CAPABILITY_AVX512)
     if constexpr (std::is_same_v<A, float>) {
       // Below 16 classes a gather per class beats ATen's 16 x 16 shuffle network (which costs
-      // the same for any C): energies of 65536 rows, one thread, 2-core Zen 4, both in
-      // alternating processes: C = 3 ~430 -> ~240 us, C = 10 ~560 -> ~530 us; the same values.
+      // the same for any C); the same values.
       if (C < W) {
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
         const __m512i row = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(C)));
@@ -592,10 +575,7 @@ class SoftmaxStats {
   // that the call for `next` needs no max pass of its own, and a prefetch of `after`, the block
   // read after that. Only float rows of 2 W classes or more do this work. A block's exps are
   // bound by arithmetic and its max pass by the reads; with a max pass of its own per block,
-  // the memory sat idle while it ran: energies of 655 MB of logits (163840 rows of 1000) took
-  // 38.5 ms with the prefetch alone and take 25.3 ms with the maxima on the side, about the
-  // 26.6 ms FedGO's pseudo-labels take to read the same logits once (2-core Xeon, AVX-512
-  // build, old and new builds in alternating processes; the AVX2 build 46.5 -> 27.9 ms).
+  // the memory would sit idle while the exps run.
   struct Ahead {
     const A* next = nullptr;  // the next block's rows (nullptr: none)
     int64_t next_rows = 0;
@@ -603,8 +583,8 @@ class SoftmaxStats {
     int64_t after_rows = 0;
     // A block read further on, prefetched into L2 all at once when the call starts (nullptr:
     // none). For blocks spread over memory, which the hardware prefetchers do not follow: see
-    // the entropy weighting in csrc/cpu/distill.cpp. (The same prefetches spread over the rows,
-    // between the exps, took more time than none.)
+    // the entropy weighting in csrc/cpu/distill.cpp. All at once, because the same prefetches
+    // spread over the rows, between the exps, cost more than they save.
     const A* far = nullptr;
     int64_t far_rows = 0;
   };
@@ -672,9 +652,9 @@ class SoftmaxStats {
  private:
   // Float rows of 2 W classes or more (compute) in three passes over the rows, each of
   // independent rows: the maxima (unless the previous call took them: ahead_of_), the exps and
-  // their lane sums (exp2_sums, two rows at a time), then the lanes added. 4-9 % less time than
-  // the three steps row by row at C = 40-200 (AVX-512, 2-core Zen 4, both timed in one
-  // process), the same bits. Without kWithT, t is left alone (compute's t was null).
+  // their lane sums (exp2_sums, two rows at a time), then the lanes added: independent rows
+  // overlap where the three steps row by row would wait on each other; the same bits. Without
+  // kWithT, t is left alone (compute's t was null).
   template <bool kWithT>
   void long_rows(const float* x, int64_t rows, float* m, float* s, float* t,
                  const Ahead& ahead) {

@@ -3,17 +3,15 @@
 // csrc/cpu/*.cpp this file is compiled once per instruction set (see setup.py) into a library of
 // its own.
 //
-// One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each
-// element is read before it is written): the plan's tensors are cut into chunks of at most kChunk
-// elements and at least kMinChunk, whole tiles, sized from the model alone (balanced_chunk: a
-// fixed size had split a 400 K-element step into seven chunks, four on one thread, 1.45x the
-// time of 393 K), the
-// parallel unit, each walked in tiles of kTile elements, two vectors of the accumulate type at
-// a time, through SuperfedOp<kind>::apply. The reductions (the lam gradient, the four
-// statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64 inputs) in vector
-// lanes, each tile's sum is added in float64 to its chunk's partial, and the partials are added
-// per tensor in chunk order after the parallel loop: the result does not depend on the number of
-// threads, and is bitwise the same run after run.
+// One loop serves every kind (the step's outputs are its inputs g, l and the buffers: each element
+// is read before it is written): the plan's tensors are cut into chunks of at most kChunk elements
+// and at least kMinChunk, whole tiles, sized from the model alone (balanced_chunk, so that the
+// threads get even shares), the parallel unit, each walked in tiles of kTile elements, two vectors
+// of the accumulate type at a time, through SuperfedOp<kind>::apply. The reductions (the lam
+// gradient, the four statistics) are summed per tile in the accumulate type (fp32, fp64 for fp64
+// inputs) in vector lanes, each tile's sum is added in float64 to its chunk's partial, and the
+// partials are added per tensor in chunk order after the parallel loop: the result does not depend
+// on the number of threads, and is bitwise the same run after run.
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -32,9 +30,9 @@ using at::vec::Vectorized;
 
 constexpr int64_t kTile = 2048;    // elements per fp32 partial sum
 constexpr int64_t kChunk = 65536;  // the most elements per parallel work item (balanced_chunk)
-// The fewest: smaller chunks only add their overhead (a small call in 30 chunks instead of 2 took
-// 2-7 % longer). Not split_for_threads: the statistics' partials follow the chunks, and the same
-// tensors must give the same statistics through every op, whatever its byte count.
+// The fewest: smaller chunks only add their overhead. Not split_for_threads: the statistics'
+// partials follow the chunks, and the same tensors must give the same statistics through every
+// op, whatever its byte count.
 constexpr int64_t kMinChunk = 8 * kTile;
 
 // Adds each chunk's partials (width per chunk) into result[index[i] * width + j], in chunk order.

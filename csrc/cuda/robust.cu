@@ -4,9 +4,8 @@
 // Order statistics: one thread per coordinate gathers the K client values, sorts and reduces
 // them; blocks own chunks of one tensor. Each client is read once, no [K, P] stack. The values
 // stay in registers as integer sort keys, padded to a power of two N <= 128 and sorted by a
-// network (csrc/cuda/sorted_keys.cuh). The first H200 run, with a local array sorted by
-// insertion, reached 8 % of the memory bandwidth at K = 10; float compare-exchanges in an
-// odd-even transposition network, 14 %.
+// network (csrc/cuda/sorted_keys.cuh): a local array sorted by insertion, or float
+// compare-exchanges, would leave the kernel far from the memory bandwidth.
 //
 // Distances: a block owns a chunk of kDistChunk elements of one tensor and stages it in
 // shared memory kDistTile elements of all K clients at a time; each thread accumulates the

@@ -4,7 +4,7 @@
 //
 // Each value is stored as an unsigned integer key whose integer order is the order the rules
 // need: -inf < ... < -0 < +0 < ... < +inf < NaN (every NaN as one key). A compare-exchange is
-// then a min and a max, two instructions, where comparing floats with NaN-last needed several
+// then a min and a max, two instructions, where comparing floats with NaN-last needs several
 // compares and selects. The network is Batcher's odd-even merge sort (N = 16: 63
 // compare-exchanges, N = 64: 543, against 120 and 2016 for odd-even transposition). Every index
 // is a compile-time constant once the loops are unrolled, so the keys never leave registers.

@@ -3,11 +3,9 @@ gradient can flow, and a differentiable backward for second derivatives.
 
 The ops with an autograd formula register it from Python (``torch.library.register_autograd``),
 and PyTorch then routes every call through that Python layer, which checks for gradients and
-redispatches: 4-8 µs a call on the quiet 2-core CI machine (a tiny ``ensemble_pseudo_labels``
-call 18 µs against 10 µs below it; ~15 µs more on a busy one), most of a small call. When
-nothing requires grad, or grad mode is off, the wrappers take the same switch PyTorch's layer
-would take, without the layer. Under ``torch.compile`` they make the plain call, which it
-traces.
+redispatches: most of the time of a small call. When nothing requires grad, or grad mode is
+off, the wrappers take the same switch PyTorch's layer would take, without the layer. Under
+``torch.compile`` they make the plain call, which it traces.
 
 When a gradient is wanted, the wrappers run the op's registered formula through
 :class:`EagerAutograd` instead: the same ``setup_context`` and backward in a plain
@@ -73,7 +71,7 @@ def backward_through_reference(reference, inputs: tuple, needs: tuple, grad_outp
               for t, flag in zip(*_with_flags(x, need)) if flag and isinstance(t, Tensor)]
     if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in needed):
         # Under a torch.func transform the saved inputs are its wrappers, and autograd.grad
-        # found no graph from them to the recomputed outputs: every gradient came back None.
+        # finds no graph from them to the recomputed outputs: every gradient would be None.
         return _vjp_through_reference(reference, inputs, needs, grad_outputs)
     wanted = [t for t in needed if t.requires_grad]
     with torch.enable_grad():
@@ -177,10 +175,9 @@ class EagerAutograd:
     ``autograd.Function`` classes for the op's Python wrapper, arguments and outputs that are
     lists of tensors passed flattened:
 
-    - a plain one, which sets the context up in ``forward``: a call with the gradient and its
-      ``backward()`` took ~60 µs against ~90 µs through PyTorch's ``register_autograd`` layer
-      (``distill_kl``, N = 256, C = 10, 2-core Zen 4; a Function with a separate
-      ``setup_context`` took as long as that layer);
+    - a plain one, which sets the context up in ``forward``: cheaper a call than PyTorch's
+      ``register_autograd`` layer (a Function with a separate ``setup_context`` costs as much
+      as that layer);
     - one with its own ``setup_context`` and a generated vmap rule, for
       ``torch.func`` (``grad``, ``vjp``, ``jacrev``, and ``vmap`` over them where the op
       has no list), which refuses PyTorch's layer ("must override the setup_context

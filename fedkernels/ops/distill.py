@@ -201,9 +201,7 @@ def _pseudo_backward(ctx, grad_y, grad_w):
     # The logits' [K, N, C] terms only when the logits need a gradient; the weights' gradient gw
     # only for the scores', the prior's, and the logits' where the weights depend on the logits
     # (entropy, variance). A distillation step wants the logits' alone, and with FedGO's,
-    # DaFKD's or uniform weights skips every stage after the combine (K = 4, N = 256, C = 10:
-    # the step took 148 µs with the scores' and prior's gradients that nothing asked for, 98
-    # without).
+    # DaFKD's or uniform weights skips every stage after the combine.
     need_L, need_s, need_p = ctx.needs_input_grad[:3]
     need_w = need_s or need_p or (need_L and ctx.weighting in ("entropy", "variance"))
     grad_L = None
@@ -287,11 +285,9 @@ _PSEUDO_AUTOGRAD = EagerAutograd(_ops.ensemble_pseudo_labels.default, _pseudo_se
 def _is_one(grad_loss: Tensor) -> bool:
     """Whether the incoming gradient is a plain CPU 1.0, as ``loss.backward()`` passes: then
     the kernel's gradient needs no scaling pass (a read and a write of N x C values, and a fresh
-    output's page faults: about a fifth of a training step's time at N = 4096, C = 1000). Autograd
-    copies a gradient it cannot take over (``_kl_setup``), so handing on the saved tensor is
-    safe. Reading the
-    value would synchronise a GPU and cannot be traced, so anything but an eager CPU tensor
-    takes the multiplication."""
+    output's page faults). Autograd copies a gradient it cannot take over (``_kl_setup``), so
+    handing on the saved tensor is safe. Reading the value would synchronise a GPU and cannot be
+    traced, so anything but an eager CPU tensor takes the multiplication."""
     return (type(grad_loss) is torch.Tensor and grad_loss.device.type == "cpu"
             and grad_loss.numel() == 1 and not torch.compiler.is_compiling()
             and grad_loss.item() == 1.0)
@@ -302,14 +298,14 @@ def _kl_setup(ctx, inputs, output):
     _, grad = output
     ctx.temperature, ctx.scale, ctx.with_grad = temperature, scale, with_grad
     ctx.save_for_backward(student, target, grad)
-    # Nothing flows into the gradient output: materialised, its zero gradient was an N x C
-    # fill per loss.backward(), a quarter of a training step's time at N = 4096, C = 100.
+    # Nothing flows into the gradient output: materialised, its zero gradient would be an N x C
+    # fill per loss.backward(), a large part of a training step.
     ctx.set_materialize_grads(False)
     # Marked, the gradient output is saved as itself: autograd then copies the gradient handed
     # on from it (_is_one) while a retained graph still holds it, and takes it over only once
-    # the graph is freed. Unmarked, it was saved as a separate alias that autograd did not
-    # count: with retain_graph, x.grad became the saved gradient, and an in-place change of
-    # x.grad (clipping, zeroing) made the next backward through the graph fail.
+    # the graph is freed. Unmarked, it would be saved as a separate alias that autograd does
+    # not count: with retain_graph, x.grad would become the saved gradient, and an in-place
+    # change of x.grad (clipping, zeroing) would make the next backward through the graph fail.
     ctx.mark_non_differentiable(grad)
 
 
