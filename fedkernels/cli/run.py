@@ -470,6 +470,9 @@ def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool) -> N
         require_extra("matplotlib", "plotting", "--no-plots")
     if config.data.name == "digits":
         require_extra("sklearn", "the digits data set")
+    if config.data.name == "csv":
+        require_extra("pandas", "reading a CSV file")
+        require_extra("sklearn", "reading a CSV file")
 
 
 def _continue_command(out: Path, args: argparse.Namespace) -> str:

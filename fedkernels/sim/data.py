@@ -256,7 +256,7 @@ def load_csv(
                           f"of {', '.join(repr(c) for c in dropped)})")
     encoder = TableEncoder(columns, standardize, dropped)
     x, features = encoder.encode()
-    info: dict[str, Any] = {"file": str(table.path), "rows": len(table.rows), "labels": labels}
+    info: dict[str, Any] = {"file": str(table.path), "rows": table.num_rows, "labels": labels}
     if table.empty_unnamed_columns:
         info["empty_unnamed_columns"] = table.empty_unnamed_columns
     if ignored:
