@@ -79,13 +79,19 @@ def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
 class DataConfig:
     """Where the samples come from (:mod:`fedkernels.sim.data`)."""
 
-    name: Literal["digits", "synthetic", "gaussian_mixture", "csv"] = _field(
+    name: Literal["digits", "synthetic", "gaussian_mixture", "csv", "heart"] = _field(
         "digits",
         "data set: scikit-learn digits, FedProx synthetic(alpha,beta), Gaussian "
-        "mixture, or a CSV file",
+        "mixture, a CSV file, or the UCI Heart Disease files (heart)",
     )
     test_fraction: float = _field(
         0.2, "fraction of each client's samples held out for its test split"
+    )
+    root: str | None = _field(None, "folder of the publisher's files")
+    stratify: bool | None = _field(
+        None,
+        "split each client's rows into train and test class by class, so that its test split "
+        "holds every class it has two rows of (default: on for heart, off otherwise)",
     )
     alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
     beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
@@ -158,6 +164,9 @@ class DataConfig:
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
         _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
+        _require(self.name != "heart" or bool(self.root),
+                 "data.name=heart needs data.root, the folder holding the UCI files "
+                 "(processed.cleveland.data, ...) or heart_disease_uci.csv")
         if self.name != "csv":
             # a CSV setting is read by nothing else: without data.name=csv the run would
             # quietly train on the built-in data set instead of the file named

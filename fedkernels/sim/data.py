@@ -268,11 +268,25 @@ def load_csv(
                    name=table.path.name, info=info, encoder=encoder)
 
 
+# data sets whose clients' test splits are stratified by label unless data.stratify says not
+STRATIFIED_BY_DEFAULT = ("heart",)
+
+
+def stratified_split(config: DataConfig) -> bool:
+    """Whether each client's train/test split is stratified by label (data.stratify, by
+    default on for :data:`STRATIFIED_BY_DEFAULT`)."""
+    return config.name in STRATIFIED_BY_DEFAULT if config.stratify is None else config.stratify
+
+
 def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
     """The data set ``config`` names; ``num_clients`` is the number of synthetic users."""
     rng = seeding.numpy_rng(seed, seeding.DATA)
     if config.name == "digits":
         return load_digits()
+    if config.name == "heart":
+        from .heart import load_heart  # imported here: it imports Dataset from this module
+
+        return load_heart(config.root)
     if config.name == "synthetic":
         return synthetic(
             config.alpha,
