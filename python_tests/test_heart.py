@@ -214,9 +214,14 @@ def test_heart_test_splits_are_stratified_and_auroc_coverage_is_said(tmp_path):
     for client in fed.clients:
         assert sorted(client.test_y.tolist()) == [0, 1]
     assert fed.data_info["test_split"] == "stratified by label"
-    # the plain split draws one test row of four: every test split holds one class
-    with pytest.warns(DataWarning, match=r"clients 0, 1, 2, 3 hold a single class each.*cover 0 of "
+    # the plain split draws two test rows of four: some test splits hold one class
+    with pytest.warns(DataWarning, match=r"clients 1, 2 hold a single class each.*cover 2 of "
                                          r"4 clients.*data.stratify true"):
+        fed = build_federation(d, natural, 0.5, seed=1)
+    assert fed.data_info["single_class_test_clients"] == [1, 2]
+    # one test row of four: no client has an AUROC, no statistic over clients, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         fed = build_federation(d, natural, 0.2, seed=0)
     assert fed.data_info["single_class_test_clients"] == [0, 1, 2, 3]
 

@@ -151,7 +151,7 @@ def build_federation(
     stream ``(seed, LABEL_NOISE, k)``); test labels stay clean, and ``data_info`` records the
     fraction actually flipped. ``stratify`` splits each client class by class
     (:func:`stratified_split_client`). ``data_info`` lists the clients whose test split holds
-    a single class (no AUROC), which is warned about once."""
+    a single class (no AUROC); when other clients have an AUROC, that is warned about once."""
     labels = dataset.y.numpy()
     rows = np.arange(len(labels))
     server_rows = None
@@ -206,7 +206,8 @@ def build_federation(
     single = [k for k, (_, test) in enumerate(splits) if len(np.unique(labels[test])) < 2]
     if single:
         info = {**info, "single_class_test_clients": single}
-        _warn_single_class_tests(single, len(splits), stratify)
+        if len(single) < len(splits):  # with none left, no statistic is taken to mislead
+            _warn_single_class_tests(single, len(splits), stratify)
     if label_noise != "none":
         total = sum(len(train) for train, _ in splits)
         info = {**info, "label_noise": {"kind": label_noise, "rate": noise_rate,
