@@ -88,11 +88,7 @@ class DataConfig:
         0.2, "fraction of each client's samples held out for its test split"
     )
     root: str | None = _field(None, "folder of the publisher's files")
-    stratify: bool | None = _field(
-        None,
-        "split each client's rows into train and test class by class, so that its test split "
-        "holds every class it has two rows of (default: on for heart, off otherwise)",
-    )
+    stratify: bool | None = _field(None, "stratify test splits by label (default: heart)")
     alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
     beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
     iid: bool = _field(
