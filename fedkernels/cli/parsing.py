@@ -20,7 +20,7 @@ from fedkernels.sim.tabular import DataWarning
 
 SIM_EXTRA_INSTALL = 'pip install "fedkernels[sim]"'
 # import names of the packages of the ``sim`` extra (pyproject.toml)
-SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "matplotlib", "yaml"})
+SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "pandas", "matplotlib", "yaml"})
 MAX_THREADS = 1024  # --threads: torch's thread pool size, far above any CPU's core count
 
 

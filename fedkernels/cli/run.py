@@ -470,6 +470,9 @@ def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool) -> N
         require_extra("matplotlib", "plotting", "--no-plots")
     if config.data.name == "digits":
         require_extra("sklearn", "the digits data set")
+    if config.data.name in ("csv", "heart"):  # tables are read with pandas and scikit-learn
+        for module in ("pandas", "sklearn"):
+            require_extra(module, f"data.name={config.data.name}")
 
 
 def _continue_command(out: Path, args: argparse.Namespace) -> str:
@@ -569,6 +572,11 @@ def _main(argv: list[str]) -> int:
         f"{summary['client_accuracy_mean']:.4f} worst-10% {summary['client_accuracy_worst10']:.4f} "
         f"-> {out / RESULTS_NAME}"
     )
+    if summary.get("client_auroc_mean") is not None:
+        # over the clients whose test split holds two classes: the count says how many
+        print(f"client AUROC mean {summary['client_auroc_mean']:.4f} worst "
+              f"{summary['client_auroc_min']:.4f} over {summary['client_auroc_clients']} of "
+              f"{len(results['clients'])} clients")
     if "personalized_accuracy" in summary:
         # what a personalized method is judged by; the line above is its global model's (which
         # e.g. 'local' never trains)

@@ -76,7 +76,7 @@ FILE_DATASETS = ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "svh
                  "tiny_imagenet", "femnist", "shakespeare")
 # DataConfig's fields that only some data sets read (CSV's are checked apart, CSV_FIELDS)
 DATASET_OPTIONS = {
-    "root": FILE_DATASETS,
+    "root": (*FILE_DATASETS, "heart"),
     "download": ("mnist", "fashion_mnist", "emnist", "cifar10", "cifar100", "svhn"),
     "split": ("emnist",),
     "coarse": ("cifar100",),
@@ -99,7 +99,7 @@ class DataConfig:
     name: Literal[
         "digits", "synthetic", "gaussian_mixture", "csv", "mnist", "fashion_mnist", "emnist",
         "cifar10", "cifar100", "svhn", "cinic10", "tiny_imagenet", "femnist", "shakespeare",
-        "mnist1d",
+        "mnist1d", "heart",
     ] = _field(
         "digits",
         "data set: built-in, a CSV file, or a publisher's (docs/guide/datasets.md)",
@@ -117,6 +117,7 @@ class DataConfig:
     official_split: bool = _field(
         False, "clients' test rows are their rows of the publisher's test set"
     )
+    stratify: bool | None = _field(None, "stratify test splits by label (default: heart)")
     alpha: float = _field(1.0, "synthetic: spread of the per-client models (u_k ~ N(0, alpha))")
     beta: float = _field(1.0, "synthetic: spread of the per-client input means (B_k ~ N(0, beta))")
     iid: bool = _field(
@@ -202,6 +203,9 @@ class DataConfig:
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
         _require(self.name != "csv" or bool(self.path), "data.name=csv needs data.path")
+        _require(self.name != "heart" or bool(self.root),
+                 "data.name=heart needs data.root, the folder holding the UCI files "
+                 "(processed.cleveland.data, ...) or heart_disease_uci.csv")
         if self.name != "csv":
             # a CSV setting is read by nothing else: without data.name=csv the run would
             # quietly train on the built-in data set instead of the file named

@@ -298,7 +298,7 @@ def load_csv(
                           f"of {', '.join(repr(c) for c in dropped)})")
     encoder = TableEncoder(columns, standardize, dropped)
     x, features = encoder.encode()
-    info: dict[str, Any] = {"file": str(table.path), "rows": len(table.rows), "labels": labels}
+    info: dict[str, Any] = {"file": str(table.path), "rows": table.num_rows, "labels": labels}
     if table.empty_unnamed_columns:
         info["empty_unnamed_columns"] = table.empty_unnamed_columns
     if ignored:
@@ -308,6 +308,16 @@ def load_csv(
     info["features"] = features
     return Dataset(torch.from_numpy(x), torch.from_numpy(y), num_classes, groups,
                    name=table.path.name, info=info, encoder=encoder)
+
+
+# data sets whose clients' test splits are stratified by label unless data.stratify says not
+STRATIFIED_BY_DEFAULT = ("heart",)
+
+
+def stratified_split(config: DataConfig) -> bool:
+    """Whether each client's train/test split is stratified by label (data.stratify, by
+    default on for :data:`STRATIFIED_BY_DEFAULT`)."""
+    return config.name in STRATIFIED_BY_DEFAULT if config.stratify is None else config.stratify
 
 
 def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
@@ -320,6 +330,10 @@ def load_dataset(config: DataConfig, num_clients: int, seed: int) -> Dataset:
     rng = seeding.numpy_rng(seed, seeding.DATA)
     if config.name == "digits":
         return load_digits()
+    if config.name == "heart":
+        from .datasets.heart import load_heart  # imported here: it imports Dataset from here
+
+        return load_heart(config.root)
     if config.name == "synthetic":
         return synthetic(
             config.alpha,

@@ -3,6 +3,7 @@ optional noise on the training labels (:func:`noisy_labels`)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from . import seeding
 from .config import ConfigError, PartitionConfig
 from .data import Dataset
 from .partition import partition
+from .tabular import DataWarning
 
 LABEL_NOISE = 21  # (seed, LABEL_NOISE, client): a stream of its own beside those of seeding
 
@@ -91,6 +93,28 @@ def official_split(
     return np.sort(indices[~test]), np.sort(indices[test])
 
 
+def stratified_split_client(
+    indices: np.ndarray, labels: np.ndarray, test_fraction: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """One client's rows cut into train and test class by class: of each class's ``n_c``
+    rows, a seeded shuffle puts ``round(test_fraction * n_c)`` in the test split, clipped to
+    ``[1, n_c - 1]``, so that the test split holds every class the client has two rows of
+    (and its AUROC is defined when it has two of each of two classes). A class with one row
+    trains. When that leaves the test split empty (every class a single row), the split is
+    :func:`split_client`'s. (scikit-learn's stratified splits round a small class down to no
+    test row, and refuse a class of one row.)"""
+    test = []
+    for c in np.unique(labels[indices]):
+        members = rng.permutation(indices[labels[indices] == c])
+        if len(members) >= 2:
+            test.append(members[: min(max(1, round(test_fraction * len(members))),
+                                      len(members) - 1)])
+    if not test:
+        return split_client(indices, test_fraction, rng)
+    test_rows = np.sort(np.concatenate(test))
+    return np.setdiff1d(indices, test_rows), test_rows
+
+
 def server_split(
     labels: np.ndarray, fraction: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -135,6 +159,7 @@ def build_federation(
     label_noise: str = "none",
     noise_rate: float = 0.0,
     use_official_split: bool = False,
+    stratify: bool = False,
 ) -> Federation:
     """Partitions ``dataset`` and splits each client's share into train and test, with the
     split of client k seeded by ``(seed, SPLIT, k)``. With ``server_fraction`` > 0 that
@@ -142,7 +167,10 @@ def build_federation(
     ``label_noise``/``noise_rate`` flip client k's training labels (:func:`noisy_labels`,
     stream ``(seed, LABEL_NOISE, k)``); test labels stay clean, and ``data_info`` records the
     fraction actually flipped. ``use_official_split`` splits each client by the publisher's
-    train/test split (:func:`official_split`) instead of ``test_fraction``."""
+    train/test split (:func:`official_split`) instead of ``test_fraction``; ``stratify`` splits
+    each client class by class (:func:`stratified_split_client`). ``data_info`` lists the
+    clients whose test split holds a single class (no AUROC); when other clients have an AUROC,
+    that is warned about once."""
     if use_official_split and dataset.official_test is None:
         raise ConfigError(f"data.official_split needs a data set with the publisher's test "
                           f"split (mnist ... mnist1d); {dataset.name} has none")
@@ -164,6 +192,9 @@ def build_federation(
         splits = [official_split(rows, dataset.official_test, k) for k, rows in enumerate(parts)]
     else:
         splits = [
+            stratified_split_client(rows, labels, test_fraction,
+                                    seeding.numpy_rng(seed, seeding.SPLIT, k))
+            if stratify else
             split_client(rows, test_fraction, seeding.numpy_rng(seed, seeding.SPLIT, k))
             for k, rows in enumerate(parts)
         ]
@@ -197,6 +228,13 @@ def build_federation(
         # its value -> client mapping would describe clients that do not exist.
         info = {**info, "clients": {"column": info["clients"]["column"],
                                     "used": False, "partition": config.kind}}
+    if stratify:
+        info = {**info, "test_split": "stratified by label"}
+    single = [k for k, (_, test) in enumerate(splits) if len(np.unique(labels[test])) < 2]
+    if single:
+        info = {**info, "single_class_test_clients": single}
+        if len(single) < len(splits):  # with none left, no statistic is taken to mislead
+            _warn_single_class_tests(single, len(splits), stratify)
     if label_noise != "none":
         total = sum(len(train) for train, _ in splits)
         info = {**info, "label_noise": {"kind": label_noise, "rate": noise_rate,
@@ -210,3 +248,17 @@ def build_federation(
         info,
         dataset.vocab_size,
     )
+
+
+def _warn_single_class_tests(clients: list[int], num_clients: int, stratified: bool) -> None:
+    """Says once which clients' test splits hold a single class: they have no AUROC, so the
+    statistics over clients' AUROCs cover the others only."""
+    shown = ", ".join(map(str, clients[:10])) + (f" and {len(clients) - 10} more"
+                                                 if len(clients) > 10 else "")
+    hint = "" if stratified else "; data.stratify true gives each client's test split every " \
+        "class it has two rows of"
+    which = (f"the test splits of clients {shown} hold a single class each" if len(clients) > 1
+             else f"the test split of client {shown} holds a single class")
+    warnings.warn(DataWarning(
+        f"{which}, so no AUROC: client_auroc_* cover {num_clients - len(clients)} of "
+        f"{num_clients} clients (summary.client_auroc_clients){hint}"), stacklevel=3)

@@ -20,8 +20,9 @@ ties counting one half; it equals the Mann–Whitney statistic
 (:func:`auroc_by_group`). Binary tasks score class 1; with C > 2 classes it is the macro
 average of the one-vs-rest AUROCs (class c scored by :math:`\log p_c`) over the classes that
 occur in the split. A split with a single class has no AUROC: the value is NaN in tensors,
-``null`` in ``results.json``, and such clients are left out of every statistic over clients
-(``client_auroc_clients`` counts the others).
+``null`` in ``results.json``, and such clients are left out of every statistic over clients,
+never silently: ``client_auroc_clients`` counts the others and ``client_auroc_excluded`` lists
+the clients left out (each statistic over clients has its ``_clients`` count).
 
 Calibration (:func:`calibration_errors`): each prediction's confidence is its largest softmax
 probability; the confidences are put into ``B`` equal-width bins :math:`((b-1)/B, b/B]` and,
@@ -255,21 +256,25 @@ SUMMARY_KEYS = (
 def evaluation_metrics(evaluation: ClientEvaluation) -> dict[str, Any]:
     """The metrics a run records for one evaluation of the global model: ``test_accuracy``,
     ``test_loss`` (pooled test samples), ``client_accuracy_<stat>`` over the clients (every
-    key of :func:`distribution_summary`, test sizes as weights), and when the evaluation has
-    AUROC, ``test_auroc`` (pooled), ``client_auroc_<stat>`` over the clients whose AUROC is
-    defined (None for all when no client's is) and ``client_auroc_clients``, their number; when
-    it has calibration, ``test_ece``/``test_mce`` (pooled) and ``client_ece_mean``/
-    ``client_mce_mean`` (over the clients)."""
+    key of :func:`distribution_summary`, test sizes as weights) and ``client_accuracy_clients``
+    (every client), and when the evaluation has AUROC, ``test_auroc`` (pooled),
+    ``client_auroc_<stat>`` over the clients whose AUROC is defined (None for all when no
+    client's is), ``client_auroc_clients``, their number, and ``client_auroc_excluded``, the
+    others (client indices); when it has calibration, ``test_ece``/``test_mce`` (pooled) and
+    ``client_ece_mean``/``client_mce_mean`` over the ``client_ece_clients`` clients with test
+    samples."""
     out: dict[str, Any] = {
         "test_accuracy": evaluation.pooled_accuracy(),
         "test_loss": evaluation.pooled_loss(),
     }
     summary = distribution_summary(evaluation.accuracy, weights=evaluation.count)
     out.update({f"client_accuracy_{k}": v for k, v in summary.items()})
+    out["client_accuracy_clients"] = len(evaluation.accuracy)
     if evaluation.auroc is not None:
         out["test_auroc"] = evaluation.auroc_pooled
         defined = ~torch.isnan(evaluation.auroc)
         out["client_auroc_clients"] = int(defined.sum())
+        out["client_auroc_excluded"] = torch.nonzero(~defined).flatten().tolist()
         if defined.any():
             summary = distribution_summary(
                 evaluation.auroc[defined], weights=evaluation.count[defined]
@@ -281,6 +286,7 @@ def evaluation_metrics(evaluation: ClientEvaluation) -> dict[str, Any]:
         out["test_ece"], out["test_mce"] = evaluation.calibration_pooled
         out["client_ece_mean"] = _nanmean(evaluation.ece)
         out["client_mce_mean"] = _nanmean(evaluation.mce)
+        out["client_ece_clients"] = int((~evaluation.ece.isnan()).sum())
     return out
 
 

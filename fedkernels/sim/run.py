@@ -35,7 +35,7 @@ from .attacks import build_attack
 from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
 from .config import AttackConfig, ConfigError, ExperimentConfig, PartitionConfig, PrivacyConfig
-from .data import Dataset, load_dataset
+from .data import Dataset, load_dataset, stratified_split
 from .federation import build_federation
 from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
 from .models import build_model
@@ -87,6 +87,7 @@ class Simulation:
             dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
             use_official_split=config.data.official_split,
+            stratify=stratified_split(config.data),
         )
         fed = self.federation
         self.attack = build_attack(config.attack, fed.num_clients, seed)

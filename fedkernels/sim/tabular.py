@@ -1,21 +1,23 @@
 """Tabular data as people have it: a CSV file with text columns, gaps and a label to map.
 
-:func:`read_table` reads and checks the file (header, duplicate names, ragged rows);
-:func:`map_labels` turns the label column into classes ``0..C-1``; :func:`client_codes` numbers
-the client column; :func:`feature_columns` decides, on the whole file, which feature columns are
-numeric and which categorical; :class:`TableEncoder` turns those columns into a float matrix with
-every statistic (median, mean, standard deviation, category levels) fitted on the rows it is
-told are training rows, so that no test row leaks into the features.
+:func:`read_table` reads and checks the file (header, duplicate names, ragged rows) into a
+pandas DataFrame of text; :func:`map_labels` turns the label column into classes ``0..C-1``;
+:func:`client_codes` numbers the client column; :func:`feature_columns` decides, on the whole
+file, which feature columns are numeric and which categorical; :class:`TableEncoder` turns those
+columns into a float matrix with a scikit-learn ``ColumnTransformer`` (``SimpleImputer`` with
+missing indicators, ``StandardScaler``, ``OneHotEncoder``) fitted on the rows it is told are
+training rows, so that no test row leaks into the features.
 
-Rules (documented in ``docs/data.md``):
+Rules (documented in ``docs/guide/data.md``):
 
 - fields are separated by a comma, or by the ``data.delimiter`` given (``;``, tab, ``|``; a
   tab by default for a ``.tsv`` file); with ``data.decimal`` ``,`` numbers are read with a
   decimal comma and ``.`` thousands separators (``1.234,5``), as spreadsheets in those
   locales write them;
 - a field is missing when, stripped of spaces, it is one of ``MISSING_MARKERS`` (any case);
-- a field is a number when ``float()`` reads it and it is finite; ``1``, ``1.0``, ``01`` and
-  ``+1`` are the same value, compared exactly (so 17-digit identifiers stay distinct);
+- a feature is a number when ``pandas.to_numeric`` reads it and it is finite; labels, clients
+  and categories compare numbers exactly: ``1``, ``1.0``, ``01`` and ``+1`` are the same value,
+  and 17-digit identifiers stay distinct;
 - a feature column is numeric when every present value is a number, categorical when every
   present value is text or when it is listed in ``categorical_columns``; a column with both
   is an error naming a row and the column;
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import codecs
 import csv
-import dataclasses
 import io
 import math
 import numbers
@@ -37,13 +38,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fedkernels.aggregate import FLOAT32_MAX
 
 from .config import CSV_DECIMAL_MARKS, CSV_DELIMITERS, ConfigError, known_encoding
+
+if TYPE_CHECKING:  # pandas and scikit-learn (the sim extra) are imported where a table is read
+    import pandas as pd
 
 MISSING_MARKERS = ("", "?", "na", "n/a", "nan", "null")
 MISSING_LEVEL = "missing"
@@ -83,6 +87,11 @@ def point_decimal(text: str) -> str:
 
 def is_missing(text: str) -> bool:
     return text.strip().lower() in MISSING_MARKERS
+
+
+def missing_mask(column: pd.Series) -> np.ndarray:
+    """:func:`is_missing` of every field of a column of stripped text."""
+    return column.str.lower().isin(MISSING_MARKERS).to_numpy()
 
 
 def as_number(text: str) -> float | None:
@@ -126,6 +135,14 @@ def canonical(text: str) -> str:
 
 
 _MAX_FRACTION_DIGITS = 400  # more than any float's (5e-324 has 324)
+
+
+def canonical_column(column: pd.Series) -> list[str]:
+    """:func:`canonical` of every field (worked out once per distinct spelling)."""
+    import pandas as pd
+
+    spelled = {text: canonical(text) for text in pd.unique(column)}
+    return [spelled[text] for text in column]
 
 
 def _sort_key(value: str) -> tuple:
@@ -187,20 +204,26 @@ _DECIMAL_FLAG = ("pass --data.decimal , (data.decimal: ',') to read numbers with
 
 @dataclass
 class Table:
-    """A CSV file's header and rows (fields stripped), with each row's number as a spreadsheet
-    shows it (the header is row 1; a quoted field spanning lines is still one row), and the
-    field separator it was read with."""
+    """A CSV file's rows as text (``frame``: one column per header name, fields stripped), with
+    each row's number as a spreadsheet shows it (the header is row 1; a quoted field spanning
+    lines is still one row), and the field separator it was read with."""
 
     path: Path
-    header: list[str]
-    rows: list[list[str]]
+    frame: pd.DataFrame
     row_numbers: list[int]
-    empty_unnamed_columns: list[int] = dataclasses.field(default_factory=list)  # dropped (1-based)
+    empty_unnamed_columns: list[int]  # dropped (1-based)
     delimiter: str = ","
 
-    def column(self, name: str) -> list[str]:
-        j = self.header.index(name)
-        return [row[j] for row in self.rows]
+    @property
+    def header(self) -> list[str]:
+        return list(self.frame.columns)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.frame)
+
+    def column(self, name: str) -> pd.Series:
+        return self.frame[name]
 
     def where(self, r: int) -> str:
         """``path, row N``: row numbers count the header as row 1, as a spreadsheet does."""
@@ -365,6 +388,11 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
     separator = field_separator(delimiter, path)
     if decimal not in CSV_DECIMAL_MARKS:
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
+    import pandas as pd
+
+    # Tokenised by the csv module in strict mode, not pandas.read_csv: its C engine reads a
+    # row with an unclosed quote into the next one without a word, and its python engine (this
+    # same module) gives neither the row of a quoting error nor the fields of a padded row.
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
     reader = csv.reader(io.StringIO(_read_text(path, encoding), newline=""), strict=True,
                         skipinitialspace=True, delimiter=separator)
@@ -426,7 +454,8 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
                               f"{seen[name]} and {j}); every column needs its own name"
                               f"{_no_header_hint(header, body)}")
         seen[name] = j
-    return Table(path, header, body, body_numbers, [j + 1 for j in unnamed], separator)
+    frame = pd.DataFrame(body, columns=header, dtype=object)
+    return Table(path, frame, body_numbers, [j + 1 for j in unnamed], separator)
 
 
 def require_columns(table: Table, names: dict[str, str | None]) -> None:
@@ -435,7 +464,11 @@ def require_columns(table: Table, names: dict[str, str | None]) -> None:
         if column is not None and column not in table.header:
             raise ConfigError(f"{table.path}: no column {column!r} for {option} (columns: "
                               f"{', '.join(table.header)})"
-                              f"{_separator_hint(table.header, table.delimiter, table.rows)}")
+                              f"{_separator_hint(table.header, table.delimiter, _first_rows(table))}")
+
+
+def _first_rows(table: Table, count: int = 200) -> list[list[str]]:
+    return table.frame.head(count).values.tolist()
 
 
 # ---------------------------------------------------------------- labels and clients
@@ -486,13 +519,13 @@ def map_labels(
     """
     if label_map is not None and positive_labels is not None:
         raise ConfigError("data.label_map and data.positive_labels both given; choose one")
-    raw = table.column(column)
-    values = []
-    for r, text in enumerate(raw):
-        if is_missing(text):
-            raise ConfigError(f"{table.where(r)}: the label (column {column!r}) is missing "
-                              f"({text!r}); every row needs a label")
-        values.append(canonical(text))
+    raw = table.column(column).tolist()
+    gaps = missing_mask(table.column(column))
+    if gaps.any():
+        r = int(np.argmax(gaps))
+        raise ConfigError(f"{table.where(r)}: the label (column {column!r}) is missing "
+                          f"({raw[r]!r}); every row needs a label")
+    values = canonical_column(table.column(column))
     info: dict[str, Any] = {"column": column}
     if label_map is not None:
         mapping = parse_label_map(label_map)
@@ -586,12 +619,13 @@ def _warn_case_variants(values: list[str], mapping: dict[str, int], column: str,
 
 def client_codes(table: Table, column: str) -> tuple[np.ndarray, dict[str, int]]:
     """The client column as ``0..N-1`` (sorted values, numerically where they are numbers)."""
-    values = []
-    for r, text in enumerate(table.column(column)):
-        if is_missing(text):
-            raise ConfigError(f"{table.where(r)}: the client (column {column!r}) is missing "
-                              f"({text!r}); every row needs one for the natural partition")
-        values.append(canonical(text))
+    gaps = missing_mask(table.column(column))
+    if gaps.any():
+        r = int(np.argmax(gaps))
+        raise ConfigError(f"{table.where(r)}: the client (column {column!r}) is missing "
+                          f"({table.column(column).iloc[r]!r}); every row needs one for the "
+                          "natural partition")
+    values = canonical_column(table.column(column))
     mapping = {v: i for i, v in enumerate(sorted(set(values), key=_sort_key))}
     return np.array([mapping[v] for v in values], dtype=np.int64), mapping
 
@@ -618,67 +652,70 @@ class Column:
         return np.array([v is None for v in self.levels], dtype=bool)
 
 
+def _levels(raw: pd.Series, gaps: np.ndarray) -> list[str | None]:
+    return [None if gap else level for gap, level in zip(gaps, canonical_column(raw))]
+
+
 def feature_columns(
     table: Table,
     names: list[str],
     categorical: Sequence[str] = (),
 ) -> tuple[list[Column], dict[str, str]]:
     """Reads and types the feature columns; returns them and the dropped ones (with why)."""
+    import pandas as pd
+
     columns, dropped = [], {}
     for name in names:
         raw = table.column(name)
-        present = [r for r, text in enumerate(raw) if not is_missing(text)]
-        if not present:
+        gaps = missing_mask(raw)
+        if gaps.all():
             dropped[name] = "no value in any row"
             continue
-        numbers = [as_number(raw[r]) for r in present]
         if name in categorical:
-            levels = [None if is_missing(text) else canonical(text) for text in raw]
-            columns.append(Column(name, "categorical", levels=levels, forced=True))
+            columns.append(Column(name, "categorical", levels=_levels(raw, gaps), forced=True))
             continue
-        is_number = [v is not None for v in numbers]
-        if all(is_number):
-            values = np.full(len(raw), np.nan)
-            values[present] = numbers
-            columns.append(Column(name, "numeric", numbers=values))
+        values = pd.to_numeric(raw.where(~gaps), errors="coerce").to_numpy(dtype=np.float64)
+        is_number = ~gaps & np.isfinite(values)
+        is_text = ~gaps & ~is_number
+        if not is_text.any():
+            columns.append(Column(name, "numeric", numbers=np.where(is_number, values, np.nan)))
             continue
-        if any(is_number):
-            text_rows = [r for r, ok in zip(present, is_number) if not ok]
-            number_rows = [r for r, ok in zip(present, is_number) if ok]
-            for r in text_rows:
-                try:  # inf, or a number too large for a float such as 1e400
-                    float(raw[r])
-                except ValueError:
-                    continue
-                raise ConfigError(f"{table.where(r)}: column {name!r} value {raw[r]!r} is "
+        if is_number.any():
+            text_rows, number_rows = np.flatnonzero(is_text), np.flatnonzero(is_number)
+            infinite = np.flatnonzero(is_text & np.isinf(values))  # inf, 1e400, ...
+            if infinite.size:
+                r = int(infinite[0])
+                raise ConfigError(f"{table.where(r)}: column {name!r} value {raw.iloc[r]!r} is "
                                   "not a finite number")
             if len(text_rows) <= len(number_rows):
-                r, e = text_rows[0], number_rows[0]
-                kind = locale_number(raw[r])
+                r, e = int(text_rows[0]), int(number_rows[0])
+                kind = locale_number(raw.iloc[r])
                 written = f" (a number written with {kind}?)" if kind else ""
                 fix = ("correct the value, leave it empty or write '?' for a missing one, or "
                        "list the column in data.categorical_columns")
                 if kind == "a decimal comma":
                     fix = f"{_DECIMAL_FLAG}; or {fix}"
                 raise ConfigError(
-                    f"{table.where(r)}: column {name!r} value {raw[r]!r} is not a number"
+                    f"{table.where(r)}: column {name!r} value {raw.iloc[r]!r} is not a number"
                     f"{written}, but the column's other values are numbers (e.g. row "
-                    f"{table.row_numbers[e]}: {raw[e]!r}); {fix}")
-            r, e = number_rows[0], text_rows[0]
+                    f"{table.row_numbers[e]}: {raw.iloc[e]!r}); {fix}")
+            r, e = int(number_rows[0]), int(text_rows[0])
             raise ConfigError(
-                f"{table.where(r)}: column {name!r} value {raw[r]!r} is a number, but the "
-                f"column's other values are text (e.g. row {table.row_numbers[e]}: {raw[e]!r}); "
-                "list the column in data.categorical_columns to read every value as a category")
-        levels = [None if is_missing(text) else canonical(text) for text in raw]
+                f"{table.where(r)}: column {name!r} value {raw.iloc[r]!r} is a number, but the "
+                f"column's other values are text (e.g. row {table.row_numbers[e]}: "
+                f"{raw.iloc[e]!r}); list the column in data.categorical_columns to read every "
+                "value as a category")
+        levels = _levels(raw, gaps)
+        present = int((~gaps).sum())
         distinct = len(set(levels) - {None})
-        hint = _locale_hint([raw[r] for r in present])
-        if distinct > MAX_AUTO_LEVELS and distinct * 2 > len(present):
+        hint = _locale_hint(raw[~gaps].tolist())
+        if distinct > MAX_AUTO_LEVELS and distinct * 2 > present:
             if hint:
                 raise ConfigError(f"{table.path}: column {name!r} is text with {distinct} "
-                                  f"different values in {len(present)} rows: {hint}")
+                                  f"different values in {present} rows: {hint}")
             raise ConfigError(
                 f"{table.path}: column {name!r} is text with {distinct} different values in "
-                f"{len(present)} rows, an identifier or free text rather than a category; list "
+                f"{present} rows, an identifier or free text rather than a category; list "
                 "it in data.ignore_columns (or in data.categorical_columns to one-hot encode it "
                 "anyway)")
         note = ""
@@ -689,25 +726,20 @@ def feature_columns(
     return columns, dropped
 
 
-def _unit(values: np.ndarray) -> float:
-    """A power of two within a factor 2 of the values' largest magnitude (1 when there is
-    none): the values divided by it lie in [-2, 2], where squares neither overflow (1e200)
-    nor vanish into subnormals (1e-320)."""
-    peak = float(np.max(np.abs(values))) if values.size else 0.0
-    if not (peak > 0 and math.isfinite(peak)):
-        return 1.0
-    return math.ldexp(1.0, math.frexp(peak)[1] - 1)
-
-
 class TableEncoder:
     """Turns feature columns into a float matrix, with every statistic fitted on given rows.
 
-    Numeric column: gaps take the median of the fitting rows' values, plus a 0/1 column
-    ``name (missing)`` when the fitting rows have gaps; then, with ``standardize``,
+    One scikit-learn pipeline per column, in the columns' order, joined by a
+    ``ColumnTransformer`` fitted on the fitting rows. Numeric column: with ``standardize``,
     ``(v - mean) / std`` with the fitting rows' mean and standard deviation of the present
-    values (std 0 or undefined: only centred). Categorical column: one 0/1 column per level
-    the fitting rows hold (``missing`` being a level of its own), in sorted order; a value the
-    fitting rows never hold encodes as all zeros.
+    values (``StandardScaler``, which skips gaps; a constant column is only centred), taken
+    over the values divided by a power of two near their peak (:func:`_unit`) so that values
+    of any finite magnitude standardise; then gaps take the median of the fitting rows'
+    values, plus a 0/1 column ``name (missing)`` when the fitting rows have gaps
+    (``SimpleImputer(add_indicator=True)``; a column the fitting rows never fill is a gap in
+    every row). Categorical column: one 0/1 column per level the fitting rows hold
+    (``missing`` being a level of its own), in sorted order; a value the fitting rows never
+    hold encodes as all zeros (``OneHotEncoder(handle_unknown="ignore")``).
     """
 
     def __init__(self, columns: list[Column], standardize: bool = True,
@@ -720,75 +752,122 @@ class TableEncoder:
     def encode(self, fit_rows: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, Any]]:
         """``(x, info)``: the ``[rows, features]`` float32 matrix and what was done, fitted on
         ``fit_rows`` (all rows when None)."""
+        import pandas as pd
+        from sklearn.compose import ColumnTransformer
+
+        if not self.columns:
+            raise ConfigError("no feature columns left (every feature column is empty or "
+                              "ignored)")
         n = self.num_rows
         fit = np.zeros(n, dtype=bool)
         fit[np.arange(n) if fit_rows is None else np.asarray(fit_rows, dtype=np.int64)] = True
-        blocks, names = [], []
-        info: dict[str, Any] = {
-            "fitted_on_rows": int(fit.sum()),
-            "numeric": {},
-            "one_hot": {},
-        }
-        if self.dropped:
-            info["dropped"] = dict(self.dropped)
-        for col in self.columns:
-            gaps = col.missing
+        frame, steps, units = {}, [], {}
+        for j, col in enumerate(self.columns):
+            key = f"c{j}"  # a column's name may hold what scikit-learn refuses in a step name
             if col.kind == "numeric":
                 values = col.numbers
-                present = values[fit & ~gaps]
-                unit = _unit(present)  # see _unit: statistics of any finite magnitude
-                median = float(np.median(present / unit)) * unit if present.size else 0.0
-                filled = np.where(gaps, median, values)
+                if not (fit & ~col.missing).any():
+                    values = np.full(n, np.nan)
+                elif not self.standardize:
+                    self._check_float32_range(col)
+                else:
+                    units[key] = _unit(values[fit & ~col.missing])
+                    values = values / units[key]
+                frame[key] = values
+                steps.append((key, self._numeric_pipeline(key in units), [key]))
+            else:
+                tokens = [MISSING_LEVEL if v is None else v for v in col.levels]
+                frame[key] = pd.Series(tokens, dtype=object)
+                steps.append((key, _one_hot(tokens, fit), [key]))
+        frame = pd.DataFrame(frame)
+        joined = ColumnTransformer(steps, sparse_threshold=0.0).fit(frame[fit])
+        x = joined.transform(frame)
+        info = self._describe(joined, fit, units)
+        return x.astype(np.float32), info
+
+    @staticmethod
+    def _numeric_pipeline(standardize: bool):
+        from sklearn.impute import SimpleImputer
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
+
+        impute = SimpleImputer(strategy="median", add_indicator=True, keep_empty_features=True)
+        return make_pipeline(StandardScaler(), impute) if standardize else make_pipeline(impute)
+
+    @staticmethod
+    def _check_float32_range(col: Column) -> None:
+        big = np.flatnonzero(np.abs(col.numbers) > FLOAT32_MAX)
+        if big.size:
+            raise ConfigError(
+                f"column {col.name!r}: the value {col.numbers[big[0]]:.6g} is beyond the "
+                f"float32 range of the features (|x| <= {FLOAT32_MAX:.4g}); standardize the "
+                "column (data.standardize) or rescale it")
+
+    def _describe(self, joined, fit: np.ndarray, units: dict[str, float]) -> dict[str, Any]:
+        """What the fitted ``joined`` transformer does, column by column, with the feature
+        names (``name``, ``name (missing)``, ``name=level``); ``units`` holds the power of two
+        each standardised column was divided by."""
+        info: dict[str, Any] = {"fitted_on_rows": int(fit.sum()), "numeric": {}, "one_hot": {}}
+        if self.dropped:
+            info["dropped"] = dict(self.dropped)
+        names = []
+        for j, col in enumerate(self.columns):
+            step = joined.named_transformers_[f"c{j}"]
+            gaps = col.missing
+            if col.kind == "numeric":
+                impute = step.steps[-1][1]
                 entry: dict[str, Any] = {"missing": int(gaps.sum()),
                                          "missing_in_fit_rows": int((gaps & fit).sum())}
+                median = float(impute.statistics_[0])
+                if f"c{j}" in units:  # standardised: back to the column's own units
+                    unit = units[f"c{j}"]
+                    scaler = step.steps[0][1]
+                    mean, std = float(scaler.mean_[0]), math.sqrt(float(scaler.var_[0]))
+                    median = (median * float(scaler.scale_[0]) + mean) * unit
+                    entry.update(mean=mean * unit, std=std * unit)
+                elif self.standardize:  # no value in the fitting rows: nothing to scale by
+                    entry.update(mean=0.0, std=0.0)
                 if gaps.any():
                     entry["imputed_with_median"] = median
-                if self.standardize:
-                    m = float((present / unit).mean()) if present.size else 0.0
-                    sd = float((present / unit).std()) if present.size else 0.0
-                    filled = (filled / unit - m) / sd if sd > 0 else (filled / unit - m) * unit
-                    entry.update(mean=m * unit, std=sd * unit)
-                else:
-                    big = np.flatnonzero(np.abs(filled) > FLOAT32_MAX)
-                    if big.size:
-                        raise ConfigError(
-                            f"column {col.name!r}: the value {filled[big[0]]:.6g} is beyond "
-                            "the float32 range of the features "
-                            f"(|x| <= {FLOAT32_MAX:.4g}); standardize the column "
-                            "(data.standardize) or rescale it")
-                blocks.append(filled)
                 names.append(col.name)
-                if (gaps & fit).any():
-                    blocks.append(gaps.astype(np.float64))
+                if len(impute.indicator_.features_):  # the fitting rows have gaps
                     names.append(f"{col.name} (missing)")
                     entry["indicator"] = f"{col.name} (missing)"
                 info["numeric"][col.name] = entry
             else:
-                tokens = [MISSING_LEVEL if v is None else v for v in col.levels]
-                seen = sorted({t for t, f in zip(tokens, fit) if f}, key=_sort_key)
-                index = {t: i for i, t in enumerate(seen)}
-                onehot = np.zeros((n, len(seen)))
-                unseen = 0
-                for r, t in enumerate(tokens):
-                    i = index.get(t)
-                    if i is None:
-                        unseen += 1
-                    else:
-                        onehot[r, i] = 1.0
-                blocks.extend(onehot.T)
-                names.extend(f"{col.name}={level}" for level in seen)
+                levels = list(step.categories_[0])
+                names.extend(f"{col.name}={level}" for level in levels)
+                known = set(levels)
+                unseen = sum((MISSING_LEVEL if v is None else v) not in known for v in col.levels)
                 info["one_hot"][col.name] = {
-                    "levels": seen,
+                    "levels": levels,
                     "missing": int(gaps.sum()),
-                    "values_unseen_in_fit_rows": unseen,
+                    "values_unseen_in_fit_rows": int(unseen),
                     "why": "listed in data.categorical_columns" if col.forced else "text values",
                 }
                 if col.note:
                     info["one_hot"][col.name]["warning"] = col.note
-        if not blocks:
-            raise ConfigError("no feature columns left (every feature column is empty or "
-                              "ignored)")
-        x = np.stack(blocks, axis=1).astype(np.float32)
         info["standardized"] = sorted(info["numeric"]) if self.standardize else []
         info["feature_names"] = names
-        return x, info
+        return info
+
+
+def _unit(values: np.ndarray) -> float:
+    """A power of two within a factor 2 of the values' largest magnitude (1 when there is
+    none): the values divided by it lie in [-2, 2], where squares neither overflow (1e200)
+    nor vanish into subnormals (1e-320). Kept beside scikit-learn's scalers, which take a
+    scale under 10 machine epsilons for zero and leave such a column unscaled."""
+    peak = float(np.max(np.abs(values))) if values.size else 0.0
+    if not (peak > 0 and math.isfinite(peak)):
+        return 1.0
+    return math.ldexp(1.0, math.frexp(peak)[1] - 1)
+
+
+def _one_hot(tokens: list[str], fit: np.ndarray):
+    """A one-hot encoder whose levels are those of the fitting rows, sorted as
+    :func:`canonical` values sort (numerically where they are numbers: 9 before 10)."""
+    from sklearn.preprocessing import OneHotEncoder
+
+    seen = sorted({t for t, f in zip(tokens, fit) if f}, key=_sort_key)
+    return OneHotEncoder(categories=[seen], handle_unknown="ignore", sparse_output=False,
+                         dtype=np.float64)
