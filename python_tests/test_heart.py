@@ -17,8 +17,8 @@ import torch
 
 from fedkernels.sim.config import ConfigError, DataConfig, PartitionConfig, from_dict
 from fedkernels.sim.data import load_dataset, stratified_split
-from fedkernels.sim.federation import build_federation, stratified_split_client
 from fedkernels.sim.datasets.heart import load_heart
+from fedkernels.sim.federation import build_federation, stratified_split_client
 from fedkernels.sim.tabular import DataWarning
 
 pytest.importorskip("pandas")
