@@ -90,7 +90,7 @@ from fedkernels.algorithms.fairness import (
 from fedkernels.algorithms.participation import IntervalWeightEstimator
 from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
 from fedkernels.model_layout import INT_POLICIES
-from fedkernels.private import update_norms
+from fedkernels.privacy.mechanism import update_norms
 from fedkernels.sim import server as _server
 from fedkernels.sim.strategy import SetupInfo
 
@@ -684,7 +684,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     :math:`h_k = q (f_k+\epsilon)^{q-1} L^2\|x_t - x_k\|^2 + L (f_k+\epsilon)^q` and
     :math:`x_{t+1} = x_t + \sum_k c_k (x_k - x_t)`, :math:`c_k = L (f_k+\epsilon)^q / \sum_j
     h_j`: the squared norms of all replies from one fused read pass
-    (:func:`fedkernels.private.update_norms`), then one fused delta-mode pass. As in
+    (:func:`fedkernels.privacy.update_norms`), then one fused delta-mode pass. As in
     Flower, the result is float64, ``current_arrays`` and the replies' ArrayRecords are
     emptied by the aggregation (Flower reads them with ``keep_input=False``), and arrays pair
     with the global ones by position. Replies Flower's arithmetic would treat differently

@@ -22,12 +22,12 @@ deserializes every array with ``np.load``. Constructor arguments, attributes, ``
 :class:`Bulyan`                            :func:`fedkernels.robust.bulyan` with the legacy
                                            (iterative Krum) selection
 :class:`DifferentialPrivacyServerSide\     every client's update clipped by fedkernels (norms
-FixedClipping`                             from :func:`fedkernels.private.update_norms`), the
+FixedClipping`                             from :func:`fedkernels.privacy.update_norms`), the
                                            wrapped strategy's aggregate (the fused mean with
                                            :class:`~fedkernels.integrations.flower_legacy.FedAvg`),
                                            noise from fedkernels' Philox stream
 :class:`DifferentialPrivacyServerSide\     the same, with the clip norm moved by
-AdaptiveClipping`                          :func:`fedkernels.private.adaptive_clip_norm`
+AdaptiveClipping`                          :func:`fedkernels.privacy.adaptive_clip_norm`
 =========================================  =====================================================
 
 Differences from Flower are those of :mod:`fedkernels.integrations.flower_robust`: rounding,
@@ -78,7 +78,7 @@ from fedkernels.integrations.flower_legacy import (
     parameters_to_arrays,
 )
 from fedkernels.ops.sgld import sgld_step
-from fedkernels.private import adaptive_clip_norm, update_norms
+from fedkernels.privacy.mechanism import adaptive_clip_norm, update_norms
 from fedkernels.robust import (
     bulyan,
     coordinate_median,
@@ -366,7 +366,7 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
         _LegacyDP, _flower.DifferentialPrivacyServerSideAdaptiveClipping):
     r"""Flower's legacy ``DifferentialPrivacyServerSideAdaptiveClipping``: the clip as in
     :class:`DifferentialPrivacyServerSideFixedClipping`, then the clip norm moved by
-    :func:`fedkernels.private.adaptive_clip_norm` (before the aggregate's noise, whose
+    :func:`fedkernels.privacy.adaptive_clip_norm` (before the aggregate's noise, whose
     standard deviation uses the new C, as in Flower). Extra keyword argument: ``generator``
     (a CPU ``torch.Generator``, for both noises)."""
 

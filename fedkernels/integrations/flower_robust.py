@@ -23,12 +23,12 @@ the exceptions and the wrapped strategy of the DP wrappers are Flower's. Swap th
                                        (:func:`fedkernels.robust.nearest_to_median_mean`)
 :class:`DifferentialPrivacyServer\     :math:`x_t + \sum_k \bar w_k \min(1, C/\|x_k - x_t\|)
 SideFixedClipping`                     (x_k - x_t) + \mathcal N(0, (\sigma C/m)^2)` in
-                                       :func:`fedkernels.private.private_aggregate` when the
+                                       :func:`fedkernels.privacy.private_aggregate` when the
                                        wrapped strategy averages as ``FedAvg`` does; otherwise
                                        the replies are clipped with fedkernels and handed to
                                        the wrapped strategy, as Flower does
 :class:`DifferentialPrivacyServer\     the same, with the clip norm moved by
-SideAdaptiveClipping`                  :func:`fedkernels.private.adaptive_clip_norm`
+SideAdaptiveClipping`                  :func:`fedkernels.privacy.adaptive_clip_norm`
 =====================================  ===========================================================
 
 Values equal Flower's to rounding in the arrays' precision, with Flower's dtypes (integer
@@ -107,7 +107,7 @@ from fedkernels.integrations.flower import (
     ndarray_to_array,
 )
 from fedkernels.ops.sgld import sgld_step
-from fedkernels.private import adaptive_clip_norm, private_aggregate, update_norms
+from fedkernels.privacy.mechanism import adaptive_clip_norm, private_aggregate, update_norms
 from fedkernels.robust import (
     coordinate_median,
     krum_scores,
@@ -568,7 +568,7 @@ class DifferentialPrivacyServerSideFixedClipping(
     aggregate, then :math:`\mathcal N(0, (\sigma C/m)^2)` on every coordinate (σ
     ``noise_multiplier``, m ``num_sampled_clients``). When the wrapped strategy is a
     ``FedAvg`` (Flower's, or fedkernels' with ``int_policy="mean"``) the three steps are one
-    :func:`fedkernels.private.private_aggregate` call after a norm pass; otherwise the
+    :func:`fedkernels.privacy.private_aggregate` call after a norm pass; otherwise the
     replies are clipped by fedkernels and handed to the wrapped strategy, then noised.
     Flower's ``accountant`` and ``privacy_spent()`` work as in Flower.
 
@@ -613,11 +613,11 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
     r"""Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` (Andrew et al., 2021): the
     replies are clipped to the current C (``clipping_norm``); with b of the K replies
     clipped, :math:`C \leftarrow C\exp(-\eta_C((b + \mathcal N(0, \sigma_b^2))/K - \gamma))`
-    (:func:`fedkernels.private.adaptive_clip_norm`; :math:`\eta_C` ``clip_norm_lr``,
+    (:func:`fedkernels.privacy.adaptive_clip_norm`; :math:`\eta_C` ``clip_norm_lr``,
     :math:`\sigma_b` ``clipped_count_stddev``, γ ``target_clipped_quantile``); then, as in
     Flower, the aggregate's noise uses the updated C: :math:`\sigma C/m`. With a ``FedAvg``
     as the wrapped strategy: one norm pass, then one
-    :func:`~fedkernels.private.private_aggregate` call.
+    :func:`~fedkernels.privacy.private_aggregate` call.
 
     Extra keyword argument: ``generator`` (a CPU ``torch.Generator``) seeds both noises."""
 

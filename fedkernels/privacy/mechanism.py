@@ -16,10 +16,10 @@ import math
 import torch
 from torch import Tensor
 
-from .memory_footprints import same_memory
-from .model_layout import Model, real_number, weights_and_values, with_metadata
-from .ops import private as private_ops
-from .robust import ClientSet
+from fedkernels.client_set import ClientSet
+from fedkernels.memory_footprints import same_memory
+from fedkernels.model_layout import Model, real_number, weights_and_values, with_metadata
+from fedkernels.ops import private as private_ops
 
 __all__ = ["update_norms", "clip_factors", "private_aggregate", "adaptive_clip_norm",
            "adaptive_noise_params"]
