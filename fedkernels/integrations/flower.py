@@ -81,18 +81,13 @@ except ImportError as _err:  # pragma: no cover - exercised only without flwr
     ) from _err
 
 from fedkernels.aggregate import aggregate
-from fedkernels.algorithms.aaggff import AAggFFConfig, AAggFFD, AAggFFDConfig, AAggFFS
-from fedkernels.algorithms.fairness import (
-    qffl_weights,
-    term_weights,
-    vred_weights,
-)
-from fedkernels.algorithms.participation import IntervalWeightEstimator
 from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
 from fedkernels.model_layout import INT_POLICIES
 from fedkernels.privacy.mechanism import update_norms
-from fedkernels.sim import server as _server
-from fedkernels.sim.strategy import SetupInfo
+from fedkernels.rules.aaggff import AAggFFDDecision, AAggFFSDecision
+from fedkernels.rules.fairness_weights import qffl_weights, term_weights, vred_weights
+from fedkernels.rules.participation_weights import IntervalWeightEstimator
+from fedkernels.rules.server_optimizers import ServerOptimizer, ServerSGD
 
 __all__ = [
     "AAggFF",
@@ -840,7 +835,7 @@ class FusedStrategy(_FlowerFedAvg):
     (default: :math:`x_{t+1} = x_t + \eta\Delta_t` with ``server_learning_rate`` η).
 
     Args (beyond Flower ``FedAvg``'s, all keyword):
-        server_optimizer: a :class:`fedkernels.sim.server.ServerOptimizer` (``ServerSGD``,
+        server_optimizer: a :class:`fedkernels.rules.server_optimizers.ServerOptimizer` (``ServerSGD``,
             ``FedAvgM``, ``FedAdam``, ``FedYogi``, ``FedAdagrad``); it overrides
             ``server_learning_rate``.
         server_learning_rate: η of the plain server step.
@@ -849,14 +844,14 @@ class FusedStrategy(_FlowerFedAvg):
         check_finite: reject replies that carry NaN/Inf (one extra read of the updates).
     """
 
-    def __init__(self, *, server_optimizer: _server.ServerOptimizer | None = None,
+    def __init__(self, *, server_optimizer: ServerOptimizer | None = None,
                  server_learning_rate: float = 1.0, int_policy: str = "max",
                  check_finite: bool = False, **flower_kwargs: Any) -> None:
         super().__init__(**flower_kwargs)
         if int_policy not in INT_POLICIES:
             raise ValueError(f"int_policy must be one of 'max', 'first', 'skip', 'error', "
                              f"not {int_policy!r}")
-        self.server_optimizer = server_optimizer or _server.ServerSGD(server_learning_rate)
+        self.server_optimizer = server_optimizer or ServerSGD(server_learning_rate)
         self.int_policy = int_policy
         self.check_finite = check_finite
         self.global_state: StateDict | None = None  # x_t, writable, owned by the strategy
@@ -952,7 +947,7 @@ class FusedStrategy(_FlowerFedAvg):
         params = {n: x[n] for n in floats}
         if self.check_finite:
             _check_finite(clients)
-        if isinstance(self.server_optimizer, _server.ServerSGD):
+        if isinstance(self.server_optimizer, ServerSGD):
             aggregate(clients, weights, base=params, scale=self.server_optimizer.lr, out=params)
         else:
             self.server_optimizer.apply(params, clients, weights, server_round)
@@ -1037,7 +1032,7 @@ class _NodeIndex:
 class FedAU(FusedStrategy):
     r"""FedAU (Wang & Ji, ICLR 2024): :math:`w_n = \omega_n / N` with :math:`\omega_n` the
     running mean of node n's observed participation intervals, cut off at ``cutoff``
-    (:class:`~fedkernels.algorithms.participation.IntervalWeightEstimator`). N is the number
+    (:class:`~fedkernels.rules.participation_weights.IntervalWeightEstimator`). N is the number
     of nodes connected so far (``num_clients`` fixes it); a node that replied in a round
     participated in it. Sample nodes (``fraction_train`` < 1) or let them drop out: with full
     participation every :math:`\omega_n = 1` and FedAU is the plain mean."""
@@ -1085,7 +1080,7 @@ class AAggFF(FusedStrategy):
     ``sampling_fraction`` (default :math:`|S_t|/N`). ``mode="s"`` (cross-silo): AAggFF-S, the
     online Newton step, which needs a reply from every node every round. N is the number of
     nodes connected at the first round (or ``num_clients``); the decision logic is
-    :class:`~fedkernels.algorithms.aaggff.AAggFFD` / ``AAggFFS``."""
+    :class:`~fedkernels.rules.aaggff.AAggFFDDecision` / ``AAggFFSDecision``."""
 
     def __init__(self, *, mode: str = "d", cdf: str = "weibull", variant: str = "paper",
                  sampling_fraction: float | None = None, num_clients: int | None = None,
@@ -1093,31 +1088,27 @@ class AAggFF(FusedStrategy):
         super().__init__(**kwargs)
         if mode not in ("d", "s"):
             raise ValueError(f"AAggFF: mode must be 'd' or 's', not {mode!r}")
+        if mode == "d" and sampling_fraction is not None and not 0 < sampling_fraction <= 1:
+            raise ValueError(f"AAggFF: sampling_fraction must be in (0, 1], not "
+                             f"{sampling_fraction!r}")
         self.mode, self.loss_key, self.num_clients = mode, loss_key, num_clients
-        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
-            if mode == "s":
-                self.decider = AAggFFS(AAggFFConfig(cdf=cdf, variant=variant))
-            else:
-                self.decider = AAggFFD(AAggFFDConfig(cdf=cdf, variant=variant,
-                                                     sampling_fraction=sampling_fraction))
+        self.cdf, self.variant, self.sampling_fraction = cdf, variant, sampling_fraction
+        self.decider: AAggFFSDecision | AAggFFDDecision | None = None  # made at the first round
         self.nodes = _NodeIndex()
-        self._ready = False
 
     def _setup(self, node_ids: Iterable[int]) -> None:
         self.nodes.add(node_ids)
         n = self.num_clients or len(self.nodes)
-        self.decider.setup(SetupInfo(
-            num_clients=n, train_sizes=torch.ones(n, dtype=torch.float64), num_classes=0,
-            participation_probabilities=None, parameter_names=[]))
-        self._ready = True
+        decision = AAggFFSDecision if self.mode == "s" else AAggFFDDecision
+        self.decider = decision(n, cdf=self.cdf, variant=self.variant)
 
     def on_configure(self, server_round, node_ids, grid) -> None:
-        if not self._ready:
+        if self.decider is None:
             self._setup(grid.get_node_ids())
 
     def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
         node_ids = _int_node_ids("AAggFF", node_ids)
-        if not self._ready:
+        if self.decider is None:
             self._setup(node_ids)
         self.nodes.add(node_ids)
         n = self.num_clients or len(self.decider.decision)
@@ -1135,7 +1126,7 @@ class AAggFF(FusedStrategy):
             full[ids[order]] = losses[order]
             self.decider.step(full)
         else:
-            fraction = self.decider.config.sampling_fraction
+            fraction = self.sampling_fraction
             pi = np.full(n, fraction if fraction is not None else len(ids) / n)
             self.decider.step(ids.numpy(), losses.numpy(), pi, server_round)
         p = self.decider.decision[ids]
