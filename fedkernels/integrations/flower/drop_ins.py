@@ -1,8 +1,7 @@
-r"""Flower strategies that aggregate with :func:`fedkernels.aggregate.aggregate`
-(``pip install 'fedkernels[flower]'``), for Flower's Message API (``flwr.serverapp.strategy``,
-the API Flower recommends since 1.21).
+r"""Drop-ins for Flower's Message-API strategies (``flwr.serverapp.strategy``, the API Flower
+recommends since 1.21) that aggregate with :func:`fedkernels.aggregate.aggregate`.
 
-**Drop-ins.** :class:`FedAvg`, :class:`FedProx`, :class:`FedAvgM`, :class:`FedAdam`,
+:class:`FedAvg`, :class:`FedProx`, :class:`FedAvgM`, :class:`FedAdam`,
 :class:`FedYogi`, :class:`FedAdagrad` and :class:`QFedAvg` subclass Flower's class of the same
 name (``isinstance(FedAdam(), flwr.serverapp.strategy.FedAdam)`` holds) and override only the
 arithmetic of ``aggregate_train``: the weighted sum over the K replies is one fused
@@ -26,198 +25,42 @@ Values equal Flower's to rounding, not bitwise (a fixed summation order with fus
 multiply-adds). Differences one keyword away: integer/bool arrays (BatchNorm's
 ``num_batches_tracked``) are averaged into float64 as Flower does (``int_policy="mean"``, the
 default), ``int_policy="max"`` keeps them integers (the clients' maximum); ``check_finite=True``
-rejects replies that carry NaN/Inf. Flower's ``FedTrimmedAvg`` and ``FedMedian`` are not
-wrapped: a trimmed mean or a median is a selection over the K replies, not a weighted sum
-(it needs a selection kernel, planned as a new op).
-
-**fedkernels' own strategies** (:class:`FusedStrategy` and its subclasses) move the global
-model :math:`x_t` by
-
-.. math:: \Delta_t = \sum_k w_k (x_k - x_t)
-
-through a server optimizer (plain: :math:`x_{t+1} = x_t + \eta\Delta_t`), with :math:`w_k`
-from:
-
-=====================  ======================================================================
-:class:`QFFL`          :math:`n_k f_k^q / \sum_j n_j f_j^q`
-:class:`TERM`          :math:`\mathrm{softmax}(\tau f + \log p)`
-:class:`SemiVRed`,     (semi-)variance reduction weights
-:class:`VRed`
-:class:`FedAU`         :math:`\omega_n/N`, online participation-interval estimate per node
-:class:`AAggFF`        AAggFF-D (sampled nodes) or AAggFF-S (all nodes every round)
-=====================  ======================================================================
-
-:math:`f_k` is the float each client reports in its ``MetricRecord`` under ``loss_key``
-(default ``"train_loss"``, Flower's QFedAvg key). The fair-FL papers use the loss of the
-*received* global model on the client's training data, measured before local training.
-FedAU and AAggFF identify clients by their Flower node id (an integer).
+rejects replies that carry NaN/Inf. The robust strategies (``FedMedian``, ``FedTrimmedAvg``,
+``Krum``, ...) are in :mod:`fedkernels.integrations.flower.robust`, the central-DP wrappers in
+:mod:`fedkernels.integrations.flower.central_dp`.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
-import io
-import math
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.serverapp import strategy as _flwr
+from flwr.serverapp.exception import AggregationError
+from flwr.serverapp.strategy.qfedavg import get_train_loss as _flwr_train_loss
 from torch import Tensor
 
-try:
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.serverapp import Grid
-    from flwr.serverapp import strategy as _flwr
-    from flwr.serverapp.exception import AggregationError
-    from flwr.serverapp.strategy import FedAvg as _FlowerFedAvg
-    from flwr.serverapp.strategy.qfedavg import get_train_loss as _flwr_train_loss
-except ImportError as _err:  # pragma: no cover - exercised only without flwr
-    raise ImportError(
-        "fedkernels.integrations.flower needs Flower (flwr >= 1.41), which is not installed: "
-        "pip install 'fedkernels[flower]'"
-    ) from _err
-
 from fedkernels.aggregate import aggregate
-from fedkernels.integrations.adapters import ndarrays_to_tensors, tensors_to_ndarrays
-from fedkernels.model_layout import INT_POLICIES
+from fedkernels.integrations.flower.records import (
+    FUSED_FLOAT_DTYPES,
+    ndarray_to_array,
+    ndarray_view,
+    to_arrayrecord,
+    to_tensor,
+)
+from fedkernels.integrations.flower.weighted_mean import (
+    check_int_policy,
+    fused_weighted_mean,
+    int_policy_entry,
+    weights_from_records,
+)
 from fedkernels.privacy.mechanism import update_norms
-from fedkernels.rules.aaggff import AAggFFDDecision, AAggFFSDecision
-from fedkernels.rules.fairness_weights import qffl_weights, term_weights, vred_weights
-from fedkernels.rules.participation_weights import IntervalWeightEstimator
-from fedkernels.rules.server_optimizers import ServerOptimizer, ServerSGD
 
-__all__ = [
-    "AAggFF",
-    "FedAU",
-    "FedAdagrad",
-    "FedAdam",
-    "FedAvg",
-    "FedAvgM",
-    "FedProx",
-    "FedYogi",
-    "FusedStrategy",
-    "QFFL",
-    "QFedAvg",
-    "SemiVRed",
-    "TERM",
-    "VRed",
-    "aggregate_arrayrecords",
-    "array_to_tensor",
-    "arrayrecord_to_state_dict",
-    "fused_weighted_mean",
-    "ndarray_to_array",
-    "state_dict_to_arrayrecord",
-]
-
-StateDict = dict[str, Tensor]
-_NUMPY_STYPE = "numpy.ndarray"
-
-
-# ---------------------------------------------------------------- conversions
-
-
-def array_to_tensor(array: Array, *, copy: bool = False) -> Tensor:
-    """A Flower ``Array`` as a CPU tensor. Without ``copy`` the tensor is a read-only view of
-    the ``Array``'s serialized bytes (the ``.npy`` header is parsed and skipped), where
-    ``Array.numpy()`` would copy them; it falls back to ``Array.numpy()`` for other
-    serializations. Do not write into a view: it aliases the message's bytes."""
-    if array.stype != _NUMPY_STYPE:
-        return ndarrays_to_tensors([array.numpy()], copy=copy)[0]
-    a = _array_view(array)
-    if copy:
-        a = a.copy()
-    return ndarrays_to_tensors([a])[0]
-
-
-_NPY_MAGIC = b"\x93NUMPY"
-
-
-def _array_view(array: Array) -> np.ndarray:
-    """A read-only ndarray over a NumPy-serialized ``Array``'s bytes (no copy)."""
-    data = array.data
-    fast = _array_view_from_metadata(array, data)
-    if fast is not None:
-        return fast
-    stream = io.BytesIO(data)
-    version = np.lib.format.read_magic(stream)
-    if version == (1, 0):
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-    else:
-        shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-    if dtype.hasobject:
-        raise TypeError("array_to_tensor: object arrays are not supported")
-    count = math.prod(shape)
-    flat = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
-    return flat.reshape(shape[::-1]).T if fortran else flat.reshape(shape)
-
-
-def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
-    """The view from the dtype and shape the ``Array`` carries, once the ``.npy`` header has
-    been checked to say the same (C order, that descr, that shape): no header parsing
-    (``np.lib.format`` evaluates it as a Python literal, ~0.1 ms an array). None where
-    anything differs; the caller then parses the header."""
-    if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
-        return None
-    start = 10 if data[6] == 1 else 12
-    end = start + int.from_bytes(data[8:start], "little")
-    try:
-        expected = _expected_header(array.dtype, array.shape)
-    except (TypeError, ValueError):
-        return None
-    if expected is None:
-        return None
-    dtype, shape, count, (order, descr, dims) = expected
-    if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
-            or data.find(dims, start, end) < 0 or end + count * dtype.itemsize > len(data):
-        return None
-    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
-
-
-@functools.lru_cache(maxsize=4096)
-def _expected_header(dtype_name: str, shape: tuple[int, ...]):
-    """What the ``.npy`` header of a C-ordered array of this dtype and shape says (cached:
-    a model has few distinct layer shapes, its replies many arrays)."""
-    dtype = np.dtype(dtype_name)
-    shape = tuple(int(s) for s in shape)
-    if dtype.hasobject:
-        return None
-    markers = (b"'fortran_order': False", f"'descr': {dtype.str!r}".encode(),
-               f"'shape': {shape!r}".encode())
-    return dtype, shape, math.prod(shape), markers
-
-
-def ndarray_to_array(a: np.ndarray) -> Array:
-    """``flwr.app.Array(a)``, the same object (``np.save``'s bytes, dtype, shape), built with
-    one copy of the data where ``Array`` makes two (``np.save`` into a buffer, then
-    ``getvalue``)."""
-    a = np.asarray(a)
-    if a.dtype.hasobject or not a.flags.c_contiguous:
-        return Array(a)
-    header = io.BytesIO()
-    try:
-        np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(a))
-    except ValueError:  # a header too long for format 1.0: let NumPy choose
-        return Array(a)
-    data = b"".join((header.getvalue(), memoryview(a.reshape(-1).view(np.uint8))))
-    return Array(dtype=str(a.dtype), shape=tuple(int(s) for s in a.shape),
-                 stype=_NUMPY_STYPE, data=data)
-
-
-def arrayrecord_to_state_dict(record: ArrayRecord, *, copy: bool = False) -> StateDict:
-    """An ``ArrayRecord`` as a state_dict of CPU tensors (views of its bytes unless ``copy``;
-    :func:`array_to_tensor`). Equal to ``record.to_torch_state_dict()`` without its copies."""
-    return {k: array_to_tensor(v, copy=copy) for k, v in record.items()}
-
-
-def state_dict_to_arrayrecord(state: Mapping[str, Tensor]) -> ArrayRecord:
-    """A state_dict as an ``ArrayRecord`` (one serialization per tensor, which Flower's wire
-    format needs; bfloat16 becomes float32, which NumPy lacks)."""
-    arrays = tensors_to_ndarrays(state)
-    return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(state.keys(), arrays)})
-
+__all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedProx", "FedYogi", "QFedAvg"]
 
 # ---------------------------------------------------------------- Flower drop-ins
 #
@@ -228,206 +71,6 @@ def state_dict_to_arrayrecord(state: Mapping[str, Tensor]) -> ArrayRecord:
 # O(P) server-optimizer formulas, which run as Flower writes them (NumPy on the averaged
 # arrays) so that output dtypes and odd cases (0-d arrays, mixed dtypes, broadcasting) match.
 # Hyperparameters are read from the instance at every aggregation, as Flower does.
-
-_FUSED_FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-INT_POLICIES_FLOWER = ("mean",) + tuple(INT_POLICIES)
-
-
-def _check_int_policy(owner: str, int_policy: object) -> str:
-    if not isinstance(int_policy, str) or int_policy not in INT_POLICIES_FLOWER:
-        raise ValueError(f"{owner}: int_policy must be one of {INT_POLICIES_FLOWER}, "
-                         f"not {int_policy!r}")
-    return int_policy
-
-
-def _ndarray_view(value: Any) -> np.ndarray:
-    """A Flower ``Array`` (or an ndarray, as in FedOpt's ``current_arrays``) as an ndarray:
-    a read-only view of the Array's bytes where possible, never a copy of an ndarray."""
-    if isinstance(value, Array):
-        if value.stype != _NUMPY_STYPE:
-            return value.numpy()  # raises Flower's own TypeError for other serializations
-        return _array_view(value)
-    return np.asarray(value)
-
-
-def _flower_mean_entry(arrays: Sequence[np.ndarray], factors: Sequence[float]) -> np.ndarray:
-    """One entry of Flower's ``aggregate_arrayrecords``, with its NumPy semantics (dtype of
-    the first reply, 0-d promotion, broadcasting, its exceptions). Used for what the fused op
-    does not take: exotic dtypes, shapes that differ between replies, non-finite weights."""
-    acc = None
-    for a, w in zip(arrays, factors):
-        if acc is None:
-            acc = a * w
-        else:
-            acc += a * w
-    return np.asarray(acc)
-
-
-def _mean_dtype(arrays: Sequence[np.ndarray], factors: Sequence[Any]) -> np.dtype:
-    """The dtype of Flower's weighted mean of one entry, ``acc = x_0 * w_0; acc += x_k * w_k``:
-    NumPy's dtype for ``x * w`` (a Python float keeps a float array's dtype and makes int/bool
-    float64; a NumPy float64 weight, which a MetricRecord accepts as a float subclass, makes
-    float16/float32 arrays float64 too); the in-place sum keeps the first product's dtype, but
-    0-d entries are NumPy scalars, whose sum promotes."""
-    if arrays[0].ndim == 0:
-        return np.result_type(*(np.result_type(a.dtype, w) for a, w in zip(arrays, factors)))
-    return np.result_type(arrays[0].dtype, factors[0])
-
-
-def _int_policy_entry(name: str, arrays: Sequence[np.ndarray], base: np.ndarray | None,
-                      policy: str) -> np.ndarray:
-    """An all-integer entry under a fedkernels int_policy ("max", "first", "skip")."""
-    first = arrays[0]
-    for k, a in enumerate(arrays[1:], start=1):
-        if a.shape != first.shape or a.dtype != first.dtype:
-            raise ValueError(f"array '{name}': reply {k} is {a.dtype} {a.shape}, reply 0 is "
-                             f"{first.dtype} {first.shape} (int_policy={policy!r} needs equal "
-                             "shapes and dtypes)")
-    if policy == "skip" and base is not None:
-        return np.array(base)
-    if policy in ("first", "skip"):
-        return np.array(first)
-    return np.maximum.reduce([np.asarray(a) for a in arrays])
-
-
-def _weights_from_records(contents: Sequence[Any], key: str) -> list[float]:
-    """Flower's normalized weights: :math:`n_k / \\sum_j n_j`, in Python arithmetic (so all
-    zero weights raise ``ZeroDivisionError`` as in Flower)."""
-    weights = [next(iter(c.metric_records.values()))[key] for c in contents]
-    total = sum(weights)
-    return [w / total for w in weights]
-
-
-def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float], *,
-                        int_policy: str = "mean", check_finite: bool = False,
-                        base: Mapping[str, np.ndarray] | None = None,
-                        ) -> tuple[dict[str, np.ndarray], set[str]]:
-    r""":math:`\sum_k w_k x_k` over the replies' ArrayRecords, entry by entry, with the
-    dtypes of Flower's ``aggregate_arrayrecords`` (keys in the first record's order).
-
-    Float entries of equal shape go through one fused ``weighted_sum`` over zero-copy views
-    of the replies' bytes (a reply whose dtype differs from the result's is converted first).
-    Integer/bool entries follow ``int_policy``: ``"mean"`` (Flower: averaged into float64),
-    ``"max"``, ``"first"``, ``"skip"`` (``base``'s entry) or ``"error"``. Returns the means
-    and the names of the entries an integer policy other than ``"mean"`` resolved (a server
-    optimizer leaves those alone). Non-finite weights, shapes that differ between replies and
-    dtypes the op lacks take Flower's NumPy arithmetic, so they give Flower's result or error.
-    """
-    names = list(records[0].keys())
-    views = {n: [_ndarray_view(r[n]) for r in records] for n in names}
-    ints = [n for n in names if all(a.dtype.kind in "biu" for a in views[n])]
-    if int_policy == "error" and ints:
-        raise TypeError(f"integer arrays {ints[:5]} and int_policy='error'; choose 'mean' "
-                        "(Flower's), 'max', 'first' or 'skip'")
-    finite_weights = all(math.isfinite(w) for w in factors)
-    out: dict[str, np.ndarray] = {}
-    resolved: set[str] = set()
-    fused: dict[str, np.dtype] = {}
-    for n in names:
-        arrays = views[n]
-        if n in ints and int_policy != "mean":
-            out[n] = _int_policy_entry(n, arrays, None if base is None else base.get(n),
-                                       int_policy)
-            resolved.add(n)
-            continue
-        dtype = _mean_dtype(arrays, factors)
-        same_shape = all(a.shape == arrays[0].shape for a in arrays)
-        kinds_ok = all(a.dtype.kind in "biuf" and (a.dtype.kind != "f" or a.dtype in
-                                                   _FUSED_FLOAT_DTYPES) for a in arrays)
-        if finite_weights and same_shape and kinds_ok and dtype in _FUSED_FLOAT_DTYPES:
-            fused[n] = dtype
-        else:
-            out[n] = _flower_mean_entry(arrays, factors)
-    if fused:
-        clients = [
-            dict(zip(fused, _as_tensors([views[n][k] for n in fused], fused.values())))
-            for k in range(len(records))
-        ]
-        weights = torch.tensor([float(w) for w in factors], dtype=torch.float64, device="cpu")
-        result = aggregate(clients, weights, check_finite=check_finite)
-        for n in fused:
-            out[n] = result[n].numpy()
-    return {n: out[n] for n in names}, resolved
-
-
-def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str, *,
-                           int_policy: str = "mean", check_finite: bool = False) -> ArrayRecord:
-    """Flower's ``flwr.serverapp.strategy.strategy_utils.aggregate_arrayrecords`` (the
-    weighted mean of the replies' ArrayRecords, weighted by the ``weighting_metric_name``
-    metric), for custom strategies.
-
-    Records that each carry one ArrayRecord with the same keys (what Flower's strategies
-    validate replies to be) go through :func:`fused_weighted_mean`. Anything else takes
-    Flower's own semantics, array by array: every ArrayRecord of every record is summed with
-    its record's weight into the entry of its key, in the order keys are first seen (a key some
-    records lack is summed over those that carry it, with the weights normalized over all
-    records); no records, or records without ArrayRecords, give an empty ArrayRecord. There
-    an integer array with an ``int_policy`` other than ``"mean"`` raises (those policies need
-    aligned replies), and ``check_finite`` checks every array."""
-    policy = _check_int_policy("aggregate_arrayrecords", int_policy)
-    factors = _weights_from_records(records, weighting_metric_name)
-    if records and all(len(r.array_records) == 1 for r in records):
-        arrays = [next(iter(r.array_records.values())) for r in records]
-        names = set(arrays[0].keys())
-        if all(set(a.keys()) == names for a in arrays[1:]):
-            means, _ = fused_weighted_mean(arrays, factors, int_policy=policy,
-                                           check_finite=check_finite)
-            return _to_arrayrecord(means, consume=True)
-    return _to_arrayrecord(_flower_aggregate_arrayrecords(records, factors, policy,
-                                                          check_finite), consume=True)
-
-
-def _flower_aggregate_arrayrecords(records: Sequence[RecordDict], factors: Sequence[float],
-                                   int_policy: str, check_finite: bool) -> dict[str, np.ndarray]:
-    """Flower's ``aggregate_arrayrecords`` loop (each array times its record's factor, added
-    in place into the first product of its key), on views of the replies' bytes."""
-    out: dict[str, np.ndarray] = {}
-    for k, (record, factor) in enumerate(zip(records, factors)):
-        for array_record in record.array_records.values():
-            for name, value in array_record.items():
-                a = _ndarray_view(value)
-                if int_policy != "mean" and a.dtype.kind in "biu":
-                    error = TypeError if int_policy == "error" else ValueError
-                    raise error(f"aggregate_arrayrecords: integer array '{name}' in record {k} "
-                                f"and int_policy={int_policy!r}, which needs every record to "
-                                "carry one ArrayRecord with the same keys; these do not")
-                if check_finite and a.dtype.kind in "fc" and not np.isfinite(a).all():
-                    raise ValueError(f"aggregate_arrayrecords: record {k} carries NaN/Inf in "
-                                     f"array '{name}'")
-                if name in out:
-                    out[name] += a * factor
-                else:
-                    out[name] = a * factor
-    return out
-
-
-def _to_tensor(a: np.ndarray, dtype: np.dtype) -> Tensor:
-    return _as_tensors([a], [dtype])[0]
-
-
-def _as_tensors(arrays: Sequence[np.ndarray], dtypes: Iterable[np.dtype]) -> list[Tensor]:
-    """The arrays as tensors in ``dtypes`` (converted where they differ), sharing memory with
-    them otherwise. Views of a message's bytes are read-only; the fused op only reads them,
-    so torch's warning about that is silenced, once for all the arrays."""
-    out = []
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*not writable.*")
-        for a, dtype in zip(arrays, dtypes):
-            if a.dtype != dtype:
-                a = a.astype(dtype)
-            if a.dtype.isnative and all(s >= 0 for s in a.strides):
-                out.append(torch.from_numpy(a))
-            else:
-                out.append(ndarrays_to_tensors([a])[0])
-    return out
-
-
-def _to_arrayrecord(arrays: dict[str, np.ndarray], *, consume: bool = False) -> ArrayRecord:
-    """An ArrayRecord of ``arrays``. ``consume`` drops each array from the dict once it is
-    serialized, so the peak holds one model plus one array, not two models."""
-    if not consume:
-        return ArrayRecord({k: ndarray_to_array(v) for k, v in arrays.items()})
-    return ArrayRecord({k: ndarray_to_array(arrays.pop(k)) for k in list(arrays)})
 
 
 class _FusedAggregation:
@@ -441,12 +84,12 @@ class _FusedAggregation:
         """Flower's reply checks and weights, then :func:`fused_weighted_mean`. Returns the
         valid replies' contents (None if there are none), the means and the resolved
         integer entries."""
-        policy = _check_int_policy(type(self).__name__, self.int_policy)
+        policy = check_int_policy(type(self).__name__, self.int_policy)
         valid, _ = self._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None, set()
         contents = [m.content for m in valid]
-        factors = _weights_from_records(contents, self.weighted_by_key)
+        factors = weights_from_records(contents, self.weighted_by_key)
         records = [next(iter(c.array_records.values())) for c in contents]
         means, resolved = fused_weighted_mean(records, factors, int_policy=policy,
                                               check_finite=bool(self.check_finite), base=base)
@@ -460,7 +103,7 @@ def _drop_in(flower_cls: type) -> Callable[[type], type]:
     def decorate(cls: type) -> type:
         def __init__(self, *args: Any, int_policy: str = "mean", check_finite: bool = False,
                      **kwargs: Any) -> None:
-            _check_int_policy(cls.__name__, int_policy)
+            check_int_policy(cls.__name__, int_policy)
             if not isinstance(check_finite, bool):
                 raise TypeError(f"{cls.__name__}: check_finite must be a bool, not "
                                 f"{type(check_finite).__name__}")
@@ -493,9 +136,20 @@ class _FusedFedAvgTrain(_FusedAggregation):
         contents, means, _ = self._fused_mean(replies)
         if contents is None:
             return None, None
-        arrays = _to_arrayrecord(means, consume=True)
+        arrays = to_arrayrecord(means)
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         return arrays, metrics
+
+
+def averages_like_fedavg(strategy: Any) -> bool:
+    """Whether ``strategy``'s aggregate_train is FedAvg's weighted mean (Flower's, or the fused
+    drop-in with Flower's integer rule): a DP wrapper then clips, averages and noises in one op."""
+    method = type(strategy).aggregate_train
+    if method is _flwr.FedAvg.aggregate_train:
+        return True
+    return (method is _FusedFedAvgTrain.aggregate_train
+            and getattr(strategy, "int_policy", None) == "mean"
+            and not getattr(strategy, "check_finite", False))
 
 
 _DROP_IN_DOC = """
@@ -533,14 +187,14 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         current = None
         if self.server_opt and self.current_arrays is not None:
-            current = [_ndarray_view(v) for v in self.current_arrays.values()]
+            current = [ndarray_view(v) for v in self.current_arrays.values()]
         base = None if current is None else dict(zip(self.current_arrays.keys(), current))
         contents, means, resolved = self._fused_mean(replies, base=base)
         if contents is None:
             return None, None
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         if not self.server_opt:
-            return _to_arrayrecord(means, consume=True), metrics
+            return to_arrayrecord(means), metrics
         if current is None:
             raise AggregationError(  # Flower's words: the exit reason a ServerApp reports
                 "No initial parameters set for FedAvgM. "
@@ -590,7 +244,7 @@ class _FusedFedOpt(_FusedAggregation):
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         current = self.current_arrays
         if current is not None:
-            current = {k: _ndarray_view(v) for k, v in current.items()}
+            current = {k: ndarray_view(v) for k, v in current.items()}
         contents, means, resolved = self._fused_mean(replies, base=current)
         if contents is None:
             return None, None
@@ -689,7 +343,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
 
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        policy = _check_int_policy(type(self).__name__, self.int_policy)
+        policy = check_int_policy(type(self).__name__, self.int_policy)
         valid, failed = self._check_and_log_replies(replies, is_train=True)
         if not valid:
             return None, None
@@ -699,9 +353,9 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                 "Current global model weights are not available. Make sure to call"
                 "`configure_train` before calling `aggregate_train`.")
         names = list(self.current_arrays.keys())
-        global_arrays = [_ndarray_view(v) for v in self.current_arrays.values()]
+        global_arrays = [ndarray_view(v) for v in self.current_arrays.values()]
         records = [next(iter(m.content.array_records.values())) for m in valid]
-        local = [[_ndarray_view(v) for v in r.values()] for r in records]
+        local = [[ndarray_view(v) for v in r.values()] for r in records]
         losses = [_flwr_train_loss(m, self.train_loss_key) for m in valid]
         # Flower empties each ArrayRecord as it reads it: one shared by two replies (or by a
         # reply and current_arrays) reads as empty the second time, its ValueError.
@@ -714,8 +368,8 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                             "int_policy='error'")
         floats = [t for t in range(len(names)) if t not in ints]
         dtypes = {t: np.result_type(*(x[t].dtype for x in local)) for t in floats}
-        base = {names[t]: _to_tensor(global_arrays[t], dtypes[t]) for t in floats}
-        clients = [{names[t]: _to_tensor(x[t], dtypes[t]) for t in floats} for x in local]
+        base = {names[t]: to_tensor(global_arrays[t], dtypes[t]) for t in floats}
+        clients = [{names[t]: to_tensor(x[t], dtypes[t]) for t in floats} for x in local]
         q = self.q
         eps = 1e-10
         # ||x_k - x_t||^2 of every reply from one fused read pass (differences in float64).
@@ -736,7 +390,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
         arrays = {}
         for t, name in enumerate(names):  # array by array: the float64 copies one at a time
             if t in ints:
-                out = _int_policy_entry(name, [x[t] for x in local], global_arrays[t], policy)
+                out = int_policy_entry(name, [x[t] for x in local], global_arrays[t], policy)
             else:
                 dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
                 out = result.pop(name).numpy().astype(dtype, copy=False)
@@ -783,7 +437,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             all_int = all(a.dtype.kind in "biu" for a in column)
             if all_int and policy != "mean":
                 continue
-            if any(a.dtype not in _FUSED_FLOAT_DTYPES for a in column):
+            if any(a.dtype not in FUSED_FLOAT_DTYPES for a in column):
                 return True
             # Flower computes a float16 reply's gradient, its squared norm (a float16 sum,
             # Inf past 65504, which makes every coefficient 0) and the weighted sum in
@@ -793,341 +447,6 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             if not kept_ints and any(a.dtype == np.float16 for a in column):
                 return True
             if g.dtype.kind not in "biuf" or (g.dtype.kind == "f" and g.dtype not in
-                                              _FUSED_FLOAT_DTYPES):
+                                              FUSED_FLOAT_DTYPES):
                 return True
         return False
-
-
-# ---------------------------------------------------------------- fedkernels' own strategies
-
-
-def _int_entry(values: list[Tensor], base: Tensor | None, policy: str) -> Tensor:
-    if policy == "first" or (policy == "skip" and base is None):
-        return values[0].clone()
-    if policy == "skip":
-        return base.clone()
-    return torch.stack(values).amax(dim=0)
-
-
-def _int_node_ids(owner: str, node_ids: Sequence[Any]) -> list[int]:
-    """Flower node ids as ints, for the strategies that keep per-node state."""
-    out = []
-    for k, node in enumerate(node_ids):
-        if isinstance(node, bool) or not isinstance(node, (int, np.integer)):
-            raise TypeError(f"{owner}: reply {k} has metadata.src_node_id {node!r}; this "
-                            "strategy keeps per-node state and needs integer node ids")
-        out.append(int(node))
-    return out
-
-
-def _check_finite(states: list[StateDict]) -> None:
-    for k, s in enumerate(states):
-        bad = [n for n, t in s.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-        if bad:
-            raise ValueError(f"reply {k} carries NaN/Inf in arrays {bad[:5]}")
-
-
-class FusedStrategy(_FlowerFedAvg):
-    r"""Base class: Flower's ``FedAvg`` with a fedkernels ``aggregate_train``.
-
-    A subclass defines :meth:`client_weights` (:math:`w_k` of
-    :math:`\Delta_t = \sum_k w_k (x_k - x_t)`); the result goes through ``server_optimizer``
-    (default: :math:`x_{t+1} = x_t + \eta\Delta_t` with ``server_learning_rate`` η).
-
-    Args (beyond Flower ``FedAvg``'s, all keyword):
-        server_optimizer: a :class:`fedkernels.rules.server_optimizers.ServerOptimizer` (``ServerSGD``,
-            ``FedAvgM``, ``FedAdam``, ``FedYogi``, ``FedAdagrad``); it overrides
-            ``server_learning_rate``.
-        server_learning_rate: η of the plain server step.
-        int_policy: integer/bool arrays: ``"max"`` over clients (default), ``"first"``,
-            ``"skip"`` (keep the global one) or ``"error"``.
-        check_finite: reject replies that carry NaN/Inf (one extra read of the updates).
-    """
-
-    def __init__(self, *, server_optimizer: ServerOptimizer | None = None,
-                 server_learning_rate: float = 1.0, int_policy: str = "max",
-                 check_finite: bool = False, **flower_kwargs: Any) -> None:
-        super().__init__(**flower_kwargs)
-        if int_policy not in INT_POLICIES:
-            raise ValueError(f"int_policy must be one of 'max', 'first', 'skip', 'error', "
-                             f"not {int_policy!r}")
-        self.server_optimizer = server_optimizer or ServerSGD(server_learning_rate)
-        self.int_policy = int_policy
-        self.check_finite = check_finite
-        self.global_state: StateDict | None = None  # x_t, writable, owned by the strategy
-        self._sent: ArrayRecord | None = None
-        self.last_weights: Tensor | None = None
-        self.last_node_ids: list[int] = []
-
-    # -- Flower hooks
-
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
-                        grid: Grid) -> Iterable[Message]:
-        # The record start() hands back is the one aggregate_train returned: x_t is then
-        # already held as tensors, and only a foreign record (round 1, or a caller's) is read.
-        if self.global_state is None or arrays is not self._sent:
-            self.global_state = arrayrecord_to_state_dict(arrays, copy=True)
-        messages = list(super().configure_train(server_round, arrays, config, grid))
-        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
-            self.on_configure(server_round, [m.metadata.dst_node_id for m in messages], grid)
-        return messages
-
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]
-                        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        valid, _ = self._check_and_log_replies(list(replies), is_train=True)
-        if not valid:
-            return None, None
-        contents = [m.content for m in valid]
-        states = [arrayrecord_to_state_dict(next(iter(c.array_records.values())))
-                  for c in contents]
-        metrics = [next(iter(c.metric_records.values())) for c in contents]
-        node_ids = [m.metadata.src_node_id for m in valid]  # ints where a strategy needs them
-        # The replies and x_t are CPU tensors, and so is every tensor the strategy makes here:
-        # under torch.set_default_device("cuda") the weights would otherwise land on the GPU,
-        # which the fused op refuses for CPU models.
-        with torch.device("cpu"):
-            new_state = self.combine(server_round, states, metrics, node_ids)
-        record = state_dict_to_arrayrecord(new_state)
-        self._sent = record
-        aggregated_metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        return record, aggregated_metrics
-
-    # -- the fedkernels part
-
-    def on_configure(self, server_round: int, node_ids: list[int], grid: Grid) -> None:
-        """Called with the nodes sampled for training (strategies with per-node state)."""
-
-    def client_weights(self, server_round: int, states: list[StateDict],
-                       metrics: list[MetricRecord], node_ids: list[int]) -> Tensor:
-        """:math:`w_k` for the replies, float64 ``[K]``."""
-        raise NotImplementedError
-
-    def num_examples(self, metrics: list[MetricRecord]) -> Tensor:
-        """:math:`n_k` (the ``weighted_by_key`` metric), float64 ``[K]``."""
-        return torch.tensor([float(m[self.weighted_by_key]) for m in metrics],
-                            dtype=torch.float64, device="cpu")
-
-    def losses(self, metrics: list[MetricRecord], key: str) -> Tensor:
-        """:math:`f_k`, the float metric ``key`` of every reply, float64 ``[K]``."""
-        out = []
-        for m in metrics:
-            value = m.get(key)
-            if value is None or isinstance(value, list):
-                raise ValueError(f"{type(self).__name__}: every reply's MetricRecord needs a "
-                                 f"float '{key}' (the client's loss)")
-            out.append(float(value))
-        return torch.tensor(out, dtype=torch.float64, device="cpu")
-
-    def combine(self, server_round: int, states: list[StateDict],
-                metrics: list[MetricRecord], node_ids: list[int]) -> StateDict:
-        """The next global model from the round's client models."""
-        weights = self.client_weights(server_round, states, metrics, node_ids)
-        self.last_weights, self.last_node_ids = weights, node_ids
-        return self.apply_weights(server_round, states, weights)
-
-    def apply_weights(self, server_round: int, states: list[StateDict], weights: Tensor
-                      ) -> StateDict:
-        r""":math:`x_{t+1}` from :math:`\Delta_t = \sum_k w_k (x_k - x_t)` through the server
-        optimizer (in place on :attr:`global_state`); integer entries follow ``int_policy``."""
-        x = self.global_state
-        if x is None:
-            raise AggregationError(f"{type(self).__name__}: aggregate_train before "
-                                   "configure_train (the global model x_t is unknown)")
-        names = list(x)
-        floats = [n for n in names if x[n].is_floating_point()]
-        self._check(states, names)
-        ints = [n for n in names if n not in floats]
-        if ints and self.int_policy == "error":  # before anything moves
-            raise TypeError(f"{type(self).__name__}: integer arrays {ints[:5]} and "
-                            "int_policy='error'")
-        # A reply in another float dtype than the global model (float32 replies to a float64
-        # model) is converted to the model's dtype, as Flower's NumPy arithmetic promotes.
-        clients = [{n: s[n] if s[n].dtype == x[n].dtype else s[n].to(x[n].dtype)
-                    for n in floats} for s in states]
-        params = {n: x[n] for n in floats}
-        if self.check_finite:
-            _check_finite(clients)
-        if isinstance(self.server_optimizer, ServerSGD):
-            aggregate(clients, weights, base=params, scale=self.server_optimizer.lr, out=params)
-        else:
-            self.server_optimizer.apply(params, clients, weights, server_round)
-        for n in names:
-            if n not in params:
-                x[n] = _int_entry([s[n] for s in states], x[n], self.int_policy)
-        return x
-
-    def _check(self, states: list[StateDict], names: list[str]) -> None:
-        for k, s in enumerate(states):
-            if set(s) != set(names):
-                raise ValueError(f"{type(self).__name__}: reply {k} has arrays "
-                                 f"{sorted(set(s) ^ set(names))[:5]} that differ from the "
-                                 "global model's")
-
-
-class QFFL(FusedStrategy):
-    r"""q-FFL as mixing weights: :math:`w_k = n_k f_k^q / \sum_j n_j f_j^q`."""
-
-    def __init__(self, *, q: float = 0.1, loss_key: str = "train_loss", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.q, self.loss_key = q, loss_key
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        return qffl_weights(self.num_examples(metrics), self.losses(metrics, self.loss_key),
-                            self.q)
-
-
-class TERM(FusedStrategy):
-    r"""Client-level tilted ERM: :math:`w = \mathrm{softmax}(\tau f + \log p)`
-    (``use_sizes=False`` drops :math:`\log p`)."""
-
-    def __init__(self, *, tilt: float = 0.1, use_sizes: bool = True,
-                 loss_key: str = "train_loss", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.tilt, self.use_sizes, self.loss_key = tilt, use_sizes, loss_key
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        return term_weights(self.num_examples(metrics), self.losses(metrics, self.loss_key),
-                            self.tilt, self.use_sizes)
-
-
-class VRed(FusedStrategy):
-    r"""Variance reduction: :math:`w_k = p_k (1 + 2\beta (a_k - A))`,
-    :math:`a_k = f_k - \bar f` (weights may be negative unless ``clamp_negative``)."""
-
-    semi = False
-
-    def __init__(self, *, beta: float = 0.1, clamp_negative: bool = False,
-                 loss_key: str = "train_loss", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.beta, self.clamp_negative, self.loss_key = beta, clamp_negative, loss_key
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        return vred_weights(self.num_examples(metrics), self.losses(metrics, self.loss_key),
-                            self.beta, self.semi, self.clamp_negative)
-
-
-class SemiVRed(VRed):
-    r"""Semi-variance reduction: :math:`a_k = (f_k - \bar f)_+`."""
-
-    semi = True
-
-
-class _NodeIndex:
-    """Dense indices 0..N-1 for Flower node ids, in order of first sight."""
-
-    def __init__(self) -> None:
-        self.index: dict[int, int] = {}
-
-    def add(self, node_ids: Iterable[int]) -> None:
-        for node in sorted(node_ids):
-            self.index.setdefault(int(node), len(self.index))
-
-    def __call__(self, node_ids: Iterable[int]) -> Tensor:
-        return torch.tensor([self.index[int(n)] for n in node_ids], dtype=torch.int64)
-
-    def __len__(self) -> int:
-        return len(self.index)
-
-
-class FedAU(FusedStrategy):
-    r"""FedAU (Wang & Ji, ICLR 2024): :math:`w_n = \omega_n / N` with :math:`\omega_n` the
-    running mean of node n's observed participation intervals, cut off at ``cutoff``
-    (:class:`~fedkernels.rules.participation_weights.IntervalWeightEstimator`). N is the number
-    of nodes connected so far (``num_clients`` fixes it); a node that replied in a round
-    participated in it. Sample nodes (``fraction_train`` < 1) or let them drop out: with full
-    participation every :math:`\omega_n = 1` and FedAU is the plain mean."""
-
-    def __init__(self, *, cutoff: int = 50, num_clients: int | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.cutoff = cutoff
-        self.num_clients = num_clients
-        self.nodes = _NodeIndex()
-        with torch.device("cpu"):  # the strategy's state lives on the CPU (see aggregate_train)
-            self.estimator = IntervalWeightEstimator(0, cutoff or None)
-
-    def on_configure(self, server_round, node_ids, grid) -> None:
-        self.nodes.add(grid.get_node_ids())
-        self._grow()
-
-    def _grow(self) -> None:
-        grow = len(self.nodes) - len(self.estimator.omega)
-        if grow > 0:  # new nodes: no interval observed yet
-            e = self.estimator
-            e.count = torch.cat([e.count, torch.zeros(grow, dtype=torch.int64)])
-            e.intervals = torch.cat([e.intervals, torch.zeros(grow, dtype=torch.int64)])
-            e.omega = torch.cat([e.omega, torch.ones(grow, dtype=torch.float64)])
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        node_ids = _int_node_ids("FedAU", node_ids)
-        self.nodes.add(node_ids)
-        self._grow()
-        ids = self.nodes(node_ids)
-        n = self.num_clients or len(self.nodes)
-        weights = self.estimator.omega[ids] / n  # uses omega before this round's intervals
-        mask = torch.zeros(len(self.nodes), dtype=torch.bool)
-        mask[ids] = True
-        self.estimator.observe(mask)
-        return weights
-
-
-class AAggFF(FusedStrategy):
-    r"""AAggFF (Hahn, Kim, Lee, ICML 2024): the decision :math:`p` over the N nodes is played
-    online against the responses to the replies' losses (``loss_key``, the loss of the
-    received global model), and :math:`w_k = p_k / \sum_{j \in S} p_j`.
-
-    ``mode="d"`` (cross-device, default): AAggFF-D with inclusion probability
-    ``sampling_fraction`` (default :math:`|S_t|/N`). ``mode="s"`` (cross-silo): AAggFF-S, the
-    online Newton step, which needs a reply from every node every round. N is the number of
-    nodes connected at the first round (or ``num_clients``); the decision logic is
-    :class:`~fedkernels.rules.aaggff.AAggFFDDecision` / ``AAggFFSDecision``."""
-
-    def __init__(self, *, mode: str = "d", cdf: str = "weibull", variant: str = "paper",
-                 sampling_fraction: float | None = None, num_clients: int | None = None,
-                 loss_key: str = "train_loss", **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if mode not in ("d", "s"):
-            raise ValueError(f"AAggFF: mode must be 'd' or 's', not {mode!r}")
-        if mode == "d" and sampling_fraction is not None and not 0 < sampling_fraction <= 1:
-            raise ValueError(f"AAggFF: sampling_fraction must be in (0, 1], not "
-                             f"{sampling_fraction!r}")
-        self.mode, self.loss_key, self.num_clients = mode, loss_key, num_clients
-        self.cdf, self.variant, self.sampling_fraction = cdf, variant, sampling_fraction
-        self.decider: AAggFFSDecision | AAggFFDDecision | None = None  # made at the first round
-        self.nodes = _NodeIndex()
-
-    def _setup(self, node_ids: Iterable[int]) -> None:
-        self.nodes.add(node_ids)
-        n = self.num_clients or len(self.nodes)
-        decision = AAggFFSDecision if self.mode == "s" else AAggFFDDecision
-        self.decider = decision(n, cdf=self.cdf, variant=self.variant)
-
-    def on_configure(self, server_round, node_ids, grid) -> None:
-        if self.decider is None:
-            self._setup(grid.get_node_ids())
-
-    def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
-        node_ids = _int_node_ids("AAggFF", node_ids)
-        if self.decider is None:
-            self._setup(node_ids)
-        self.nodes.add(node_ids)
-        n = self.num_clients or len(self.decider.decision)
-        if len(self.nodes) > n:
-            raise ValueError(f"AAggFF: {len(self.nodes)} nodes seen, but the decision was set "
-                             f"up for N = {n}; pass num_clients")
-        ids = self.nodes(node_ids)
-        losses = self.losses(metrics, self.loss_key)
-        if self.mode == "s":
-            if len(ids) != n:
-                raise ValueError(f"AAggFF mode='s' needs a reply from all {n} nodes every "
-                                 f"round, got {len(ids)}; use mode='d'")
-            order = torch.argsort(ids)
-            full = torch.empty(n, dtype=torch.float64)
-            full[ids[order]] = losses[order]
-            self.decider.step(full)
-        else:
-            fraction = self.sampling_fraction
-            pi = np.full(n, fraction if fraction is not None else len(ids) / n)
-            self.decider.step(ids.numpy(), losses.numpy(), pi, server_round)
-        p = self.decider.decision[ids]
-        return p / p.sum()

@@ -13,7 +13,7 @@ state (FedOpt's ``current_weights``, ``m_t``, ``v_t``; FedAvgM's ``momentum_vect
 instance between rounds. Swap the import and nothing else::
 
     from flwr.server.strategy import FedAdam                            # before
-    from fedkernels.integrations.flower_legacy import FedAdam           # after
+    from fedkernels.integrations.flower.legacy import FedAdam           # after
 
 =======================  ==================================================================
 :class:`FedAvg`          the mean through :func:`aggregate_inplace` (``inplace=True``,
@@ -56,24 +56,17 @@ from logging import WARNING
 
 import numpy as np
 import torch
-
-try:
-    from flwr.common import (
-        FitRes,
-        NDArrays,
-        Parameters,
-        Scalar,
-        bytes_to_ndarray,
-        ndarrays_to_parameters,
-    )
-    from flwr.common.logger import log
-    from flwr.server import strategy as _flower
-    from flwr.server.client_proxy import ClientProxy
-except ImportError as _err:  # pragma: no cover - exercised only without flwr
-    raise ImportError(
-        "fedkernels.integrations.flower_legacy needs Flower (flwr >= 1.41), which is not "
-        "installed: pip install 'fedkernels[flower]'"
-    ) from _err
+from flwr.common import (
+    FitRes,
+    NDArrays,
+    Parameters,
+    Scalar,
+    bytes_to_ndarray,
+    ndarrays_to_parameters,
+)
+from flwr.common.logger import log
+from flwr.server import strategy as _flower
+from flwr.server.client_proxy import ClientProxy
 
 from fedkernels.aggregate import aggregate
 from fedkernels.integrations.adapters import ndarrays_to_tensors

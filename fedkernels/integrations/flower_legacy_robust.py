@@ -1,0 +1,23 @@
+"""The former path of :mod:`fedkernels.integrations.flower.legacy_robust` and
+:mod:`fedkernels.integrations.flower.legacy_central_dp` (Flower's legacy robust and DP
+strategies), kept so that existing imports work."""
+
+from fedkernels.integrations.flower.legacy_central_dp import (
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+)
+from fedkernels.integrations.flower.legacy_robust import (
+    Bulyan,
+    FedMedian,
+    FedTrimmedAvg,
+    Krum,
+)
+
+__all__ = [
+    "Bulyan",
+    "DifferentialPrivacyServerSideAdaptiveClipping",
+    "DifferentialPrivacyServerSideFixedClipping",
+    "FedMedian",
+    "FedTrimmedAvg",
+    "Krum",
+]
