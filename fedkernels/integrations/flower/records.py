@@ -65,8 +65,8 @@ def _array_view(array: Array) -> np.ndarray:
 def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
     """The view from the dtype and shape the ``Array`` carries, once the ``.npy`` header has
     been checked to say the same (C order, that descr, that shape): no header parsing
-    (``np.lib.format`` evaluates it as a Python literal, ~0.1 ms an array). None where
-    anything differs; the caller then parses the header."""
+    (``np.lib.format`` evaluates it as a Python literal, slow next to a small array's copy).
+    None where anything differs; the caller then parses the header."""
     if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
         return None
     start = 10 if data[6] == 1 else 12

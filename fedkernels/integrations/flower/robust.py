@@ -238,9 +238,8 @@ def _flower_score_rounding(columns: list[list[np.ndarray]], tensors: list[list[T
     distance as :math:`\|x_i\|^2 + \|x_j\|^2 - 2x_i\cdot x_j` in the replies' common dtype
     (exact for integer replies): off by up to :math:`c\,(\|x_i\|^2 + \|x_j\|^2)`, with
     :math:`c` a few units in the last place growing slowly with the model's length
-    (:math:`(16 + \sqrt{P}/32)\,\epsilon`; measured on float32 replies: 2.2 units at
-    :math:`P = 10^4`, 15 at :math:`10^6`, 29 at :math:`10^7` and 39 at :math:`3\cdot 10^7`, where
-    the bound is 19, 47, 115 and 187). A score sums ``num_closest`` distances, each at most the
+    (:math:`(16 + \sqrt{P}/32)\,\epsilon`, several times the rounding float32 replies show up
+    to :math:`P = 3\cdot 10^7`). A score sums ``num_closest`` distances, each at most the
     score, so its neighbours' norms are at most :math:`(\|x_i\| + \sqrt{s_i})^2`; the norms
     themselves are bounded from one reference reply, the first of ``clients``, whose norm is
     taken exactly: :math:`\|x_i\| \le \|x_r\| + \sqrt{d_{ri}}`. A far outlier thus does not
