@@ -3,8 +3,9 @@
 >>> import fedkernels
 >>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
 
-The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference),
-:mod:`fedkernels.aggregate` (the structure-aware aggregation API), :mod:`fedkernels.sim` (the
+The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference), the public
+APIs :mod:`fedkernels.aggregate`, :mod:`fedkernels.robust` and :mod:`fedkernels.privacy`,
+:mod:`fedkernels.rules` (weight rules and server optimizers), :mod:`fedkernels.sim` (the
 simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
 :mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
 public names of the two lowest layers, plus :func:`check` (the installation self-check), which
