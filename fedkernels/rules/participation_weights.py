@@ -38,6 +38,12 @@ class IntervalWeightEstimator:
         self.omega = torch.where(done, mean, self.omega)
         self.intervals = self.intervals + done.long()
 
+    def add_clients(self, count: int) -> None:
+        """Appends ``count`` clients with no interval observed yet (``omega`` 1)."""
+        self.count = torch.cat([self.count, torch.zeros(count, dtype=torch.int64)])
+        self.intervals = torch.cat([self.intervals, torch.zeros(count, dtype=torch.int64)])
+        self.omega = torch.cat([self.omega, torch.ones(count, dtype=torch.float64)])
+
     def observe(self, mask: Tensor) -> None:
         """Advances by one round with participation ``mask`` (bool ``[N]``)."""
         self._close(mask, self.count + 1)

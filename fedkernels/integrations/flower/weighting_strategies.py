@@ -301,11 +301,8 @@ class FedAU(FusedStrategy):
 
     def _grow(self) -> None:
         grow = len(self.nodes) - len(self.estimator.omega)
-        if grow > 0:  # new nodes: no interval observed yet
-            e = self.estimator
-            e.count = torch.cat([e.count, torch.zeros(grow, dtype=torch.int64)])
-            e.intervals = torch.cat([e.intervals, torch.zeros(grow, dtype=torch.int64)])
-            e.omega = torch.cat([e.omega, torch.ones(grow, dtype=torch.float64)])
+        if grow > 0:
+            self.estimator.add_clients(grow)
 
     def client_weights(self, server_round, states, metrics, node_ids) -> Tensor:
         node_ids = _int_node_ids("FedAU", node_ids)
