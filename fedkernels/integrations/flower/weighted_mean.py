@@ -28,6 +28,7 @@ INT_POLICIES_FLOWER = ("mean",) + tuple(INT_POLICIES)
 
 
 def check_int_policy(owner: str, int_policy: object) -> str:
+    """``int_policy`` if it is one of :data:`INT_POLICIES_FLOWER`, else ValueError naming ``owner``."""
     if not isinstance(int_policy, str) or int_policy not in INT_POLICIES_FLOWER:
         raise ValueError(f"{owner}: int_policy must be one of {INT_POLICIES_FLOWER}, "
                          f"not {int_policy!r}")
