@@ -1,7 +1,7 @@
 """One Flower round of each robust or private rule: Flower's Message-API class, fedkernels'
-drop-in (``fedkernels.integrations.flower_robust``) and a PyTorch ``torch.stack`` version of
-the same rule, on the replies of K clients with the ResNet-18 shape (62 float32 tensors,
-11.69 M values, 46.8 MB).
+drop-in (``fedkernels.integrations.flower.robust``, ``.central_dp``) and a PyTorch
+``torch.stack`` version of the same rule, on the replies of K clients with the ResNet-18 shape
+(62 float32 tensors, 11.69 M values, 46.8 MB).
 
 Rules: FedMedian, FedTrimmedAvg (β = 0.2), Krum, MultiKrum (3 selected) and Bulyan with f = 2
 malicious clients (f = 1 at K = 10, where Bulyan's K ≥ 4f + 3 allows no more), and the
@@ -184,10 +184,11 @@ def make_rule(impl: str, rule: str, k: int, global_record):
         return StackRule(rule, k, global_record)
     if impl == "flower":
         from flwr.serverapp import strategy as module
-        inner = module.FedAvg
+        dp_module, inner = module, module.FedAvg
     else:
         from fedkernels.integrations import flower as fk_flower
-        from fedkernels.integrations import flower_robust as module
+        from fedkernels.integrations.flower import central_dp as dp_module
+        from fedkernels.integrations.flower import robust as module
         inner = fk_flower.FedAvg
     f = malicious(k)
     if rule == "FedMedian":
@@ -201,10 +202,10 @@ def make_rule(impl: str, rule: str, k: int, global_record):
     elif rule == "Bulyan":
         s = module.Bulyan(num_malicious_nodes=f)
     elif rule == "DPFixed":
-        s = module.DifferentialPrivacyServerSideFixedClipping(inner(), 1.0, 1.0, k)
+        s = dp_module.DifferentialPrivacyServerSideFixedClipping(inner(), 1.0, 1.0, k)
     else:
-        s = module.DifferentialPrivacyServerSideAdaptiveClipping(inner(), 0.5, k,
-                                                                 initial_clipping_norm=1.0)
+        s = dp_module.DifferentialPrivacyServerSideAdaptiveClipping(inner(), 0.5, k,
+                                                                    initial_clipping_norm=1.0)
     if rule.startswith("DP"):
         def call(server_round, replies):
             s.current_arrays = global_record

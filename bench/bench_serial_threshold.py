@@ -44,7 +44,7 @@ def op_cost_cases(touched: int) -> dict:
     """name -> (call on one thread, bytes its pass touches as the kernel counts them, the
     kernel's PassCost), fp32 inputs touching about `touched` bytes."""
     import fedkernels
-    from fedkernels import private, robust
+    from fedkernels import privacy, robust
 
     ops = torch.ops.fedkernels
     g = torch.Generator().manual_seed(0)
@@ -104,7 +104,7 @@ def op_cost_cases(touched: int) -> dict:
                          "arithmetic"),
         "pairwise_sq_distances": (lambda: robust.pairwise_sq_distances(dist_clients),
                                   K * P_d * f, "arithmetic"),
-        "update_norms": (lambda: private.update_norms(norm_clients, [torch.zeros(P_n)]),
+        "update_norms": (lambda: privacy.update_norms(norm_clients, [torch.zeros(P_n)]),
                          (K + 1) * P_n * f, "arithmetic"),
         "private_aggregate(noise 0)": (
             lambda: fedkernels.private_aggregate(sum_clients, base=sum_base, clip_norm=1e9,

@@ -88,15 +88,15 @@ def small_op_cases() -> dict:
                     logits, scores if w in ("fedgo", "domain") else None, None, w, c, 2.0,
                     1.0, True))
     # The robust and private aggregations, through their public functions.
-    from fedkernels import private, robust
+    from fedkernels import privacy, robust
 
     cases.update({
         "coordinate_median": lambda: robust.coordinate_median(clients),
         "trimmed_mean": lambda: robust.trimmed_mean(clients, 0.2),
         "nearest_to_median_mean": lambda: robust.nearest_to_median_mean(clients, 3),
         "pairwise_sq_distances": lambda: robust.pairwise_sq_distances(clients),
-        "update_norms": lambda: private.update_norms(clients, base),
-        "private_aggregate": lambda: private.private_aggregate(
+        "update_norms": lambda: privacy.update_norms(clients, base),
+        "private_aggregate": lambda: privacy.private_aggregate(
             clients, w5, base=base, clip_norm=1.0, noise_std=0.1, generator=g),
     })
     return cases

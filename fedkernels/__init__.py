@@ -3,12 +3,16 @@
 >>> import fedkernels
 >>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
 
-The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference),
-:mod:`fedkernels.aggregate` (the structure-aware aggregation API), :mod:`fedkernels.sim` (the
+The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference), the public
+APIs :mod:`fedkernels.aggregate`, :mod:`fedkernels.robust` and :mod:`fedkernels.privacy`,
+:mod:`fedkernels.rules` (weight rules and server optimizers), :mod:`fedkernels.sim` (the
 simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
 :mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
-public names of the two lowest layers, plus :func:`check` (the installation self-check).
+public names of the two lowest layers, plus :func:`check` (the installation self-check), which
+is imported on first use: ``import fedkernels`` stays light.
 """
+
+import importlib
 
 from .aggregate import Accumulator, aggregate
 from .ops import native, reference
@@ -22,7 +26,7 @@ from .ops.mixing import (
 )
 from .ops.mixing_sgd import SuPerFedSGD
 from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
-from .private import adaptive_clip_norm, adaptive_noise_params, private_aggregate, update_norms
+from .privacy.mechanism import adaptive_clip_norm, adaptive_noise_params, private_aggregate, update_norms
 from .robust import (
     bulyan,
     coordinate_median,
@@ -31,7 +35,6 @@ from .robust import (
     pairwise_sq_distances,
     trimmed_mean,
 )
-from .selfcheck import check
 
 __version__ = "0.1.0"
 __all__ = [
@@ -43,3 +46,19 @@ __all__ = [
     "nearest_to_median_mean",
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
 ]
+
+# Loaded on first use: the self-check is large and rarely needed, and fedkernels.private is the
+# former path of fedkernels.privacy.mechanism.
+_LAZY_MODULES = ("selfcheck", "private")
+
+
+def __getattr__(name: str):
+    if name == "check":
+        return importlib.import_module(".selfcheck", __name__).check
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | {"check", *_LAZY_MODULES})

@@ -820,7 +820,7 @@ def bandwidth_probe(device: str, budget_s: float = PROBE_SECONDS,
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    # a GPU call takes well under a millisecond: time several per sample
+    # one GPU call is too short to time on its own: time several per sample
     calls = 10 if dev.type == "cuda" else 1
 
     def timed(fn) -> float:

@@ -804,7 +804,7 @@ def test_boolean_weights_are_refused_however_they_come(weights):
     the private aggregator, which checks weights the same way."""
     models = [{"w": torch.full((3,), float(k))} for k in range(3)]
     _raise(lambda: fedkernels.aggregate(models, weights), TypeError, ["weights must be real numbers"])
-    _raise(lambda: fedkernels.private.private_aggregate(models, weights, base=models[0],
+    _raise(lambda: fedkernels.privacy.private_aggregate(models, weights, base=models[0],
                                                         clip_norm=1.0, noise_std=0.0),
            TypeError, ["fedkernels.private_aggregate: weights must be real numbers"])
 

@@ -11,7 +11,7 @@ from algorithm_helpers import round_info, setup_info
 from scipy.optimize import minimize
 
 from fedkernels.algorithms import build_strategy
-from fedkernels.algorithms.aaggff import cdf_transform
+from fedkernels.rules.aaggff import cdf_transform
 
 F3 = np.array([0.01, 0.10, 0.02])
 

@@ -12,8 +12,8 @@ from scipy.optimize import minimize
 from torch import nn
 
 from fedkernels.algorithms import build_strategy
-from fedkernels.algorithms.simplex import project_simplex, simplex_qp
 from fedkernels.algorithms.update_stats import update_gram, update_sq_norms
+from fedkernels.rules.simplex import project_simplex, simplex_qp
 
 LOSSES = np.array([0.3, 1.7, 0.9, 2.4, 0.05])
 SIZES = np.array([10.0, 40.0, 25.0, 5.0, 20.0])

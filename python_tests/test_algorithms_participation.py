@@ -11,7 +11,7 @@ import torch
 from algorithm_helpers import VectorModel, round_info, setup_info, sgd_server
 
 from fedkernels.algorithms import build_strategy
-from fedkernels.algorithms.participation import IntervalWeightEstimator
+from fedkernels.rules.participation_weights import IntervalWeightEstimator
 from fedkernels.sim.participation import ParticipationHistory
 
 

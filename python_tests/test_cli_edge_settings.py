@@ -12,7 +12,7 @@ import torch
 from cli_process import FAST, assert_one_line_error, assert_success, fedkernels
 
 from fedkernels.algorithms import build_strategy
-from fedkernels.algorithms.simplex import simplex_qp
+from fedkernels.rules.simplex import simplex_qp
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, from_dict
 
@@ -192,7 +192,7 @@ def test_loss_weighted_strategies_stop_with_one_line_when_losses_diverge(name, b
 def test_simplex_projection_of_huge_values():
     # AFL's dual step with losses of 1e17: u_1 - 1 rounds to u_1, and the sorting method found
     # no index (IndexError)
-    from fedkernels.algorithms.simplex import project_simplex
+    from fedkernels.rules.simplex import project_simplex
 
     p = project_simplex(np.array([1e17, 3e16, 1e17 + 16]))
     np.testing.assert_array_equal(p, [0.0, 0.0, 1.0])
@@ -227,7 +227,7 @@ def test_large_q_gives_finite_weights():
     # n_k f_k^q overflowed to inf / inf = NaN weights for q = 1e6
     import torch
 
-    from fedkernels.algorithms.fairness import qfedavg_weights, qffl_weights
+    from fedkernels.rules.fairness_weights import qfedavg_weights, qffl_weights
 
     n = torch.tensor([10.0, 20.0, 30.0], dtype=torch.float64)
     f = torch.tensor([1.2, 3.0, 2.0], dtype=torch.float64)

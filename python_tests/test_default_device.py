@@ -104,7 +104,7 @@ def _flower_calls():
     from flwr.app import Array, ArrayRecord
 
     from fedkernels.integrations.flower import fused_weighted_mean
-    from fedkernels.integrations.flower_legacy import aggregate_ndarrays
+    from fedkernels.integrations.flower.legacy import aggregate_ndarrays
 
     ups = _updates()
     records = [ArrayRecord({k: Array(v.numpy()) for k, v in u.items()}) for u in ups]

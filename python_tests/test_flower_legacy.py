@@ -1,4 +1,4 @@
-"""fedkernels.integrations.flower_legacy side by side with Flower's legacy strategies.
+"""fedkernels.integrations.flower.legacy side by side with Flower's legacy strategies.
 
 Every scenario hands the same ``FitRes`` results to Flower's ``flwr.server.strategy`` class and
 to ours over several rounds (hyperparameters changed on the instances between rounds) and
@@ -31,7 +31,7 @@ from flwr.common import (  # noqa: E402
 from flwr.server import strategy as flower  # noqa: E402
 from flwr.server.strategy import aggregate as flower_aggregate  # noqa: E402
 
-from fedkernels.integrations import flower_legacy as legacy  # noqa: E402
+from fedkernels.integrations.flower import legacy  # noqa: E402
 
 # ---------------------------------------------------------------- helpers
 

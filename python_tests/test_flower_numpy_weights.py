@@ -19,7 +19,8 @@ from flwr.serverapp.strategy.strategy_utils import (  # noqa: E402
 )
 
 from fedkernels.integrations import flower as ours  # noqa: E402
-from fedkernels.integrations import flower_robust as ours_robust  # noqa: E402
+from fedkernels.integrations.flower import central_dp as ours_dp  # noqa: E402
+from fedkernels.integrations.flower import robust as ours_robust  # noqa: E402
 
 SHAPES = {"w": (4, 3), "b": (3,), "scalar": ()}
 
@@ -99,7 +100,7 @@ def test_dp_wrappers_take_flowers_dtype_for_numpy_weights(wrapper, dtype):
     left out: Flower does not clip them, ours does, a documented difference)."""
     shapes = {"w": (4, 3), "b": (3,)}
     results = []
-    for m, inner in ((flower, flower.FedAvg), (ours_robust, ours.FedAvg)):
+    for m, inner in ((flower, flower.FedAvg), (ours_dp, ours.FedAvg)):
         if wrapper == "Fixed":
             strategy = m.DifferentialPrivacyServerSideFixedClipping(inner(), 0.0, 1.0, 5)
         else:

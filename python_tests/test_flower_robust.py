@@ -26,7 +26,7 @@ from flower_message_helpers import (  # noqa: E402
 from flwr.app import RecordDict  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 
-from fedkernels.integrations import flower_robust as ours_module  # noqa: E402
+from fedkernels.integrations.flower import robust as ours_module  # noqa: E402
 
 SHAPES = {"conv.weight": (4, 3, 3), "conv.bias": (4,), "fc.weight": (5, 7), "scalar": ()}
 

@@ -27,7 +27,8 @@ from flwr.app import ConfigRecord  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 
 from fedkernels.integrations import flower as fk_flower  # noqa: E402
-from fedkernels.integrations import flower_robust as ours_module  # noqa: E402
+from fedkernels.integrations.flower import central_dp as ours_module  # noqa: E402
+from fedkernels.integrations.flower import robust as fk_robust  # noqa: E402
 
 # No 0-d arrays here: Flower leaves those unclipped (test_zero_dim_arrays_are_clipped).
 SHAPES = {"conv.weight": (4, 3, 3), "conv.bias": (4,), "fc.weight": (5, 7), "one": (1,)}
@@ -37,7 +38,7 @@ WRAPPED = {
     "flower-FedAvg": lambda: flower.FedAvg(),
     "fedkernels-FedAvg": lambda: fk_flower.FedAvg(),
     "flower-FedMedian": lambda: flower.FedMedian(),
-    "fedkernels-FedMedian": lambda: ours_module.FedMedian(),
+    "fedkernels-FedMedian": lambda: fk_robust.FedMedian(),
 }
 
 

@@ -30,8 +30,8 @@ from flwr.common import (  # noqa: E402
 from flwr.server import strategy as flower_legacy  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 
-from fedkernels.integrations import flower_legacy_robust as ours_legacy  # noqa: E402
-from fedkernels.integrations import flower_robust as ours  # noqa: E402
+from fedkernels.integrations.flower import legacy_robust as ours_legacy  # noqa: E402
+from fedkernels.integrations.flower import robust as ours  # noqa: E402
 
 MESSAGE = pytest.mark.parametrize("module", [flower, ours], ids=["flower", "fedkernels"])
 LEGACY = pytest.mark.parametrize("module", [flower_legacy, ours_legacy],

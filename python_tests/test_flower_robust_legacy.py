@@ -1,5 +1,5 @@
-"""fedkernels.integrations.flower_legacy_robust side by side with Flower's legacy
-(``flwr.server.strategy``) FedMedian, FedTrimmedAvg, Krum, Bulyan and server-side DP wrappers:
+"""fedkernels.integrations.flower.legacy_robust and .legacy_central_dp side by side with
+Flower's legacy (``flwr.server.strategy``) FedMedian, FedTrimmedAvg, Krum, Bulyan and server-side DP wrappers:
 identical ``FitRes`` results through both for three rounds (hyperparameters changed between
 rounds), over float32, float64, float16, mixed dtypes, an int64 counter, even and odd K, ties,
 shapes that differ and failures; checked: Parameters (dtype, shape, values to the arrays'
@@ -25,8 +25,9 @@ from flwr.common import (  # noqa: E402
 )
 from flwr.server import strategy as flower  # noqa: E402
 
-from fedkernels.integrations import flower_legacy as fk_legacy  # noqa: E402
-from fedkernels.integrations import flower_legacy_robust as ours_module  # noqa: E402
+from fedkernels.integrations.flower import legacy as fk_legacy  # noqa: E402
+from fedkernels.integrations.flower import legacy_central_dp as ours_dp  # noqa: E402
+from fedkernels.integrations.flower import legacy_robust as ours_module  # noqa: E402
 
 SHAPES = [(4, 3, 3), (4,), (5, 7), (1,)]
 
@@ -258,7 +259,7 @@ def test_fixed_clipping_noise_off(wrapped, clip):
     inner = WRAPPED[wrapped]
     theirs = flower.DifferentialPrivacyServerSideFixedClipping(
         inner(fit_metrics_aggregation_fn=_metrics_fn), 0.0, clip, K)
-    ours = ours_module.DifferentialPrivacyServerSideFixedClipping(
+    ours = ours_dp.DifferentialPrivacyServerSideFixedClipping(
         inner(fit_metrics_aggregation_fn=_metrics_fn), 0.0, clip, K)
     rng = np.random.default_rng(1)
     state = [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
@@ -279,7 +280,7 @@ def test_adaptive_clip_trajectory_noise_off():
     kwargs = {"initial_clipping_norm": 0.3, "target_clipped_quantile": 0.4, "clip_norm_lr": 0.5}
     theirs = flower.DifferentialPrivacyServerSideAdaptiveClipping(flower.FedAvg(), 0.0, K,
                                                                   **kwargs)
-    ours = ours_module.DifferentialPrivacyServerSideAdaptiveClipping(fk_legacy.FedAvg(), 0.0, K,
+    ours = ours_dp.DifferentialPrivacyServerSideAdaptiveClipping(fk_legacy.FedAvg(), 0.0, K,
                                                                      **kwargs)
     rng = np.random.default_rng(2)
     state = [rng.standard_normal(s) for s in SHAPES]
@@ -298,7 +299,7 @@ def test_zero_update_raises_like_flower():
     state = [np.ones(3, np.float32)]
     out = []
     for cls in (flower.DifferentialPrivacyServerSideFixedClipping,
-                ours_module.DifferentialPrivacyServerSideFixedClipping):
+                ours_dp.DifferentialPrivacyServerSideFixedClipping):
         results = [fit([np.ones(3, np.float32)], 1), fit([np.zeros(3, np.float32)], 1)]
         out.append(_dp_round(cls(flower.FedAvg(), 0.0, 1.0, 2), 1, state, results)[1])
     assert isinstance(out[0], ZeroDivisionError) and isinstance(out[1], ZeroDivisionError)
@@ -313,9 +314,9 @@ def test_noise_distribution_and_generator():
 
     def noise(seed):
         gen = torch.Generator().manual_seed(seed)
-        noisy = ours_module.DifferentialPrivacyServerSideFixedClipping(
+        noisy = ours_dp.DifferentialPrivacyServerSideFixedClipping(
             flower.FedAvg(), sigma, clip, K, generator=gen)
-        clean = ours_module.DifferentialPrivacyServerSideFixedClipping(
+        clean = ours_dp.DifferentialPrivacyServerSideFixedClipping(
             flower.FedAvg(), 0.0, clip, K)
         a, _ = _dp_round(noisy, 1, state, _dp_results(1, state, spread))
         b, _ = _dp_round(clean, 1, state, _dp_results(1, state, spread))

@@ -160,7 +160,7 @@ def test_server_optimizers_equal_flower(name, kwargs):
 def test_aggregate_ndarrays_equals_flower_legacy():
     from flwr.server.strategy.aggregate import aggregate as flower_aggregate
 
-    from fedkernels.integrations.flower_legacy import aggregate_ndarrays
+    from fedkernels.integrations.flower.legacy import aggregate_ndarrays
 
     generator = np.random.default_rng(1)
     results = [(list(model(generator).values()), int(n)) for n in (3, 10, 7)]

@@ -13,9 +13,10 @@ from algorithm_helpers import round_info
 from torch import nn
 
 from fedkernels.algorithms import build_strategy
+from fedkernels.rules.server_optimizers import ServerSGD
 from fedkernels.sim.config import ClientConfig, ConfigError, ModelConfig
 from fedkernels.sim.models import build_model
-from fedkernels.sim.server import Server, ServerSGD
+from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import SetupInfo
 
 LR = 0.1

@@ -17,7 +17,7 @@ from flwr.serverapp.strategy import DifferentialPrivacyServerSideAdaptiveClippin
 from flwr.supercore import differential_privacy as flwr_dp  # noqa: E402
 
 from fedkernels.ops.sgld import sgld_step
-from fedkernels.private import (
+from fedkernels.privacy import (
     adaptive_clip_norm,
     adaptive_noise_params,
     clip_factors,

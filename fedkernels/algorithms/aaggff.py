@@ -1,89 +1,25 @@
-r"""AAggFF (Hahn, Kim, Lee, ICML 2024): fair aggregation as online convex optimisation
-(equations, defaults and the paper-versus-code table: ``docs/algorithms/aaggff.md``).
-
-Each round the server observes the participants' losses :math:`F_i` of the current global
-model (before local training), turns them into responses
-
-.. math:: x_i = F_i / \bar F,\qquad r_i = C_1 + (C_2 - C_1)\,\mathrm{CDF}(x_i)
-
-(:math:`\bar F` the plain mean over the participants; six CDFs, :func:`cdf_transform`), and
-plays a decision :math:`p \in \Delta_{N-1}` against the loss
-:math:`\ell(p) = -\log(1 + \langle p, r\rangle)`. The new decision
-:math:`p^{(t+1)}` is applied at once to the round's updates: :math:`w_i = p_i / \sum_{j \in S}
-p_j`.
-
-- **AAggFF-S** (cross-silo, every client every round): online Newton step in FTRL form,
-  :math:`C_2 = 1/N`, :math:`\alpha = 4`, :math:`\beta = N/4`,
-  :math:`p^{(t+1)} = \arg\min_\Delta \tfrac12 p^\top(\alpha I + \beta A_t)p + c_t^\top p`
-  with :math:`A_t = \sum g g^\top`, :math:`c_t = \sum g (1 - \beta\langle g, p^{(\tau)}\rangle)`,
-  :math:`g = -r/(1 + \langle p, r\rangle)`, solved exactly by an active-set method.
-- **AAggFF-D** (cross-device, sampled clients): doubly-robust response estimate
-  :math:`\tilde r_i = \bar r + \mathbb 1[i \in S](r_i - \bar r)/\pi_i`, linearised gradient
-  :math:`\tilde g = -\tilde r/(1 + \bar r\sum p) + \bar r\langle p, \tilde r - \bar r\rangle/(1 +
-  \bar r \sum p)^2`, and closed-form entropic FTRL
-  :math:`p^{(t+1)} = \mathrm{softmax}(-\sqrt{\log N}\,G_t / ((C + 2)\sqrt{t+1}))`,
-  :math:`C_2 = C`.
-
-``variant="official"`` reproduces the authors' code where it differs from the paper: ONS with
-:math:`(\alpha + \alpha\beta) I + \beta A` and no cross term; the DR estimate without
-:math:`+\bar r` for sampled clients; :math:`p^{(1)} = C\cdot 1`.
-``official_normal_cdf`` reproduces the code's inverted Normal transform.
+r"""AAggFF (Hahn, Kim, Lee, ICML 2024) on the simulation loop: ``aaggff-s`` (cross-silo, every
+client every round) and ``aaggff-d`` (cross-device, sampled clients). Each strategy holds one
+decision of :mod:`fedkernels.rules.aaggff` (its module docstring has the equations), feeds it
+the participants' losses of the current global model and weights the updates by
+:math:`w_i = p_i / \sum_{j \in S} p_j`. Defaults and the paper-versus-code table:
+``docs/algorithms/aaggff.md``.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from torch import Tensor
 
+from fedkernels.rules.aaggff import AAggFFDDecision, AAggFFSDecision
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
 
 from .registry import register
-from .simplex import simplex_qp
-
-CDFS = ("weibull", "exponential", "frechet", "normal", "gumbel", "logistic")
-
-
-def cdf_transform(
-    losses: np.ndarray,
-    cdf: str,
-    low: float = 0.0,
-    high: float = 1.0,
-    official_normal: bool = False,
-) -> np.ndarray:
-    r"""``low + (high - low) * CDF(F_i / mean(F))``, every scale 1:
-
-    weibull :math:`1 - e^{-x^2}`; exponential :math:`1 - e^{-x}`; frechet :math:`e^{-1/x}`;
-    normal :math:`\Phi(x - 1)`; gumbel :math:`e^{-e^{-(x-1)}}`; logistic
-    :math:`1/(1 + e^{-(x-1)})`. All-zero losses give the uniform response ``x = 1``.
-    ``official_normal``: the code's :math:`\tfrac12(\mathrm{erfc}((x-1)/\sqrt2) + 1)`."""
-    f = np.asarray(losses, dtype=np.float64)
-    mean = f.mean()
-    x = f / mean if mean > 0 else np.ones_like(f)
-    if cdf == "weibull":
-        y = 1.0 - np.exp(-(x**2))
-    elif cdf == "exponential":
-        y = 1.0 - np.exp(-x)
-    elif cdf == "frechet":
-        y = np.exp(-1.0 / np.maximum(x, 1e-12))
-    elif cdf == "normal":
-        erf = np.vectorize(math.erf)
-        erfc = np.vectorize(math.erfc)
-        z = (x - 1.0) / math.sqrt(2.0)
-        y = 0.5 * (erfc(z) + 1.0) if official_normal else 0.5 * (1.0 + erf(z))
-    elif cdf == "gumbel":
-        y = np.exp(-np.exp(-(x - 1.0)))
-    elif cdf == "logistic":
-        y = 1.0 / (1.0 + np.exp(-(x - 1.0)))
-    else:
-        raise ValueError(f"unknown CDF {cdf!r} (one of {', '.join(CDFS)})")
-    return low + (high - low) * y
 
 
 def _help(default: Any, text: str) -> Any:
@@ -108,10 +44,14 @@ class _AAggFF(Strategy):
     config_class = AAggFFConfig
     wants_global_loss = True
 
-    def responses(self, losses: Tensor, high: float) -> np.ndarray:
-        return cdf_transform(
-            losses.double().numpy(), self.config.cdf, 0.0, high, self.config.official_normal_cdf
-        )
+    def decision_options(self) -> dict[str, Any]:
+        return {"cdf": self.config.cdf, "variant": self.config.variant,
+                "official_normal_cdf": self.config.official_normal_cdf}
+
+    @property
+    def decision(self) -> Tensor:
+        """The current decision :math:`p` over all N clients."""
+        return self.decider.decision
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         weights = self.client_weights(info)
@@ -119,6 +59,12 @@ class _AAggFF(Strategy):
         p = self.decision
         entropy = float(-(p * p.clamp_min(1e-300).log()).sum())
         return {"decision_max": float(p.max()), "decision_entropy": entropy}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.decider.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decider.load_state_dict(state)
 
 
 @register
@@ -137,30 +83,11 @@ class AAggFFS(_AAggFF):
                 "aaggff-s needs every client in every round (participation.kind=full); "
                 "use aaggff-d with sampled clients"
             )
-        self.alpha, self.beta = 4.0, n / 4.0  # 4 N L, 1/(4 L) with L = C2 = 1/N
-        official = self.config.variant == "official"
-        self.decision = torch.full((n,), 1.0 if official else 1.0 / n, dtype=torch.float64)
-        self.quadratic = torch.eye(n, dtype=torch.float64) * (self.alpha if official else 0.0)
-        self.linear = torch.zeros(n, dtype=torch.float64)
+        self.decider = AAggFFSDecision(n, **self.decision_options())
 
     def step(self, losses: Tensor) -> np.ndarray:
         """One decision update from all N clients' losses; returns the new decision."""
-        n = len(self.decision)
-        r = self.responses(losses, 1.0 / n)
-        p = self.decision.numpy()
-        g = -r / (1.0 + p @ r)
-        a = self.quadratic.numpy() + np.outer(g, g)
-        if self.config.variant == "official":
-            c = self.linear.numpy() + g
-            q = self.alpha * np.eye(n) + self.beta * a  # a started at alpha I
-        else:
-            c = self.linear.numpy() + g * (1.0 - self.beta * (g @ p))
-            q = self.alpha * np.eye(n) + self.beta * a
-        new = simplex_qp(q, c, 0.0, np.inf, start=None)
-        self.quadratic = torch.from_numpy(a)
-        self.linear = torch.from_numpy(c)
-        self.decision = torch.from_numpy(new)
-        return new
+        return self.decider.step(losses)
 
     def client_weights(self, info: RoundInfo) -> Tensor:
         if len(info.participants) != info.num_clients:
@@ -171,14 +98,6 @@ class AAggFFS(_AAggFF):
         self.step(info.global_losses)
         p = self.decision[info.participants]
         return p / p.sum()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"decision": self.decision, "quadratic": self.quadratic, "linear": self.linear}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decision = state["decision"].clone()
-        self.quadratic = state["quadratic"].clone()
-        self.linear = state["linear"].clone()
 
 
 @dataclass
@@ -196,19 +115,22 @@ class AAggFFDConfig(AAggFFConfig):
 
 @register
 class AAggFFD(_AAggFF):
-    r"""AAggFF-D: doubly-robust responses and closed-form linearised FTRL (module docstring).
-    With per-client inclusion probabilities :math:`\pi_i` (Bernoulli participation) the DR
-    estimate divides by :math:`\pi_i` and :math:`C` is their mean."""
+    r"""AAggFF-D: doubly-robust responses and closed-form linearised FTRL
+    (:class:`~fedkernels.rules.aaggff.AAggFFDDecision`). With per-client inclusion
+    probabilities :math:`\pi_i` (Bernoulli participation) the DR estimate divides by
+    :math:`\pi_i` and :math:`C` is their mean."""
 
     name = "aaggff-d"
     config_class = AAggFFDConfig
 
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
-        n = info.num_clients
-        self.decision = torch.full((n,), 1.0 / n, dtype=torch.float64)
-        self.gradient_sum = torch.zeros(n, dtype=torch.float64)
-        self.started = False
+        self.decider = AAggFFDDecision(info.num_clients, **self.decision_options())
+
+    @property
+    def gradient_sum(self) -> Tensor:
+        """The sum of the linearised gradients so far (FTRL's state)."""
+        return self.decider.gradient_sum
 
     def inclusion(self, info: RoundInfo) -> np.ndarray:
         n = info.num_clients
@@ -221,28 +143,7 @@ class AAggFFD(_AAggFF):
 
     def step(self, ids: np.ndarray, losses: np.ndarray, pi: np.ndarray, t: int) -> np.ndarray:
         """One FTRL update in round ``t`` (1-based) from the participants ``ids``' losses."""
-        n = len(pi)
-        c = float(pi.mean())
-        official = self.config.variant == "official"
-        if not self.started:
-            if official:
-                self.decision = torch.full((n,), c, dtype=torch.float64)
-            self.started = True
-        r_s = self.responses(torch.from_numpy(np.asarray(losses, dtype=np.float64)), c)
-        r_bar = float(r_s.mean())
-        r = np.full(n, r_bar)
-        r[ids] = (0.0 if official else r_bar) + (r_s - r_bar) / pi[ids]
-        p = self.decision.numpy()
-        denominator = 1.0 + r_bar * p.sum()
-        g = -r / denominator + r_bar * (p @ (r - r_bar)) / denominator**2
-        total = self.gradient_sum.numpy() + g
-        logits = -math.sqrt(math.log(n)) * total / ((c + 2.0) * math.sqrt(t + 1))
-        logits -= logits.max()
-        new = np.exp(logits)
-        new /= new.sum()
-        self.gradient_sum = torch.from_numpy(total)
-        self.decision = torch.from_numpy(new)
-        return new
+        return self.decider.step(ids, losses, pi, t)
 
     def client_weights(self, info: RoundInfo) -> Tensor:
         ids = info.participants.numpy()
@@ -250,17 +151,5 @@ class AAggFFD(_AAggFF):
         p = self.decision[info.participants]
         return p / p.sum()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "decision": self.decision,
-            "gradient_sum": self.gradient_sum,
-            "started": self.started,
-        }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decision = state["decision"].clone()
-        self.gradient_sum = state["gradient_sum"].clone()
-        self.started = bool(state["started"])
-
-
-__all__ = ["AAggFFD", "AAggFFS", "CDFS", "cdf_transform"]
+__all__ = ["AAggFFConfig", "AAggFFD", "AAggFFDConfig", "AAggFFS"]

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from fedkernels.ops import summation
+from fedkernels.rules.participation_weights import IntervalWeightEstimator
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo, Strategy
@@ -48,49 +49,6 @@ def _help(default: Any, text: str) -> Any:
 # ---------------------------------------------------------------- FedAU
 
 
-class IntervalWeightEstimator:
-    r"""FedAU's online weights (Wang & Ji 2024, Alg. 2, in the "list" form of IBM/fedau).
-
-    Per client: ``c`` rounds since the last completed interval, ``M`` completed intervals,
-    ``omega`` their running mean (1 while ``M == 0``). Each round, in order, a participant
-    first *uses* ``omega`` (the interval it closes now counts only from the next round), then
-    closes the interval ``c + 1``; a non-participant increments ``c`` and, when ``c`` reaches
-    the cutoff K, closes a dummy interval of length K. Under Bernoulli(p) participation
-    :math:`\omega_n \to (1 - (1-p_n)^K)/p_n` (:math:`1/p_n` without cutoff).
-    """
-
-    def __init__(self, num_clients: int, cutoff: int | None) -> None:
-        self.cutoff = cutoff
-        self.count = torch.zeros(num_clients, dtype=torch.int64)
-        self.intervals = torch.zeros(num_clients, dtype=torch.int64)
-        self.omega = torch.ones(num_clients, dtype=torch.float64)
-
-    def _close(self, done: Tensor, length: Tensor) -> None:
-        m = self.intervals.double()
-        mean = torch.where(
-            self.intervals == 0, length.double(), (m * self.omega + length) / (m + 1.0)
-        )
-        self.omega = torch.where(done, mean, self.omega)
-        self.intervals = self.intervals + done.long()
-
-    def observe(self, mask: Tensor) -> None:
-        """Advances by one round with participation ``mask`` (bool ``[N]``)."""
-        self._close(mask, self.count + 1)
-        self.count = torch.where(mask, torch.zeros_like(self.count), self.count + 1)
-        if self.cutoff is not None:
-            dummy = ~mask & (self.count >= self.cutoff)
-            self._close(dummy, torch.full_like(self.count, self.cutoff))
-            self.count = torch.where(dummy, torch.zeros_like(self.count), self.count)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"count": self.count, "intervals": self.intervals, "omega": self.omega}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.count = state["count"].clone()
-        self.intervals = state["intervals"].clone()
-        self.omega = state["omega"].clone()
-
-
 @dataclass
 class FedAUConfig:
     cutoff: int = _help(50, "interval cutoff K (0: no cutoff, K -> infinity)")
@@ -103,8 +61,8 @@ class FedAUConfig:
 @register
 class FedAU(Strategy):
     r"""FedAU (Wang & Ji, ICLR 2024): :math:`w_n = \omega_n / N` with :math:`\omega_n` from
-    :class:`IntervalWeightEstimator`, read off the participation history (rounds without any
-    participant are caught up with)."""
+    :class:`~fedkernels.rules.participation_weights.IntervalWeightEstimator`, read off the
+    participation history (rounds without any participant are caught up with)."""
 
     name = "fedau"
     config_class = FedAUConfig

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from fedkernels.aggregate import aggregate
-from fedkernels.sim.server import Server, ServerSGD
+from fedkernels.rules.server_optimizers import ServerSGD
+from fedkernels.sim.server import Server
 
 
 def apply_direction(

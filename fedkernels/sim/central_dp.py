@@ -6,7 +6,7 @@ bound :math:`C_t`, the server's averaged model becomes
 .. math:: \bar x = x_t + \frac1K \sum_k \min\Big(1, \frac{C_t}{\|x_k - x_t\|}\Big)(x_k - x_t)
           + \mathcal{N}\big(0, (\sigma C_t / K)^2 I\big),
 
-one :func:`fedkernels.private.private_aggregate` call, and the server optimizer moves the global
+one :func:`fedkernels.privacy.private_aggregate` call, and the server optimizer moves the global
 model towards :math:`\bar x` as it would towards the plain average. The norm runs over all
 trainable parameters together. The clients count equally (as in DP-FedAvg with a fixed
 denominator), so one client moves :math:`\bar x` by at most :math:`C_t / K` and the noise
@@ -20,7 +20,7 @@ quantile :math:`\gamma = 0.5`, learning rate :math:`\eta_C = 0.2`, count noise
 :math:`\tilde b = (\#\{k : \|x_k - x_t\| \le C_t\} + \sigma_b z) / K` the noised fraction
 of updates left unclipped, so :math:`C` settles near the :math:`\gamma`-quantile of the update
 norms; the model's noise multiplier is raised to
-:math:`(\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}` (:func:`fedkernels.private.adaptive_noise_params`)
+:math:`(\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}` (:func:`fedkernels.privacy.adaptive_noise_params`)
 so that the two releases (model and count) together cost what one release at :math:`\sigma`
 costs. Two differences from Flower's ``DifferentialPrivacyServerSideAdaptiveClipping``: Flower
 counts the *clipped* updates in :math:`\tilde b` with the same sign of the step (the paper, and
@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fedkernels.privacy import dp_accounting_available, epsilon_from_rates
-from fedkernels.private import adaptive_noise_params, private_aggregate
+from fedkernels.privacy.accounting import dp_accounting_available, epsilon_from_rates
+from fedkernels.privacy.mechanism import adaptive_noise_params, private_aggregate
 
 from . import seeding
 from .config import ConfigError, PrivacyConfig

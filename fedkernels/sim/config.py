@@ -357,7 +357,6 @@ class ClientConfig:
         _require(self.weight_decay >= 0, "client.weight_decay must be >= 0")
 
 
-SERVER_OPTIMIZERS = ("sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
 DEFAULT_SERVER_LR = {"sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01, "fedadagrad": 0.1}
 
 

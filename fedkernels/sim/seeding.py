@@ -44,6 +44,6 @@ def torch_stream(seed: int, stream: int, *keys: int) -> Iterator[None]:
     caller's generator state (so a simulation leaves the user's torch RNG untouched)."""
     with torch.random.fork_rng(devices=[]):
         # Only the CPU generator: torch.manual_seed would also queue seeds for every
-        # accelerator backend, which costs about a millisecond per call.
+        # accelerator backend, a cost paid on every call.
         torch.default_generator.manual_seed(torch_seed(seed, stream, *keys))
         yield

@@ -121,7 +121,7 @@ def epsilon(
         raise TypeError(f"rounds must be an int, got {type(rounds).__name__}")
     if rounds < 0:
         raise ValueError(f"rounds must be >= 0, got {rounds!r}")
-    # Counted, not listed: a list of `rounds` rates took memory in proportion to rounds.
+    # Counted, not listed: the memory does not grow with the number of rounds.
     q = float(sampling_rate)
     _check(noise_multiplier, [q], delta, accountant)
     return _epsilon_of_counts(noise_multiplier, Counter({q: int(rounds)} if q > 0 and rounds
