@@ -4,13 +4,15 @@
 >>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
 
 The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference),
-:mod:`fedkernels.aggregate` (the structure-aware aggregation API), :mod:`fedkernels.sim` (the
+:mod:`fedkernels.aggregate` (the structure-aware aggregation API; :mod:`fedkernels.checkpoint_files`
+for checkpoints held as files), :mod:`fedkernels.sim` (the
 simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
 :mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
 public names of the two lowest layers, plus :func:`check` (the installation self-check).
 """
 
 from .aggregate import Accumulator, aggregate
+from .checkpoint_files import aggregate_files
 from .ops import native, reference
 from .ops.distill import distill_kl, ensemble_pseudo_labels
 from .ops.mixing import (
@@ -35,7 +37,7 @@ from .selfcheck import check
 
 __version__ = "0.1.0"
 __all__ = [
-    "aggregate", "Accumulator", "ops", "reference", "native",
+    "aggregate", "Accumulator", "aggregate_files", "ops", "reference", "native",
     "mix_endpoints", "cosine_orthogonality", "proximal_term", "superfed_mix",
     "superfed_regularizer", "SuPerFedSGD", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
     "sgld_step", "sgld_step_", "sgld_compose_step", "check",
