@@ -453,8 +453,9 @@ def _check_same_tensors(ref: Checkpoint, other: Checkpoint, is_base: bool) -> No
                                           and r.dtype in (torch.float16, torch.bfloat16))
         if e.shape != r.shape or not dtype_ok:
             expected = " (or float32 for half-precision clients)" if is_base else ""
-            raise _fail(f"{other.what}, tensor {name!r} (in {e.path}) is {e.dtype} "
-                        f"{e.shape}, {ref.what} has {r.dtype} {r.shape}{expected}")
+            shard = f" (in {e.path})" if len(other.files) > 1 else ""
+            raise _fail(f"{other.what}, tensor {name!r}{shard} is {e.dtype} {e.shape}, "
+                        f"{ref.what} has {r.dtype} {r.shape}{expected}")
 
 
 def _same_file(a: str, b: str) -> bool:
