@@ -7,18 +7,21 @@ memory; here every tensor is streamed in chunks through the fused ``weighted_sum
 so memory stays O(chunk × K) whatever the model's size, and the result is written as
 safetensors (sharded above a size, with Hugging Face's index file).
 
-Inputs are read with ``pread`` into buffers reused from chunk to chunk, not through a memory
-map: a mapped file pays a page fault per 4 KiB page, which cost several times the copy here
-(docs/guide/large_models.md has the measurement).
+Inputs are mapped read-only and shared (``mmap``), and the op reads each chunk in place from
+the page cache: no copy, unlike ``read``/``pread`` into a buffer, which cost more than the sum
+itself (docs/guide/large_models.md has the measurement). The pages of each chunk are unmapped
+once summed, so the resident set stays a few chunks.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,7 +52,7 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 _DTYPE_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 INDEX_SUFFIX = ".safetensors.index.json"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # Hugging Face's default shard size ("5GB")
 _MAX_HEADER_BYTES = 100 << 20  # the safetensors package's own limit on a header
 _ALIGN = 64  # each piece in a chunk buffer starts on a cache line
@@ -367,48 +370,76 @@ def _plan_steps(shards: list[_Shard], in_dtypes: dict[str, torch.dtype],
     return steps
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        got = os.preadv(fd, [view[done:]], offset + done)
-        if got <= 0:
-            raise OSError(f"{path} ended at byte {offset + done} while reading (it changed "
-                          "after it was checked)")
-        done += got
-
-
 class _Reader:
-    """Fills one checkpoint's chunk buffer with a step's pieces."""
+    """One checkpoint's tensors as views of its files mapped into memory (read-only, shared:
+    the op reads the page cache in place, with no copy)."""
 
     def __init__(self, checkpoint: Checkpoint):
         self.checkpoint = checkpoint
-        self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
+        self.bytes: dict[str, Tensor] = {}  # path -> the whole file as uint8
         self._flat: tuple[str, Tensor] | None = None  # the last .pt tensor, flattened
+        # whether some piece must be copied: a .pt tensor, or bytes not aligned for the dtype
+        self.needs_scratch = any(e.source is not None or e.offset % e.dtype.itemsize
+                                 for e in checkpoint.entries.values())
 
     def open(self) -> None:
         for path in self.checkpoint.files:
-            if not path.endswith(TORCH_SUFFIXES):
-                self.fds[path] = os.open(path, os.O_RDONLY)
+            if path.endswith(TORCH_SUFFIXES):
+                continue  # torch.load(mmap=True) mapped it already
+            with open(path, "rb") as f:
+                self.maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():  # read-only memory: the op only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                self.bytes[path] = torch.frombuffer(self.maps[path], dtype=torch.uint8)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        self.bytes.clear()
+        self._flat = None
+        for m in self.maps.values():
+            try:
+                m.close()
+            except BufferError:  # a view still referenced (a traceback): unmapped when freed
+                pass
+        self.maps.clear()
 
-    def fill(self, step: _Step, buffer: Tensor, at_out_offsets: bool = False) -> None:
-        """Reads the step's pieces into ``buffer``, at their client-buffer offsets (or at their
-        output offsets: the base, whose dtype is the output's)."""
-        view = memoryview(buffer.numpy())
+    def views(self, step: _Step, scratch: Tensor | None, at_out_offsets: bool) -> list[Tensor]:
+        """The step's pieces of this checkpoint, one 1-D tensor each: views of the mapped
+        file, or copies in ``scratch`` (at the pieces' client-buffer offsets, or output
+        offsets for the base) where a piece's bytes are not aligned for its dtype (the
+        safetensors format does not require alignment) or come from a ``.pt`` file."""
+        out = []
         for p in step.pieces:
             entry = self.checkpoint.entries[p.name]
             size = entry.dtype.itemsize
-            at = p.out_offset if at_out_offsets else p.buffer_offset
             if entry.source is None:
-                _pread_into(self.fds[entry.path], view[at:at + p.count * size],
-                            entry.offset + p.start * size, entry.path)
+                at = entry.offset + p.start * size
+                raw = self.bytes[entry.path][at:at + p.count * size]
+                if at % size == 0:
+                    out.append(raw.view(entry.dtype))
+                    continue
             else:
-                flat = self._flattened(entry)
-                _piece_view(buffer, at, p.count, entry.dtype).copy_(flat[p.start:p.start + p.count])
+                raw = self._flattened(entry)[p.start:p.start + p.count]
+            at = p.out_offset if at_out_offsets else p.buffer_offset
+            if entry.source is None:  # bytes to bytes, then viewed where aligned
+                scratch[at:at + p.count * size].copy_(raw)
+                out.append(_piece_view(scratch, at, p.count, entry.dtype))
+            else:
+                out.append(_piece_view(scratch, at, p.count, entry.dtype).copy_(raw))
+        return out
+
+    def release(self, step: _Step) -> None:
+        """Unmaps the pages the step read (they stay in the page cache): the process's
+        resident memory stays a few chunks, not the size of the files."""
+        for p in step.pieces:
+            entry = self.checkpoint.entries[p.name]
+            if entry.source is not None:
+                continue
+            start = entry.offset + p.start * entry.dtype.itemsize
+            end = start + p.count * entry.dtype.itemsize
+            first = start // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > first:
+                self.maps[entry.path].madvise(mmap.MADV_DONTNEED, first, end - first)
 
     def _flattened(self, entry: TensorEntry) -> Tensor:
         if self._flat is None or self._flat[0] != entry.name:
@@ -508,7 +539,6 @@ def aggregate_files(
     max_shard_bytes: int | None = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     fsync: bool = True,
-    threads: int | None = None,
 ) -> list[str]:
     r"""Weighted sum of K checkpoint files, streamed in chunks: what
     ``fedkernels.aggregate`` computes on the loaded state_dicts, in O(chunk × K) memory.
@@ -529,14 +559,14 @@ def aggregate_files(
         base, scale, normalize, int_policy: as :func:`fedkernels.aggregate` (``base`` is a
             checkpoint file; its float tensors have the clients' dtype, or float32 for
             half-precision clients, and give the result its dtype).
-        chunk_bytes: bytes of each client read per step: memory is about
-            ``2 × (K + 2) × chunk_bytes`` (two sets of buffers, one read while the other is
-            summed).
+        chunk_bytes: bytes of each client summed per step. Memory beyond the page cache is
+            about ``(K + 3) × chunk_bytes``: the mapped pages of one step, two output buffers
+            (one written while the next is summed), and copies of pieces that need one
+            (``.pt`` tensors, unaligned safetensors data).
         max_shard_bytes: the largest output file (None: one file).
         overwrite: replace existing output files (refused otherwise).
         fsync: flush the output to the disk before it takes its final name, so that a crash
             of the machine cannot leave a named but incomplete file.
-        threads: threads that read the inputs (default: one per client, at most 8).
 
     Returns:
         The written paths: the index first when sharded, then the shards.
@@ -561,9 +591,6 @@ def aggregate_files(
                                         or max_shard_bytes < 1):
         raise ValueError(f"{API}: max_shard_bytes must be a positive integer or None, got "
                          f"{max_shard_bytes!r}")
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
-                                or threads < 1):
-        raise ValueError(f"{API}: threads must be a positive integer, got {threads!r}")
     out = os.fspath(out)
     if not out.endswith(".safetensors") and not out.endswith(INDEX_SUFFIX):
         raise ValueError(f"{API}: out must be a .safetensors (or .safetensors.index.json) "
@@ -617,7 +644,7 @@ def aggregate_files(
     steps = _plan_steps(shards, in_dtypes, out_dtypes, shapes, chunk_bytes)
     with _StagingFolder(folder, targets) as staging:
         _stream(readers, steps, shards, staging, w, scale, base_ckpt is not None, int_policy,
-                in_dtypes, out_dtypes, shapes, is_float, threads, fsync, index_path, names)
+                in_dtypes, out_dtypes, shapes, is_float, fsync, index_path, names)
     return targets
 
 
@@ -649,54 +676,47 @@ class _StagingFolder:
 
 def _stream(readers: list[_Reader], steps: list[_Step], shards: list[_Shard],
             staging: _StagingFolder, w: Tensor, scale: float, delta: bool, int_policy: str,
-            in_dtypes, out_dtypes, shapes, is_float, threads: int | None, fsync: bool,
+            in_dtypes, out_dtypes, shapes, is_float, fsync: bool,
             index_path: str | None, names: list[str]) -> None:
-    """Reads, sums and writes every step; two buffer sets, so that the next step's reads run
-    while this one is summed and written."""
+    """Sums every step from the mapped inputs into one of two output buffers; a writer
+    thread writes the previous step's buffer meanwhile."""
     num_clients = len(readers) - (1 if delta else 0)
     in_size = max((s.in_bytes for s in steps), default=0)
     out_size = max((s.out_bytes for s in steps), default=0)
-    sizes = [in_size] * num_clients + ([out_size] if delta else [])
-    buffers = [[torch.empty(n, dtype=torch.uint8) for n in sizes] for _ in range(2)]
+    scratch: list[Tensor | None] = [None] * len(readers)  # made when a piece needs a copy
     outs = [torch.empty(out_size, dtype=torch.uint8) for _ in range(2)]
-    workers = threads or min(len(readers), 8)
     fds: list[int] = []
-    for r in readers:
-        r.open()
     try:
+        for r in readers:
+            r.open()
         for shard in shards:
             fd = os.open(staging.staged(shard.path), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             fds.append(fd)
             os.pwrite(fd, shard.header, 0)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="aggregate_files") as pool:
-
-            def read(i: int) -> list[Future]:
-                return [pool.submit(r.fill, steps[i], buffers[i % 2][j], j == num_clients)
-                        for j, r in enumerate(readers)]
-
-            def write(i: int) -> Future:
-                step = steps[i]
-                data = memoryview(outs[i % 2].numpy())[:step.out_bytes]
-                return pool.submit(_pwrite_all, fds[step.shard], data, step.file_offset)
-
-            pending_reads = read(0) if steps else []
-            pending_write: Future | None = None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="aggregate_files") as writer:
+            pending: Future | None = None
             try:
                 for i, step in enumerate(steps):
-                    for f in pending_reads:
-                        f.result()
-                    pending_reads = read(i + 1) if i + 1 < len(steps) else []
-                    _sum_step(step, buffers[i % 2], outs[i % 2], num_clients, w, scale, delta,
-                              int_policy, in_dtypes, out_dtypes, is_float)
-                    if pending_write is not None:
-                        pending_write.result()
-                    pending_write = write(i)
-                if pending_write is not None:
-                    pending_write.result()
-            finally:  # no worker may still write into a buffer or file being let go
-                for f in pending_reads:
-                    f.cancel()
-                pool.shutdown(wait=True, cancel_futures=True)
+                    views = []
+                    for j, r in enumerate(readers):
+                        is_base = j == num_clients
+                        if scratch[j] is None and r.needs_scratch:
+                            scratch[j] = torch.empty(out_size if is_base else in_size,
+                                                     dtype=torch.uint8)
+                        views.append(r.views(step, scratch[j], at_out_offsets=is_base))
+                    _sum_step(step, views, outs[i % 2], num_clients, w, scale, delta,
+                              int_policy, out_dtypes, is_float)
+                    del views
+                    if pending is not None:
+                        pending.result()
+                    data = memoryview(outs[i % 2].numpy())[:step.out_bytes]
+                    pending = writer.submit(_pwrite_all, fds[step.shard], data, step.file_offset)
+                    for r in readers:
+                        r.release(step)
+                if pending is not None:
+                    pending.result()
+            finally:  # the writer may not outlive the buffers and files
+                writer.shutdown(wait=True, cancel_futures=True)
         if fsync:
             for fd in fds:
                 os.fsync(fd)
@@ -723,40 +743,81 @@ def _stream(readers: list[_Reader], steps: list[_Step], shards: list[_Shard],
             os.close(fd)
 
 
+# Writes of at most this many bytes: larger single writes into a growing file stalled in the
+# page cache's writeback throttling here (several times slower per byte).
+WRITE_PIECE_BYTES = 1 << 20
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:], offset + done)
+        done += os.pwrite(fd, data[done:done + WRITE_PIECE_BYTES], offset + done)
 
 
-def _sum_step(step: _Step, buffers: list[Tensor], out: Tensor, num_clients: int, w: Tensor,
-              scale: float, delta: bool, int_policy: str, in_dtypes, out_dtypes,
+def _sum_step(step: _Step, views: list[list[Tensor]], out: Tensor, num_clients: int,
+              w: Tensor, scale: float, delta: bool, int_policy: str, out_dtypes,
               is_float) -> None:
-    """One step: the fused op on the float pieces of every client (client-major, as the op
-    takes them), ``int_policy`` on the integer ones, into the output chunk buffer."""
-    updates: list[list[Tensor]] = [[] for _ in range(num_clients)]
-    bases: list[Tensor] = []
-    outs: list[Tensor] = []
-    for p in step.pieces:
-        dtype = in_dtypes[p.name]
-        views = [_piece_view(b, p.buffer_offset, p.count, dtype) for b in buffers[:num_clients]]
+    """One step: the fused op on the float pieces of every client (``views[k][i]``: client k's
+    piece i; the base's last), ``int_policy`` on the integer ones, into the output buffer."""
+    batch = _OpBatch(num_clients, w, scale, delta)
+    for i, p in enumerate(step.pieces):
+        pieces = [v[i] for v in views[:num_clients]]
         target = _piece_view(out, p.out_offset, p.count, out_dtypes[p.name])
-        base = _piece_view(buffers[-1], p.out_offset, p.count, out_dtypes[p.name]) \
-            if delta else None
+        base = views[-1][i] if delta else None
         if is_float[p.name]:
-            for k, v in enumerate(views):
-                updates[k].append(v)
-            outs.append(target)
-            if base is not None:
-                bases.append(base)
+            batch.add(pieces, base, target)
         elif int_policy == "max":
-            result = views[0]
-            for v in views[1:]:
+            result = pieces[0]
+            for v in pieces[1:]:
                 result = elementwise_max(result, v)
             target.copy_(result)
         elif int_policy == "skip" and base is not None:
             target.copy_(base)
         else:  # "first", or "skip" without a base: client 0's
-            target.copy_(views[0])
-    if outs:
-        summation.weighted_sum_out([t for c in updates for t in c], w, bases, scale, delta, outs)
+            target.copy_(pieces[0])
+    batch.run()
+
+
+# The most bytes one op call touches: under the op's serial threshold (4 MiB, csrc/cpu/
+# parallel.h), so each call runs on the calling thread alone while the reader and writer
+# threads use the other cores (a thread team would wait on them, and they on it).
+OP_CALL_BYTES = 3 << 20
+
+
+class _OpBatch:
+    """Float pieces gathered into op calls of at most OP_CALL_BYTES of traffic each (a large
+    piece is cut into several calls)."""
+
+    def __init__(self, num_clients: int, w: Tensor, scale: float, delta: bool):
+        self.num_clients, self.w, self.scale, self.delta = num_clients, w, scale, delta
+        self._clear()
+
+    def _clear(self) -> None:
+        self.updates: list[list[Tensor]] = [[] for _ in range(self.num_clients)]
+        self.bases: list[Tensor] = []
+        self.outs: list[Tensor] = []
+        self.bytes = 0
+
+    def add(self, views: list[Tensor], base: Tensor | None, target: Tensor) -> None:
+        per_element = self.num_clients * views[0].element_size() + target.element_size() * (
+            2 if base is not None else 1)
+        start, numel = 0, target.numel()
+        while start < numel:
+            count = min(numel - start, (OP_CALL_BYTES - self.bytes) // per_element)
+            if count <= 0:
+                self.run()
+                continue
+            end = start + count
+            for k, v in enumerate(views):
+                self.updates[k].append(v[start:end])
+            if base is not None:
+                self.bases.append(base[start:end])
+            self.outs.append(target[start:end])
+            self.bytes += count * per_element
+            start = end
+
+    def run(self) -> None:
+        if self.outs:
+            summation.weighted_sum_out([t for c in self.updates for t in c], self.w, self.bases,
+                                       self.scale, self.delta, self.outs)
+        self._clear()

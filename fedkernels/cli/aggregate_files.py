@@ -91,9 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_BYTES,
                         metavar="SIZE", help="largest output file, e.g. 5GB (default) or none")
     parser.add_argument("--chunk-size", type=byte_size, default=DEFAULT_CHUNK_BYTES,
-                        metavar="SIZE", help="bytes of each client read per step (default 4MiB)")
-    parser.add_argument("--threads", type=int, metavar="N",
-                        help="threads reading the inputs (default: one per client, at most 8)")
+                        metavar="SIZE", help="bytes of each client summed per step (default 1MiB)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing output files")
     parser.add_argument("--no-fsync", action="store_true",
                         help="do not flush the output to the disk before renaming it")
@@ -112,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             args.files, args.weights, out=args.out, base=args.base, scale=args.scale,
             normalize=args.normalize, int_policy=args.int_policy, chunk_bytes=args.chunk_size,
             max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-            fsync=not args.no_fsync, threads=args.threads)
+            fsync=not args.no_fsync)
     except (_UsageError, ValueError, TypeError) as err:
         message = str(err).removeprefix("fedkernels.aggregate_files: ")
         print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
