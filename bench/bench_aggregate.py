@@ -15,7 +15,11 @@ probe) with the committed run for this device, never absolute times.
 
 Each row is one way of computing sum_k w_k x_k over K client models:
 
-  fused        fedkernels.aggregate(clients, w)               (allocates the result)
+  fused        fedkernels.aggregate(clients, w)               (allocates the result; tensors
+               of 2 MiB or more in huge pages, fedkernels.fresh_memory)
+  fused 4K     fedkernels.ops.weighted_sum(clients' tensors, w): the op allocating its result
+               with torch's allocator, in 4 KiB pages (a reference for the allocation's cost;
+               run with THP_MEM_ALLOC_ENABLE=1, torch's allocator madvises huge pages too)
   fused out=   fedkernels.aggregate(clients, w, out=result)   (into a preallocated model)
   op out=      fedkernels.ops.weighted_sum_out on the clients' tensors already in one list,
                into a preallocated model: the op alone, without aggregate's layout checks
@@ -150,6 +154,7 @@ def methods(clients, weights, device):
     return {
         "fused": lambda: fedkernels.aggregate(clients, weights),
         "fused out=": lambda: fedkernels.aggregate(clients, weights, out=out),
+        "fused 4K": lambda: fedkernels.ops.weighted_sum(listed, weights, (), 1.0, False),
         "op out=": lambda: fedkernels.ops.weighted_sum_out(listed, weights, (), 1.0, False, out=out),
         "loop": loop,
         "foreach": foreach,
@@ -160,7 +165,7 @@ def methods(clients, weights, device):
 
 
 # The methods of every block, in the order methods() builds them.
-METHODS = ("fused", "fused out=", "op out=", "loop", "foreach", "stack", "flat mv", "reference")
+METHODS = ("fused", "fused out=", "fused 4K", "op out=", "loop", "foreach", "stack", "flat mv", "reference")
 
 
 def configs(args):
