@@ -4,7 +4,7 @@ page-cache read bandwidth of the same files and against what users write instead
     python bench/bench_files.py                       # K=4 clients of a 0.68 B-parameter bf16 model
     python bench/bench_files.py --model lora -K 10    # K=10 LoRA adapters (256 small tensors)
     python bench/bench_files.py --tiny                # seconds: a smoke test of the script
-    python bench/bench_files.py --save                # also update bench/results/files-<device>.json
+    python bench/bench_files.py --save                # also merge into bench/results/files-<device>.json
 
 The clients are written once as safetensors files under --dir (deleted at the end unless
 --keep) and read once before timing, so that every method reads them from the page cache.
@@ -46,13 +46,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import (
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    _merge_into,
     add_output_arguments,
     at_least,
     check_output_arguments,
+    device_name,
     environment,
     fail,
-    write_results,  # noqa: E402
+    write_results,
 )
 
 import fedkernels  # noqa: E402
@@ -315,8 +318,12 @@ def run(args, argv) -> dict:
         "chunk_bytes": args.chunk_bytes, "rows": rows, "fsync_once_s": fsync_s,
         "command": "python bench/bench_files.py " + " ".join(argv),
     }
-    path = write_results(f"files-{args.model}-K{args.clients}-{args.dtype}",
-                         torch.device("cpu"), payload, save=args.save, out=args.out)
+    name = f"{args.model}-K{args.clients}-{args.dtype}"
+    device = torch.device("cpu")
+    path = write_results(f"files-{name}", device, payload, out=args.out)
+    if args.save:  # a file of its own, beside the op benchmarks' <device>.json
+        path += " and " + os.path.join(RESULTS_DIR, f"files-{device_name(device)}.json")
+        _merge_into(path.rsplit(" and ", 1)[1], name, payload)
     print(f"# wrote {path}")
     return payload
 
