@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .fresh_memory import HUGE_PAGE_BYTES, empty_huge, huge_pages_available
 from .memory_footprints import Footprints, byte_span, has_internal_overlap, same_memory
 from .model_layout import (
     INT_POLICIES,
@@ -275,29 +274,6 @@ def _check_weight_range(values: list[float] | None, scale, normalize: bool,
                          f"range: {who}s {big[:10]}){hint}")
 
 
-# ---------------------------------------------------------------- fresh results
-
-
-def _huge_page_results(first: list[Tensor], base: list[Tensor], updates: list[Tensor],
-                       weights: Tensor) -> list[Tensor] | None:
-    """The result tensors of an allocating CPU call, those of 2 MiB or more in huge pages
-    (:mod:`fedkernels.fresh_memory`: one page fault per 2 MiB rather than per 4 KiB), or None
-    where the op should allocate them itself: nothing that large, no huge pages, not on the
-    CPU, under torch.compile, or an autograd graph to record (only the allocating op records
-    one)."""
-    dtypes = [b.dtype for b in base] if base else [t.dtype for t in first]
-    if not any(t.numel() * d.itemsize >= HUGE_PAGE_BYTES for t, d in zip(first, dtypes)):
-        return None
-    if (not huge_pages_available() or torch.compiler.is_compiling()
-            or any(t.device.type != "cpu" for t in itertools.chain(first, base))):
-        return None
-    if torch.is_grad_enabled() and (weights.requires_grad or any(
-            t.requires_grad for t in itertools.chain(updates, base))):
-        return None
-    return [empty_huge(t.shape, d) if t.numel() * d.itemsize >= HUGE_PAGE_BYTES
-            else torch.empty(t.shape, dtype=d) for t, d in zip(first, dtypes)]
-
-
 # ---------------------------------------------------------------- aggregate
 
 
@@ -406,12 +382,7 @@ def aggregate(
     delta = base is not None
     try:
         if out_tensors is None:
-            fresh = _huge_page_results(floats[0], float_base, flat_updates, w)
-            if fresh is None:
-                results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
-            else:
-                summation.weighted_sum_out(flat_updates, w, float_base, scale, delta, fresh)
-                results = fresh
+            results = summation.weighted_sum(flat_updates, w, float_base, scale, delta)
         else:
             in_place = bool(float_base) and all(
                 same_memory(o, b) for o, b in zip(op_out, float_base)
