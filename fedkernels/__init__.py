@@ -4,7 +4,8 @@
 >>> global_sd = fedkernels.aggregate([sd_a, sd_b, sd_c], [30, 50, 20], normalize=True)
 
 The layers, bottom up: :mod:`fedkernels.ops` (the native ops and their reference), the public
-APIs :mod:`fedkernels.aggregate`, :mod:`fedkernels.robust` and :mod:`fedkernels.privacy`,
+APIs :mod:`fedkernels.aggregate` (with :mod:`fedkernels.checkpoint_files` for checkpoints held
+as files), :mod:`fedkernels.robust` and :mod:`fedkernels.privacy`,
 :mod:`fedkernels.rules` (weight rules and server optimizers), :mod:`fedkernels.sim` (the
 simulation loop), :mod:`fedkernels.algorithms` (strategies on that loop), and the entry points
 :mod:`fedkernels.cli` and :mod:`fedkernels.integrations`. This module only re-exports the
@@ -15,6 +16,7 @@ is imported on first use: ``import fedkernels`` stays light.
 import importlib
 
 from .aggregate import Accumulator, aggregate
+from .checkpoint_files import aggregate_files
 from .ops import native, reference
 from .ops.distill import distill_kl, ensemble_pseudo_labels
 from .ops.mixing import (
@@ -38,7 +40,7 @@ from .robust import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "aggregate", "Accumulator", "ops", "reference", "native",
+    "aggregate", "Accumulator", "aggregate_files", "ops", "reference", "native",
     "mix_endpoints", "cosine_orthogonality", "proximal_term", "superfed_mix",
     "superfed_regularizer", "SuPerFedSGD", "ensemble_pseudo_labels", "distill_kl", "energy_from_logits",
     "sgld_step", "sgld_step_", "sgld_compose_step", "check",

@@ -1,12 +1,13 @@
-"""The ``fedkernels`` command line: ``fedkernels run`` (one experiment, :mod:`.run`) and
-``fedkernels compare`` (several algorithms over several seeds, :mod:`.compare`)."""
+"""The ``fedkernels`` command line: ``fedkernels run`` (one experiment, :mod:`.run`),
+``fedkernels compare`` (several algorithms over several seeds, :mod:`.compare`), ``fedkernels
+check`` (:mod:`.check`) and ``fedkernels aggregate`` (checkpoint files, :mod:`.aggregate_files`)."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable
 
-from . import check, compare, run
+from . import aggregate_files, check, compare, run
 from .parsing import one_line
 
 # command -> (one line of help, its main taking the arguments after the command's name)
@@ -14,6 +15,8 @@ COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "run": ("run one federated experiment", run.main),
     "compare": ("run several algorithms over several seeds: one table, one plot", compare.main),
     "check": ("check this installation: builds, every op against its reference, bandwidth", check.main),
+    "aggregate": ("weighted sum of K checkpoint files (safetensors, sharded, .pt), streamed",
+                  aggregate_files.main),
 }
 
 
