@@ -130,9 +130,11 @@ tests=(
 )
 step "tests under the sanitizers"
 cd "$build"
+# --capture=sys: pytest's default capture of file descriptor 2 would swallow the report, which
+# the runtime writes there just before it aborts the process.
 if (($#)); then
-  "$PYTHON" -m pytest -q -p no:cacheprovider "$@"
+  "$PYTHON" -m pytest -q -p no:cacheprovider --capture=sys "$@"
 else
-  "$PYTHON" -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}"
+  "$PYTHON" -m pytest -q -p no:cacheprovider --capture=sys -m "not slow" "${tests[@]}"
 fi
 step "done"
