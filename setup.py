@@ -12,8 +12,11 @@
 
 DEBUG=1 builds without optimisation and with debug symbols. FEDKERNELS_CPU_ISAS=avx2,default
 builds only the listed CPU variants (a faster developer build); a variant whose flags the
-compiler refuses is skipped with a note. Libraries build side by side (one thread each) when
-the machine has the cores for it: FEDKERNELS_BUILD_PARALLEL=N overrides the count.
+compiler refuses is skipped with a note. FEDKERNELS_SANITIZE=address,undefined builds the C++
+CPU libraries under those compiler sanitizers, for tests only (.ci/sanitize.sh; no CUDA library,
+and the list of CPU variants may omit default; see docs/guide/sanitizers.md). Libraries build
+side by side (one thread each) when the machine has the cores for it: FEDKERNELS_BUILD_PARALLEL=N
+overrides the count.
 """
 
 import glob
@@ -27,6 +30,7 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEBUG = os.environ.get("DEBUG", "0") == "1"
+SANITIZE = os.environ.get("FEDKERNELS_SANITIZE", "").strip()
 
 # The instruction sets a CPU-kernel library is built for: name -> compiler flags. The macros
 # select at::vec's implementation and give its types a namespace of their own.
@@ -58,7 +62,8 @@ def cpu_capabilities():
     wanted = os.environ.get("FEDKERNELS_CPU_ISAS", ",".join(CPU_CAPABILITIES))
     names = [n.strip().lower() for n in wanted.split(",") if n.strip()]
     unknown = [n for n in names if n not in CPU_CAPABILITIES]
-    if unknown or "default" not in names:
+    # a sanitizer build is a test build for this machine: no fallback library needed
+    if unknown or not names or ("default" not in names and not SANITIZE):
         sys.exit(f"FEDKERNELS_CPU_ISAS must list 'default' and any of {list(CPU_CAPABILITIES)}, "
                  f"got {wanted!r}")
     chosen = {}
@@ -76,8 +81,22 @@ def rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def sanitizer_flags():
+    """Compile and link flags of a FEDKERNELS_SANITIZE build: a report stops the process
+    (UBSan would otherwise print and go on), and frames stay walkable for the reports."""
+    if not SANITIZE:
+        return []
+    return [f"-fsanitize={SANITIZE}", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+
+
 def cxx_flags():
-    opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+    if SANITIZE:
+        # line tables are enough for the reports' traces, and with both sanitizers -Og -g1
+        # compiles far faster than -O1 -g (the build is part of every CI run)
+        opt = ["-Og", "-g1"]
+    else:
+        opt = ["-O0", "-g"] if DEBUG else ["-O3"]
+    opt += sanitizer_flags()
     # Hidden symbols: each library keeps its own copy of shared inline code, so libraries
     # built for different instruction sets never lend each other a function.
     return opt + ["-std=c++20", "-fvisibility=hidden", "-fvisibility-inlines-hidden", "-fopenmp"]
@@ -124,7 +143,8 @@ def cuda_header_dirs():
 def extensions():
     exts = [
         cpp_extension.CppExtension(
-            "fedkernels._C", rel("csrc/*.cpp"), extra_compile_args={"cxx": cxx_flags()}
+            "fedkernels._C", rel("csrc/*.cpp"), extra_compile_args={"cxx": cxx_flags()},
+            extra_link_args=sanitizer_flags(),
         )
     ]
     # No fused multiply-adds the source does not ask for: every CPU build rounds each operation
@@ -135,10 +155,11 @@ def extensions():
                 f"fedkernels._cpu_{name}",
                 rel("csrc/cpu/*.cpp"),
                 extra_compile_args={"cxx": cxx_flags() + flags + ["-ffp-contract=off"]},
-                extra_link_args=["-fopenmp"],
+                extra_link_args=["-fopenmp"] + sanitizer_flags(),
             )
         )
-    if want_cuda():
+    # the CUDA kernels are checked by compute-sanitizer instead (bench/gpu_validate.sh)
+    if not SANITIZE and want_cuda():
         nvcc = ["-O0", "-g", "-G"] if DEBUG else ["-O3", "-lineinfo"]
         exts.append(
             cpp_extension.CUDAExtension(

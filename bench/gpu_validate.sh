@@ -141,6 +141,62 @@ crashed_test() {
     | head -n 1 | sed -E 's/.* in //'
 }
 
+# ---------------------------------------------------------------- CUDA sanitizers (racecheck, initcheck)
+# GPU_VALIDATE_SANITIZERS=1 adds two runs of the CUDA op tests under compute-sanitizer, after
+# the memcheck run of the self-check in plan(): racecheck (shared-memory hazards between the
+# threads of a block) and initcheck (reads of device memory nothing wrote). They are slow, so they are
+# opt-in and get a time budget of their own, GPU_VALIDATE_SANITIZER_BUDGET_S (default 480 s),
+# on top of the run's. Only fedkernels' kernels are checked (--kernel-name kns=fedkernels: every
+# kernel of csrc/cuda/ lives in that namespace), so torch's own kernels neither slow the run nor
+# report. Exit status 86 of a step means a sanitizer report; see docs/guide/sanitizers.md.
+SANITIZERS="${GPU_VALIDATE_SANITIZERS:-0}"
+if [[ $SANITIZERS == 1 ]]; then
+  DEADLINE=$((DEADLINE + ${GPU_VALIDATE_SANITIZER_BUDGET_S:-480}))
+fi
+SANITIZER_TESTS=(python_tests/test_weighted_sum_op.py python_tests/test_aggregate.py
+  python_tests/test_robust_ops.py python_tests/test_private_api.py python_tests/test_superfed_ops.py
+  python_tests/test_sgld_ops.py python_tests/test_distill_ops.py python_tests/test_misaligned_inputs.py
+  python_tests/test_written_tensors.py)
+
+sanitizer_plan() {
+  [[ $SANITIZERS == 1 ]] || return 0
+  local pyname="${PY:-python}" sanitizer
+  sanitizer="$(command -v compute-sanitizer 2>/dev/null || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")"
+  if [[ $DRY_RUN == 0 && ! -x "$sanitizer" ]]; then
+    skip "racecheck" "compute-sanitizer not found"
+    skip "initcheck" "compute-sanitizer not found"
+    return 0
+  fi
+  # torch.compile tests are left out: compiling under the sanitizer costs minutes and checks
+  # no kernel of ours that the eager tests do not.
+  local common=(--error-exitcode 86 --print-limit 30 --kernel-name kns=fedkernels)
+  local tests=("$pyname" -m pytest "${SANITIZER_TESTS[@]}" -m cuda -q -p no:cacheprovider
+    -k "not compile")
+  # racecheck: every shared-memory access pair of a block (hazards, and the analysis of each)
+  step "racecheck" 240 sanitizer_racecheck.log "$sanitizer" --tool racecheck --racecheck-report all \
+    "${common[@]}" "${tests[@]}"
+  # initcheck: without torch's caching allocator every tensor is a fresh cudaMalloc, so a read of
+  # memory that a freed tensor once wrote is not mistaken for an initialized one
+  step "initcheck" 240 sanitizer_initcheck.log env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$sanitizer" \
+    --tool initcheck "${common[@]}" "${tests[@]}"
+}
+
+sanitizer_summary() {
+  local log
+  for log in racecheck initcheck; do
+    if [[ -f "$OUTDIR/sanitizer_$log.log" ]]; then
+      echo
+      echo "## compute-sanitizer ($log) over the CUDA op tests"
+      echo
+      echo '```'
+      grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^(FAILED|ERROR) ' "$OUTDIR/sanitizer_$log.log" | head -n 20
+      tail -n 1 "$OUTDIR/sanitizer_$log.log"
+      echo '```'
+    fi
+  done
+}
+# ---------------------------------------------------------------- end of the CUDA sanitizers
+
 plan() {
   # Order: build, the self-check (every op on the GPU against the reference: the correctness
   # gate), the headline benchmark, the CUDA tests, the other benchmarks. A step that would
@@ -217,6 +273,7 @@ plan() {
   else
     skip "ncu profile" "ncu (Nsight Compute) not found"
   fi
+  sanitizer_plan
 }
 
 if [[ $DRY_RUN == 1 ]]; then
@@ -337,6 +394,7 @@ plan
     grep -E 'ERROR SUMMARY|^result:' "$OUTDIR/sanitizer.log"
     echo '```'
   fi
+  sanitizer_summary
   for log in bench_distill bench_distill_kl bench_energy bench_sgld bench_superfed bench_robust_ops; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo

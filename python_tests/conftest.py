@@ -30,15 +30,28 @@ HALF_DTYPES = [torch.float16, torch.bfloat16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+def cpu_builds() -> list[str]:
+    """The CPU builds that tests run and compare: every build this CPU supports, or only the one
+    FEDKERNELS_CPU_CAPABILITY forces (a tree that has that one library alone, such as the
+    sanitizer build of .ci/sanitize.sh)."""
+    from fedkernels.ops import native
+
+    forced = os.environ.get("FEDKERNELS_CPU_CAPABILITY", "").lower()
+    return [forced] if forced else native._supported_capabilities()
+
+
 def run_in_cpu_build(script: str, capability: str, threads: int = 2, timeout: float = 300) -> None:
     """Runs ``script`` in a fresh process on the CPU build ``capability`` with ``threads``
     threads; it prints ``OK <build>``, or ``SKIP <why>`` to skip the test. Skips where this CPU
-    lacks the build. A fresh process: the build is chosen at import, and per-thread state a
-    script sets (the subnormal mode) cannot leak into other tests."""
+    lacks the build, or FEDKERNELS_CPU_CAPABILITY forces another. A fresh process: the build is
+    chosen at import, and per-thread state a script sets (the subnormal mode) cannot leak into
+    other tests."""
     from fedkernels.ops import native
 
     if capability not in native._supported_capabilities():
         pytest.skip(f"this CPU does not support the {capability} build")
+    if capability not in cpu_builds():
+        pytest.skip(f"FEDKERNELS_CPU_CAPABILITY forces another build than {capability}")
     env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=capability, OMP_NUM_THREADS=str(threads))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], env=env,
                           capture_output=True, text=True, timeout=timeout)

@@ -4,6 +4,8 @@ compiler (a second or two), for tests of host-compilable kernel code; skips wher
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -24,8 +26,10 @@ def run_driver(source: str, header: str, tmp_path: Path) -> str:
     path = tmp_path / "driver.cpp"
     path.write_text(source)
     binary = tmp_path / "driver"
+    # FK_DRIVER_CXXFLAGS adds flags: .ci/sanitize.sh builds the drivers under its sanitizers
+    extra = shlex.split(os.environ.get("FK_DRIVER_CXXFLAGS", ""))
     build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-Wall", "-Werror", f"-I{CSRC}", str(path), "-o",
+        [compiler, "-std=c++20", "-O1", "-Wall", "-Werror", *extra, f"-I{CSRC}", str(path), "-o",
          str(binary)],
         capture_output=True, text=True, timeout=120,
     )

@@ -32,7 +32,8 @@ print("EXTENSIONS", " ".join(names))
 
 def _setup(gpus: int, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
-            if k not in ("FEDKERNELS_CUDA", "TORCH_CUDA_ARCH_LIST")}
+            if k not in ("FEDKERNELS_CUDA", "TORCH_CUDA_ARCH_LIST", "FEDKERNELS_SANITIZE",
+                         "FEDKERNELS_CPU_ISAS")}
     full.update(env)
     return subprocess.run([sys.executable, "-c", _DRIVER.format(gpus=gpus)], cwd=ROOT,
                           env=full, capture_output=True, text=True, timeout=120)
@@ -68,3 +69,17 @@ def test_forced_cuda_without_a_gpu_asks_for_the_arch_list():
 
 def test_cuda_off_builds_none():
     assert "fedkernels._cuda" not in _extensions(_setup(gpus=1, FEDKERNELS_CUDA="0"))
+
+
+def test_a_sanitizer_build_is_the_one_cpu_library_asked_for_and_no_cuda():
+    """FEDKERNELS_SANITIZE (.ci/sanitize.sh) builds the schemas and the one CPU build it is
+    given, without the default fallback, and no CUDA library even where one could be built."""
+    names = _extensions(_setup(gpus=1, FEDKERNELS_SANITIZE="address,undefined",
+                               FEDKERNELS_CPU_ISAS="avx2"))
+    assert names == ["fedkernels._C", "fedkernels._cpu_avx2"]
+
+
+def test_a_normal_build_needs_the_default_cpu_library():
+    proc = _setup(gpus=0, FEDKERNELS_CPU_ISAS="avx2")
+    assert proc.returncode != 0
+    assert "must list 'default'" in proc.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, run_in_cpu_build
+from conftest import DEVICES, FLOAT_DTYPES, cpu_builds, run_in_cpu_build
 
 from fedkernels.ops import private as private_ops
 from fedkernels.ops import reference as ref
@@ -186,10 +186,8 @@ def test_norms_and_private_sum_are_the_same_bits_in_every_cpu_build():
     import sys
     from pathlib import Path
 
-    from fedkernels.ops import native
-
     digests = {}
-    for cap in native._supported_capabilities():
+    for cap in cpu_builds():
         env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=cap, OMP_NUM_THREADS="2")
         proc = subprocess.run([sys.executable, "-c", _BUILD_BITS, str(Path(__file__).parent)],
                               env=env, capture_output=True, text=True, timeout=120)

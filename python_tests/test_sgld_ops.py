@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICES, assert_close, bitwise_equal, dtype_id, run_in_cpu_build
+from conftest import DEVICES, assert_close, bitwise_equal, cpu_builds, dtype_id, run_in_cpu_build
 from torch import Tensor
 
 import fedkernels
@@ -496,10 +496,8 @@ torch.save(out, sys.argv[1])
 def test_cpu_builds_draw_the_same_bits(tmp_path):
     """Every CPU build this machine can load (default, avx2, avx512) gives the same bits for the
     drawn noise and the whole step, in every dtype."""
-    from fedkernels.ops import native
-
     results = {}
-    for cap in native._supported_capabilities():
+    for cap in cpu_builds():
         path = tmp_path / f"{cap}.pt"
         env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY=cap, OMP_NUM_THREADS="2")
         proc = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], env=env,
