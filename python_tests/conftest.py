@@ -7,6 +7,7 @@ and compare the CUDA op with the pure-PyTorch reference and with the CPU op.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -48,8 +49,40 @@ def run_in_cpu_build(script: str, capability: str, threads: int = 2, timeout: fl
     assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
+# Property tests run their full example counts in the whole suite and FAST_EXAMPLES in the
+# fast tier: `-m "not slow"`, or FEDKERNELS_TEST_TIER=fast whatever the marker expression.
+FAST_EXAMPLES = 10
+_fast_tier = False
+
+
+def property_examples(full: int) -> int:
+    """Hypothesis ``max_examples`` for a property test: ``full`` in the whole suite, at most
+    FAST_EXAMPLES in the fast tier. Evaluated when the test module is imported, after
+    pytest_configure has chosen the tier."""
+    return min(full, FAST_EXAMPLES) if _fast_tier else full
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    global _fast_tier
+    tier = os.environ.get("FEDKERNELS_TEST_TIER", "")
+    if tier not in ("", "fast", "full"):
+        raise pytest.UsageError(f"FEDKERNELS_TEST_TIER must be fast or full, not {tier!r}")
+    _fast_tier = tier == "fast" or (not tier and "not slow" in (config.option.markexpr or ""))
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    # property tests that name no max_examples of their own
+    settings.register_profile("fast", max_examples=FAST_EXAMPLES)
+    settings.load_profile("fast" if _fast_tier else "default")
+
+
+def pytest_collection_finish(session):
+    # Everything alive after collection (torch, the imported frameworks, every test item)
+    # stays alive all session: freezing it keeps each full collection to what the tests
+    # create. Flower calls gc.collect() for every ArrayRecord it empties.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
