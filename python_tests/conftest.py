@@ -77,12 +77,23 @@ def pytest_configure(config):
     settings.load_profile("fast" if _fast_tier else "default")
 
 
+# Flower calls gc.collect() for every ArrayRecord it empties, and a full collection walks every
+# tracked object. What is alive after collection (torch, the imported frameworks, the test
+# items) and what a test file leaves behind (caches, module fixtures' results) stays alive
+# for the session: the collector stops walking it (gc.freeze), so a collection costs what the
+# current test file created.
 def pytest_collection_finish(session):
-    # Everything alive after collection (torch, the imported frameworks, every test item)
-    # stays alive all session: freezing it keeps each full collection to what the tests
-    # create. Flower calls gc.collect() for every ArrayRecord it empties.
     gc.collect()
     gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 def pytest_collection_modifyitems(config, items):

@@ -541,11 +541,13 @@ def _run_ranks(world: int, backend: str, monkeypatch) -> None:
                 process.join(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo(world, monkeypatch):
     _run_ranks(world, "gloo", monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_nccl(monkeypatch):
     # NCCL needs one GPU per rank; with a single GPU only the one-rank checks run.

@@ -44,10 +44,10 @@ def _tool(name: str) -> str | None:
     return str(path) if path.exists() else shutil.which(name)
 
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not all(_tool(t) for t in ("flower-superlink", "flower-supernode", "flwr")),
     reason="Flower's command-line tools are not installed",
-)
+)]
 
 PYPROJECT = """
 [build-system]

@@ -239,6 +239,7 @@ def _cpu_supports(capability: str) -> bool:
     return capability in _native._supported_capabilities()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_cpu_build_matches_reference(capability):
     if not _cpu_supports(capability):
@@ -259,6 +260,7 @@ def test_default_build_is_the_best_supported():
     assert _native.cpu_capability == _native._supported_capabilities()[0]
 
 
+@pytest.mark.slow
 def test_unsupported_capability_is_a_clear_import_error():
     env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY="sse9")
     proc = subprocess.run([sys.executable, "-c", "import fedkernels"], env=env,
