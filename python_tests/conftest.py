@@ -240,6 +240,23 @@ def trained_state_dicts(num_clients, seed=0):
     return states
 
 
+def slow_after_first(values):
+    """Parameter values of a side-by-side test: the first runs in both tiers, the others only
+    in the whole suite (marked slow)."""
+    values = list(values)
+    return values[:1] + [pytest.param(value, marks=pytest.mark.slow) for value in values[1:]]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models train on one thread: intra-op threads only add synchronisation, and stall
+    badly when the machine is busy. Use with ``pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def cuda_device():
     if not HAS_CUDA:

@@ -16,6 +16,8 @@ from fedkernels.algorithms.simplex import simplex_qp
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, from_dict
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # a tiny experiment: 4 clients of a 3-class Gaussian mixture, an MLP with 4 hidden units
 TINY = {
     "rounds": 2,

@@ -28,6 +28,8 @@ from cli_process import (
 
 from fedkernels.cli import main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:

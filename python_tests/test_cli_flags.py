@@ -30,6 +30,8 @@ from fedkernels.sim.config import (
     from_dict,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

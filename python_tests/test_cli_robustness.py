@@ -24,6 +24,8 @@ from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, DataConfig, from_dict
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 UNWRITABLE = Path("/sys/kernel")  # exists, and not even root can create a file in it
 needs_sysfs = pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux's /sys")
 
