@@ -617,3 +617,15 @@ def test_extreme_weights_of_one_partial():
 def test_rank_without_clients_needs_structure():
     with pytest.raises(ValueError, match="like= or base="):
         WeightedPartial.from_clients([], [])
+
+
+def test_one_rank_in_this_process():
+    """The one-rank checks (those a single-GPU NCCL run makes) over gloo in this process: the
+    collectives' fast-tier run; test_gloo spawns two and four ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=STORE_TIMEOUT)
+    try:
+        _check_disagreements(0, 1, "cpu")
+        _check_results(0, 1, "cpu")
+    finally:
+        dist.destroy_process_group()
