@@ -7,6 +7,7 @@ and compare the CUDA op with the pure-PyTorch reference and with the CPU op.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shutil
@@ -61,8 +62,51 @@ def run_in_cpu_build(script: str, capability: str, threads: int = 2, timeout: fl
     assert proc.stdout.split() == ["OK", capability], proc.stdout
 
 
+# Property tests run their full example counts in the whole suite and FAST_EXAMPLES in the
+# fast tier: `-m "not slow"`, or FEDKERNELS_TEST_TIER=fast whatever the marker expression.
+FAST_EXAMPLES = 10
+_fast_tier = False
+
+
+def property_examples(full: int) -> int:
+    """Hypothesis ``max_examples`` for a property test: ``full`` in the whole suite, at most
+    FAST_EXAMPLES in the fast tier. Evaluated when the test module is imported, after
+    pytest_configure has chosen the tier."""
+    return min(full, FAST_EXAMPLES) if _fast_tier else full
+
+
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    global _fast_tier
+    tier = os.environ.get("FEDKERNELS_TEST_TIER", "")
+    if tier not in ("", "fast", "full"):
+        raise pytest.UsageError(f"FEDKERNELS_TEST_TIER must be fast or full, not {tier!r}")
+    _fast_tier = tier == "fast" or (not tier and "not slow" in (config.option.markexpr or ""))
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    # property tests that name no max_examples of their own
+    settings.register_profile("fast", max_examples=FAST_EXAMPLES)
+    settings.load_profile("fast" if _fast_tier else "default")
+
+
+# Flower calls gc.collect() for every ArrayRecord it empties, and a full collection walks every
+# tracked object. What is alive after collection (torch, the imported frameworks, the test
+# items) and what a test file leaves behind (caches, module fixtures' results) stays alive
+# for the session: the collector stops walking it (gc.freeze), so a collection costs what the
+# current test file created.
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield
+    if nextitem is None or nextitem.path != item.path:
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 def pytest_collection_modifyitems(config, items):
@@ -207,6 +251,23 @@ def trained_state_dicts(num_clients, seed=0):
                 net(torch.randn(4, 1, 6, 6))
         states.append({n: t.detach().clone() for n, t in net.state_dict().items()})
     return states
+
+
+def slow_after_first(values):
+    """Parameter values of a side-by-side test: the first runs in both tiers, the others only
+    in the whole suite (marked slow)."""
+    values = list(values)
+    return values[:1] + [pytest.param(value, marks=pytest.mark.slow) for value in values[1:]]
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models train on one thread: intra-op threads only add synchronisation, and stall
+    badly when the machine is busy. Use with ``pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

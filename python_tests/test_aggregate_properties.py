@@ -10,14 +10,14 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from conftest import FLOAT_DTYPES, assert_close, bitwise_equal, tolerances  # noqa: E402
+from conftest import FLOAT_DTYPES, assert_close, bitwise_equal, property_examples, tolerances  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import fedkernels  # noqa: E402
 from fedkernels.ops.reference import aggregate_reference  # noqa: E402
 
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=property_examples(60), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple) | st.sampled_from(

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fedkernels.cli import main
 from fedkernels.cli.compare import parse_algorithm, split_algorithms
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_parse_algorithm_specs():

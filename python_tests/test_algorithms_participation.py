@@ -118,6 +118,7 @@ def quadratic_run(name, params, centres, probabilities, rounds=2500, seed=0, lr=
     return np.mean(trace, axis=0)
 
 
+@pytest.mark.slow
 def test_fedau_converges_to_unweighted_minimiser_on_quadratics():
     rng = np.random.default_rng(3)
     n = 40

@@ -280,6 +280,7 @@ def _env() -> dict:
     return env
 
 
+@pytest.mark.slow
 def test_check_exit_status_of_the_script(tmp_path):
     """bench_aggregate.py --tiny --check against committed ratios no run can reach: exit 1,
     naming the ratios; --check with --save is refused (exit 2) before any work."""
@@ -306,6 +307,7 @@ def test_check_exit_status_of_the_script(tmp_path):
     assert "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,key,row,flagged", [
     ("bench_sgld.py", "sgld_compose_step",
      {"K": 2, "M": 3, "speedup_median_of_ratios": 1e9, "fused_fraction_of_read_probe": 1e9,
@@ -356,6 +358,7 @@ sys.exit(check_against_committed("fake", torch.device("cpu"), {"ratios": fresh},
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first,second,status,regressed", [
     ({"a": 0.5, "b": 0.5, "c": 1.0}, {"a": 1.0, "b": 0.5, "c": 0.1}, 1, ["b"]),
     ({"a": 0.5, "b": 1.0}, {"a": 0.95, "b": 0.1}, 0, []),  # c: not flagged, so not timed again

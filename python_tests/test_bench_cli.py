@@ -57,6 +57,7 @@ def _runs(folder: Path) -> list[Path]:
     return sorted(runs.glob("*.json")) if runs.exists() else []
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 @pytest.mark.parametrize("script", DEVICE_SCRIPTS)
 def test_cuda_without_a_gpu_is_one_line_exit_2(script):
@@ -69,6 +70,7 @@ def test_cuda_without_a_gpu_is_one_line_exit_2(script):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", DEVICE_SCRIPTS)
 def test_unknown_device_is_one_line_exit_2(script):
     proc = _run(BENCH / script, "--device", "tpu0", timeout=300)
@@ -76,6 +78,7 @@ def test_unknown_device_is_one_line_exit_2(script):
     assert len(proc.stderr.strip().splitlines()) == 1 and "tpu0" in proc.stderr
 
 
+@pytest.mark.slow
 def test_cpu_only_benchmark_refuses_a_gpu_in_one_line():
     # subnormals cost assists on CPUs only: a GPU run would time nothing the name promises
     proc = _run(BENCH / "bench_subnormals.py", "--device", "cuda", "--tiny", timeout=300)
@@ -84,6 +87,7 @@ def test_cpu_only_benchmark_refuses_a_gpu_in_one_line():
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_aggregate_runs_go_to_new_files_and_save_merges(bench_copy):
     committed = bench_copy / "results" / f"{_cpu_name()}.json"
     before = committed.read_text()
@@ -106,6 +110,7 @@ def test_aggregate_runs_go_to_new_files_and_save_merges(bench_copy):
     assert len(_runs(bench_copy)) == 3
 
 
+@pytest.mark.slow
 def test_out_writes_exactly_there(bench_copy, tmp_path):
     out = tmp_path / "elsewhere" / "agg.json"
     proc = _run(bench_copy / "bench_aggregate.py", "--tiny", "--out", str(out))
@@ -116,6 +121,7 @@ def test_out_writes_exactly_there(bench_copy, tmp_path):
     assert proc.returncode == 2 and "is a directory" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,key", [("bench_distill.py", "ensemble_pseudo_labels"),
                                         ("bench_distill_kl.py", "distill_kl"),
                                         ("bench_energy.py", "energy_from_logits"),
@@ -132,6 +138,7 @@ def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, 
     assert committed.read_text() == before
 
 
+@pytest.mark.slow
 def test_small_calls_busy_phase_times_every_case_and_stops_its_spinners(bench_copy):
     proc = _run(bench_copy / "bench_small_calls.py", "--tiny", "--busy", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -146,6 +153,7 @@ def test_small_calls_busy_phase_times_every_case_and_stops_its_spinners(bench_co
     assert not _spinners(), "a spinning process outlived the benchmark"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [(["--repeats", "0"], "--repeats must be at least 1"),
                                           (["--busy", "-1"], "--busy must be 0 or more")])
 def test_small_calls_refuses_bad_counts(args, message):
@@ -192,6 +200,7 @@ BAD_ARGUMENTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,message", BAD_ARGUMENTS,
                          ids=[f"{s}{' '.join(a)}" for s, a, _ in BAD_ARGUMENTS])
 def test_bad_arguments_are_one_line_exit_2_before_any_work(tmp_path, script, args, message):
@@ -201,6 +210,7 @@ def test_bad_arguments_are_one_line_exit_2_before_any_work(tmp_path, script, arg
     assert proc.stdout == "" and not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["bench_aggregate.py", "bench_cost_curve.py",
                                     "bench_energy.py", "bench_subnormals.py"])
 def test_check_without_committed_results_is_refused_before_the_run(tmp_path, script):
@@ -214,6 +224,7 @@ def test_check_without_committed_results_is_refused_before_the_run(tmp_path, scr
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.slow
 def test_framework_comparisons_write_to_out_instead_of_the_committed_file(tmp_path):
     """bench_flower.py and bench_robust.py merged every run into bench/results/, with no
     way to send a trial run elsewhere."""
@@ -233,6 +244,7 @@ def test_framework_comparisons_write_to_out_instead_of_the_committed_file(tmp_pa
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_fedml_benchmark_without_fedmls_files_is_one_line_exit_2(tmp_path):
     """bench_fedml.py times FedML's own code: without the wheel's files (here a fedml package
     that shadows the installed one and lacks them) it says so, before any work."""
@@ -253,6 +265,7 @@ def test_fedml_benchmark_without_fedmls_files_is_one_line_exit_2(tmp_path):
     assert proc.stdout == "" and not out.exists()
 
 
+@pytest.mark.slow
 def test_small_calls_spinners_stop_when_the_benchmark_is_killed(tmp_path):
     """SIGTERM or SIGKILL skips the finally that stops the spinners; they stop by themselves
     when their parent is gone, instead of holding every core for an hour."""
@@ -310,6 +323,7 @@ needs_no_gpu = pytest.mark.skipif(
     reason="the refusal path needs a machine without a GPU")
 
 
+@pytest.mark.slow
 @needs_no_gpu
 def test_gpu_validate_refuses_in_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "validation"
@@ -321,6 +335,7 @@ def test_gpu_validate_refuses_in_one_line_and_writes_nothing(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_gpu_validate_refuses_without_a_python_that_imports_torch(tmp_path):
     proc = _validate(str(tmp_path / "v"), python="/bin/false")
     assert proc.returncode == 2
@@ -329,6 +344,7 @@ def test_gpu_validate_refuses_without_a_python_that_imports_torch(tmp_path):
     assert proc.returncode == 2 and "unknown option --bogus" in proc.stderr
 
 
+@pytest.mark.slow
 @needs_no_gpu
 def test_gpu_validate_dry_run_shows_every_step(tmp_path):
     out = tmp_path / "validation"
@@ -400,6 +416,7 @@ def test_gpu_profile_reads_ncu_raw_csv():
         in table
 
 
+@pytest.mark.slow
 def test_gpu_validate_names_the_test_a_crash_happened_in(tmp_path):
     """After a fatal signal in `pytest -m cuda`, gpu_validate.sh runs the suite again without
     the test faulthandler's traceback points at; an ordinary failure names none."""

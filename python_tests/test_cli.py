@@ -194,6 +194,7 @@ def test_bad_config_files(tmp_path, capsys):
         assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_command_line_process_exit_codes(tmp_path):
     bad = subprocess.run(
         [sys.executable, "-m", "fedkernels.cli", "run", "--rounds", "-1"],

@@ -16,6 +16,8 @@ from fedkernels.rules.simplex import simplex_qp
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, from_dict
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # a tiny experiment: 4 clients of a 3-class Gaussian mixture, an MLP with 4 hidden units
 TINY = {
     "rounds": 2,
@@ -72,6 +74,7 @@ def test_unusable_settings_are_refused_before_training(algorithm, params, change
         Simulation(config, build_strategy(algorithm, params))
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_reply_attack_on_fedevg_without_writing(tmp_path):
     out = tmp_path / "run"
     done = fedkernels("run", *FAST, "--algorithm", "fedevg", "--fedevg.spc", "1",
@@ -136,6 +139,7 @@ def test_a_sound_run_carries_no_flags():
     assert "non_finite" not in result.rounds[0]
 
 
+@pytest.mark.slow
 def test_cli_warns_when_the_training_diverged(tmp_path):
     done = fedkernels("run", "--data.name", "gaussian_mixture", "--data.num_samples", "240",
                       "--data.num_features", "6", "--data.num_classes", "3",
@@ -292,6 +296,7 @@ def test_rounds_with_too_few_participants_are_skipped_not_fatal(algorithm, param
     assert result.summary["rounds_completed"] == 12
 
 
+@pytest.mark.slow
 def test_cli_warns_about_skipped_rounds(tmp_path):
     out = tmp_path / "run"
     done = fedkernels("run", *FAST, "--algorithm", "bulyan", "--bulyan.num_malicious", "1",

@@ -28,6 +28,8 @@ from cli_process import (
 
 from fedkernels.cli import main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
@@ -88,6 +90,7 @@ def damaged_copy(tmp_path, finished_run, name, damage) -> tuple[Path, dict[str, 
     return out, {p.name: p.read_bytes() for p in out.iterdir()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, damage, fragment", [DAMAGES[0], DAMAGES[6]])
 def test_damaged_file_on_resume_is_a_one_line_error(tmp_path, finished_run, name, damage, fragment):
     out, before = damaged_copy(tmp_path, finished_run, name, damage)
@@ -96,6 +99,7 @@ def test_damaged_file_on_resume_is_a_one_line_error(tmp_path, finished_run, name
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, damage, fragment", DAMAGES)
 def test_every_damage_on_resume_is_a_one_line_error(
     tmp_path, finished_run, capsys, name, damage, fragment
@@ -112,6 +116,7 @@ def test_every_damage_on_resume_is_a_one_line_error(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
     path = tmp_path / "results.txt"
     path.write_text("keep me\n")
@@ -123,6 +128,7 @@ def test_out_naming_a_file_is_a_one_line_error(tmp_path, capsys):
     assert path.read_text() == "keep me\n"
 
 
+@pytest.mark.slow
 def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finished_run):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
@@ -164,6 +170,7 @@ def test_a_hand_written_config_json_in_the_folder_is_not_written_over(tmp_path, 
     assert main(["run", "--rounds", "1", "--out", str(tmp_path), *FAST]) == 0
 
 
+@pytest.mark.slow
 def test_a_run_that_ends_while_another_sets_up_is_not_replaced(tmp_path, finished_run):
     # The folder check runs twice: before the (possibly long) setup, and again once the
     # folder is locked, where a run that ended in between has left its results.
@@ -181,6 +188,7 @@ def test_a_run_that_ends_while_another_sets_up_is_not_replaced(tmp_path, finishe
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     out = tmp_path / "my run"  # a space: the printed command must quote it
     args = ["run", "--rounds", "100000", "--out", str(out), "--threads", "1", "--no-plots",
@@ -201,6 +209,7 @@ def test_ctrl_c_prints_the_command_that_continues_the_run(tmp_path):
     assert results["summary"]["rounds_completed"] == reached + 1
 
 
+@pytest.mark.slow
 def test_sigterm_stops_a_run_as_ctrl_c_does(tmp_path):
     """A job scheduler, ``timeout`` or ``kill`` sends SIGTERM: the run ends as after Ctrl-C,
     with the command that continues it, and leaves no temporary file or lock behind."""
@@ -259,6 +268,7 @@ print(landed, interrupted)
 """
 
 
+@pytest.mark.slow
 def test_ctrl_c_inside_checkpoint_writes_never_aborts_the_interpreter(tmp_path):
     done = subprocess.run(
         [sys.executable, "-c", _INTERRUPTED_SAVES, str(tmp_path / "checkpoint.pt")],

@@ -30,6 +30,8 @@ from fedkernels.sim.config import (
     from_dict,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -43,12 +45,14 @@ def one_line_error(capsys, command: str = "run") -> str:
 # ---------------------------------------------------------------- flags
 
 
+@pytest.mark.slow
 def test_abbreviations_are_refused_with_the_closest_flag(tmp_path):
     done = fedkernels("run", "--round", "2", "--out", str(tmp_path / "x"), *FAST)
     assert_one_line_error(done, "unrecognized argument --round; did you mean --rounds?")
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_misspelled_flag_names_the_closest_one():
     done = fedkernels("run", "--partition.alhpa", "0.3")
     assert_one_line_error(
@@ -81,6 +85,7 @@ def normalized(text: str) -> str:
     return " ".join(text.split())
 
 
+@pytest.mark.slow
 def test_help_shows_the_chosen_algorithm_only_with_one_default_each():
     default = fedkernels("run", "--help")
     assert_success(default)
@@ -136,6 +141,7 @@ def test_a_config_files_algorithm_settings_that_go_astray_are_named(tmp_path, ca
 # ---------------------------------------------------------------- values
 
 
+@pytest.mark.slow
 def test_non_finite_learning_rate_is_refused_naming_the_key(tmp_path):
     for value in ("inf", "nan"):
         done = fedkernels("run", "--client.lr", value, "--out", str(tmp_path / "x"), *FAST)
@@ -208,6 +214,7 @@ def noclient_csv(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_csv_without_client_column_runs_iid(tmp_path, noclient_csv):
     out = tmp_path / "run"
     done = fedkernels("run", "--data.name", "csv", "--data.path", str(noclient_csv),
@@ -241,6 +248,7 @@ def test_natural_partition_still_finds_a_column_named_client():
 SITECUSTOMIZE = "import sys\nsys.modules[{name!r}] = None  # as if the package were absent\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, extra_args", [("tqdm", []), ("yaml", ["--config", "exp.yaml"])])
 def test_missing_sim_extra_names_the_install_command(tmp_path, module, extra_args):
     blocker = tmp_path / "blocker"
@@ -285,6 +293,7 @@ def documented_error_examples() -> list[tuple[list[str], str]]:
     ]
 
 
+@pytest.mark.slow
 def test_documented_error_examples_are_what_the_command_prints():
     examples = documented_error_examples()
     assert len(examples) >= 2

@@ -59,6 +59,7 @@ def plugin_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_installed_plugin_runs_from_the_shell(tmp_path, plugin_root):
     out = tmp_path / "run"
     done = fedkernels(
@@ -73,6 +74,7 @@ def test_installed_plugin_runs_from_the_shell(tmp_path, plugin_root):
     assert "global_loss_before" in results["rounds"][0]
 
 
+@pytest.mark.slow
 def test_plugin_options_are_in_its_help_and_a_broken_plugin_is_one_line(plugin_root):
     done = fedkernels("run", "--algorithm", "loss_weighted", "--help", PYTHONPATH=str(plugin_root))
     assert_success(done)
@@ -87,6 +89,7 @@ def test_plugin_options_are_in_its_help_and_a_broken_plugin_is_one_line(plugin_r
     )
 
 
+@pytest.mark.slow
 def test_import_path_from_the_current_folder_runs_and_resumes(tmp_path, plugin_root):
     out = tmp_path / "run"
     args = ["--algorithm", "lw_plugin:LossWeighted", "--loss_weighted.temperature", "3",

@@ -24,6 +24,8 @@ from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, DataConfig, from_dict
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 UNWRITABLE = Path("/sys/kernel")  # exists, and not even root can create a file in it
 needs_sysfs = pytest.mark.skipif(not UNWRITABLE.is_dir(), reason="needs Linux's /sys")
 
@@ -45,6 +47,7 @@ CSV_FLAGS = ["--data.name", "csv", "--data.label_column", "diagnosis",
 # ---------------------------------------------------------------- list flags
 
 
+@pytest.mark.slow
 def test_list_values_keep_their_inner_spaces(tmp_path):
     config = from_dict(DataConfig, {"name": "csv", "path": "d.csv",
                                     "positive_labels": " heart disease , mild disease,",
@@ -65,6 +68,7 @@ def test_list_values_keep_their_inner_spaces(tmp_path):
 # ---------------------------------------------------------------- output folders
 
 
+@pytest.mark.slow
 @needs_sysfs
 def test_run_into_an_unwritable_folder_is_a_one_line_error():
     assert_one_line_error(fedkernels("run", "--rounds", "1", "--out", str(UNWRITABLE), *FAST),
@@ -82,6 +86,7 @@ def _sealed() -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _sealed(), reason="needs a folder whose paths raise PermissionError")
 @pytest.mark.parametrize("args", [
     ["run", "--out", "{d}/run"],
@@ -97,6 +102,7 @@ def test_paths_that_cannot_be_looked_at_are_a_one_line_error(tmp_path, args):
     assert_one_line_error(fedkernels(*args, *fast), "Permission denied", command=args[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, fragment", [
     (["--participation.kind", "cyclic", "--participation.cycle_length", "1" + "0" * 23],
      "participation.cycle_length: '1" + "0" * 23 + "' is beyond the 64-bit integer range"),
@@ -112,6 +118,7 @@ def test_sizes_beyond_reason_are_a_one_line_error(tmp_path, flags, fragment):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 @needs_sysfs
 def test_check_json_into_an_unwritable_folder_is_refused_before_the_checks():
     start = time.monotonic()
@@ -121,6 +128,7 @@ def test_check_json_into_an_unwritable_folder_is_refused_before_the_checks():
     assert time.monotonic() - start < TIMEOUT_S
 
 
+@pytest.mark.slow
 def test_compare_refuses_an_unusable_out_before_any_run(tmp_path):
     blocker = tmp_path / "afile"
     blocker.write_text("")
@@ -136,6 +144,7 @@ def test_compare_refuses_an_unusable_out_before_any_run(tmp_path):
     assert time.monotonic() - start < 60  # refused up front, not after 200 rounds
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, fragment", [
     (["--seeds", ","], "--seeds: no seed given"),
     (["--seeds", "0", "--threads", "-1"], "--threads must be in [1, 1024]"),
@@ -146,6 +155,7 @@ def test_compare_flag_values_are_checked_up_front(tmp_path, flags, fragment):
     assert_one_line_error(done, fragment, command="compare")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithms, label", [("fedavg@A,fedprox@A", "A"),
                                                ("fedavg,fedavg", "fedavg")])
 def test_compare_refuses_a_label_given_twice(tmp_path, algorithms, label):
@@ -154,6 +164,7 @@ def test_compare_refuses_a_label_given_twice(tmp_path, algorithms, label):
     assert_one_line_error(done, f"the label {label!r} is given twice", command="compare")
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_compare_is_a_clean_message(tmp_path):
     out = tmp_path / "cmp"
     code, err = interrupt_when(
@@ -168,6 +179,7 @@ def test_ctrl_c_in_compare_is_a_clean_message(tmp_path):
 # ---------------------------------------------------------------- one folder, one run
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_busy_folder_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -193,6 +205,7 @@ def test_checkpoint_temporary_file_has_a_name_of_its_own(tmp_path):
 # ---------------------------------------------------------------- resume and the data file
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_changed_data_file_and_works_from_another_folder(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -274,6 +287,7 @@ def test_a_data_path_from_a_config_file_may_start_with_the_home_folder(tmp_path,
 # ---------------------------------------------------------------- names and warnings
 
 
+@pytest.mark.slow
 def test_algorithm_names_ignore_case_and_misspellings_get_a_suggestion(tmp_path):
     out = tmp_path / "run"
     assert_success(fedkernels("run", "--algorithm", "FedAvg", "--rounds", "1", "--out", str(out),
@@ -286,6 +300,7 @@ def test_algorithm_names_ignore_case_and_misspellings_get_a_suggestion(tmp_path)
                           "did you mean fedprox?", command="compare")
 
 
+@pytest.mark.slow
 def test_a_client_with_too_few_rows_is_named_by_its_value(tmp_path):
     data = tmp_path / "d.csv"
     data.write_text("x,label,site\n0,0,a\n1,1,b\n2,0,a\n3,1,b\n4,0,a\n5,1,b\n6,0,c\n")
@@ -316,6 +331,7 @@ def test_a_client_column_read_as_a_feature_is_warned_about(tmp_path, capsys):
     assert "read as a feature" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_data_warnings_are_one_line_each(tmp_path):
     data = tmp_path / "d.csv"
     rows = "".join(f'{i},"{i % 5},5",{("yes", "Yes", "no")[i % 3]}\n' for i in range(30))

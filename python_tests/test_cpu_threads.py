@@ -50,6 +50,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to count threads")
 def test_small_inputs_stay_on_the_calling_thread():
     env = dict(os.environ, OMP_NUM_THREADS="2")
@@ -88,6 +89,7 @@ _FORK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_forked_child_runs_the_ops_after_setting_one_thread():
     """docs/guide/python_api.md, Guarantees: a child forked after the parent ran a multi-threaded

@@ -53,6 +53,7 @@ def test_generator_is_deterministic_and_heart_shaped(tmp_path):
     assert {r["sex"] for r in rows} == {"male", "female"}
 
 
+@pytest.mark.slow
 def test_heart_like_table_runs_from_the_command_line(tmp_path):
     data = generator().write_heart_like_csv(tmp_path / "heart.csv", rows=160, seed=2)
     out = tmp_path / "run"

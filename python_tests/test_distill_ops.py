@@ -178,6 +178,7 @@ _EDGE_ROWS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_entropy_edge_rows_in_every_cpu_build(capability):
     """Each CPU build (its own exps and lane layout) gives the float64 reference's weights and
@@ -255,6 +256,7 @@ _LOOKAHEAD_ROWS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_row_maxima_taken_ahead_in_every_cpu_build(capability, threads):
@@ -263,6 +265,7 @@ def test_row_maxima_taken_ahead_in_every_cpu_build(capability, threads):
     run_in_cpu_build(_LOOKAHEAD_ROWS, capability, threads=threads)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_entropy_edge_rows_on_cuda():
     """The CUDA kernel (its one-pass combination of the warps' rows included) on the same rows."""
@@ -301,6 +304,7 @@ _FAR_BELOW_MAX = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_softmax_of_rows_far_below_their_max_in_every_cpu_build(capability):
     """Classes hundreds of units below the row's max get label 0 (to float32 precision) in
@@ -660,6 +664,7 @@ _KL_EDGE_ROWS = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_distill_kl_edge_rows_in_every_cpu_build(capability):
     """Each CPU build's KL loss and gradient (base-2 rows, full-exp rows, short rows) against
@@ -669,6 +674,7 @@ def test_distill_kl_edge_rows_in_every_cpu_build(capability):
     run_in_cpu_build(_KL_EDGE_ROWS, capability, threads=2)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_distill_kl_edge_rows_on_cuda():
     _run_on_cuda(_KL_EDGE_ROWS)

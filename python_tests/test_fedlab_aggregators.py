@@ -176,6 +176,7 @@ def test_drop_in_class_has_fedlabs_static_methods():
     assert Aggregators().fedasync_aggregate is fedasync_aggregate
 
 
+@pytest.mark.slow
 def test_frameworks_are_optional():
     """`import fedkernels` and the FedLab drop-ins work with neither NVFlare nor FedLab
     importable; the NVFlare module says how to install what it needs."""

@@ -395,6 +395,7 @@ def test_clear_import_error_without_fedml(monkeypatch):
     assert isinstance(out, tuple)
 
 
+@pytest.mark.slow
 def test_module_import_does_not_import_fedml():
     code = ("import sys, fedkernels.integrations.fedml; "
             "assert 'fedml' not in sys.modules, sorted(m for m in sys.modules if 'fedml' in m)")

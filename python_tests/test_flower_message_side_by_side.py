@@ -19,6 +19,7 @@ import pytest
 
 flwr = pytest.importorskip("flwr")
 
+from conftest import slow_after_first  # noqa: E402
 from flower_message_helpers import (  # noqa: E402
     StandInGrid,
     arrayrecord,
@@ -299,7 +300,7 @@ def run_side_by_side(name: str, scenario: Scenario, seed: int = 0, rounds: int =
 
 
 @pytest.mark.usefixtures("task_identity")
-@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("scenario", slow_after_first(SCENARIOS))
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_side_by_side_with_flower(name, scenario):
     run_side_by_side(name, SCENARIOS[scenario]())

@@ -13,6 +13,7 @@ import pytest
 
 flwr = pytest.importorskip("flwr")
 
+from conftest import slow_after_first  # noqa: E402
 from flower_message_helpers import (  # noqa: E402
     arrayrecord,
     assert_arrays_equal,
@@ -235,7 +236,7 @@ def _tolerance(spec):
     return 1e-12, 1e-13
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.__name__)
+@pytest.mark.parametrize("scenario", slow_after_first(SCENARIOS), ids=lambda s: s.__name__)
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_side_by_side(name, scenario):
     if (name, scenario.__name__) in SKIP:

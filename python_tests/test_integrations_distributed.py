@@ -541,11 +541,13 @@ def _run_ranks(world: int, backend: str, monkeypatch) -> None:
                 process.join(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo(world, monkeypatch):
     _run_ranks(world, "gloo", monkeypatch)
 
 
+@pytest.mark.slow
 @pytest.mark.cuda
 def test_nccl(monkeypatch):
     # NCCL needs one GPU per rank; with a single GPU only the one-rank checks run.
@@ -615,3 +617,15 @@ def test_extreme_weights_of_one_partial():
 def test_rank_without_clients_needs_structure():
     with pytest.raises(ValueError, match="like= or base="):
         WeightedPartial.from_clients([], [])
+
+
+def test_one_rank_in_this_process():
+    """The one-rank checks (those a single-GPU NCCL run makes) over gloo in this process: the
+    collectives' fast-tier run; test_gloo spawns two and four ranks."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=STORE_TIMEOUT)
+    try:
+        _check_disagreements(0, 1, "cpu")
+        _check_results(0, 1, "cpu")
+    finally:
+        dist.destroy_process_group()

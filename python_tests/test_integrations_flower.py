@@ -293,6 +293,7 @@ def test_state_dict_round_trip_bfloat16():
     assert torch.equal(back["b"], state["b"])
 
 
+@pytest.mark.slow
 def test_import_without_flwr_says_how_to_install():
     code = (
         "import sys; sys.modules['flwr'] = None\n"

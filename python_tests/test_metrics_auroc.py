@@ -19,6 +19,8 @@ from fedkernels.sim.metrics import (
     evaluation_metrics,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def pairwise_auroc(scores, positive) -> float:
     """The definition: P(score of a positive > score of a negative), ties one half."""

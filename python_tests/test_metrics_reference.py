@@ -18,6 +18,8 @@ from fedkernels.cli.compare import (
 )
 from fedkernels.sim.config import ConfigError
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_reference_changes_by_hand():
     reference = [0.2, 0.4, 0.6, 0.8, 1.0]  # median 0.6: clients 0, 1 below; 3, 4 above

@@ -9,7 +9,10 @@ compiler (native_driver); it is skipped where the sources or a compiler are miss
 
 from __future__ import annotations
 
+import pytest
 from native_driver import run_driver
+
+pytestmark = pytest.mark.slow
 
 DRIVER = r"""
 #include <cstdio>

@@ -27,6 +27,8 @@ import pytest
 
 pytest.importorskip("nvflare", reason="nvflare is not installed (pip install 'fedkernels[nvflare]')")
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 

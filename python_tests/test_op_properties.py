@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import property_examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +21,7 @@ from fedkernels.ops import reference as R
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.float64: 1e-10, torch.float16: 4e-3, torch.bfloat16: 3e-2}
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=property_examples(30), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 shapes = st.lists(st.integers(0, 4), min_size=0, max_size=3).map(tuple)

@@ -13,6 +13,8 @@ from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import from_dict
 from fedkernels.sim.metrics import calibration_errors
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def logits_for(confidence_of_predicted: list[float], predicted: list[int]) -> torch.Tensor:
     """Two-class logits whose softmax gives the predicted class that probability."""

@@ -13,6 +13,8 @@ from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, DataConfig, from_dict
 from fedkernels.sim.federation import noisy_labels
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_pair_flips_to_the_next_class():
     labels = torch.arange(10).repeat(2000)

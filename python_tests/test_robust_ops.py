@@ -178,6 +178,7 @@ print(native.cpu_capability, h.hexdigest())
 """
 
 
+@pytest.mark.slow
 def test_norms_and_private_sum_are_the_same_bits_in_every_cpu_build():
     # Fixed summation orders (sixteen interleaved float64 sums per norm, clients in order per
     # element) and the same noise on every path: a release does not depend on the CPU.
@@ -400,6 +401,7 @@ print("OK", native.cpu_capability)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_nan_counts_and_infinite_clients_in_every_cpu_build(capability):
     # A vector group with a NaN goes through the sorting network with stand-ins for its NaNs,

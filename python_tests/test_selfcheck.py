@@ -64,6 +64,7 @@ def test_check_passes_on_this_build(tmp_path):
     assert written["ok"] is True and len(written["ops"]) == len(report["ops"])
 
 
+@pytest.mark.slow
 def test_cli_passes_and_writes_json(tmp_path):
     path = tmp_path / "check.json"
     proc = subprocess.run(
@@ -211,6 +212,7 @@ def test_the_reason_names_aten_cpu_capability_only_where_torch_applied_it(monkey
         "(torch did not apply ATEN_CPU_CAPABILITY=bogus)")
 
 
+@pytest.mark.slow
 def test_a_forced_build_above_aten_cpu_capability_names_it():
     """FEDKERNELS_CPU_CAPABILITY=avx2 under ATEN_CPU_CAPABILITY=default, on a CPU with AVX2:
     the import error says that torch's capability was lowered, not that the CPU lacks it."""

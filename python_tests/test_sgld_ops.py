@@ -115,6 +115,7 @@ print("OK", native.cpu_capability)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_energy_edge_rows_in_every_cpu_build(capability):
     """Each CPU build (its own exps and row layouts) gives float64's -logsumexp of the float32
@@ -493,6 +494,7 @@ torch.save(out, sys.argv[1])
 """
 
 
+@pytest.mark.slow
 def test_cpu_builds_draw_the_same_bits(tmp_path):
     """Every CPU build this machine can load (default, avx2, avx512) gives the same bits for the
     drawn noise and the whole step, in every dtype."""

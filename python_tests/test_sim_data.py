@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import property_examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -102,7 +103,7 @@ def test_from_tensors_images_and_checks():
 # ---------------------------------------------------------------- partitions
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=property_examples(40), deadline=None)
 @given(
     n=st.integers(20, 400),
     clients=st.integers(1, 10),

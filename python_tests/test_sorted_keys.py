@@ -6,7 +6,10 @@ itself is test_robust_ops.py's CUDA tests."""
 
 from __future__ import annotations
 
+import pytest
 from native_driver import run_driver
+
+pytestmark = pytest.mark.slow
 
 DRIVER = r"""
 #include <algorithm>

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from conftest import run_in_cpu_build
 
+pytestmark = pytest.mark.slow
+
 CAPABILITIES = ["default", "avx2", "avx512"]
 
 _PRELUDE = """

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, randn
+from conftest import DEVICES, FLOAT_DTYPES, ODD_SHAPES, bitwise_equal, dtype_id, property_examples, randn
 
 import fedkernels
 from fedkernels.ops import mixing
@@ -671,7 +671,9 @@ _shapes = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=property_examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     shapes=_shapes,
     dtype=st.sampled_from([torch.float32, torch.float64]),

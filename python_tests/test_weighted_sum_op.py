@@ -236,6 +236,7 @@ _BUILD_CHECK = textwrap.dedent(
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
 def test_cpu_build_matches_reference(capability):
     if capability not in cpu_builds():
@@ -257,6 +258,7 @@ def test_default_build_is_the_best_supported():
     assert _native.cpu_capability == _native._supported_capabilities()[0]
 
 
+@pytest.mark.slow
 def test_unsupported_capability_is_a_clear_import_error():
     env = dict(os.environ, FEDKERNELS_CPU_CAPABILITY="sse9")
     proc = subprocess.run([sys.executable, "-c", "import fedkernels"], env=env,
