@@ -572,18 +572,18 @@ def _main(argv: list[str]) -> int:
         f"{summary['client_accuracy_mean']:.4f} worst-10% {summary['client_accuracy_worst10']:.4f} "
         f"-> {out / RESULTS_NAME}"
     )
+    if "personalized_accuracy" in summary:
+        # what a personalized method is judged by; the test accuracy line is its global model's
+        # (which e.g. 'local' never trains)
+        worst = summary.get("personalized_accuracy_worst10")
+        print(f"personalized accuracy (each client's own model) mean "
+              f"{summary['personalized_accuracy']:.4f}"
+              + ("" if worst is None else f" worst-10% {worst:.4f}"))
     if summary.get("client_auroc_mean") is not None:
         # over the clients whose test split holds two classes: the count says how many
         print(f"client AUROC mean {summary['client_auroc_mean']:.4f} worst "
               f"{summary['client_auroc_min']:.4f} over {summary['client_auroc_clients']} of "
               f"{len(results['clients'])} clients")
-    if "personalized_accuracy" in summary:
-        # what a personalized method is judged by; the line above is its global model's (which
-        # e.g. 'local' never trains)
-        worst = summary.get("personalized_accuracy_worst10")
-        print(f"personalized accuracy (each client's own model) mean "
-              f"{summary['personalized_accuracy']:.4f}"
-              + ("" if worst is None else f" worst-10% {worst:.4f}"))
     if not any(r["participants"] for r in results["rounds"]):
         print("fedkernels run: warning: no round had a client to train, so the global model is "
               "the initial one (participants in results.json's rounds); raise "
