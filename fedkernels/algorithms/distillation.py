@@ -558,7 +558,7 @@ class EnsembleDistillation(Strategy):
             logits,
             scores if self.uses_discriminators else None,
             weighting=self.weighting,
-            sample_sizes=sizes if self.weighting == "fedgo" else None,
+            sample_sizes=sizes.tolist() if self.weighting == "fedgo" else None,
             combine=cfg.combine,
             temperature=cfg.temperature,
             tau=cfg.tau,

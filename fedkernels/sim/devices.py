@@ -66,7 +66,8 @@ def _cuda_problem(name: str) -> str | None:
     count = torch.cuda.device_count()
     index = torch.device(name).index if name.startswith("cuda:") else None
     if index is not None and index >= count:
-        return f"{count} CUDA device{'s' if count > 1 else ''} visible (cuda:0 to cuda:{count - 1})"
+        return ("1 CUDA device is visible (cuda:0)" if count == 1 else
+                f"{count} CUDA devices are visible (cuda:0 to cuda:{count - 1})")
     from fedkernels.ops import native
 
     if not native.cuda_available:
