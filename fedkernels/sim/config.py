@@ -487,8 +487,7 @@ class ExperimentConfig:
     vmap: bool = _field(False, "train a round's clients at once with torch.func.vmap")
     device: str = _field(
         "cpu",
-        "where clients train, the server aggregates and models are evaluated: cpu, cuda, "
-        "cuda:N, or auto (the GPU when one is visible, else the CPU)",
+        "where the whole run computes: cpu, cuda, cuda:N, or auto (a GPU if one is visible)",
     )
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
