@@ -38,7 +38,8 @@ def read(path):
 
 
 def without_times(records):
-    return [{k: v for k, v in r.items() if not k.startswith("time")} for r in records]
+    return [{k: v for k, v in r.items() if not (k.startswith("time") or k == "wall_time_s")}
+            for r in records]
 
 
 def test_run_writes_results_and_plots(tmp_path, capsys):

@@ -197,8 +197,11 @@ def train_discriminator(
 ) -> nn.Module:
     """Algorithm 3: minimise BCE-with-logits (real = 1, fake = 0) over ``epochs`` passes of
     ``real`` in minibatches, each paired with as many fresh fake rows ``fake(n, generator)``.
-    Adam(lr, betas (0.5, 0.999)) as the DCGAN code, or RMSprop (the paper's toy example)."""
-    g = torch.Generator().manual_seed(seed)
+    Adam(lr, betas (0.5, 0.999)) as the DCGAN code, or RMSprop (the paper's toy example).
+    ``disc`` must be on the device of ``real``; the minibatch orders are drawn on the CPU
+    from ``seed`` (a CPU generator, which ``fake`` draws from too)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = real.device
     opt = (
         torch.optim.Adam(disc.parameters(), lr=lr, betas=(0.5, 0.999))
         if optimizer == "adam"
@@ -206,12 +209,13 @@ def train_discriminator(
     )
     n = real.shape[0]
     for _ in range(epochs):
-        order = torch.randperm(n, generator=g)
+        order = torch.randperm(n, generator=g, device="cpu").to(device)
         for start in range(0, n, batch_size):
             x_real = real[order[start : start + batch_size]]
             x_fake = fake(x_real.shape[0], g)
             logits = disc(torch.cat([x_real, x_fake])).squeeze(-1)
-            target = torch.cat([torch.ones(x_real.shape[0]), torch.zeros(x_fake.shape[0])])
+            target = torch.cat([torch.ones(x_real.shape[0], device=device),
+                                torch.zeros(x_fake.shape[0], device=device)])
             loss = F.binary_cross_entropy_with_logits(logits, target)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -223,17 +227,25 @@ def train_gan(
     generator: nn.Module, data: Tensor, *, steps: int, noise_dim: int, seed: int, batch_size: int = 64
 ) -> nn.Module:
     """A small non-saturating GAN on ``data`` (a scaled-down stand-in for the paper's WGAN-GP):
-    an MLP critic, Adam 2e-4 betas (0.5, 0.999), one critic step per generator step."""
+    an MLP critic, Adam 2e-4 betas (0.5, 0.999), one critic step per generator step. The
+    generator must be on the device of ``data``; the critic is initialised on the CPU (torch's
+    CPU generator, which the caller seeds) and the draws are made there from ``seed``."""
     if steps == 0:
         return generator
-    g = torch.Generator().manual_seed(seed)
-    critic = mlp(data.shape[1], [64, 64], 1)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    device = data.device
+    with torch.device("cpu"):
+        critic = mlp(data.shape[1], [64, 64], 1)
+    critic.to(device)
     opt_g = torch.optim.Adam(generator.parameters(), lr=2e-4, betas=(0.5, 0.999))
     opt_d = torch.optim.Adam(critic.parameters(), lr=2e-4, betas=(0.5, 0.999))
-    ones, zeros = torch.ones(batch_size), torch.zeros(batch_size)
+    ones = torch.ones(batch_size, device=device)
+    zeros = torch.zeros(batch_size, device=device)
     for _ in range(steps):
-        real = data[torch.randint(0, data.shape[0], (batch_size,), generator=g)]
-        fake = generator(torch.randn(batch_size, noise_dim, generator=g))
+        rows = torch.randint(0, data.shape[0], (batch_size,), generator=g, device="cpu")
+        real = data[rows.to(device)]
+        noise = torch.randn(batch_size, noise_dim, generator=g, device="cpu")
+        fake = generator(noise.to(device))
         d_loss = F.binary_cross_entropy_with_logits(
             critic(real).squeeze(-1), ones
         ) + F.binary_cross_entropy_with_logits(critic(fake.detach()).squeeze(-1), zeros)
@@ -341,13 +353,14 @@ def distill(
     without steps)."""
     if epochs == 0 or x.shape[0] == 0:
         return math.nan
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     opt = torch.optim.Adam(student.parameters(), lr=lr)
     student.train()
     last = math.nan
     for _ in range(epochs):
-        order = torch.randperm(x.shape[0], generator=g)
-        total, count = 0.0, 0
+        order = torch.randperm(x.shape[0], generator=g, device="cpu").to(x.device)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        count = 0
         for start in range(0, x.shape[0], batch_size):
             rows = order[start : start + batch_size]
             if rows.numel() == 1 and x.shape[0] > 1:
@@ -364,10 +377,10 @@ def distill(
             if max_grad_norm is not None:
                 nn.utils.clip_grad_norm_(student.parameters(), max_grad_norm)
             opt.step()
-            total += float(loss.detach()) * rows.numel()
+            total += loss.detach().double() * rows.numel()
             count += rows.numel()
         last = total / max(count, 1)
-    return last
+    return float(last)  # one copy to the host
 
 
 # ---------------------------------------------------------------- the strategies
@@ -393,6 +406,7 @@ class EnsembleDistillation(Strategy):
             )
         if info.model is None:
             raise ConfigError(f"{self.name} needs the model in SetupInfo")
+        self.device = info.device
         self.model = copy.deepcopy(info.model)
         self.server_x = info.server_data
         d = self.server_x.shape[1]
@@ -407,12 +421,14 @@ class EnsembleDistillation(Strategy):
         unit = bool(self.server_x.min() >= 0) and bool(self.server_x.max() <= 1)
         output = "sigmoid" if unit else "linear"
         self.generator_stats: dict[str, float] = {}
-        with seeding.torch_stream(info.seed, GENERATOR):
-            if conv_generator:
-                self.generator = ConvGenerator(cfg.noise_dim, self.image_shape,
-                                               cfg.generator_width, output)
-            else:
-                self.generator = MLPGenerator(cfg.noise_dim, d, [64, 64], output)
+        with seeding.torch_stream(info.seed, GENERATOR, device=self.device):
+            with torch.device("cpu"):  # initialised on the CPU: alike on every device
+                if conv_generator:
+                    self.generator = ConvGenerator(cfg.noise_dim, self.image_shape,
+                                                   cfg.generator_width, output)
+                else:
+                    self.generator = MLPGenerator(cfg.noise_dim, d, [64, 64], output)
+            self.generator.to(self.device)
             gen_seed = seeding.torch_seed(info.seed, GENERATOR)
             if self._load_generator():
                 pass
@@ -420,8 +436,10 @@ class EnsembleDistillation(Strategy):
                 train_gan(self.generator, self.server_x, steps=cfg.gan_steps,
                           noise_dim=cfg.noise_dim, seed=gen_seed)
             elif cfg.generator == "wgan_gp":
-                critic = (DCGANDiscriminator(self.image_shape, cfg.generator_width)
-                          if conv_generator else mlp(d, [64, 64], 1))
+                with torch.device("cpu"):
+                    critic = (DCGANDiscriminator(self.image_shape, cfg.generator_width)
+                              if conv_generator else mlp(d, [64, 64], 1))
+                critic.to(self.device)
                 self.generator_stats = train_wgan_gp(
                     self.generator, critic, self.server_x, steps=cfg.gan_steps,
                     noise_dim=cfg.noise_dim, seed=gen_seed, n_critic=cfg.n_critic,
@@ -431,12 +449,13 @@ class EnsembleDistillation(Strategy):
             if cfg.generator_path and cfg.generator in ("gan", "wgan_gp"):
                 self._save_generator()
             if cfg.distill_set == "generated":
-                self.distill_x = self.generate(cfg.num_generated, torch.Generator().manual_seed(
-                    seeding.torch_seed(info.seed, GENERATOR, 1)))
+                self.distill_x = self.generate(
+                    cfg.num_generated, seeding.generator(info.seed, GENERATOR, 1))
             else:
                 self.distill_x = self.server_x
         # Per-client discriminator logits on the distillation set (NaN: not trained yet).
-        self.disc_scores = torch.full((info.num_clients, self.distill_x.shape[0]), math.nan)
+        self.disc_scores = torch.full((info.num_clients, self.distill_x.shape[0]), math.nan,
+                                      device=self.device)
         self.discriminators: dict[int, dict[str, Tensor]] = {}
         self.last_teachers: list[dict[str, Tensor]] = []
         self.last_participants: list[int] = []
@@ -447,7 +466,7 @@ class EnsembleDistillation(Strategy):
         cfg = self.config
         names = ("generator", "generator_arch", "generator_width", "noise_dim", "gan_steps",
                  "n_critic", "gp_weight", "image_shape")
-        u = self.server_x.double()
+        u = self.server_x.double().cpu()  # sums in the CPU's order: one key on every device
         return {**{n: getattr(cfg, n) for n in names}, "seed": self.info.seed,
                 "server_rows": list(u.shape), "server_sum": float(u.sum()),
                 "server_square_sum": float((u * u).sum())}
@@ -458,7 +477,7 @@ class EnsembleDistillation(Strategy):
         if not path or self.config.generator not in ("gan", "wgan_gp") or not os.path.isfile(path):
             return False
         try:
-            saved = torch.load(path, weights_only=True)
+            saved = torch.load(path, weights_only=True, map_location="cpu")
             key, state = saved["key"], saved["state"]
         except Exception as err:  # damaged or foreign file
             raise ConfigError(f"generator_path {path} is not a saved generator ({err})") from None
@@ -483,13 +502,16 @@ class EnsembleDistillation(Strategy):
                         "stats": self.generator_stats}, os.fspath(partial))
 
     def generate(self, n: int, g: torch.Generator) -> Tensor:
+        """``n`` rows of the generator, its input drawn on the CPU from ``g``."""
+        noise = torch.randn(n, self.config.noise_dim, generator=g, device="cpu")
         with torch.no_grad():
-            return self.generator(torch.randn(n, self.config.noise_dim, generator=g))
+            return self.generator(noise.to(self.device))
 
     def fake_sampler(self) -> Callable[[int, torch.Generator], Tensor]:
         if self.config.generator == "server_data":
             u = self.server_x
-            return lambda n, g: u[torch.randint(0, u.shape[0], (n,), generator=g)]
+            return lambda n, g: u[torch.randint(0, u.shape[0], (n,), generator=g,
+                                                device="cpu").to(u.device)]
         return self.generate
 
     def _is_image(self, num_features: int) -> bool:
@@ -499,18 +521,24 @@ class EnsembleDistillation(Strategy):
         return side * side == num_features and side >= 4
 
     def new_discriminator(self) -> nn.Module:
+        """A discriminator initialised on the CPU (from torch's CPU generator, which the
+        caller seeds) and moved to the run's device."""
         cfg = self.config
-        if cfg.disc_arch == "mlp":
-            return mlp(self.server_x.shape[1], list(cfg.disc_hidden), 1)
-        head = "conv" if cfg.disc_arch == "cnn" else "linear"
-        return DCGANDiscriminator(self.image_shape, cfg.disc_width, head)
+        with torch.device("cpu"):
+            if cfg.disc_arch == "mlp":
+                disc = mlp(self.server_x.shape[1], list(cfg.disc_hidden), 1)
+            else:
+                head = "conv" if cfg.disc_arch == "cnn" else "linear"
+                disc = DCGANDiscriminator(self.image_shape, cfg.disc_width, head)
+        return disc.to(self.device)
 
     # -- clients: the shared trainer for the classifier; the discriminator once per client.
 
     def train_client(self, global_state, data, round_index, client_id):
         if self.uses_discriminators and client_id not in self.discriminators:
             cfg = self.config
-            with seeding.torch_stream(self.info.seed, DISCRIMINATOR, client_id):
+            with seeding.torch_stream(self.info.seed, DISCRIMINATOR, client_id,
+                                      device=self.device):
                 disc = train_discriminator(
                     self.new_discriminator(), data.train_x, self.fake_sampler(),
                     epochs=cfg.disc_epochs, batch_size=cfg.disc_batch_size, lr=cfg.disc_lr,
@@ -530,7 +558,7 @@ class EnsembleDistillation(Strategy):
             logits,
             scores if self.uses_discriminators else None,
             weighting=self.weighting,
-            sample_sizes=sizes if self.weighting == "fedgo" else None,
+            sample_sizes=sizes.tolist() if self.weighting == "fedgo" else None,
             combine=cfg.combine,
             temperature=cfg.temperature,
             tau=cfg.tau,
@@ -570,7 +598,7 @@ class EnsembleDistillation(Strategy):
                                                temperature=cfg.temperature)
         student = self.model
         student.load_state_dict(server.state)
-        with seeding.torch_stream(self.info.seed, DISTILL, info.round):
+        with seeding.torch_stream(self.info.seed, DISTILL, info.round, device=self.device):
             loss = distill(
                 student, self.distill_x, y, epochs=cfg.server_epochs,
                 batch_size=cfg.server_batch_size, lr=self.server_lr(info.round),
@@ -609,8 +637,8 @@ class EnsembleDistillation(Strategy):
                     disc.load_state_dict(self.discriminators[k])
                     rows.append(disc(x).squeeze(-1))
             scores = torch.stack(rows)
-        labels, _ = self.pseudo_labels(logits, self.last_participants,
-                                       torch.tensor(self.last_sizes, dtype=torch.float64), scores)
+        sizes = torch.tensor(self.last_sizes, dtype=torch.float64, device="cpu")
+        labels, _ = self.pseudo_labels(logits, self.last_participants, sizes, scores)
         return {"ensemble_accuracy": float((labels.argmax(1) == y).double().mean())}
 
     def state_dict(self) -> dict[str, Any]:
@@ -623,9 +651,12 @@ class EnsembleDistillation(Strategy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.disc_scores = state["disc_scores"].clone()
-        self.discriminators = {int(k): v for k, v in state["discriminators"].items()}
-        self.last_teachers = list(state["last_teachers"])
+        device = self.device
+        self.disc_scores = state["disc_scores"].to(device, copy=True)
+        self.discriminators = {int(k): {n: t.to(device) for n, t in v.items()}
+                               for k, v in state["discriminators"].items()}
+        self.last_teachers = [{n: t.to(device) for n, t in s.items()}
+                              for s in state["last_teachers"]]
         self.last_participants = list(state["last_participants"])
         self.last_sizes = list(state["last_sizes"])
 

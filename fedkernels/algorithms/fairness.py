@@ -220,7 +220,8 @@ class AFL(LossWeighted):
         if self.config.init == "sizes":
             self.dual = n / n.sum()
         else:
-            self.dual = torch.full((info.num_clients,), 1.0 / info.num_clients, dtype=torch.float64)
+            self.dual = torch.full((info.num_clients,), 1.0 / info.num_clients,
+                                   dtype=torch.float64, device="cpu")
 
     def client_weights(self, info: RoundInfo) -> Tensor:
         ids = info.participants
@@ -319,9 +320,9 @@ class GiFair(LossWeighted):
         if m == 1:
             return p
         lam = self.config.coefficient * float(p.min()) / (m - 1)
-        ranks = torch.empty(m, dtype=torch.float64)
+        ranks = torch.empty(m, dtype=torch.float64, device="cpu")
         ranks[torch.argsort(self.losses(info), stable=True)] = torch.arange(
-            1, m + 1, dtype=torch.float64
+            1, m + 1, dtype=torch.float64, device="cpu"
         )
         return p + lam * (2.0 * ranks - (m + 1))
 

@@ -62,7 +62,7 @@ from .registry import register
 # Random streams of their own (beside those of fedkernels.sim.seeding).
 SYNTH_INIT = 121  # (seed, SYNTH_INIT): the initial synthetic set
 CLIENT = 122  # (seed, CLIENT, round, client): energy-model init, minibatches, SGLD noise
-SERVER = 123  # (seed, SERVER): the server's SGLD noise (a generator kept across rounds)
+SERVER = 123  # (seed, SERVER, round): the server's SGLD noise in the round
 EVAL = 124  # (seed, EVAL, round): the synthetic-set classifier's init and minibatches
 
 CONSTANTS = {"paper": dict(server_beta_last=0.01, server_sigma=0.01),
@@ -132,7 +132,7 @@ def cosine_beta_schedule(beta_first: float, beta_last: float, rounds: int, s: fl
     :math:`\bar\alpha_t = \cos^2(((t/T)+s)/(1+s)\,\pi/2)/\cos^2(s/(1+s)\,\pi/2)`,
     :math:`b_t = 1 - \bar\alpha_{t+1}/\bar\alpha_t`,
     :math:`\beta^{(t)} = b_t(\beta_{last} - \beta_0) + \beta_0`."""
-    t = torch.arange(rounds + 1, dtype=torch.float64)
+    t = torch.arange(rounds + 1, dtype=torch.float64, device="cpu")
     f = torch.cos(((t / rounds) + s) / (1 + s) * math.pi / 2) ** 2
     abar = f / f[0]
     b = 1 - abar[1:] / abar[:-1]
@@ -174,9 +174,10 @@ def energy_grad(model: nn.Module, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]
 
 def write_png_grid(path: str | Path, images: Tensor, rows: int) -> None:
     """Grey images ``[N, H, W]`` in [0, 1] as one PNG grid (``rows`` rows, 1-pixel gaps)."""
+    images = images.cpu()
     n, h, w = images.shape
     cols = max(1, math.ceil(n / rows))
-    grid = torch.ones(rows * (h + 1) + 1, cols * (w + 1) + 1)
+    grid = torch.ones(rows * (h + 1) + 1, cols * (w + 1) + 1, device="cpu")
     for i in range(n):
         r, c = divmod(i, cols)
         grid[1 + r * (h + 1): 1 + r * (h + 1) + h, 1 + c * (w + 1): 1 + c * (w + 1) + w] = images[i]
@@ -207,27 +208,31 @@ def train_on_synthetic(
 ) -> float:
     """A fresh initialisation of ``template`` trained with Adam(``lr``) and cross-entropy for
     ``epochs`` shuffled passes over ``(x, y)``, from the ``(seed, EVAL, round)`` stream; its
-    weights are loaded into ``classifier``. Returns the last minibatch loss."""
-    with seeding.torch_stream(seed, EVAL, round_index):
-        model = copy.deepcopy(template)
+    weights are loaded into ``classifier``. Returns the last minibatch loss. The
+    initialisation and the minibatch orders are drawn on the CPU (the same on every device);
+    the training runs on the device of ``x``."""
+    device = x.device
+    with seeding.torch_stream(seed, EVAL, round_index, device=device):
+        model = copy.deepcopy(template).to("cpu")
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+        model.to(device)
         opt = torch.optim.Adam(model.parameters(), lr=lr)
         M = len(y)
-        loss = float("nan")
+        last = None
         model.train()
         for _ in range(epochs):
-            order = torch.randperm(M)
+            order = torch.randperm(M, device="cpu").to(device)
             for start in range(0, M, batch_size):
                 i = order[start: start + batch_size]
                 out = F.cross_entropy(model(x[i]), y[i])
                 opt.zero_grad(set_to_none=True)
                 out.backward()
                 opt.step()
-                loss = float(out.detach())
+                last = out.detach()
     classifier.load_state_dict(model.state_dict())
-    return loss
+    return float("nan") if last is None else float(last)
 
 
 def save_synthetic_images(path: str, x: Tensor, image_shape: list[int], rows: int) -> None:
@@ -306,14 +311,15 @@ class FedEvg(Strategy):
         cfg = self.config
         self.betas = cosine_beta_schedule(cfg.server_beta, cfg.server_beta_last, max(info.rounds, 1))
         L = info.num_classes
-        self.synth_y = torch.arange(L).repeat_interleave(cfg.spc)
+        self.device = info.device
+        self.synth_y = torch.arange(L, device=self.device).repeat_interleave(cfg.spc)
         self.synth_x: Tensor | None = None  # [M, D], created when D is known (first client)
-        self.server_gen = torch.Generator().manual_seed(seeding.torch_seed(info.seed, SERVER))
 
     def _ensure_synthetic(self, num_features: int) -> None:
-        if self.synth_x is None:
-            g = torch.Generator().manual_seed(seeding.torch_seed(self.info.seed, SYNTH_INIT))
-            self.synth_x = torch.randn(len(self.synth_y), num_features, generator=g)
+        if self.synth_x is None:  # drawn on the CPU: the same start on every device
+            g = seeding.generator(self.info.seed, SYNTH_INIT)
+            x = torch.randn(len(self.synth_y), num_features, generator=g, device="cpu")
+            self.synth_x = x.to(self.device)
 
     def client_lr(self, round_index: int) -> float:
         cfg = self.config
@@ -340,29 +346,35 @@ class FedEvg(Strategy):
         M = len(y_hat)
         clamp = (0.0, 1.0) if cfg.clamp else None
         seed = seeding.torch_seed(self.info.seed, CLIENT, round_index, client_id)
-        gen = torch.Generator().manual_seed(seed)
-        with seeding.torch_stream(self.info.seed, CLIENT, round_index, client_id):
+        device = self.device
+        gen = torch.Generator(device="cpu").manual_seed(seed)  # minibatches (alike everywhere)
+        # the SGLD noise: from gen on the CPU, from a generator of the device (same seed) else
+        noise_gen = gen if device.type == "cpu" else torch.Generator(device).manual_seed(seed)
+        with seeding.torch_stream(self.info.seed, CLIENT, round_index, client_id), \
+                torch.device("cpu"):
             model = self.new_energy_model(data.train_x.shape[1])
+        model.to(device)
         opt = torch.optim.Adam(model.parameters(), lr=self.client_lr(round_index),
                                betas=(0.5, 0.999), weight_decay=cfg.weight_decay)
         buf = x_init.clone()
         n = data.train_x.shape[0]
-        losses = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        steps = 0
         for _ in range(cfg.local_epochs):
-            order = torch.randperm(n, generator=gen)
+            order = torch.randperm(n, generator=gen, device="cpu").to(device)
             for start in range(0, n, cfg.batch_size):
                 idx_real = order[start: start + cfg.batch_size]
                 x, y = data.train_x[idx_real], data.train_y[idx_real]
                 b = min(len(idx_real), M)
-                idx = torch.randperm(M, generator=gen)[:b]
+                idx = torch.randperm(M, generator=gen, device="cpu")[:b].to(device)
                 z, zy = buf[idx], y_hat[idx]
                 model.eval()
                 for r in range(cfg.sgld_steps):
                     g, _ = energy_grad(model, z, zy)
                     last = r + 1 == cfg.sgld_steps
                     z = sgld_step(z, g, step_size=cfg.client_step, noise_std=cfg.client_sigma,
-                                             grad_clip=cfg.grad_clip, clamp=clamp if last else None,
-                                             generator=gen)
+                                  grad_clip=cfg.grad_clip, clamp=clamp if last else None,
+                                  generator=noise_gen)
                 buf[idx] = z
                 model.train()
                 e_real = energy_from_logits(logits_real := model(x), y)
@@ -372,14 +384,15 @@ class FedEvg(Strategy):
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                losses.append(float(loss.detach()))
+                loss_sum += loss.detach()
+                steps += 1
         model.eval()
         g, e = energy_grad(model, x_init, y_hat)
         if cfg.grad_clip is not None:
             g = g.clamp(-cfg.grad_clip, cfg.grad_clip)
         with torch.no_grad():  # diagnostics: the trained model's energy of its real data
             e_real = energy_from_logits(model(data.train_x), data.train_y).mean()
-        mean_loss = sum(losses) / max(len(losses), 1)
+        mean_loss = float(loss_sum) / max(steps, 1)  # one copy to the host
         return ClientUpdate(
             state={"energy_grad": g, "energy": e, "energy_real_mean": e_real,
                    "energy_synthetic_mean": e.mean()},
@@ -392,13 +405,14 @@ class FedEvg(Strategy):
         cfg = self.config
         grads = torch.stack([s["energy_grad"] for s in info.client_states])
         energies = torch.stack([s["energy"] for s in info.client_states])
-        log_w = torch.log(info.num_samples / info.num_samples.sum()).float()
+        log_w = torch.log(info.num_samples / info.num_samples.sum()).float()  # host-side
         beta = float(self.betas[min(info.round, len(self.betas) - 1)])
         before = self.synth_x.clone()
         _, pi = sgld_compose_step(
             self.synth_x, grads, energies, log_w, mode=cfg.mode, step_size=beta,
             noise_std=cfg.server_sigma, grad_clip=cfg.grad_clip,
-            clamp=(0.0, 1.0) if cfg.clamp else None, generator=self.server_gen,
+            clamp=(0.0, 1.0) if cfg.clamp else None,
+            generator=seeding.generator(self.info.seed, SERVER, info.round, device=self.device),
             inplace=True, return_weights=True,
         )
         extra: dict[str, float] = {}
@@ -438,12 +452,11 @@ class FedEvg(Strategy):
         return _untrained_classifier_caveat(self.config.server_epochs, "the synthetic set")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"synth_x": None if self.synth_x is None else self.synth_x.clone(),
-                "server_gen": self.server_gen.get_state()}
+        return {"synth_x": None if self.synth_x is None else self.synth_x.clone()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.synth_x = None if state["synth_x"] is None else state["synth_x"].clone()
-        self.server_gen.set_state(state["server_gen"])
+        saved = state["synth_x"]
+        self.synth_x = None if saved is None else saved.to(self.device, copy=True)
 
 
 # ---------------------------------------------------------------- the FedCVAE baseline
@@ -515,15 +528,21 @@ class FedCVAE(Strategy):
         if info.model is None:
             raise ConfigError("fedcvae needs the model in SetupInfo")
         self.classifier = copy.deepcopy(info.model)
-        self.synth_y = torch.arange(info.num_classes).repeat_interleave(self.config.spc)
+        self.device = info.device
+        self.synth_y = torch.arange(info.num_classes, device=self.device).repeat_interleave(
+            self.config.spc)
         self.synth_x: Tensor | None = None
         self.global_cvae: dict[str, Tensor] | None = None  # built when D is known
         self.encoders: dict[int, dict[str, Tensor]] = {}
 
     def new_cvae(self, num_features: int) -> ConditionalVAE:
+        """A CVAE initialised on the CPU (torch's CPU generator) and moved to the run's
+        device."""
         cfg = self.config
-        return ConditionalVAE(num_features, self.info.num_classes, cfg.hidden, cfg.latent_dim,
-                              cfg.output)
+        with torch.device("cpu"):
+            cvae = ConditionalVAE(num_features, self.info.num_classes, cfg.hidden,
+                                  cfg.latent_dim, cfg.output)
+        return cvae.to(self.device)
 
     def _ensure_cvae(self, num_features: int) -> None:
         if self.global_cvae is None:
@@ -543,24 +562,26 @@ class FedCVAE(Strategy):
         cvae.load_state_dict(self.global_cvae)
         if cfg.share == "decoder" and client_id in self.encoders:
             cvae.encoder.load_state_dict(self.encoders[client_id])
-        gen = torch.Generator().manual_seed(
-            seeding.torch_seed(self.info.seed, CVAE_CLIENT, round_index, client_id))
+        # minibatches and reparameterisation noise, drawn on the CPU (alike on every device)
+        gen = seeding.generator(self.info.seed, CVAE_CLIENT, round_index, client_id)
         opt = torch.optim.Adam(cvae.parameters(), lr=self.client_lr(round_index),
                                weight_decay=cfg.weight_decay)
         n = data.train_x.shape[0]
-        losses = []
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        steps = 0
         cvae.train()
         for _ in range(cfg.local_epochs):
-            order = torch.randperm(n, generator=gen)
+            order = torch.randperm(n, generator=gen, device="cpu").to(self.device)
             for start in range(0, n, cfg.batch_size):
                 rows = order[start: start + cfg.batch_size]
                 loss = cvae.loss(data.train_x[rows], data.train_y[rows], gen)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                losses.append(float(loss.detach()))
+                loss_sum += loss.detach()
+                steps += 1
         state = {k: v.detach().clone() for k, v in cvae.state_dict().items()}
-        return ClientUpdate(state=state, train_loss=sum(losses) / max(len(losses), 1))
+        return ClientUpdate(state=state, train_loss=float(loss_sum) / max(steps, 1))
 
     def aggregate(self, info: RoundInfo, server: Server) -> dict[str, float]:
         cfg = self.config
@@ -576,9 +597,9 @@ class FedCVAE(Strategy):
         cvae = self.new_cvae(self.num_features)
         cvae.load_state_dict(self.global_cvae)
         cvae.eval()
-        g = torch.Generator().manual_seed(seeding.torch_seed(self.info.seed, CVAE_SAMPLE, info.round))
+        g = seeding.generator(self.info.seed, CVAE_SAMPLE, info.round)
         before = self.synth_x if self.synth_x is not None else torch.zeros(
-            len(self.synth_y), self.num_features)
+            len(self.synth_y), self.num_features, device=self.device)
         self.synth_x = cvae.sample(self.synth_y, g)
         extra: dict[str, float] = {}
         if classify_now(info.round, self.info.rounds, cfg.classify_every):
@@ -595,7 +616,7 @@ class FedCVAE(Strategy):
             save_synthetic_images(cfg.image_path, self.synth_x, cfg.image_shape,
                                   self.info.num_classes)
         diag = synthetic_set_diagnostics(before, self.synth_x, self.synth_y,
-                                         torch.zeros(()), 0.0, False)
+                                         torch.zeros((), device="cpu"), 0.0, False)
         return {**extra, "client_lr": self.client_lr(info.round),
                 "within_class_distance": diag["within_class_distance"]}
 
@@ -609,8 +630,12 @@ class FedCVAE(Strategy):
                 "num_features": getattr(self, "num_features", 0)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.global_cvae = state["global_cvae"]
-        self.encoders = {int(k): v for k, v in state["encoders"].items()}
-        self.synth_x = None if state["synth_x"] is None else state["synth_x"].clone()
+        device = self.device
+        cvae = state["global_cvae"]
+        self.global_cvae = None if cvae is None else {k: v.to(device) for k, v in cvae.items()}
+        self.encoders = {int(k): {n: t.to(device) for n, t in v.items()}
+                         for k, v in state["encoders"].items()}
+        saved = state["synth_x"]
+        self.synth_x = None if saved is None else saved.to(device, copy=True)
         if state["num_features"]:
             self.num_features = int(state["num_features"])

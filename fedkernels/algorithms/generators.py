@@ -205,32 +205,42 @@ def train_wgan_gp(
     """WGAN-GP on ``data`` (module docstring): ``steps`` generator steps, each after
     ``n_critic`` critic steps on fresh real and generated minibatches of ``batch_size``.
     Returns the last critic loss, generator loss and Wasserstein estimate
-    E[D(x)] - E[D(G(z))]; the generator is left in eval mode."""
+    E[D(x)] - E[D(G(z))]; the generator is left in eval mode. Both networks must be on the
+    device of ``data``; the random draws are made on the CPU from ``seed``."""
     if steps < 0 or n_critic < 1 or gp_weight < 0 or batch_size < 1:
         raise ValueError("train_wgan_gp: steps >= 0, n_critic >= 1, gp_weight >= 0, batch_size >= 1")
     stats = {"critic_loss": math.nan, "generator_loss": math.nan, "wasserstein": math.nan}
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device="cpu").manual_seed(seed)
     opt_g = torch.optim.Adam(generator.parameters(), lr=lr, betas=betas)
     opt_d = torch.optim.Adam(critic.parameters(), lr=lr, betas=betas)
     generator.train()
-    n = data.shape[0]
+    n, device = data.shape[0], data.device
+
+    def draw(sample: Tensor) -> Tensor:  # drawn on the CPU: the same draws on every device
+        return sample.to(device)
+
     for _ in range(steps):
         for _ in range(n_critic):
-            real = data[torch.randint(0, n, (batch_size,), generator=g)]
+            real = data[draw(torch.randint(0, n, (batch_size,), generator=g, device="cpu"))]
             with torch.no_grad():
-                fake = generator(torch.randn(batch_size, noise_dim, generator=g))
+                fake = generator(draw(torch.randn(batch_size, noise_dim, generator=g,
+                                                  device="cpu")))
             d_real, d_fake = critic(real).mean(), critic(fake).mean()
-            gp = gradient_penalty(critic, real, fake, torch.rand(batch_size, generator=g))
+            mix = draw(torch.rand(batch_size, generator=g, device="cpu"))
+            gp = gradient_penalty(critic, real, fake, mix)
             d_loss = d_fake - d_real + gp_weight * gp
             opt_d.zero_grad(set_to_none=True)
             d_loss.backward()
             opt_d.step()
-        g_loss = -critic(generator(torch.randn(batch_size, noise_dim, generator=g))).mean()
+        g_loss = -critic(generator(draw(torch.randn(batch_size, noise_dim, generator=g,
+                                                    device="cpu")))).mean()
         opt_g.zero_grad(set_to_none=True)
         g_loss.backward()
         opt_g.step()
-        stats = {"critic_loss": float(d_loss.detach()), "generator_loss": float(g_loss.detach()),
-                 "wasserstein": float((d_real - d_fake).detach())}
+        last = (d_loss, g_loss, d_real - d_fake)
+    if steps:  # one copy to the host at the end
+        values = torch.stack([t.detach() for t in last]).tolist()
+        stats = dict(zip(("critic_loss", "generator_loss", "wasserstein"), values))
     generator.eval()
     return stats
 
@@ -258,7 +268,9 @@ class ConditionalVAE(nn.Module):
         KL(N(mu, sigma^2) || N(0, I)), with one reparameterised draw per sample."""
         h = self.encoder(torch.cat([x, F.one_hot(y, self.num_classes).to(x.dtype)], 1))
         mu, log_var = h.chunk(2, dim=1)
-        eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype)
+        # drawn on the CPU (``generator`` is a CPU generator): the same on every device
+        eps = torch.randn(mu.shape, generator=generator, dtype=mu.dtype,
+                          device="cpu").to(mu.device)
         recon = self.decode(mu + torch.exp(0.5 * log_var) * eps, y)
         rec = ((recon - x) ** 2).sum(1)
         kl = 0.5 * (mu**2 + log_var.exp() - 1 - log_var).sum(1)
@@ -266,6 +278,7 @@ class ConditionalVAE(nn.Module):
 
     @torch.no_grad()
     def sample(self, y: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """One decoded sample per label of ``y``, from z ~ N(0, I)."""
-        z = torch.randn(len(y), self.latent_dim, generator=generator)
-        return self.decode(z, y)
+        """One decoded sample per label of ``y``, from z ~ N(0, I) drawn on the CPU from
+        ``generator`` (a CPU generator)."""
+        z = torch.randn(len(y), self.latent_dim, generator=generator, device="cpu")
+        return self.decode(z.to(y.device), y)

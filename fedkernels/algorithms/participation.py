@@ -106,7 +106,7 @@ class AverageParticipating(Strategy):
 
     def client_weights(self, info: RoundInfo) -> Tensor:
         k = len(info.participants)
-        return torch.full((k,), 1.0 / k, dtype=torch.float64)
+        return torch.full((k,), 1.0 / k, dtype=torch.float64, device="cpu")
 
 
 @register
@@ -116,7 +116,8 @@ class AverageAll(Strategy):
     name = "avg-all"
 
     def client_weights(self, info: RoundInfo) -> Tensor:
-        return torch.full((len(info.participants),), 1.0 / info.num_clients, dtype=torch.float64)
+        return torch.full((len(info.participants),), 1.0 / info.num_clients, dtype=torch.float64,
+                          device="cpu")
 
 
 @register
@@ -130,9 +131,10 @@ class KnownParticipation(Strategy):
     def client_weights(self, info: RoundInfo) -> Tensor:
         probabilities = self.info.participation_probabilities
         if probabilities is None:
-            p = torch.full((len(info.participants),), len(info.participants) / info.num_clients)
+            p = torch.full((len(info.participants),), len(info.participants) / info.num_clients,
+                           device="cpu")
         else:
-            p = torch.as_tensor(probabilities, dtype=torch.float64)[info.participants]
+            p = torch.as_tensor(probabilities, dtype=torch.float64, device="cpu")[info.participants]
         return 1.0 / (info.num_clients * p.double().clamp_min(1e-12))
 
 
@@ -141,13 +143,15 @@ class KnownParticipation(Strategy):
 
 class UpdateTable:
     r"""The last update :math:`Y_n` of every client and their mean :math:`\bar Y`, in one
-    ``[N + 1, P]`` buffer (row N is :math:`\bar Y`), with per-client lists of views shaped like
-    the model's parameters so the fused ops read and write it directly."""
+    ``[N + 1, P]`` buffer (row N is :math:`\bar Y`) on the device of ``like`` (the model's),
+    with per-client lists of views shaped like the model's parameters so the fused ops read
+    and write it directly."""
 
     def __init__(self, num_clients: int, like: list[Tensor]) -> None:
         self.num_clients = num_clients
         sizes = [t.numel() for t in like]
-        self.buffer = torch.zeros(num_clients + 1, sum(sizes), dtype=like[0].dtype)
+        self.buffer = torch.zeros(num_clients + 1, sum(sizes), dtype=like[0].dtype,
+                                  device=like[0].device)
         self.rows: list[list[Tensor]] = []
         for n in range(num_clients + 1):
             pieces = self.buffer[n].split(sizes)
@@ -167,7 +171,8 @@ class UpdateTable:
         k, n = len(ids), self.num_clients
         old = [self.rows[j] for j in ids]
         inputs = [t for c in clients for t in c] + [t for r in old for t in r] + global_params
-        weights = torch.tensor([1.0] * k + [-1.0] * k + [-float(k)], dtype=torch.float64)
+        weights = torch.tensor([1.0] * k + [-1.0] * k + [-float(k)], dtype=torch.float64,
+                               device="cpu")
         variance_reduced = summation.weighted_sum(inputs, weights / k, self.mean, 1.0, False)
         summation.weighted_sum_(self.mean, inputs, weights / n, 1.0, False)
         flat_old = [t for r in old for t in r]

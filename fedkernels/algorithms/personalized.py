@@ -56,7 +56,7 @@ from torch.func import functional_call
 
 from fedkernels.ops.mixing import mix_endpoints, proximal_term
 from fedkernels.sim import seeding
-from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
+from fedkernels.sim.client import ClientUpdate, batch_indices, batch_plan, local_lr
 from fedkernels.sim.config import ClientConfig, ConfigError
 from fedkernels.sim.metrics import calibration_errors, distribution_summary
 from fedkernels.sim.server import Server
@@ -154,9 +154,9 @@ def sgd_phase(
     optimizer = torch.optim.SGD(
         params, lr=lr, momentum=client.momentum, weight_decay=client.weight_decay
     )
-    loss_sum = torch.zeros((), dtype=torch.float64)
-    for rows in plan:
-        index = torch.from_numpy(rows)
+    device = data.train_x.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for index in batch_indices(plan, device):
         loss = F.cross_entropy(model(data.train_x[index]), data.train_y[index])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -175,11 +175,13 @@ def _check_count(algorithm: str, name: str, value: int | None, minimum: int) -> 
 
 
 def personalized_metrics(logits: list[Tensor | None], clients: list[Any]) -> dict[str, Any]:
-    """Per-client ``accuracy``, ``ece``, ``mce`` (``[N]`` float64, NaN for a client without
-    test samples) of the personalized models' test ``logits`` (one entry per client), and the
-    pooled ``ece_pooled``/``mce_pooled`` over every client's samples."""
+    """Per-client ``accuracy``, ``ece``, ``mce`` (``[N]`` float64 on the CPU, NaN for a client
+    without test samples) of the personalized models' test ``logits`` (one entry per client,
+    on the clients' device), and the pooled ``ece_pooled``/``mce_pooled`` over every client's
+    samples."""
     n = len(clients)
-    accuracy, ece, mce = (torch.full((n,), float("nan"), dtype=torch.float64) for _ in range(3))
+    accuracy, ece, mce = (torch.full((n,), float("nan"), dtype=torch.float64, device="cpu")
+                          for _ in range(3))
     kept = [(k, z) for k, z in enumerate(logits) if z is not None]
     out: dict[str, Any] = {"accuracy": accuracy, "ece": ece, "mce": mce}
     if not kept:
@@ -187,12 +189,15 @@ def personalized_metrics(logits: list[Tensor | None], clients: list[Any]) -> dic
     ids = [k for k, _ in kept]
     z = torch.cat([z for _, z in kept])
     y = torch.cat([clients[k].test_y for k in ids])
-    sizes = torch.tensor([len(clients[k].test_y) for k in ids])
-    owner = torch.repeat_interleave(torch.arange(len(ids)), sizes)
+    device = z.device
+    sizes = torch.tensor([len(clients[k].test_y) for k in ids], device=device)
+    owner = torch.repeat_interleave(torch.arange(len(ids), device=device), sizes)
     correct = (z.argmax(1) == y).double()
-    index = torch.tensor(ids)
-    accuracy[index] = torch.zeros(len(ids), dtype=torch.float64).index_add_(0, owner, correct) / sizes
-    ece[index], mce[index] = calibration_errors(z, y, owner, len(ids))
+    index = torch.tensor(ids, device="cpu")
+    hits = torch.zeros(len(ids), dtype=torch.float64, device=device).index_add_(0, owner, correct)
+    accuracy[index] = (hits / sizes).cpu()
+    client_ece, client_mce = calibration_errors(z, y, owner, len(ids))
+    ece[index], mce[index] = client_ece.cpu(), client_mce.cpu()
     pooled_ece, pooled_mce = calibration_errors(z, y)
     out["ece_pooled"], out["mce_pooled"] = float(pooled_ece[0]), float(pooled_mce[0])
     return out
@@ -231,6 +236,7 @@ class PersonalizedStrategy(FedAvg):
         self.model = copy.deepcopy(info.model)
         self.client = info.client_config
         self.seed = info.seed
+        self.device = info.device
         self.initial = _clone(info.model.state_dict())
         self.param_names = [n for n, _ in self.model.named_parameters()]
         self.personal: dict[int, dict[str, Tensor]] = {}
@@ -294,7 +300,8 @@ class PersonalizedStrategy(FedAvg):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.personal = {
-            int(k): {n: t.clone() for n, t in v.items()} for k, v in state["personal"].items()
+            int(k): {n: t.to(self.device, copy=True) for n, t in v.items()}
+            for k, v in state["personal"].items()
         }
 
 
@@ -318,7 +325,8 @@ class LocalOnly(PersonalizedStrategy):
         model.load_state_dict(self.personal_state(client_id, global_state, data))
         model.train()
         plan = self.batches(data, round_index, client_id)
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
             with trainable_only(model, set(self.param_names)) as params:
                 loss, steps = sgd_phase(
                     model, params, data, plan, local_lr(self.client, round_index), self.client
@@ -372,7 +380,8 @@ class FedAvgFineTune(PersonalizedStrategy):
         rng = seeding.numpy_rng(self.seed, FINETUNE, client_id)
         plan = phase_plan(self.client, cfg.finetune_epochs, data.num_train, rng)
         lr = self.client.lr if cfg.finetune_lr is None else cfg.finetune_lr
-        with torch.enable_grad(), seeding.torch_stream(self.seed, FINETUNE, client_id):
+        with torch.enable_grad(), seeding.torch_stream(self.seed, FINETUNE, client_id,
+                                                       device=self.device):
             with trainable_only(model, set(self.param_names)) as params:
                 sgd_phase(model, params, data, plan, lr, self.client)
         return _clone(model.state_dict())
@@ -423,7 +432,8 @@ class PartialSharing(PersonalizedStrategy):
         model = self.model
         model.load_state_dict(self.personal_state(client_id, global_state, data))
         model.train()
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
             loss, steps = self.train_phases(data, round_index, client_id)
         trained = model.state_dict()
         self.personal[client_id] = _clone(trained, self.personal_keys)
@@ -556,16 +566,17 @@ class APFL(PersonalizedStrategy):
         alpha_lr = lr if cfg.alpha_lr is None else cfg.alpha_lr
         w = [global_state[n].detach().clone().requires_grad_() for n in names]
         v = [t.clone().requires_grad_() for t in self.personal_params(client_id)]
-        alpha = torch.tensor(self.alpha_of(client_id), dtype=torch.float64)
+        # host-side, as the mixing op takes lambda (its gradient comes back there too)
+        alpha = torch.tensor(self.alpha_of(client_id), dtype=torch.float64, device="cpu")
         alpha.requires_grad_(cfg.learn_alpha)
         settings = dict(lr=lr, momentum=client.momentum, weight_decay=client.weight_decay)
         opt_w = torch.optim.SGD(w, **settings)
         opt_v = torch.optim.SGD(v, **settings)
         plan = self.batches(data, round_index, client_id)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
-            for rows in plan:
-                index = torch.from_numpy(rows)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
+            for index in batch_indices(plan, self.device):
                 x, y = data.train_x[index], data.train_y[index]
                 loss_w = F.cross_entropy(functional_call(model, dict(zip(names, w)), (x,)), y)
                 v_bar = mix_endpoints([t.detach() for t in w], v, alpha)
@@ -650,7 +661,8 @@ class Ditto(PersonalizedStrategy):
         lr = local_lr(client, round_index)
         model.load_state_dict(global_state)
         model.train()
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
             with trainable_only(model, set(names)) as params:
                 loss, steps = sgd_phase(
                     model, params, data, self.batches(data, round_index, client_id), lr, client
@@ -664,9 +676,9 @@ class Ditto(PersonalizedStrategy):
             v, lr=lr, momentum=client.momentum, weight_decay=client.weight_decay
         )
         plan = self.second_batches(data, self.config.personal_epochs, round_index, client_id)
-        with seeding.torch_stream(self.seed, SECOND_PHASE, round_index, client_id):
-            for rows in plan:
-                index = torch.from_numpy(rows)
+        with seeding.torch_stream(self.seed, SECOND_PHASE, round_index, client_id,
+                                  device=self.device):
+            for index in batch_indices(plan, self.device):
                 logits = functional_call(model, dict(zip(names, v)), (data.train_x[index],))
                 objective = F.cross_entropy(logits, data.train_y[index])
                 if self.config.lam:
@@ -739,10 +751,10 @@ class PFedMe(PersonalizedStrategy):
         w = [global_state[n].detach().clone() for n in names]
         theta = [t.clone().requires_grad_() for t in w]
         plan = self.batches(data, round_index, client_id)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
-            for rows in plan:
-                index = torch.from_numpy(rows)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
+            for index in batch_indices(plan, self.device):
                 x, y = data.train_x[index], data.train_y[index]
                 for _ in range(cfg.inner_steps):
                     loss = F.cross_entropy(functional_call(model, dict(zip(names, theta)), (x,)), y)

@@ -39,7 +39,7 @@ class RobustRule(Strategy):
                 "the two cannot be combined"
             )
         combined, extra = self.combine(info)
-        server.step([combined], torch.ones(1, dtype=torch.float64), info.round)
+        server.step([combined], torch.ones(1, dtype=torch.float64, device="cpu"), info.round)
         return extra
 
 

@@ -39,7 +39,7 @@ def apply_direction(
         buffers = {n: server.state[n] for n in server.buffer_names}
         aggregate(
             [{n: s[n] for n in server.buffer_names} for s in client_states],
-            torch.ones(len(client_states), dtype=torch.float64),
+            torch.ones(len(client_states), dtype=torch.float64, device="cpu"),
             normalize=True,
             out=buffers,
         )

@@ -48,7 +48,7 @@ from torch.func import functional_call
 from fedkernels.ops.mixing import mix_endpoints, superfed_regularizer
 from fedkernels.ops.mixing_sgd import SuPerFedSGD
 from fedkernels.sim import seeding
-from fedkernels.sim.client import ClientUpdate, batch_plan, local_lr
+from fedkernels.sim.client import ClientUpdate, batch_indices, batch_plan, local_lr
 from fedkernels.sim.config import ConfigError
 from fedkernels.sim.federation import ClientData, split_client
 from fedkernels.sim.strategy import SetupInfo
@@ -140,12 +140,13 @@ class _SuPerFed(FedAvg):
         self.model = copy.deepcopy(info.model)
         self.client = info.client_config
         self.seed = info.seed
+        self.device = info.device
         self.start_round = int(self.config.start_fraction * info.rounds)  # floor(L * R)
         self.names = [n for n, _ in self.model.named_parameters()]
         # LM: the module owning each parameter (its lambda), as an index per tensor.
         owners = [n.rsplit(".", 1)[0] if "." in n else "" for n in self.names]
         modules = list(dict.fromkeys(owners))
-        self.module_of_tensor = torch.tensor([modules.index(o) for o in owners])
+        self.module_of_tensor = torch.tensor([modules.index(o) for o in owners], device="cpu")
         self.num_modules = len(modules)
         self.local: dict[int, list[Tensor]] = {}
         self._splits: dict[int, tuple[ClientData, ClientData | None]] = {}
@@ -158,13 +159,14 @@ class _SuPerFed(FedAvg):
             if self.config.local_init == "copy_global":
                 init = [global_state[n].detach().clone() for n in self.names]
             else:
-                fresh = copy.deepcopy(self.model)
+                # initialised on the CPU, from the client's stream: the same on every device
+                fresh = copy.deepcopy(self.model).to("cpu")
                 with seeding.torch_stream(self.seed, LOCAL_INIT, client_id):
                     for module in fresh.modules():
                         if module is not fresh and hasattr(module, "reset_parameters"):
                             module.reset_parameters()
                 params = dict(fresh.named_parameters())
-                init = [params[n].detach().clone() for n in self.names]
+                init = [params[n].detach().to(self.device) for n in self.names]
             self.local[client_id] = init
         return self.local[client_id]
 
@@ -187,9 +189,10 @@ class _SuPerFed(FedAvg):
         return self._splits[client_id]
 
     def sample_lambda(self, rng: np.random.Generator) -> Tensor:
-        """MM: one lambda ~ U(0,1); LM: one per module, spread over the module's tensors."""
+        """MM: one lambda ~ U(0,1); LM: one per module, spread over the module's tensors (on
+        the CPU, where the mixing ops take lambda)."""
         if not self.layerwise:
-            return torch.tensor(rng.uniform(0.0, 1.0), dtype=torch.float32)
+            return torch.tensor(rng.uniform(0.0, 1.0), dtype=torch.float32, device="cpu")
         per_module = torch.from_numpy(rng.uniform(0.0, 1.0, self.num_modules)).float()
         return per_module[self.module_of_tensor]
 
@@ -223,10 +226,10 @@ class _SuPerFed(FedAvg):
             seeding.numpy_rng(self.seed, seeding.BATCHES, round_index, client_id),
         )
         lam_rng = seeding.numpy_rng(self.seed, MIXING, round_index, client_id)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
-            for rows in plan:
-                index = torch.from_numpy(rows)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
+            for index in batch_indices(plan, self.device):
                 if mixing:  # theta and the regularizers from one fused pass (and one back)
                     theta, reg = optimizer.mix(self.sample_lambda(lam_rng))
                 else:
@@ -283,13 +286,13 @@ class _SuPerFed(FedAvg):
     ) -> Tensor:
         """``[clients, 11]``: accuracy of each client's theta(lambda) on its ``split`` for the
         lambda grid (:meth:`grid_logits`; 0 where the split is empty)."""
-        out = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64)
+        out = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64, device="cpu")
         for k, (c, z) in enumerate(zip(clients, self.grid_logits(global_state, clients, split))):
             if z is not None:
                 fit, val = self.split(c, k)
                 y = {"test": c.test_y, "train": fit.train_y}.get(split)
                 y = val.train_y if split == "validation" else y
-                out[k] = (z.argmax(2) == y).double().mean(1)
+                out[k] = (z.argmax(2) == y).double().mean(1).cpu()
         return out
 
     def evaluate(self, global_state: Mapping[str, Tensor], clients: list[Any]) -> dict[str, Any]:
@@ -299,17 +302,17 @@ class _SuPerFed(FedAvg):
         test accuracy), the train-selected (and validation-selected) accuracy, the best lambda
         common to all clients and both endpoints."""
         logits = self.grid_logits(global_state, clients, "test")
-        test = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64)
+        test = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64, device="cpu")
         for k, z in enumerate(logits):
             if z is not None:
-                test[k] = (z.argmax(2) == clients[k].test_y).double().mean(1)
+                test[k] = (z.argmax(2) == clients[k].test_y).double().mean(1).cpu()
         grids = {"test": test, "train": self.grid_accuracy(global_state, clients, "train")}
         if self.config.lambda_selection == "validation":
             grids["validation"] = self.grid_accuracy(global_state, clients, "validation")
         chosen = grids[self.config.lambda_selection].argmax(dim=1)  # first maximum
         at_chosen = [None if z is None else z[j] for z, j in zip(logits, chosen.tolist())]
         out = personalized_summary(personalized_metrics(at_chosen, clients))
-        grid = torch.tensor(EVAL_GRID, dtype=torch.float64)
+        grid = torch.tensor(EVAL_GRID, dtype=torch.float64, device="cpu")
         out["personalized_lambda_mean"] = float(grid[chosen].mean())
         out["personalized_accuracy_oracle"] = float(test.max(dim=1).values.mean())
         for split in ("train", "validation"):
@@ -327,12 +330,13 @@ class _SuPerFed(FedAvg):
         return {"local": {str(k): list(v) for k, v in self.local.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.local = {int(k): [x.clone() for x in v] for k, v in state["local"].items()}
+        self.local = {int(k): [x.to(self.device, copy=True) for x in v]
+                      for k, v in state["local"].items()}
 
 
 def _rows(data: ClientData, rows: np.ndarray) -> ClientData:
     """``data`` with its training split cut down to the positions ``rows``."""
-    index = torch.from_numpy(rows)
+    index = torch.from_numpy(rows).to(data.train_x.device)
     return dataclasses.replace(
         data,
         train_x=data.train_x[index],

@@ -7,7 +7,9 @@ r"""Statistics of a round's client updates :math:`u_k = x_k - x_t`, computed wit
   matrix of flattened updates and one matmul.
 - :func:`flat_updates`: that ``[K, P]`` matrix.
 
-Only the named entries (the trainable parameters) take part. Sums are in float64.
+Only the named entries (the trainable parameters) take part. Sums are in float64, on the
+models' device; the per-client results (``[K]`` norms, the ``[K, K]`` Gram matrix) come back on
+the CPU, where the weight rules read them.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ def update_sq_norms(
     global_state: Mapping[str, Tensor],
     names: Sequence[str],
 ) -> Tensor:
-    r""":math:`\|x_k - x_t\|^2` summed over the entries ``names``, float64 ``[K]``."""
+    r""":math:`\|x_k - x_t\|^2` summed over the entries ``names``, float64 ``[K]`` on the CPU."""
     clients, base = _client_and_global(client_states, global_state, names)
     deltas = torch._foreach_sub(clients, base)
     norms = torch.stack(torch._foreach_norm(deltas)).double()
-    return norms.square().view(len(client_states), len(names)).sum(dim=1)
+    return norms.square().view(len(client_states), len(names)).sum(dim=1).cpu()
 
 
 def flat_updates(
@@ -59,6 +61,6 @@ def update_gram(
     global_state: Mapping[str, Tensor],
     names: Sequence[str],
 ) -> Tensor:
-    r""":math:`G = U U^\top` with :math:`U` the ``[K, P]`` float64 update matrix."""
+    r""":math:`G = U U^\top` with :math:`U` the ``[K, P]`` float64 update matrix (on the CPU)."""
     u = flat_updates(client_states, global_state, names)
-    return u @ u.T
+    return (u @ u.T).cpu()

@@ -310,6 +310,7 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
                 overwrite: bool, progress: bool, plots: bool) -> dict[str, Any]:
     """:func:`run_experiment` once the folder is locked."""
     from fedkernels.sim.plots import plot_client_accuracy, plot_curves
+    from fedkernels.sim.progress import round_progress
 
     if not resume and not overwrite:
         # Again under the lock: a run that ended since the first check left its results here.
@@ -327,25 +328,8 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
     write_text(out / CONFIG_NAME, json.dumps(saved, indent=2) + "\n")
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=config.rounds, initial=simulation.next_round, unit="round", file=sys.stderr
-        )
-
-    def report(record: dict[str, Any]) -> None:
-        if bar is not None:
-            if "test_accuracy" in record:
-                bar.set_postfix(acc=f"{record['test_accuracy']:.3f}")
-            bar.update(1)
-
-    try:
+    with round_progress(simulation, enabled=progress) as report:
         result = simulation.run(on_round=report)
-    finally:
-        if bar is not None:
-            bar.close()
     result.write_json(out / RESULTS_NAME)
     if plots:
         plot_curves(result, out / CURVES_NAME)

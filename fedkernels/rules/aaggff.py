@@ -106,9 +106,9 @@ class AAggFFSDecision(_Decision):
         n = num_clients
         self.alpha, self.beta = 4.0, n / 4.0  # 4 N L, 1/(4 L) with L = C2 = 1/N
         official = variant == "official"
-        self.decision = torch.full((n,), 1.0 if official else 1.0 / n, dtype=torch.float64)
-        self.quadratic = torch.eye(n, dtype=torch.float64) * (self.alpha if official else 0.0)
-        self.linear = torch.zeros(n, dtype=torch.float64)
+        self.decision = torch.full((n,), 1.0 if official else 1.0 / n, dtype=torch.float64, device="cpu")
+        self.quadratic = torch.eye(n, dtype=torch.float64, device="cpu") * (self.alpha if official else 0.0)
+        self.linear = torch.zeros(n, dtype=torch.float64, device="cpu")
 
     def step(self, losses: Tensor) -> np.ndarray:
         """One decision update from all N clients' losses; returns the new decision."""
@@ -146,8 +146,8 @@ class AAggFFDDecision(_Decision):
                  official_normal_cdf: bool = False) -> None:
         super().__init__(cdf, variant, official_normal_cdf)
         n = num_clients
-        self.decision = torch.full((n,), 1.0 / n, dtype=torch.float64)
-        self.gradient_sum = torch.zeros(n, dtype=torch.float64)
+        self.decision = torch.full((n,), 1.0 / n, dtype=torch.float64, device="cpu")
+        self.gradient_sum = torch.zeros(n, dtype=torch.float64, device="cpu")
         self.started = False
 
     def step(self, ids: np.ndarray, losses: np.ndarray, pi: np.ndarray, t: int) -> np.ndarray:
@@ -158,7 +158,7 @@ class AAggFFDDecision(_Decision):
         official = self.variant == "official"
         if not self.started:
             if official:
-                self.decision = torch.full((n,), c, dtype=torch.float64)
+                self.decision = torch.full((n,), c, dtype=torch.float64, device="cpu")
             self.started = True
         r_s = self.responses(torch.from_numpy(np.asarray(losses, dtype=np.float64)), c)
         r_bar = float(r_s.mean())

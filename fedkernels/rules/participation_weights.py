@@ -26,9 +26,9 @@ class IntervalWeightEstimator:
 
     def __init__(self, num_clients: int, cutoff: int | None) -> None:
         self.cutoff = cutoff
-        self.count = torch.zeros(num_clients, dtype=torch.int64)
-        self.intervals = torch.zeros(num_clients, dtype=torch.int64)
-        self.omega = torch.ones(num_clients, dtype=torch.float64)
+        self.count = torch.zeros(num_clients, dtype=torch.int64, device="cpu")
+        self.intervals = torch.zeros(num_clients, dtype=torch.int64, device="cpu")
+        self.omega = torch.ones(num_clients, dtype=torch.float64, device="cpu")
 
     def _close(self, done: Tensor, length: Tensor) -> None:
         m = self.intervals.double()
@@ -40,9 +40,9 @@ class IntervalWeightEstimator:
 
     def add_clients(self, count: int) -> None:
         """Appends ``count`` clients with no interval observed yet (``omega`` 1)."""
-        self.count = torch.cat([self.count, torch.zeros(count, dtype=torch.int64)])
-        self.intervals = torch.cat([self.intervals, torch.zeros(count, dtype=torch.int64)])
-        self.omega = torch.cat([self.omega, torch.ones(count, dtype=torch.float64)])
+        self.count = torch.cat([self.count, torch.zeros(count, dtype=torch.int64, device="cpu")])
+        self.intervals = torch.cat([self.intervals, torch.zeros(count, dtype=torch.int64, device="cpu")])
+        self.omega = torch.cat([self.omega, torch.ones(count, dtype=torch.float64, device="cpu")])
 
     def observe(self, mask: Tensor) -> None:
         """Advances by one round with participation ``mask`` (bool ``[N]``)."""

@@ -86,11 +86,11 @@ class ByzantineClients:
             return base - s * (trained - base)
         if self.config.kind == "scale":
             return base + s * (trained - base)
-        generator = torch.Generator().manual_seed(
-            seeding.torch_seed(self.seed, seeding.ATTACK, round_index, client, _name_key(name))
-        )
-        noise = torch.randn(base.shape, generator=generator, dtype=base.dtype)
-        return base + self.config.std * noise
+        # drawn on the CPU: the same noise whatever the run's device
+        generator = seeding.generator(self.seed, seeding.ATTACK, round_index, client,
+                                      _name_key(name))
+        noise = torch.randn(base.shape, generator=generator, dtype=base.dtype, device="cpu")
+        return base + self.config.std * noise.to(base.device)
 
     def count_in(self, client_ids: list[int]) -> int:
         """How many of ``client_ids`` are Byzantine."""

@@ -41,12 +41,13 @@ def crop_flip_images(
     b, c, h, w = images.shape
     device = images.device
     pad = padding if crop else 0
-    offsets = torch.randint(0, 2 * pad + 1, (b, 2), generator=generator) if crop else (
-        torch.zeros(b, 2, dtype=torch.int64))
-    mirrored = (torch.randint(0, 2, (b,), generator=generator) == 1) if flip else (
-        torch.zeros(b, dtype=torch.bool))
-    rows = offsets[:, :1] + torch.arange(h)  # [B, H]: rows of the padded image kept
-    cols = offsets[:, 1:] + torch.arange(w)  # [B, W]
+    host = torch.device("cpu")
+    offsets = torch.randint(0, 2 * pad + 1, (b, 2), generator=generator, device=host) if crop \
+        else torch.zeros(b, 2, dtype=torch.int64, device=host)
+    mirrored = (torch.randint(0, 2, (b,), generator=generator, device=host) == 1) if flip else (
+        torch.zeros(b, dtype=torch.bool, device=host))
+    rows = offsets[:, :1] + torch.arange(h, device=host)  # [B, H]: rows of the padded image kept
+    cols = offsets[:, 1:] + torch.arange(w, device=host)  # [B, W]
     cols = torch.where(mirrored[:, None], cols.flip(1), cols)  # a flip reads the columns backwards
     rows, cols = rows.to(device), cols.to(device)
     padded = F.pad(images, (pad, pad, pad, pad)) if pad else images

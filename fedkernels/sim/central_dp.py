@@ -30,8 +30,9 @@ Flower noises the round's model with the bound already updated for the next roun
 the noise is scaled by the bound that clipped the round's updates, which is what the
 sensitivity argument needs.
 
-Noise comes from the streams ``(seed, DP_NOISE, round, 0)`` (model) and ``(..., 1)`` (count), so a
-resumed run draws the same noise. :math:`\varepsilon` after each round is computed with
+Noise comes from the streams ``(seed, DP_NOISE, round, 0)`` (model, a generator of the model's
+device: the same noise on one device, other noise on another) and ``(..., 1)`` (count, on the
+CPU), so a resumed run draws the same noise. :math:`\varepsilon` after each round is computed with
 :mod:`fedkernels.privacy` from the rounds' sampling rates (:func:`sampling_rate`).
 """
 
@@ -50,6 +51,11 @@ from . import seeding
 from .config import ConfigError, PrivacyConfig
 
 INITIAL_ADAPTIVE_CLIP = 0.1  # Flower's initial_clipping_norm
+
+
+def _device_of(params: dict[str, Tensor]) -> torch.device:
+    """Where the model is: the private op draws its noise from a generator of that device."""
+    return next(iter(params.values())).device if params else torch.device("cpu")
 
 
 def sampling_rate(kind: str, probabilities: Any) -> float | None:
@@ -122,7 +128,8 @@ class CentralPrivacy:
             base=params,
             clip_norm=clip,
             noise_std=noise_std,
-            generator=self._generator(round_index, 0),
+            generator=seeding.generator(self.seed, seeding.DP_NOISE, round_index, 0,
+                                        device=_device_of(params)),
         )
         if self.config.adaptive:
             self.clip = self._next_clip(clip, norms, count_std, round_index)
@@ -139,15 +146,11 @@ class CentralPrivacy:
         """Andrew et al.'s geometric step on the noised fraction of unclipped updates."""
         unclipped = float((norms <= clip).sum())
         if count_std > 0:
-            z = torch.randn((), dtype=torch.float64, generator=self._generator(round_index, 1))
+            g = seeding.generator(self.seed, seeding.DP_NOISE, round_index, 1)
+            z = torch.randn((), dtype=torch.float64, generator=g, device="cpu")
             unclipped += count_std * float(z)
         fraction = unclipped / len(norms)
         return clip * math.exp(-self.config.clip_lr * (fraction - self.config.target_quantile))
-
-    def _generator(self, round_index: int, which: int) -> torch.Generator:
-        return torch.Generator().manual_seed(
-            seeding.torch_seed(self.seed, seeding.DP_NOISE, round_index, which)
-        )
 
     def epsilon(self) -> float | None:
         """``epsilon`` at ``delta`` after the rounds so far (``None`` without noise: no finite

@@ -14,6 +14,7 @@ draws from the client's own torch stream.
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,11 +67,27 @@ def batch_plan(
     return np.split(order, config.steps)
 
 
+def batch_indices(plan: list[np.ndarray], device: torch.device) -> list[Tensor]:
+    """The plan's minibatches as int64 index tensors on ``device``, copied there in one piece
+    (one host-to-device copy per client and round instead of one per minibatch)."""
+    if not plan:
+        return []
+    flat = torch.from_numpy(np.concatenate(plan)).to(device)
+    return list(flat.split([len(rows) for rows in plan]))
+
+
 def _cut(order: np.ndarray, size: int) -> list[np.ndarray]:
     pieces = [order[i : i + size] for i in range(0, len(order), size)]
     if len(pieces) > 1 and len(pieces[-1]) == 1:
         pieces[-2:] = [np.concatenate(pieces[-2:])]
     return pieces
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter or buffer (the CPU for a module without
+    either)."""
+    first = next(itertools.chain(model.parameters(), model.buffers()), None)
+    return torch.device("cpu") if first is None else first.device
 
 
 class LocalTrainer:
@@ -92,6 +109,7 @@ class LocalTrainer:
         self.strategy = strategy
         self.seed = seed
         self.parameter_names = [n for n, _ in self.model.named_parameters()]
+        self.device = model_device(self.model)
         self.augment = build_augmentation(
             config.augment, image_shape or getattr(model, "image_shape", None)
         )
@@ -101,7 +119,8 @@ class LocalTrainer:
     ) -> ClientUpdate:
         """Local training of client ``client_id`` in round ``round_index`` (module docstring);
         minibatch order from ``(seed, BATCHES, round, client)``, torch randomness (augmentation,
-        dropout) from ``(seed, LOCAL_TRAINING, round, client)``."""
+        dropout) from ``(seed, LOCAL_TRAINING, round, client)``. Trains on the model's device,
+        where ``data`` must be."""
         model, config = self.model, self.config
         model.load_state_dict(global_state)
         model.train()
@@ -117,10 +136,10 @@ class LocalTrainer:
             config,
             seeding.numpy_rng(self.seed, seeding.BATCHES, round_index, client_id),
         )
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id):
-            for rows in plan:
-                index = torch.from_numpy(rows)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
+                                  device=self.device):
+            for index in batch_indices(plan, self.device):
                 x = data.train_x[index]
                 if self.augment is not None:
                     x = self.augment(x)

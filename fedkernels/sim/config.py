@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import math
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -84,6 +85,17 @@ DATASET_OPTIONS = {
     "official_split": (*FILE_DATASETS, "mnist1d"),
     "num_samples": ("gaussian_mixture", "mnist1d"),
 }
+
+
+DEVICE_NAME = re.compile(r"cpu|auto|cuda(:\d+)?")
+
+
+def check_device_name(value: Any) -> None:
+    """Raises :class:`ConfigError` unless ``value`` is ``cpu``, ``cuda``, ``cuda:N`` or
+    ``auto`` (whether the device exists is :func:`fedkernels.sim.devices.resolve_device`'s
+    question)."""
+    _require(isinstance(value, str) and DEVICE_NAME.fullmatch(value) is not None,
+             f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
@@ -473,6 +485,10 @@ class ExperimentConfig:
     eval_every: int = _field(1, "evaluate every this many rounds (and after the last)")
     checkpoint_every: int = _field(1, "write the resume checkpoint every this many rounds")
     vmap: bool = _field(False, "train a round's clients at once with torch.func.vmap")
+    device: str = _field(
+        "cpu",
+        "where the whole run computes: cpu, cuda, cuda:N, or auto (a GPU if one is visible)",
+    )
     data: DataConfig = field(default_factory=DataConfig)
     partition: PartitionConfig = field(default_factory=PartitionConfig)
     participation: ParticipationConfig = field(default_factory=ParticipationConfig)
@@ -487,6 +503,7 @@ class ExperimentConfig:
         _require(self.eval_every >= 1, "eval_every must be >= 1")
         _require(self.checkpoint_every >= 1, "checkpoint_every must be >= 1")
         _require(self.seed >= 0, "seed must be >= 0")
+        check_device_name(self.device)
         if (
             self.data.name == "csv"
             and self.partition.kind == "natural"

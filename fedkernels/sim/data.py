@@ -139,14 +139,16 @@ class Dataset:
         image_shape: tuple[int, ...] | None = None,
     ) -> Dataset:
         """User data: ``x`` of shape ``[n, ...]`` (flattened to ``[n, d]``; a 3-D sample shape
-        becomes ``image_shape``), integer labels ``y``, optional natural client ids ``groups``."""
-        x = torch.as_tensor(x)
+        becomes ``image_shape``), integer labels ``y``, optional natural client ids ``groups``.
+        The pool is kept on the CPU, where it is partitioned; a simulation moves each client's
+        rows to its device once."""
+        x = torch.as_tensor(x, device="cpu")
         if x.dim() >= 3 and image_shape is None:
             image_shape = tuple(x.shape[1:]) if x.dim() == 4 else (1, *x.shape[1:])
         x = x.reshape(x.shape[0], -1).to(torch.float32)
-        y = torch.as_tensor(y).to(torch.int64)
+        y = torch.as_tensor(y, device="cpu").to(torch.int64)
         if groups is not None:
-            groups = np.asarray(torch.as_tensor(groups).cpu().numpy(), dtype=np.int64)
+            groups = np.asarray(torch.as_tensor(groups, device="cpu").numpy(), dtype=np.int64)
         k = int(y.max()) + 1 if num_classes is None else num_classes
         return cls(x, y, k, groups, image_shape)
 

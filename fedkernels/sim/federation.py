@@ -3,6 +3,7 @@ optional noise on the training labels (:func:`noisy_labels`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,13 @@ class ClientData:
     def num_test(self) -> int:
         return len(self.test_index)
 
+    def to(self, device: torch.device) -> ClientData:
+        """This client's samples on ``device`` (the row indices stay NumPy arrays)."""
+        return dataclasses.replace(
+            self, train_x=self.train_x.to(device), train_y=self.train_y.to(device),
+            test_x=self.test_x.to(device), test_y=self.test_y.to(device),
+        )
+
 
 @dataclass
 class Federation:
@@ -57,15 +65,26 @@ class Federation:
         return len(self.clients)
 
     def train_sizes(self) -> Tensor:
-        """``n_k``, the number of training samples of each client (float64, ``[N]``)."""
-        return torch.tensor([c.num_train for c in self.clients], dtype=torch.float64)
+        """``n_k``, the number of training samples of each client (float64, ``[N]``, on the
+        CPU: a host-side value)."""
+        return torch.tensor([c.num_train for c in self.clients], dtype=torch.float64,
+                            device="cpu")
 
     def label_distributions(self) -> np.ndarray:
         """``kappa[n, c]``: the fraction of client n's training labels equal to c."""
         counts = np.stack(
-            [np.bincount(c.train_y.numpy(), minlength=self.num_classes) for c in self.clients]
+            [np.bincount(c.train_y.cpu().numpy(), minlength=self.num_classes)
+             for c in self.clients]
         ).astype(np.float64)
         return counts / counts.sum(axis=1, keepdims=True)
+
+    def to(self, device: torch.device) -> Federation:
+        """The same federation with every client's samples and the server's rows on ``device``:
+        one copy each, made once for the whole run."""
+        return dataclasses.replace(
+            self, clients=[c.to(device) for c in self.clients],
+            server_x=None if self.server_x is None else self.server_x.to(device),
+        )
 
 
 def split_client(

@@ -50,7 +50,8 @@ CALIBRATION_BINS = 15  # SuPerFed's paper reports ECE and MCE with 15 bins
 class ClientEvaluation:
     """Per-client mean cross-entropy ``loss``, ``accuracy`` and sample ``count`` (``[K]``);
     with ``auroc=True`` also each client's ``auroc`` (``[K]``, NaN where undefined) and the
-    AUROC of the pooled test samples, ``auroc_pooled`` (None where undefined)."""
+    AUROC of the pooled test samples, ``auroc_pooled`` (None where undefined). Every per-client
+    tensor is on the CPU, whatever the device of the evaluation."""
 
     loss: Tensor
     accuracy: Tensor
@@ -82,24 +83,29 @@ def evaluate_clients(
     """Evaluates ``model`` (in eval mode) on each client's ``(xs[k], ys[k])`` with one forward
     pass over their concatenation, reduced per client. ``auroc`` adds the per-client and
     pooled AUROC (:func:`client_auroc`), ``calibration`` the per-client and pooled ECE and MCE
-    (:func:`calibration_errors`)."""
+    (:func:`calibration_errors`). The forward pass and the reductions run on the data's device;
+    the per-client results come back on the CPU."""
     was_training = model.training
     model.eval()
     try:
         x, y = torch.cat(xs), torch.cat(ys)
-        count = torch.tensor([len(t) for t in ys], dtype=torch.float64)
-        owner = torch.repeat_interleave(torch.arange(len(ys)), count.long())
+        device = y.device
+        count = torch.tensor([len(t) for t in ys], dtype=torch.float64, device=device)
+        owner = torch.repeat_interleave(torch.arange(len(ys), device=device), count.long())
         logits = torch.cat([model(chunk) for chunk in x.split(EVAL_CHUNK)])
         losses = F.cross_entropy(logits, y, reduction="none").double()
         correct = (logits.argmax(dim=1) == y).double()
         k = len(ys)
-        loss = torch.zeros(k, dtype=torch.float64).index_add_(0, owner, losses) / count
-        accuracy = torch.zeros(k, dtype=torch.float64).index_add_(0, owner, correct) / count
-        evaluation = ClientEvaluation(loss, accuracy, count)
+        per_client = torch.zeros(2, k, dtype=torch.float64, device=device)
+        per_client[0].index_add_(0, owner, losses)
+        per_client[1].index_add_(0, owner, correct)
+        loss, accuracy = (per_client / count).cpu()  # one copy to the host
+        evaluation = ClientEvaluation(loss, accuracy, count.cpu())
         if auroc:
             evaluation.auroc, evaluation.auroc_pooled = client_auroc(logits, y, owner, k)
         if calibration:
-            evaluation.ece, evaluation.mce = calibration_errors(logits, y, owner, k)
+            ece, mce = calibration_errors(logits, y, owner, k)
+            evaluation.ece, evaluation.mce = ece.cpu(), mce.cpu()
             ece, mce = calibration_errors(logits, y)
             evaluation.calibration_pooled = (float(ece[0]), float(mce[0]))
         return evaluation
@@ -117,7 +123,8 @@ def calibration_errors(
     """Expected and maximum calibration error (module docstring) of ``logits`` (``[M, C]``)
     for labels ``y``, per group: sample i belongs to group ``owner[i]`` (all to group 0 when
     ``owner`` is None). Returns two float64 ``[num_groups]`` tensors, NaN for a group without
-    samples. A confidence of exactly ``b/B`` falls into bin b (right-closed bins)."""
+    samples, on the device of ``logits``. A confidence of exactly ``b/B`` falls into bin b
+    (right-closed bins)."""
     if bins < 1:
         raise ValueError(f"calibration_errors: bins must be >= 1, got {bins}")
     if logits.dim() != 2 or y.shape != logits.shape[:1]:
@@ -133,9 +140,10 @@ def calibration_errors(
     index = (torch.ceil(confidence * bins).long() - 1).clamp(0, bins - 1)
     cell = group * bins + index
     size = num_groups * bins
-    count = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, torch.ones_like(correct))
-    hits = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, correct)
-    conf = torch.zeros(size, dtype=torch.float64).index_add_(0, cell, confidence)
+    zeros = logits.new_zeros(size, dtype=torch.float64)
+    count = zeros.clone().index_add_(0, cell, torch.ones_like(correct))
+    hits = zeros.clone().index_add_(0, cell, correct)
+    conf = zeros.index_add_(0, cell, confidence)
     count, hits, conf = (t.view(num_groups, bins) for t in (count, hits, conf))
     gap = (hits - conf).abs() / count.clamp(min=1)  # |acc_b - conf_b|, 0 for an empty bin
     total = count.sum(dim=1)

@@ -48,7 +48,7 @@ class ParticipationHistory:
     def matrix(self) -> Tensor:
         """``[rounds, N]`` bool."""
         if not self._rows:
-            return torch.zeros(0, self.num_clients, dtype=torch.bool)
+            return torch.zeros(0, self.num_clients, dtype=torch.bool, device="cpu")
         return torch.stack(self._rows)
 
     def counts(self) -> Tensor:

@@ -10,7 +10,12 @@ One round is described in :mod:`fedkernels.sim.strategy`. All randomness comes f
 streams of :mod:`fedkernels.sim.seeding`; the one stateful generator (participation) is saved
 in the checkpoint together with the global model, the server optimizer's moments, the
 strategy's state, the participation history and the metrics so far. A run resumed from a
-checkpoint therefore ends with the same numbers as an uninterrupted run with the same seed.
+checkpoint therefore ends with the same numbers as an uninterrupted run with the same seed (on
+the same device: a checkpoint also resumes on another device, see ``docs/guide/gpu.md``).
+
+Everything runs on ``config.device`` (:mod:`fedkernels.sim.devices`): the clients' samples are
+moved there once, when the simulation is built, and so are the model, the server's state and
+every strategy's model-sized state.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
 from .config import AttackConfig, ConfigError, ExperimentConfig, PartitionConfig, PrivacyConfig
 from .data import Dataset, load_dataset, stratified_split
+from .devices import (
+    device_name,
+    peak_memory_bytes,
+    reproducible_numerics,
+    reset_peak_memory,
+    resolve_device,
+    synchronize,
+)
 from .federation import build_federation
 from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
 from .models import build_model
@@ -57,7 +70,8 @@ class Simulation:
         strategy: the algorithm (see :mod:`fedkernels.algorithms`).
         dataset: user data instead of ``config.data`` (see :meth:`Dataset.from_tensors`).
         model: any ``nn.Module`` mapping ``[B, d]`` rows to logits, instead of ``config.model``;
-            its current weights are the initial global model.
+            its current weights are the initial global model (a copy of it is moved to
+            ``config.device``; ``model`` itself stays where it is).
         checkpoint: file to write after every ``config.checkpoint_every`` rounds and to resume from.
     """
 
@@ -73,6 +87,8 @@ class Simulation:
         strategy_config = getattr(strategy, "config", None)
         params = dataclasses.asdict(strategy_config) if strategy_config is not None else {}
         self.config = dataclasses.replace(config, algorithm=strategy.name, algorithm_params=params)
+        self.device = resolve_device(config.device)
+        reset_peak_memory(self.device)
         seed = config.seed
         # the CSV file's size and hash, so that a resumed run refuses a file that has changed
         self.data_file: dict[str, Any] | None = None
@@ -88,7 +104,7 @@ class Simulation:
             label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
             use_official_split=config.data.official_split,
             stratify=stratified_split(config.data),
-        )
+        ).to(self.device)
         fed = self.federation
         self.attack = build_attack(config.attack, fed.num_clients, seed)
         if self.attack is not None:
@@ -98,6 +114,9 @@ class Simulation:
                 config.model, fed.num_features, fed.num_classes, fed.image_shape, seed,
                 vocab_size=fed.vocab_size,
             )
+        else:
+            model = copy.deepcopy(model)
+        model = model.to(self.device)
         self.sampler = build_sampler(config.participation, fed, seed)
         fixed_count = self.sampler.fixed_count
         _check_strategy_fits(strategy, config)
@@ -118,8 +137,8 @@ class Simulation:
         self.records: list[dict[str, Any]] = []
         self.next_round = 0
         self.checkpoint = None if checkpoint is None else Path(checkpoint)
-        strategy.setup(
-            SetupInfo(
+        with reproducible_numerics(self.device):  # some strategies train while set up
+            strategy.setup(SetupInfo(
                 fed.num_clients,
                 fed.train_sizes(),
                 fed.num_classes,
@@ -131,8 +150,8 @@ class Simulation:
                 seed=seed,
                 server_data=fed.server_x,
                 participants_per_round=fixed_count,
-            )
-        )
+                device=self.device,
+            ))
 
     # ------------------------------------------------------------------ the loop
 
@@ -143,6 +162,10 @@ class Simulation:
         returns the result. ``on_round`` is called with each round's metrics."""
         if resume:
             self.load_checkpoint()
+        with reproducible_numerics(self.device):
+            return self._run(on_round)
+
+    def _run(self, on_round: Callable[[dict[str, Any]], None] | None) -> RunResult:
         for t in range(self.next_round, self.config.rounds):
             record = self.play_round(t)
             self.records.append(record)
@@ -157,7 +180,16 @@ class Simulation:
         return self.result()
 
     def play_round(self, t: int) -> dict[str, Any]:
-        """One round (see :mod:`fedkernels.sim.strategy`); returns its metrics."""
+        """One round (see :mod:`fedkernels.sim.strategy`); returns its metrics, with
+        ``wall_time_s``, the round's time from start to end (evaluation included)."""
+        with reproducible_numerics(self.device):
+            started = time.perf_counter()
+            record = self._play_round(t)
+            synchronize(self.device)
+            record["wall_time_s"] = time.perf_counter() - started
+        return record
+
+    def _play_round(self, t: int) -> dict[str, Any]:
         fed = self.federation
         mask = torch.from_numpy(self.sampler.sample())
         self.history.record(mask)
@@ -178,6 +210,7 @@ class Simulation:
                 ).loss
             start = time.perf_counter()
             updates, batched = self._train(global_state, clients, t, ids.tolist())
+            synchronize(self.device)
             time_client = time.perf_counter() - start
             if self.config.vmap:  # a strategy that trains its own clients leaves vmap unused
                 record["vmap"] = batched
@@ -190,15 +223,18 @@ class Simulation:
                 round=t,
                 num_clients=fed.num_clients,
                 participants=ids,
-                num_samples=torch.tensor([c.num_train for c in clients], dtype=torch.float64),
+                num_samples=torch.tensor([c.num_train for c in clients], dtype=torch.float64,
+                                         device="cpu"),
                 global_state=global_state,
                 client_states=[u.state for u in updates],
-                train_losses=torch.tensor([u.train_loss for u in updates], dtype=torch.float64),
+                train_losses=torch.tensor([u.train_loss for u in updates], dtype=torch.float64,
+                                          device="cpu"),
                 global_losses=global_losses,
                 history=self.history,
             )
             start = time.perf_counter()
             extra = self.strategy.aggregate(info, self.server)
+            synchronize(self.device)
             time_aggregate = time.perf_counter() - start
             record["train_loss"] = float(info.train_losses.mean())
             if global_losses is not None:
@@ -232,13 +268,20 @@ class Simulation:
         """The global model on every client's own test split (loss, accuracy, AUROC, ECE, MCE)."""
         self.eval_model.load_state_dict(self.server.state)
         clients = self.federation.clients
-        return evaluate_clients(
-            self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients],
-            auroc=True, calibration=True,
-        )
+        with reproducible_numerics(self.device):
+            return evaluate_clients(
+                self.eval_model, [c.test_x for c in clients], [c.test_y for c in clients],
+                auroc=True, calibration=True,
+            )
 
     def result(self) -> RunResult:
-        """Config, per-round metrics, and per-client metrics of the current global model."""
+        """Config, per-round metrics, and per-client metrics of the current global model; the
+        summary names the device (``device``, ``device_name``) and its peak memory
+        (:func:`~fedkernels.sim.devices.peak_memory_bytes`)."""
+        with reproducible_numerics(self.device):
+            return self._result()
+
+    def _result(self) -> RunResult:
         evaluation = self.evaluate()
         counts = self.history.counts()
         probabilities = self.sampler.probabilities
@@ -264,6 +307,9 @@ class Simulation:
             "rounds_completed": self.next_round,
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),
+            "device": str(self.device),
+            "device_name": device_name(self.device),
+            "peak_memory_bytes": peak_memory_bytes(self.device),
         }
         if self.config.vmap:
             summary["vmap_rounds"] = sum(bool(r.get("vmap")) for r in self.records)
@@ -330,7 +376,9 @@ class Simulation:
         try:
             with warnings.catch_warnings():  # torch's warnings about a foreign pickle
                 warnings.simplefilter("ignore")
-                state = torch.load(self.checkpoint, weights_only=True)
+                # on the CPU: a checkpoint of a GPU run resumes where no GPU is, and each part
+                # moves what it keeps on the run's device (Server, Strategy.load_state_dict)
+                state = torch.load(self.checkpoint, weights_only=True, map_location="cpu")
         except Exception as err:  # torch reports truncation and garbage with many types
             raise ConfigError(
                 f"{damaged} (truncated, corrupt or not written by fedkernels: "
@@ -348,7 +396,9 @@ class Simulation:
         ):
             raise ConfigError(f"{damaged} (missing or malformed: {', '.join(missing) or 'config'})")
         saved, current = dict(state["config"]), self.config.to_dict()
-        saved.pop("rounds", None), current.pop("rounds")
+        # rounds may grow; the device may change (the numbers then continue as that device's)
+        for key in ("rounds", "device"):
+            saved.pop(key, None), current.pop(key)
         # checkpoints written before the attack and dp sections existed ran without either
         saved.setdefault("attack", dataclasses.asdict(AttackConfig()))
         saved.setdefault("dp", dataclasses.asdict(PrivacyConfig()))

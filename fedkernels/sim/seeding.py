@@ -5,6 +5,15 @@ e.g. the minibatch order of client 7 in round 12 comes from ``(seed, BATCHES, 12
 stream's numbers therefore do not depend on what other streams consumed, on the order in which
 clients are trained, or on whether the run was interrupted and resumed: the only stateful
 generator (participation sampling) is saved in the checkpoint.
+
+Streams and devices. Draws that define the experiment rather than the arithmetic are made on
+the CPU whatever the run's device, and copied where needed: data, partitions, minibatch orders
+(NumPy), initial weights (modules are built on the CPU), augmentation offsets, SuPerFed's
+lambdas, attack noise. They are the same numbers on every device. Draws that torch makes on the
+device itself (dropout, ``torch.func.vmap``'s randomness, the noise of the SGLD and private
+ops) come from the device's generator: :func:`torch_stream` seeds the CUDA default generator
+too when given a CUDA device, and :func:`generator` makes a seeded ``torch.Generator`` on a
+device. Those draws repeat bitwise on the same device and differ between CPU and GPU.
 """
 
 from __future__ import annotations
@@ -38,12 +47,26 @@ def torch_seed(seed: int, stream: int, *keys: int) -> int:
     return (int(state[0]) << 31) ^ int(state[1])
 
 
+def generator(seed: int, stream: int, *keys: int,
+              device: torch.device | str = "cpu") -> torch.Generator:
+    """A ``torch.Generator`` on ``device`` seeded for one stream (the ops that draw on a GPU
+    take a generator of the GPU)."""
+    return torch.Generator(device=device).manual_seed(torch_seed(seed, stream, *keys))
+
+
 @contextlib.contextmanager
-def torch_stream(seed: int, stream: int, *keys: int) -> Iterator[None]:
-    """Runs the block with torch's CPU generator seeded for one stream, then restores the
-    caller's generator state (so a simulation leaves the user's torch RNG untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        # Only the CPU generator: torch.manual_seed would also queue seeds for every
+def torch_stream(seed: int, stream: int, *keys: int,
+                 device: torch.device | None = None) -> Iterator[None]:
+    """Runs the block with torch's CPU generator seeded for one stream, and with a CUDA
+    ``device`` that device's default generator too (same seed), then restores the caller's
+    generator states (so a simulation leaves the user's torch RNG untouched)."""
+    cuda = [] if device is None or device.type != "cuda" else [device]
+    with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+        # Only these generators: torch.manual_seed would also queue seeds for every
         # accelerator backend, a cost paid on every call.
-        torch.default_generator.manual_seed(torch_seed(seed, stream, *keys))
+        value = torch_seed(seed, stream, *keys)
+        torch.default_generator.manual_seed(value)
+        for d in cuda:
+            with torch.cuda.device(d):
+                torch.cuda.manual_seed(value)
         yield

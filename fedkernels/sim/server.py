@@ -47,6 +47,20 @@ def build_server_optimizer(config: ServerConfig) -> ServerOptimizer:
     return FedYogi(lr, config.beta1, config.beta2, config.tau)
 
 
+def to_device(tree: Any, device: torch.device | None) -> Any:
+    """``tree`` (nested dicts, lists and tuples) with every tensor moved to ``device`` (left
+    where it is for ``None``)."""
+    if device is None:
+        return tree
+    if isinstance(tree, Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(to_device(v, device) for v in tree)
+    return tree
+
+
 class Server:
     """Holds the global ``state`` (a state_dict of the model) and applies client rounds to it."""
 
@@ -73,7 +87,8 @@ class Server:
             # the optimizer moves x towards the private mean as it would towards the average
             averaged = self.private.average(params, client_params, round_index)
             self.optimizer.apply(
-                params, [averaged], torch.ones(1, dtype=torch.float64), round_index + 1
+                params, [averaged], torch.ones(1, dtype=torch.float64, device="cpu"),
+                round_index + 1,
             )
         if self.buffer_names:
             buffers = {n: self.state[n] for n in self.buffer_names}
@@ -91,8 +106,12 @@ class Server:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict`, from tensors on any device (a checkpoint written on a
+        GPU resumes on the CPU, and the other way round): the optimizer's moments are moved to
+        the global model's device."""
         for name, value in state["global"].items():
             self.state[name].copy_(value)
-        self.optimizer.load_state_dict(state["optimizer"])
+        device = next(iter(self.state.values())).device if self.state else None
+        self.optimizer.load_state_dict(to_device(state["optimizer"], device))
         if self.private is not None:
             self.private.load_state_dict(state["private"])

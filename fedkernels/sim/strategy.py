@@ -12,6 +12,16 @@ A round of :class:`~fedkernels.sim.run.Simulation` is
    server apply ``Delta_t = sum_k w_k (x_k - x_t)`` through its optimizer
    (plain: ``x_{t+1} = x_t + eta * Delta_t``), fused in one :func:`fedkernels.aggregate` call.
 
+Devices: the simulation runs on ``config.device`` (:mod:`fedkernels.sim.devices`). The models
+a strategy sees (``global_state``, ``client_states``, the server's state, ``SetupInfo.model``),
+the clients' samples and ``server_data`` are on that device, ``SetupInfo.device``; a strategy
+keeps its own model-sized state there too, and builds freshly initialised modules on the CPU
+(from its seeded stream) before moving them, so that they start alike on every device. The
+per-client scalars of :class:`RoundInfo` (ids, sample counts, losses) and the weights
+:meth:`Strategy.client_weights` returns are float64/int64 tensors on the CPU, as the ops take
+weights. :meth:`Strategy.load_state_dict` receives a checkpoint's tensors on the CPU and moves
+what it keeps on the device.
+
 A new algorithm subclasses :class:`Strategy`, overrides what it needs, and registers itself in
 :mod:`fedkernels.algorithms`. Strategy state that must survive a resume (running estimates,
 per-client tables) goes through :meth:`Strategy.state_dict`.
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from .participation import ParticipationHistory
@@ -49,13 +60,15 @@ class SetupInfo:
     server_data: Tensor | None = None  # the server's unlabeled rows (data.server_fraction)
     # K of every round when the participation pattern fixes it (full: N, uniform: m), else None
     participants_per_round: int | None = None
+    device: torch.device = torch.device("cpu")  # where the models and samples are
 
 
 @dataclass
 class RoundInfo:
     """Everything a strategy sees when it aggregates round ``round`` (0-based).
 
-    Per-participant tensors are aligned with ``participants`` (sorted client ids).
+    Per-participant tensors are aligned with ``participants`` (sorted client ids); they are on
+    the CPU, the models on the run's device.
     """
 
     round: int
@@ -161,4 +174,5 @@ class Strategy:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict`."""
+        """Restores :meth:`state_dict` (its tensors arrive on the CPU: see the module
+        docstring)."""

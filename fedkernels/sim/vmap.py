@@ -31,7 +31,7 @@ from torch.nn.utils.parametrizations import _SpectralNorm
 
 from . import seeding
 from .augment import build_augmentation
-from .client import ClientUpdate, batch_plan, local_lr
+from .client import ClientUpdate, batch_plan, local_lr, model_device
 from .config import ClientConfig, ConfigError
 from .federation import ClientData
 from .strategy import Strategy
@@ -67,6 +67,7 @@ class BatchedTrainer:
     ) -> None:
         check_batchable(model)
         self.model = copy.deepcopy(model)
+        self.device = model_device(self.model)
         self.config = config
         self.strategy = strategy
         self.seed = seed
@@ -92,7 +93,7 @@ class BatchedTrainer:
             )
             for c, cid in zip(clients, client_ids)
         ]
-        index, mask, active = _pad_plans(plans)
+        index, mask, active = (t.to(self.device) for t in _pad_plans(plans))
         x_all = _stack_rows([c.train_x for c in clients])
         y_all = _stack_rows([c.train_y for c in clients])
 
@@ -111,11 +112,12 @@ class BatchedTrainer:
 
         step = vmap(grad_and_value(losses, has_aux=True), randomness="different")
         lr = local_lr(config, round_index)
-        rows = torch.arange(k_count).unsqueeze(1)
+        rows = torch.arange(k_count, device=self.device).unsqueeze(1)
         momentum: dict[str, Tensor] = {}
-        loss_sum = torch.zeros(k_count, dtype=torch.float64)
+        loss_sum = torch.zeros(k_count, dtype=torch.float64, device=self.device)
         model.train()
-        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index):
+        with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index,
+                                  device=self.device):
             for s in range(index.shape[0]):
                 x = x_all[rows, index[s]]
                 if self.augment is not None:  # padding rows too: the mask drops them anyway
@@ -133,12 +135,12 @@ class BatchedTrainer:
                     params[n] = _where(on, p - lr * g, p)
                 loss_sum += torch.where(on, data_loss.double(), 0.0)
 
-        steps = active.sum(dim=0).double()
+        mean_losses = (loss_sum / active.sum(dim=0).double()).tolist()  # one copy to the host
         order = list(global_state)
         return [
             ClientUpdate(
                 {n: (params[n][k] if n in params else buffers[n]).clone() for n in order},
-                float(loss_sum[k] / steps[k]),
+                mean_losses[k],
             )
             for k in range(k_count)
         ]
@@ -159,7 +161,8 @@ def _stack_rows(tensors: list[Tensor]) -> Tensor:
 
 
 def _pad_plans(plans: list[list[np.ndarray]]) -> tuple[Tensor, Tensor, Tensor]:
-    """``index [S, K, B]`` (padding points at row 0), ``mask [S, K, B]`` and ``active [S, K]``."""
+    """``index [S, K, B]`` (padding points at row 0), ``mask [S, K, B]`` and ``active [S, K]``,
+    on the CPU."""
     steps = max(len(p) for p in plans)
     width = max(len(b) for p in plans for b in p)
     index = np.zeros((steps, len(plans), width), dtype=np.int64)

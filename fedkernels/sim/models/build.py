@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .. import seeding
@@ -66,7 +67,8 @@ def build_model(
     *,
     vocab_size: int | None = None,
 ) -> nn.Module:
-    """The model ``config`` names, initialised from the ``(seed, MODEL_INIT)`` stream.
+    """The model ``config`` names, initialised from the ``(seed, MODEL_INIT)`` stream on the
+    CPU (whatever torch's default device), so a run starts from the same weights on any device.
 
     ``image_shape`` is how image and signal models view a row; ``vocab_size`` is the number
     of distinct token ids of token data (default: ``num_classes``, as for next-character
@@ -75,5 +77,5 @@ def build_model(
     if builder is None:
         raise ConfigError(f"model.name: unknown model {config.name!r}")
     vocab = num_classes if vocab_size is None else vocab_size
-    with seeding.torch_stream(seed, seeding.MODEL_INIT):
+    with seeding.torch_stream(seed, seeding.MODEL_INIT), torch.device("cpu"):
         return builder(config, num_features, num_classes, image_shape, vocab)
