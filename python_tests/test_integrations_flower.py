@@ -18,6 +18,7 @@ import torch
 
 flwr = pytest.importorskip("flwr")
 
+from flower_message_helpers import StandInGrid, task_identity  # noqa: E402, F401
 from flwr.app import (  # noqa: E402
     Array,
     ArrayRecord,
@@ -34,26 +35,7 @@ from fedkernels.algorithms.aaggff import AAggFFConfig, AAggFFD, AAggFFDConfig, A
 from fedkernels.integrations import flower as fkf  # noqa: E402
 from fedkernels.sim.strategy import SetupInfo  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """configure_train builds Messages, which read the ServerApp process's identity."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 0
-    yield
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = saved
-
-
-class StandInGrid:
-    """The part of ``flwr.serverapp.Grid`` that ``configure_train`` uses."""
-
-    def __init__(self, node_ids):
-        self.node_ids = list(node_ids)
-
-    def get_node_ids(self):
-        return list(self.node_ids)
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def reply(node: int, state: dict, num_examples: float, loss: float) -> Message:
