@@ -99,7 +99,7 @@ def run(method: str, setting: str, seed: int, rounds: int, eval_every: int,
     start = time.time()
     result = sim.run()
     seconds = time.time() - start
-    curve = [(r["round"] + 1, r["test_accuracy"]) for r in result.rounds if "test_accuracy" in r]
+    curve = [(r["round"], r["test_accuracy"]) for r in result.rounds if "test_accuracy" in r]
     out = {"seed": seed, "final": curve[-1][1], "curve": curve, "seconds": seconds}
     if method == "fedevg":
         out["references"] = references(sim, strategy, COMMON["spc"], seed)

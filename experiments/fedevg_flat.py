@@ -71,7 +71,7 @@ def run(seed: int, rounds: int, eval_every: int, extra: dict, yardsticks: bool) 
     out = {
         "seed": seed,
         "seconds": time.time() - start,
-        "accuracy": [(r["round"] + 1, r["test_accuracy"]) for r in result.rounds
+        "accuracy": [(r["round"], r["test_accuracy"]) for r in result.rounds
                      if "test_accuracy" in r],
         "diagnostics": {k: [r[f"strategy_{k}"] for r in result.rounds] for k in DIAGNOSTICS},
     }

@@ -95,7 +95,7 @@ def timed_run(tree: dict[str, Any], dataset, device: str, seconds: float) -> dic
     deadline = time.perf_counter() + seconds
 
     def stop_when_late(record: dict[str, Any]) -> None:
-        if time.perf_counter() > deadline and record["round"] + 1 < config.rounds:
+        if time.perf_counter() > deadline and record["round"] < config.rounds:
             raise OutOfTime
 
     try:

@@ -91,7 +91,9 @@ def config(case: Case, device: str = "cpu", rounds: int = 2) -> ExperimentConfig
         "client": {"steps": 2, "batch_size": 16},
     }
     for key, value in case.overrides.items():
-        if isinstance(value, dict):
+        if key == "model" and value.get("name", "mlp") != "mlp":
+            tree[key] = value  # another model reads none of the MLP's options
+        elif isinstance(value, dict):
             tree.setdefault(key, {}).update(value)
         else:
             tree[key] = value

@@ -73,7 +73,7 @@ def test_run_writes_results_and_plots(tmp_path, capsys):
         "algorithm_params"
     ] == {"mu": 0.1}
     assert results["config"]["rounds"] == 3 and results["dataset"] == "digits"
-    assert [r["round"] for r in results["rounds"]] == [0, 1, 2]
+    assert [r["round"] for r in results["rounds"]] == [1, 2, 3]
     for key in (
         "test_accuracy",
         "test_loss",

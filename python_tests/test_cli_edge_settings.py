@@ -189,7 +189,7 @@ def test_loss_weighted_strategies_stop_with_one_line_when_losses_diverge(name, b
     strategy = build_strategy(name)
     strategy.setup(setup_info(3))
     info = round_info([1.0, bad, 2.0], [10, 10, 10], participants=[0, 1, 2], round_index=4)
-    with pytest.raises(ConfigError, match=r"round 4: the training diverged: .* on clients \[1\]"):
+    with pytest.raises(ConfigError, match=r"round 5: the training diverged: .* on clients \[1\]"):
         strategy.client_weights(info)
 
 
@@ -288,9 +288,10 @@ def test_rounds_with_too_few_participants_are_skipped_not_fatal(algorithm, param
         assert 0 < r["participants"] < need
         assert f"the round drew {r['participants']}" in r["skipped"]
         assert r["time_client"] == 0 and "train_loss" not in r
-        before = states[r["round"] - 1] if r["round"] else None
+        # states[i] is the model after round i + 1 (rounds are numbered from 1)
+        before = states[r["round"] - 2] if r["round"] > 1 else None
         if before is not None:
-            assert all(torch.equal(before[k], states[r["round"]][k]) for k in before)
+            assert all(torch.equal(before[k], states[r["round"] - 1][k]) for k in before)
     assert all(r["participants"] >= need for r in played)
     assert result.summary["rounds_skipped"] == len(skipped)
     assert result.summary["rounds_completed"] == 12

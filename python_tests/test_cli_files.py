@@ -147,7 +147,7 @@ def test_a_folder_holding_a_run_is_replaced_only_with_overwrite(tmp_path, finish
     assert_success(fedkernels("run", "--rounds", "1", "--out", str(out), "--overwrite", *FAST))
     assert not any(path.exists() for path in leftovers)
     results = json.loads((out / "results.json").read_text())
-    assert [r["round"] for r in results["rounds"]] == [0]
+    assert [r["round"] for r in results["rounds"]] == [1]
     assert not (out / "curves.png").exists()  # the old run's plot went with it (--no-plots)
     # a folder with only a config.json (a run stopped before its first checkpoint) is reused
     (out / "results.json").unlink()

@@ -101,7 +101,7 @@ def test_import_path_from_the_current_folder_runs_and_resumes(tmp_path, plugin_r
                       cwd=plugin_root)
     assert_success(done)
     results = json.loads((out / "results.json").read_text())
-    assert [r["round"] for r in results["rounds"]] == [0, 1]
+    assert [r["round"] for r in results["rounds"]] == [1, 2]
     assert results["config"]["algorithm_params"] == {"temperature": 3.0}
 
 

@@ -468,9 +468,13 @@ def test_options_a_model_does_not_read_are_refused(settings, message):
         from_dict(ModelConfig, settings, "model")
 
 
-def test_legacy_models_keep_tolerating_their_options():
-    assert ModelConfig(name="logreg", hidden=[8], channels=[4, 4]).name == "logreg"
-    assert ModelConfig(name="mlp", channels=[4, 4]).hidden == [64]
+def test_the_first_models_refuse_the_options_they_do_not_read_too():
+    # they used to ignore them silently: --model.hidden 64,64 --model.name logreg trained a
+    # logistic regression without a word
+    with pytest.raises(ConfigError, match="model.hidden is not a setting of model.name=logreg"):
+        ModelConfig(name="logreg", hidden=[8])
+    with pytest.raises(ConfigError, match="model.channels is not a setting of model.name=mlp"):
+        ModelConfig(name="mlp", channels=[4, 4])
 
 
 @pytest.mark.parametrize(

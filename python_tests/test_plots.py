@@ -24,7 +24,7 @@ from fedkernels.sim.results import RunResult  # noqa: E402
 def fake_result(pooled, client_mean, client_accuracy) -> RunResult:
     rounds = []
     for i, (p, m) in enumerate(zip(pooled, client_mean)):
-        rounds.append({"round": i, "train_loss": 2.0 - 0.1 * i, "test_accuracy": p,
+        rounds.append({"round": i + 1, "train_loss": 2.0 - 0.1 * i, "test_accuracy": p,
                        "test_loss": 1.9 - 0.1 * i, "client_accuracy_mean": m,
                        "client_accuracy_worst10": m - 0.1})
     clients = [{"test_accuracy": a} for a in client_accuracy]

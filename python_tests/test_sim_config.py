@@ -43,7 +43,8 @@ def test_from_dict_converts_strings_and_nests():
         ({"client": {"lr": -1}}, "client.lr must be > 0"),
         ({"data": {"name": "csv"}}, "needs data.path"),
         ({"partition": 3}, "partition: expected a mapping"),
-        ({"participation": {"probabilities": [0.5, 0.5]}}, "one value per client"),
+        ({"participation": {"kind": "bernoulli", "probabilities": [0.5, 0.5]}},
+         "one value per client"),
     ],
 )
 def test_invalid_configs_name_the_key(tree, message):

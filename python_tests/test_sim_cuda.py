@@ -33,7 +33,7 @@ class Stop(Exception):
 
 
 def stop_after_round_two(record):
-    if record["round"] == 1:
+    if record["round"] == 2:
         raise Stop
 
 
@@ -67,7 +67,7 @@ def test_a_checkpoint_resumes_on_the_other_device(name, before, after, tmp_path)
         simulation(case, before, rounds=3, checkpoint=path).run(on_round=stop_after_round_two)
     resumed = simulation(case, after, rounds=3, checkpoint=path)
     result = resumed.run(resume=True)
-    assert [r["round"] for r in result.rounds] == [0, 1, 2]
+    assert [r["round"] for r in result.rounds] == [1, 2, 3]
     assert result.summary["device"].startswith(after)
     assert not result.summary.get("non_finite") and not result.summary.get("diverged")
     state = final_state(resumed)

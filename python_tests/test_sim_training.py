@@ -86,7 +86,7 @@ def test_vmap_equals_sequential(client, model):
         rounds=2,
         partition=PartitionConfig(kind="dirichlet", num_clients=6, alpha=0.5),  # unequal sizes
         participation=ParticipationConfig(kind="uniform", fraction=0.7),
-        model=ModelConfig(name=model, hidden=[32], channels=[4, 8]),
+        model=ModelConfig(name=model, **({"hidden": [32]} if model == "mlp" else {"channels": [4, 8]})),
         client=client,
     )
     runs = {}

@@ -96,7 +96,7 @@ class LossWeighted(Strategy):
                 "mean local training loss"
             clients = info.participants[bad].tolist()
             raise ConfigError(
-                f"round {info.round}: the training diverged: the {which} f_k is "
+                f"round {info.round + 1}: the training diverged: the {which} f_k is "
                 f"{float(losses[bad[0]])} on clients {clients}, so {self.name} cannot weight the "
                 "clients by it; lower client.lr (or attack.scale)"
             )
@@ -114,7 +114,7 @@ class LossWeighted(Strategy):
             params = ", ".join(f"{self.name}.{k}={v}" for k, v in vars(self.config).items()
                                if isinstance(v, float))
             raise ConfigError(
-                f"round {info.round}: {self.name}'s client weights reach {largest:.3g}, beyond "
+                f"round {info.round + 1}: {self.name}'s client weights reach {largest:.3g}, beyond "
                 f"what the server can apply (|w| <= {FLOAT32_MAX:.3g}); lower {params}"
             )
         server.step(info.client_states, weights, info.round)

@@ -398,7 +398,7 @@ def plot(entries: list[dict[str, Any]], path: Path, title: str):
     for i, e in enumerate(entries):
         rounds = np.array([[r for r, _ in run["curve"]] for run in e["runs"]])
         acc = np.array([[a for _, a in run["curve"]] for run in e["runs"]])
-        curves.plot(rounds[0] + 1, 100 * acc.mean(0), label=e["label"],
+        curves.plot(rounds[0], 100 * acc.mean(0), label=e["label"],
                     color=colors[i % len(colors)],
                     linestyle=line_styles[(i // len(colors)) % len(line_styles)],
                     marker=markers[i % len(markers)], markersize=3,

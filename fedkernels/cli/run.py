@@ -44,7 +44,16 @@ from fedkernels.algorithms.registry import (
     strategy_class,
 )
 from fedkernels.sim.atomic_files import remove_leftovers, write_text
-from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
+from fedkernels.sim.config import (
+    SECTIONS,
+    ConfigError,
+    ExperimentConfig,
+    applicable_dict,
+    field_types,
+    from_dict,
+    set_dotted,
+    unread_settings,
+)
 
 from .config_file import load_config_file
 from .parsing import (
@@ -196,19 +205,24 @@ _RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress"
 
 
 def resolve_config(
-    args: argparse.Namespace, base: dict[str, Any] | None = None
+    args: argparse.Namespace, base: dict[str, Any] | None = None,
+    unread: list[str] | None = None,
 ) -> ExperimentConfig:
-    """``base`` (a saved config), then ``--config``, then the flags, as one checked config."""
+    """``base`` (a saved config), then ``--config``, then the flags, as one checked config.
+    ``unread`` receives a sentence for each setting of the file or the flags that the
+    configuration leaves unread (:func:`~fedkernels.sim.config.unread_settings`)."""
     tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     from_file = load_config_file(args.config) if args.config else {}
     for key, value in from_file.items():
         tree[key] = value
+    asked = json.loads(json.dumps(from_file, default=str))  # what the user wrote, not base
     given = {k: v for k, v in vars(args).items() if k not in _RUN_OPTIONS}
     for flag, value in given.items():
         head = flag.split(".", 1)[0]
         if "." in flag and head not in SECTIONS:
             continue  # algorithm parameters, below
         set_dotted(tree, flag, value)
+        set_dotted(asked, flag, value)
     algorithm = tree.get("algorithm", DEFAULT_ALGORITHM)
     if not isinstance(algorithm, str):
         raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
@@ -224,6 +238,8 @@ def resolve_config(
                 )
             tree.setdefault("algorithm_params", {})[param] = value
     config = from_dict(ExperimentConfig, tree)
+    if unread is not None:
+        unread += unread_settings(config, asked)
     if config.data.path is not None:
         # absolute, so that --resume from another working folder reads the same file; '~' as
         # the shell would expand it (a configuration file's path reaches us unexpanded)
@@ -324,7 +340,7 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
-    saved = simulation.config.to_dict()
+    saved = applicable_dict(simulation.config)  # the fields that apply, no others
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
     write_text(out / CONFIG_NAME, json.dumps(saved, indent=2) + "\n")
@@ -519,7 +535,10 @@ def _main(argv: list[str]) -> int:
             if not args.out:
                 raise ConfigError("--resume needs --out, the folder of the run to continue")
             saved = _saved_config(Path(args.out))
-        config = resolve_config(args, saved)
+        unread: list[str] = []
+        config = resolve_config(args, saved, unread)
+        for sentence in unread:
+            print(f"fedkernels run: warning: {sentence}", file=sys.stderr)
         if saved is not None:
             _check_saved_data_file(config, saved)
         out = Path(args.out) if args.out else _default_out(config)

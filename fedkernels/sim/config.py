@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
-from .model_catalog import LEGACY_MODELS, LEGACY_OPTIONS, MODEL_CATALOG, MODEL_NAMES, model_name_help
+from .model_catalog import MODEL_CATALOG, MODEL_NAMES, model_name_help
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,43 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
+def _refuse_inapplicable(config: Any, section: str) -> None:
+    """Refuses a field set (away from its default) where nothing reads it: such a setting was
+    silently ignored, and the run was not the one asked for."""
+    for name, where in config.inapplicable().items():
+        f = next(f for f in dataclasses.fields(config) if f.name == name)
+        _require(getattr(config, name) == _default(f),
+                 f"{section}.{name} is read only with {where}: leave it out, or choose that "
+                 "setting")
+
+
+def unread_settings(config: ExperimentConfig, tree: Mapping[str, Any]) -> list[str]:
+    """The settings ``tree`` (a configuration file's or the flags' tree) gives that ``config``
+    leaves unread, each as a sentence: ``partition.alpha`` of an iid partition. The data set's
+    and the model's own options are refused outright; these depend on a switch of their section
+    (partition.kind, server.optimizer, ...), which a sweep may vary with the setting left in."""
+    out = []
+    for section in SECTIONS:
+        given = tree.get(section)
+        if not isinstance(given, Mapping):
+            continue
+        for name, where in getattr(config, section).inapplicable().items():
+            if name in given:
+                out.append(f"{section}.{name} is read only with {where}, so it has no effect")
+    return out
+
+
+def applicable_dict(config: ExperimentConfig) -> dict[str, Any]:
+    """``config`` as a tree of the fields that apply to it: each section without the fields
+    its other settings leave unread (a digits run lists no CSV or synthetic-data fields). Read
+    back with :func:`from_dict`, it gives the same run: what was left out is read by nothing."""
+    tree = config.to_dict()
+    for section in SECTIONS:
+        for name in getattr(config, section).inapplicable():
+            tree[section].pop(name, None)
+    return tree
+
+
 # data.delimiter's spellings and the characters they name; data.decimal's marks (the CSV
 # reader, fedkernels.sim.tabular, checks them again for load_csv called without a config).
 CSV_DELIMITERS = {",": ",", ";": ";", "tab": "\t", "\t": "\t", "|": "|"}
@@ -84,6 +121,13 @@ DATASET_OPTIONS = {
     "extra": ("svhn",),
     "official_split": (*FILE_DATASETS, "mnist1d"),
     "num_samples": ("gaussian_mixture", "mnist1d"),
+}
+
+
+# DataConfig's fields that only one generated data set reads
+DATASET_GENERATORS = {
+    "synthetic": ("alpha", "beta", "iid", "max_samples"),
+    "gaussian_mixture": ("num_features", "num_classes", "separation"),
 }
 
 
@@ -237,6 +281,24 @@ class DataConfig:
             self.label_noise != "none" or self.noise_rate == 0.0,
             "data.noise_rate needs data.label_noise (symmetric or pair)",
         )
+        _refuse_inapplicable(self, "data")
+
+    def inapplicable(self) -> dict[str, str]:
+        """The fields this data set does not read, each with where it applies."""
+        out: dict[str, str] = {}
+        if self.name != "csv":
+            out.update(dict.fromkeys(CSV_FIELDS, "data.name=csv"))
+        for option, names in DATASET_OPTIONS.items():
+            if self.name not in names:
+                out[option] = f"data.name in ({', '.join(names)})"
+        for group, names in DATASET_GENERATORS.items():
+            if self.name != group:
+                out.update(dict.fromkeys(names, f"data.name={group}"))
+        if self.label_noise == "none":
+            out["noise_rate"] = "data.label_noise symmetric or pair"
+        if self.official_split:
+            out["test_fraction"] = "data.official_split false"
+        return out
 
 
 DATA_FIELDS = {f.name: f for f in dataclasses.fields(DataConfig)}
@@ -262,6 +324,14 @@ class PartitionConfig:
         _require(self.alpha > 0, "partition.alpha must be > 0")
         _require(self.classes_per_client >= 1, "partition.classes_per_client must be >= 1")
         _require(self.min_samples >= 2, "partition.min_samples must be >= 2 (one train, one test)")
+
+    def inapplicable(self) -> dict[str, str]:
+        out = {}
+        if self.kind != "dirichlet":
+            out["alpha"] = "partition.kind=dirichlet"
+        if self.kind != "pathological":
+            out["classes_per_client"] = "partition.kind=pathological"
+        return out
 
 
 @dataclass
@@ -304,6 +374,25 @@ class ParticipationConfig:
                 "participation.probabilities must all be in [0, 1]",
             )
 
+    def inapplicable(self) -> dict[str, str]:
+        out = {}
+        probabilistic = self.kind in ("bernoulli", "markov", "cyclic")
+        if not probabilistic:
+            out.update(dict.fromkeys(("probability_model", "probabilities"),
+                                     "participation.kind bernoulli, markov or cyclic"))
+        if self.kind == "full" or (probabilistic and self.probabilities is not None):
+            out["fraction"] = ("participation.kind uniform, or bernoulli, markov or cyclic "
+                               "without participation.probabilities")
+        if not probabilistic or self.probability_model != "label_correlated" \
+                or self.probabilities is not None:
+            out.update(dict.fromkeys(("min_probability", "label_concentration"),
+                                     "participation.probability_model=label_correlated"))
+        if self.kind != "markov":
+            out["markov_delta"] = "participation.kind=markov"
+        if self.kind != "cyclic":
+            out["cycle_length"] = "participation.kind=cyclic"
+        return out
+
 
 @dataclass
 class ModelConfig:
@@ -330,13 +419,19 @@ class ModelConfig:
         for f in dataclasses.fields(self):
             if f.name == "name" or f.name in entry.options or getattr(self, f.name) == _default(f):
                 continue
-            if self.name in LEGACY_MODELS and f.name in LEGACY_OPTIONS:
-                continue
             reads = ", ".join(f"model.{o}" for o in entry.options) or "no other model option"
             raise ConfigError(f"model.{f.name} is not a setting of model.name={self.name} (it "
                               f"reads {reads}): leave it out, or choose a model that reads it")
         _require(self.groups == _default(MODEL_FIELDS["groups"]) or self.norm == "group",
                  "model.groups is read only with model.norm=group")
+
+    def inapplicable(self) -> dict[str, str]:
+        reads = MODEL_CATALOG[self.name].options
+        out = {f.name: f"a model that reads it (model.name={self.name} does not)"
+               for f in dataclasses.fields(self) if f.name != "name" and f.name not in reads}
+        if "groups" in reads and self.norm != "group":
+            out["groups"] = "model.norm=group"
+        return out
 
 
 MODEL_FIELDS = {f.name: f for f in dataclasses.fields(ModelConfig)}
@@ -368,6 +463,10 @@ class ClientConfig:
         _require(0 <= self.momentum < 1, "client.momentum must be in [0, 1)")
         _require(self.weight_decay >= 0, "client.weight_decay must be >= 0")
 
+    def inapplicable(self) -> dict[str, str]:
+        # steps replaces epochs (steps: null says that epochs count)
+        return {"epochs": "client.steps unset"} if self.steps is not None else {}
+
 
 DEFAULT_SERVER_LR = {"sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.1, "fedyogi": 0.01, "fedadagrad": 0.1}
 
@@ -398,6 +497,12 @@ class ServerConfig:
         )
         _require(self.tau > 0, "server.tau must be > 0")
 
+    def inapplicable(self) -> dict[str, str]:
+        readers = {"momentum": ("fedavgm",), "beta1": ("fedadam", "fedyogi"),
+                   "beta2": ("fedadam", "fedyogi"), "tau": ("fedadam", "fedyogi", "fedadagrad")}
+        return {name: f"server.optimizer {' or '.join(names)}"
+                for name, names in readers.items() if self.optimizer not in names}
+
     @property
     def learning_rate(self) -> float:
         """``lr``, or the optimizer's default when it is not set."""
@@ -424,6 +529,16 @@ class AttackConfig:
         _require(0.0 <= self.fraction <= 1.0, "attack.fraction must be in [0, 1]")
         _require(self.scale > 0, "attack.scale must be > 0")
         _require(self.std > 0, "attack.std must be > 0")
+
+    def inapplicable(self) -> dict[str, str]:
+        out = {}
+        if self.kind == "none":
+            out["fraction"] = "an attack.kind"
+        if self.kind not in ("signflip", "scale"):
+            out["scale"] = "attack.kind signflip or scale"
+        if self.kind != "gaussian":
+            out["std"] = "attack.kind=gaussian"
+        return out
 
 
 @dataclass
@@ -467,6 +582,16 @@ class PrivacyConfig:
             "dp.clipped_count_stddev must be >= 0",
         )
         _require(self.delta is None or 0 < self.delta < 1, "dp.delta must be in (0, 1)")
+
+    def inapplicable(self) -> dict[str, str]:
+        out = {}
+        if not self.enabled:
+            out.update(dict.fromkeys(("noise_multiplier", "delta", "accountant"),
+                                     "central DP on (dp.clip or dp.adaptive)"))
+        if not self.adaptive:
+            out.update(dict.fromkeys(("target_quantile", "clip_lr", "clipped_count_stddev"),
+                                     "dp.adaptive"))
+        return out
 
     @property
     def enabled(self) -> bool:

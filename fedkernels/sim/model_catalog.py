@@ -17,12 +17,6 @@ from typing import Any
 Options = Mapping[str, Any]
 Shape = tuple[int, ...]
 
-# ModelConfig's fields that only some models read; logreg, mlp and cnn tolerate the first three
-# unread (configurations written before the check set hidden and channels together)
-LEGACY_MODELS = ("logreg", "mlp", "cnn")
-LEGACY_OPTIONS = ("hidden", "channels", "batch_norm")
-
-
 def linear(n_in: int, n_out: int, bias: bool = True) -> int:
     return n_in * n_out + (n_out if bias else 0)
 

@@ -50,7 +50,7 @@ def curves_figure(result: RunResult):
     evaluated = [r for r in result.rounds if "test_accuracy" in r]
     trained = [r for r in result.rounds if "train_loss" in r]
     fig, (acc_ax, loss_ax) = plt.subplots(1, 2, figsize=(10, 3.8))
-    x = [r["round"] + 1 for r in evaluated]
+    x = [r["round"] for r in evaluated]
     pooled = [r["test_accuracy"] for r in evaluated]
     client_mean = [r["client_accuracy_mean"] for r in evaluated]
     if _same_curve(pooled, client_mean):
@@ -62,7 +62,7 @@ def curves_figure(result: RunResult):
     acc_ax.set(xlabel="round", ylabel="accuracy", title="accuracy")
     acc_ax.legend()
     _plot_series(loss_ax, x, [r["test_loss"] for r in evaluated], "global test")
-    _plot_series(loss_ax, [r["round"] + 1 for r in trained], [r["train_loss"] for r in trained],
+    _plot_series(loss_ax, [r["round"] for r in trained], [r["train_loss"] for r in trained],
                  "local train")
     loss_ax.set(xlabel="round", ylabel="cross-entropy", title="loss")
     loss_ax.legend()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .atomic_files import write_text
+from .provenance import provenance
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RunResult:
     data_preparation: dict[str, Any] = field(default_factory=dict)
     environment: dict[str, Any] = field(
         default_factory=lambda: {
+            **provenance(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

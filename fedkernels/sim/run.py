@@ -39,7 +39,16 @@ from .atomic_files import replacing
 from .attacks import build_attack
 from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
-from .config import AttackConfig, ConfigError, ExperimentConfig, PartitionConfig, PrivacyConfig
+from .config import (
+    SECTIONS,
+    AttackConfig,
+    ConfigError,
+    ExperimentConfig,
+    PartitionConfig,
+    PrivacyConfig,
+    applicable_dict,
+    from_dict,
+)
 from .data import Dataset, load_dataset, stratified_split
 from .devices import (
     device_name,
@@ -194,7 +203,8 @@ class Simulation:
         mask = torch.from_numpy(self.sampler.sample())
         self.history.record(mask)
         ids = mask.nonzero().flatten()
-        record: dict[str, Any] = {"round": t, "participants": len(ids)}
+        # rounds are numbered from 1 wherever a user reads them (results.json, plots, messages)
+        record: dict[str, Any] = {"round": t + 1, "participants": len(ids)}
         time_client = time_aggregate = 0.0
         too_few = self.strategy.too_few_participants(len(ids)) if len(ids) else None
         if too_few is not None:
@@ -334,7 +344,7 @@ class Simulation:
         if not finite_model or "test_loss" in bad:
             summary["diverged"] = True
         return RunResult(
-            self.config.to_dict(),
+            applicable_dict(self.config),
             self.dataset_name,
             list(self.records),
             clients,
@@ -396,13 +406,20 @@ class Simulation:
         ):
             raise ConfigError(f"{damaged} (missing or malformed: {', '.join(missing) or 'config'})")
         saved, current = dict(state["config"]), self.config.to_dict()
-        # rounds may grow; the device may change (the numbers then continue as that device's)
-        for key in ("rounds", "device"):
-            saved.pop(key, None), current.pop(key)
         # checkpoints written before the attack and dp sections existed ran without either
         saved.setdefault("attack", dataclasses.asdict(AttackConfig()))
         saved.setdefault("dp", dataclasses.asdict(PrivacyConfig()))
-        changed = sorted(_differences(saved, current))
+        # rounds may grow; the device may change (the numbers then continue as that device's)
+        for key in ("rounds", "device"):
+            saved.pop(key, None), current.pop(key)
+        unread = _unread_keys(self.config)
+        try:
+            unread &= _unread_keys(from_dict(ExperimentConfig, saved))
+        except ConfigError:
+            unread = set()  # a configuration of an older version: compared field by field
+        # a setting that neither configuration reads (partition.alpha of an iid run, which
+        # config.json leaves out) changes nothing
+        changed = sorted(set(_differences(saved, current)) - unread)
         saved_file = state.get("data_file")  # absent in checkpoints of built-in data sets
         if "data.path" in changed and saved_file is not None and self.data_file is not None:
             # a moved file (the same bytes at a new place) is the run's data; another file is
@@ -448,6 +465,9 @@ class Simulation:
         except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
             raise ConfigError(f"{damaged} ({type(err).__name__}: {_first_sentence(err)})") from None
         self.records = list(state["records"])
+        if self.records and self.records[0].get("round") == 0:
+            # a checkpoint from before rounds were numbered from 1 (its first record is round 0)
+            self.records = [{**r, "round": r["round"] + 1} for r in self.records]
         self.next_round = state["next_round"]
 
 
@@ -525,6 +545,12 @@ def _first_sentence(err: BaseException) -> str:
     """The start of an exception's message (torch's run to several sentences of advice)."""
     text = " ".join(str(err).split())
     return text.split(". ")[0].rstrip(".") if text else type(err).__name__
+
+
+def _unread_keys(config: ExperimentConfig) -> set[str]:
+    """``section.field`` of every field ``config`` leaves unread."""
+    return {f"{section}.{name}" for section in SECTIONS
+            for name in getattr(config, section).inapplicable()}
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
