@@ -65,6 +65,7 @@ def test_run_writes_results_and_plots(tmp_path, capsys):
         "config.json",
         "checkpoint.pt",
         "results.json",
+        "metrics.csv",
         "curves.png",
         "client_accuracy.png",
     }

@@ -160,3 +160,54 @@ def test_an_old_checkpoint_counted_from_zero_resumes_counted_from_one(tmp_path):
 def read_csv(path):
     with open(path, newline="") as handle:
         return list(csv.DictReader(handle))
+
+
+def test_metrics_csv_holds_every_round_of_results_json(tmp_path):
+    out, results = run(tmp_path, "--no-plots", "--eval_every", "2")
+    rows = read_csv(out / "metrics.csv")
+    assert [int(r["round"]) for r in rows] == [1, 2, 3]
+    header = list(rows[0])
+    assert header[0] == "round" and "test_accuracy" in header and "train_loss" in header
+    for row, record in zip(rows, results["rounds"]):
+        for key, value in record.items():
+            if isinstance(value, float):
+                assert float(row[key]) == pytest.approx(value), key
+            elif isinstance(value, list):
+                assert row[key] == ";".join(map(str, value)), key
+            else:
+                assert row[key] == ("" if value is None else str(value)), key
+    # round 1 was not evaluated (eval_every 2): its evaluation cells are empty
+    assert rows[0]["test_accuracy"] == "" and float(rows[1]["test_accuracy"]) > 0
+
+
+def test_metrics_csv_cells():
+    from fedkernels.sim.round_logs import metrics_csv
+
+    text = metrics_csv([{"round": 1, "non_finite": ["a", "b"], "skipped": "too few"},
+                        {"round": 2, "test_accuracy": 0.5, "x": None}])
+    assert text.splitlines() == ["round,non_finite,skipped,test_accuracy,x",
+                                 "1,a;b,too few,,", "2,,,0.5,"]
+
+
+def test_log_tensorboard_without_the_package_is_a_one_line_error(tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    out = tmp_path / "x"
+    assert main(["run", "--log", "tensorboard", "--out", str(out), *FAST]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("fedkernels run: error: --log tensorboard needs the tensorboard package: "
+                   'pip install "fedkernels[tensorboard]"')
+    assert not out.exists()
+
+
+def test_log_tensorboard_writes_each_rounds_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, results = run(tmp_path, "--no-plots", "--log", "tensorboard")
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    accuracy = events.Scalars("test_accuracy")
+    assert [e.step for e in accuracy] == [1, 2, 3]
+    assert accuracy[-1].value == pytest.approx(results["rounds"][-1]["test_accuracy"])

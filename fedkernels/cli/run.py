@@ -27,6 +27,7 @@ import fcntl
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 import textwrap
@@ -71,6 +72,9 @@ from .parsing import (
 CONFIG_NAME = "config.json"
 CHECKPOINT_NAME = "checkpoint.pt"
 RESULTS_NAME = "results.json"
+METRICS_NAME = "metrics.csv"
+TENSORBOARD_DIR = "tensorboard"  # --log tensorboard's event files
+LOGGERS = ("tensorboard",)
 CURVES_NAME = "curves.png"
 CLIENTS_NAME = "client_accuracy.png"
 LOCK_NAME = "run.lock"
@@ -80,6 +84,7 @@ OUTPUT_NAMES = (
     CHECKPOINT_NAME,
     CHECKPOINT_NAME + ".partial",
     RESULTS_NAME,
+    METRICS_NAME,
     CURVES_NAME,
     CLIENTS_NAME,
 )
@@ -161,6 +166,10 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--log", action="append", choices=LOGGERS, default=[], metavar="NAME",
+                        help="also log each round's metrics to NAME: tensorboard (event files in "
+                        f"--out/{TENSORBOARD_DIR}; needs the tensorboard package). metrics.csv is "
+                        "always written")
 
     top = parser.add_argument_group("experiment")
     types = field_types(ExperimentConfig)
@@ -201,7 +210,8 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
 
 
 # argparse destinations that are options of the command, not configuration fields
-_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots"}
+_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots",
+                "log"}
 
 
 def resolve_config(
@@ -305,10 +315,12 @@ def run_experiment(
     overwrite: bool = False,
     progress: bool = True,
     plots: bool = True,
+    log: tuple[str, ...] | list[str] = (),
 ) -> dict[str, Any]:
     """Runs ``config`` with its algorithm, writing the outputs into ``out``; returns the
     ``results.json`` content. ``overwrite`` removes a previous run's files from ``out`` once
-    the experiment has been set up (and so checked)."""
+    the experiment has been set up (and so checked); ``log`` names further loggers of each
+    round's metrics (``tensorboard``)."""
     from fedkernels.sim.run import Simulation
 
     strategy = build_strategy(config.algorithm, config.algorithm_params)
@@ -319,14 +331,16 @@ def run_experiment(
         raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
     with _locked(out):
         return _run_locked(simulation, config, out, resume=resume, overwrite=overwrite,
-                           progress=progress, plots=plots)
+                           progress=progress, plots=plots, log=tuple(log))
 
 
 def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool,
-                overwrite: bool, progress: bool, plots: bool) -> dict[str, Any]:
+                overwrite: bool, progress: bool, plots: bool,
+                log: tuple[str, ...]) -> dict[str, Any]:
     """:func:`run_experiment` once the folder is locked."""
     from fedkernels.sim.plots import plot_client_accuracy, plot_curves
     from fedkernels.sim.progress import round_progress
+    from fedkernels.sim.round_logs import TensorBoardLog, write_metrics_csv
 
     if not resume and not overwrite:
         # Again under the lock: a run that ended since the first check left its results here.
@@ -340,13 +354,26 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     if overwrite:
         for name in OUTPUT_NAMES:
             (out / name).unlink(missing_ok=True)
+        # the replaced run's events would show as one curve with the new run's
+        shutil.rmtree(out / TENSORBOARD_DIR, ignore_errors=True)
     saved = applicable_dict(simulation.config)  # the fields that apply, no others
     if is_import_path(config.algorithm):
         saved["algorithm"] = config.algorithm  # so that --resume can import it again
     write_text(out / CONFIG_NAME, json.dumps(saved, indent=2) + "\n")
-    with round_progress(simulation, enabled=progress) as report:
-        result = simulation.run(on_round=report)
+    loggers = [TensorBoardLog(out / TENSORBOARD_DIR)] if "tensorboard" in log else []
+    try:
+        with round_progress(simulation, enabled=progress) as report:
+            def on_round(record: dict[str, Any]) -> None:
+                report(record)
+                for logger in loggers:
+                    logger(record)
+
+            result = simulation.run(on_round=on_round)
+    finally:
+        for logger in loggers:
+            logger.close()
     result.write_json(out / RESULTS_NAME)
+    write_metrics_csv(result.rounds, out / METRICS_NAME)
     if plots:
         plot_curves(result, out / CURVES_NAME)
         plot_client_accuracy(result, out / CLIENTS_NAME)
@@ -462,8 +489,13 @@ def _written_by_a_run(path: Path) -> bool:
     return isinstance(tree, dict) and fields - {"attack", "dp"} <= set(tree) <= fields
 
 
-def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool) -> None:
+def _check_extras(config: ExperimentConfig, *, progress: bool, plots: bool,
+                  log: list[str] | tuple[str, ...] = ()) -> None:
     """The optional packages this run will import, checked before anything is written."""
+    if "tensorboard" in log:
+        from fedkernels.sim.round_logs import require_tensorboard
+
+        require_tensorboard()
     if progress:
         require_extra("tqdm", "the progress bar", "--no-progress")
     if plots:
@@ -480,6 +512,8 @@ def _continue_command(out: Path, args: argparse.Namespace) -> str:
     if args.threads is not None:
         command += ["--threads", str(args.threads)]
     command += ["--no-progress"] * args.no_progress + ["--no-plots"] * args.no_plots
+    for name in args.log:
+        command += ["--log", name]
     return shlex.join(command)
 
 
@@ -544,7 +578,8 @@ def _main(argv: list[str]) -> int:
         out = Path(args.out) if args.out else _default_out(config)
         _check_out(out, resume=args.resume, overwrite=args.overwrite)
         check_writable(out)
-        _check_extras(config, progress=not args.no_progress, plots=not args.no_plots)
+        _check_extras(config, progress=not args.no_progress, plots=not args.no_plots,
+                      log=args.log)
         with data_warnings("fedkernels run"):
             results = run_experiment(
                 config,
@@ -553,6 +588,7 @@ def _main(argv: list[str]) -> int:
                 overwrite=args.overwrite,
                 progress=not args.no_progress,
                 plots=not args.no_plots,
+                log=args.log,
             )
     except ConfigError as err:
         return _error(err)
