@@ -13,30 +13,52 @@ public names of the two lowest layers, plus :func:`check` (the installation self
 is imported on first use: ``import fedkernels`` stays light.
 """
 
-import importlib
+# ruff: noqa: F401  (the imports of _load are its re-exports, bound through locals())
 
-from .aggregate import Accumulator, aggregate
-from .checkpoint_files import aggregate_files
-from .ops import native, reference
-from .ops.distill import distill_kl, ensemble_pseudo_labels
-from .ops.mixing import (
-    cosine_orthogonality,
-    mix_endpoints,
-    proximal_term,
-    superfed_mix,
-    superfed_regularizer,
-)
-from .ops.mixing_sgd import SuPerFedSGD
-from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
-from .privacy.mechanism import adaptive_clip_norm, adaptive_noise_params, private_aggregate, update_norms
-from .robust import (
-    bulyan,
-    coordinate_median,
-    krum,
-    nearest_to_median_mean,
-    pairwise_sq_distances,
-    trimmed_mean,
-)
+import importlib
+import os
+import sys
+
+
+def _started_by_the_command() -> bool:
+    """Whether this process is the ``fedkernels`` console script. It imports what each command
+    needs itself, so ``import fedkernels`` there leaves torch and the ops until first use:
+    ``fedkernels --help`` and ``--version`` answer without torch's seconds of import."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    return os.path.basename(script) in ("fedkernels", "fedkernels.exe", "fedkernels-script.py")
+
+
+def _load() -> None:
+    """The public names of the two lowest layers (importing them registers the torch ops)."""
+    from .aggregate import Accumulator, aggregate
+    from .checkpoint_files import aggregate_files
+    from .ops import native, reference
+    from .ops.distill import distill_kl, ensemble_pseudo_labels
+    from .ops.mixing import (
+        cosine_orthogonality,
+        mix_endpoints,
+        proximal_term,
+        superfed_mix,
+        superfed_regularizer,
+    )
+    from .ops.mixing_sgd import SuPerFedSGD
+    from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
+    from .privacy.mechanism import (
+        adaptive_clip_norm,
+        adaptive_noise_params,
+        private_aggregate,
+        update_norms,
+    )
+    from .robust import (
+        bulyan,
+        coordinate_median,
+        krum,
+        nearest_to_median_mean,
+        pairwise_sq_distances,
+        trimmed_mean,
+    )
+    globals().update({k: v for k, v in locals().items() if k in __all__})
+
 
 __version__ = "0.1.0"
 __all__ = [
@@ -54,7 +76,27 @@ __all__ = [
 _LAZY_MODULES = ("selfcheck", "private")
 
 
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Loads the public names now (the console script calls it before any command that
+    computes, so that a plugin's ``fedkernels.aggregate(...)`` finds the function)."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        _load()
+
+
+if not _started_by_the_command():
+    _ensure_loaded()
+
+
 def __getattr__(name: str):
+    if name in __all__ and not _LOADED:  # the console script: loaded on first use
+        _ensure_loaded()
+        if name in globals():
+            return globals()[name]
     if name == "check":
         return importlib.import_module(".selfcheck", __name__).check
     if name in _LAZY_MODULES:

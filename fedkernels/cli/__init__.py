@@ -4,20 +4,35 @@ check`` (:mod:`.check`) and ``fedkernels aggregate`` (checkpoint files, :mod:`.a
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable
 
-from . import aggregate_files, check, compare, run
 from .parsing import one_line
 
-# command -> (one line of help, its main taking the arguments after the command's name)
-COMMANDS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
-    "run": ("run one federated experiment", run.main),
-    "compare": ("run several algorithms over several seeds: one table, one plot", compare.main),
-    "check": ("check this installation: builds, every op against its reference, bandwidth", check.main),
+# command -> (one line of help, the module whose main takes the arguments after the command's
+# name); a command's module is imported only when it is chosen, so that --help and --version
+# answer without importing torch
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run one federated experiment", "run"),
+    "compare": ("table and plot finished runs, or sweep a configuration over seeds", "compare"),
+    "check": ("check this installation: builds, every op against its reference, bandwidth",
+              "check"),
     "aggregate": ("weighted sum of K checkpoint files (safetensors, sharded, .pt), streamed",
-                  aggregate_files.main),
+                  "aggregate_files"),
 }
+HELP_FLAGS = ("-h", "--help")
+
+
+def version_line() -> str:
+    """``fedkernels 0.1.0 (git 1a2b3c4d5e6f, modified)``: the version and, from a git checkout,
+    the commit (``modified`` when tracked files differ from it)."""
+    from fedkernels.sim.provenance import git_state, package_version
+
+    git = git_state()
+    where = ""
+    if git["git_commit"]:
+        where = f" (git {git['git_commit'][:12]}{', modified' if git['git_dirty'] else ''})"
+    return f"fedkernels {package_version()}{where}"
 
 
 def _usage() -> str:
@@ -25,15 +40,21 @@ def _usage() -> str:
     lines = [f"  {name:<{width}}  {text}" for name, (text, _) in COMMANDS.items()]
     return (
         "usage: fedkernels COMMAND [OPTIONS]\n\ncommands:\n" + "\n".join(lines)
-        + "\n\nfedkernels COMMAND --help shows the options of one command."
+        + "\n\nfedkernels COMMAND --help shows the options of one command; fedkernels --version "
+        "the version."
     )
 
 
 def _run_command(command: str, rest: list[str]) -> int:
     """Runs a command; what its own checks did not foresee from the system (a folder it may
     not enter, a size that does not fit in memory) is still a one-line error, exit status 2."""
+    if not any(flag in rest for flag in HELP_FLAGS):
+        import fedkernels
+
+        fedkernels._ensure_loaded()  # a command that computes: the package as an import gives it
+    module = importlib.import_module(f".{COMMANDS[command][1]}", __name__)
     try:
-        return COMMANDS[command][1](rest)
+        return module.main(rest)
     except MemoryError as err:  # NumPy's allocation errors too
         problem = f"not enough memory ({one_line(err)}); is a size in the configuration too large?"
     except OSError as err:
@@ -54,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command in COMMANDS:
         return _run_command(command, rest)
-    if command in ("-h", "--help"):
+    if command in HELP_FLAGS:
         print(_usage())
+        return 0
+    if command == "--version":
+        print(version_line())
         return 0
     problem = f"unknown command {command!r}" if command else "no command given"
     print(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import importlib
 import re
@@ -13,10 +14,9 @@ import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
-from fedkernels.algorithms.registry import available, is_import_path
 from fedkernels.sim.config import ConfigError
-from fedkernels.sim.tabular import DataWarning
 
 SIM_EXTRA_INSTALL = 'pip install "fedkernels[sim]"'
 # import names of the packages of the ``sim`` extra (pyproject.toml)
@@ -73,6 +73,26 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized argument {flag}{hint}"
 
 
+def field_options(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
+    """``add_argument``'s help, metavar (and, for a boolean, its optional value) for a config
+    field whose type is ``tp``: values stay strings until :func:`from_dict` converts them."""
+    help_text = f.metadata.get("help", "")
+    if "(default:" not in help_text:  # some fields describe their default in words
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        help_text = f"{help_text} (default: {default})"
+    options: dict[str, Any] = {"help": help_text}
+    inner = [a for a in get_args(tp) if a is not type(None)] or [tp]
+    if get_origin(tp) is Literal:
+        options["metavar"] = "{" + ",".join(map(str, get_args(tp))) + "}"
+    elif tp is bool:
+        options.update(nargs="?", const="true", metavar="BOOL")
+    elif get_origin(tp) is list or get_origin(inner[0]) is list:
+        options["metavar"] = "A,B,..."
+    else:
+        options["metavar"] = getattr(inner[0], "__name__", "VALUE").upper()
+    return options
+
+
 def one_line(message: object) -> str:
     """``message`` on one line (some parsers' messages span several)."""
     return " ".join(part.strip() for part in str(message).splitlines() if part.strip())
@@ -102,6 +122,8 @@ def require_extra(module: str, purpose: str, instead: str | None = None) -> None
 def data_warnings(prog: str) -> Iterator[None]:
     """Prints each :class:`DataWarning` (a likely mistake in the data file) once, as one line
     ``prog: warning: ...``, instead of Python's two-line warning."""
+    from fedkernels.sim.tabular import DataWarning
+
     def show(message, *_args, **_kwargs) -> None:
         print(f"{prog}: warning: {one_line(message)}", file=sys.stderr)
 
@@ -111,11 +133,15 @@ def data_warnings(prog: str) -> Iterator[None]:
         yield
 
 
-def algorithm_name(name: str) -> str:
+def algorithm_name(name: str, names: list[str] | None = None) -> str:
     """``name`` as registered, matched regardless of letter case when that is unambiguous
-    (``FedAvg`` -> ``fedavg``); an unknown name close to a known one is refused with it."""
-    names = available()
-    if is_import_path(name) or name in names:
+    (``FedAvg`` -> ``fedavg``); an unknown name close to a known one is refused with it.
+    ``names``: the known names (default: the registry's, which imports the algorithms)."""
+    if names is None:
+        from fedkernels.algorithms.registry import available
+
+        names = available()
+    if ":" in name or name in names:  # an import path package.module:Class
         return name
     same = [n for n in names if n.lower() == name.lower()]
     if len(same) == 1:

@@ -34,16 +34,8 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any
 
-from fedkernels.algorithms.registry import (
-    ENTRY_POINT_GROUP,
-    available,
-    build_strategy,
-    is_import_path,
-    registered,
-    strategy_class,
-)
 from fedkernels.sim.atomic_files import remove_leftovers, write_text
 from fedkernels.sim.config import (
     SECTIONS,
@@ -56,6 +48,9 @@ from fedkernels.sim.config import (
     unread_settings,
 )
 
+from .algorithm_options import ENTRY_POINT_GROUP, describe, known_names
+from .algorithm_options import live as live_options
+from .algorithm_options import saved as saved_options
 from .config_file import load_config_file
 from .parsing import (
     Parser,
@@ -63,6 +58,7 @@ from .parsing import (
     algorithm_name,
     check_writable,
     data_warnings,
+    field_options,
     missing_extra,
     one_line,
     require_extra,
@@ -93,65 +89,60 @@ RUN_MARKERS = (RESULTS_NAME, CHECKPOINT_NAME)
 DEFAULT_ALGORITHM = "fedavg"
 
 
-def _add_field(
-    group: argparse._ActionsContainer,
-    flag: str,
-    f: dataclasses.Field,
-    tp: Any,
-    metavar: str | None = None,
-    hidden: bool = False,
-) -> None:
-    """One ``--flag VALUE`` for a config field; values stay strings until :func:`from_dict`."""
-    help_text = f.metadata.get("help", "")
-    if "(default:" not in help_text:  # some fields describe their default in words
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{help_text} (default: {default})"
-    options: dict[str, Any] = {"dest": flag, "default": argparse.SUPPRESS}
-    inner = [a for a in get_args(tp) if a is not type(None)] or [tp]
-    if metavar is not None:
-        options["metavar"] = metavar
-    elif get_origin(tp) is Literal:
-        options["metavar"] = "{" + ",".join(map(str, get_args(tp))) + "}"
-    elif tp is bool:
-        options.update(nargs="?", const="true", metavar="BOOL")
-    elif get_origin(tp) is list or get_origin(inner[0]) is list:
-        options["metavar"] = "A,B,..."
-    else:
-        options["metavar"] = getattr(inner[0], "__name__", "VALUE").upper()
-    group.add_argument(f"--{flag}", help=argparse.SUPPRESS if hidden else help_text, **options)
+def _add_field(group: argparse._ActionsContainer, flag: str, options: dict[str, Any],
+               hidden: bool = False) -> None:
+    """One ``--flag VALUE`` for a config field (:func:`~.parsing.field_options`)."""
+    options = {**options, "help": argparse.SUPPRESS if hidden else options["help"]}
+    group.add_argument(f"--{flag}", dest=flag, default=argparse.SUPPRESS, **options)
 
 
-def _epilog(chosen: str) -> str:
-    names = textwrap.fill(", ".join(available()), width=76, initial_indent="  ",
-                          subsequent_indent="  ")
+def _epilog(chosen: str, names: list[str]) -> str:
+    listed = textwrap.fill(", ".join(names), width=76, initial_indent="  ",
+                           subsequent_indent="  ")
     return (
-        f"Only the options of the chosen algorithm ({chosen}) are listed; each algorithm has\n"
-        "its own --<algorithm>.<field> options, shown by\n"
+        f"Only the chosen algorithm's options ({chosen}) are listed; another's are shown by\n"
         "  fedkernels run --algorithm NAME --help\n"
-        f"Algorithms:\n{names}\n"
+        f"Algorithms:\n{listed}\n"
         "or your own Strategy subclass: --algorithm package.module:Class, or the name of an\n"
-        f"installed plugin (entry point group {ENTRY_POINT_GROUP!r})."
+        f"installed plugin (entry point group '{ENTRY_POINT_GROUP}')."
     )
 
 
-def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
+def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) -> Parser:
     """The parser of ``fedkernels run`` whose help shows ``algorithm``'s options (a name or
-    import path; the other algorithms' options are accepted but not listed)."""
-    chosen = strategy_class(algorithm)
+    import path; the other algorithms' options are parsed but not listed). ``help_only``: the
+    built-in algorithms' options come from their saved copy (:mod:`.algorithm_options`), so
+    that the help needs neither the algorithms nor torch."""
+    if help_only:
+        options = saved_options()
+        names = known_names()
+        if algorithm not in options:  # a plugin or an import path: its class tells
+            from fedkernels.algorithms.registry import strategy_class
+
+            chosen_class = strategy_class(algorithm)
+            options[chosen_class.name] = describe(chosen_class.config_class)
+            algorithm = chosen_class.name
+    else:
+        from fedkernels.algorithms.registry import available, registered, strategy_class
+
+        algorithm = strategy_class(algorithm).name
+        options = live_options(registered())
+        names = available()
     parser = Parser(
         prog="fedkernels run",
-        usage="%(prog)s [--config FILE] [--out DIR] [--resume | --overwrite] [--FIELD VALUE ...] "
-        "[--SECTION.FIELD VALUE ...] [--ALGORITHM.FIELD VALUE ...]",
-        description="Run a federated experiment; writes results.json, plots and a resumable "
-        "checkpoint into --out.",
-        epilog=_epilog(chosen.name),
+        usage="%(prog)s [--config FILE] [--out DIR] [--resume | --overwrite] [--print_config] "
+        "[--FIELD VALUE ...] [--SECTION.FIELD VALUE ...] [--ALGORITHM.FIELD VALUE ...]",
+        description="Run a federated experiment; writes results.json, metrics.csv, plots and "
+        "a resumable checkpoint into --out.",
+        epilog=_epilog(algorithm, names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--config", metavar="FILE", help="YAML or JSON file with the configuration tree"
     )
     parser.add_argument(
-        "--out", metavar="DIR", help="output folder (default: runs/<algorithm>-<data>-seed<seed>)"
+        "--out", metavar="DIR",
+        help="output folder (default: runs/ALGORITHM-DATA-seedSEED, -2, -3 if taken)",
     )
     parser.add_argument(
         "--resume", action="store_true", help="continue the run whose checkpoint is in --out"
@@ -159,17 +150,19 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the run already in --out (without it such a folder is refused)",
+        help="replace the run already in --out",
+    )
+    parser.add_argument(
+        "--print_config", action="store_true",
+        help="print the configuration as YAML (for --config) and exit",
     )
     parser.add_argument(
         "--threads", type=int, metavar="N", help="torch CPU threads (torch.set_num_threads)"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-plots", action="store_true", help="skip the plots")
     parser.add_argument("--log", action="append", choices=LOGGERS, default=[], metavar="NAME",
-                        help="also log each round's metrics to NAME: tensorboard (event files in "
-                        f"--out/{TENSORBOARD_DIR}; needs the tensorboard package). metrics.csv is "
-                        "always written")
+                        help=f"log the rounds to tensorboard too (--out/{TENSORBOARD_DIR})")
 
     top = parser.add_argument_group("experiment")
     types = field_types(ExperimentConfig)
@@ -186,32 +179,30 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
                 f"plugin (default: {DEFAULT_ALGORITHM})",
             )
             continue
-        _add_field(top, f.name, f, types[f.name])
+        _add_field(top, f.name, field_options(f, types[f.name]))
     for section in SECTIONS:
         cls = types[section]
         group = parser.add_argument_group(section)
         section_types = field_types(cls)
         for f in dataclasses.fields(cls):
-            _add_field(group, f"{section}.{f.name}", f, section_types[f.name])
-    for name in registered():
-        cls = strategy_class(name).config_class
-        shown = name == chosen.name
-        if cls is None:
+            _add_field(group, f"{section}.{f.name}", field_options(f, section_types[f.name]))
+    for name, fields in sorted(options.items()):
+        shown = name == algorithm
+        if fields is None:
             if shown:
                 parser.add_argument_group(
                     f"algorithm {name}", f"{name} has no options of its own"
                 )
             continue
         group = parser.add_argument_group(f"algorithm {name}") if shown else parser
-        algorithm_types = field_types(cls)
-        for f in dataclasses.fields(cls):
-            _add_field(group, f"{name}.{f.name}", f, algorithm_types[f.name], hidden=not shown)
+        for field_name, field_opts in fields:
+            _add_field(group, f"{name}.{field_name}", field_opts, hidden=not shown)
     return parser
 
 
 # argparse destinations that are options of the command, not configuration fields
-_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots",
-                "log"}
+_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "print_config", "threads", "no_progress",
+                "no_plots", "log"}
 
 
 def resolve_config(
@@ -221,6 +212,8 @@ def resolve_config(
     """``base`` (a saved config), then ``--config``, then the flags, as one checked config.
     ``unread`` receives a sentence for each setting of the file or the flags that the
     configuration leaves unread (:func:`~fedkernels.sim.config.unread_settings`)."""
+    from fedkernels.algorithms.registry import strategy_class
+
     tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     from_file = load_config_file(args.config) if args.config else {}
     for key, value in from_file.items():
@@ -264,6 +257,8 @@ def _check_file_algorithm(args: argparse.Namespace, from_file: dict[str, Any], a
     """Two ways a configuration file's algorithm settings go astray, each named: parameters
     written as a section of their own, as the flags spell them (``fedprox: {mu: 0.01}``), and
     parameters of the file's algorithm that --algorithm replaced."""
+    from fedkernels.algorithms.registry import available
+
     fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
     for key in from_file:
         if key not in fields and key in available():
@@ -321,6 +316,7 @@ def run_experiment(
     ``results.json`` content. ``overwrite`` removes a previous run's files from ``out`` once
     the experiment has been set up (and so checked); ``log`` names further loggers of each
     round's metrics (``tensorboard``)."""
+    from fedkernels.algorithms.registry import build_strategy
     from fedkernels.sim.run import Simulation
 
     strategy = build_strategy(config.algorithm, config.algorithm_params)
@@ -338,6 +334,7 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
                 overwrite: bool, progress: bool, plots: bool,
                 log: tuple[str, ...]) -> dict[str, Any]:
     """:func:`run_experiment` once the folder is locked."""
+    from fedkernels.algorithms.registry import is_import_path
     from fedkernels.sim.plots import plot_client_accuracy, plot_curves
     from fedkernels.sim.progress import round_progress
     from fedkernels.sim.round_logs import TensorBoardLog, write_metrics_csv
@@ -380,15 +377,57 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     return result.to_dict()
 
 
+def _config_text(config: ExperimentConfig) -> str:
+    """``--print_config``: the configuration as config.json will hold it (the fields that
+    apply, the algorithm's parameters checked and complete) in YAML, or JSON without PyYAML;
+    either reads back with --config."""
+    from fedkernels.algorithms.registry import build_strategy, is_import_path
+
+    strategy = build_strategy(config.algorithm, config.algorithm_params)
+    params = getattr(strategy, "config", None)
+    config = dataclasses.replace(
+        config, algorithm=config.algorithm if is_import_path(config.algorithm) else strategy.name,
+        algorithm_params=dataclasses.asdict(params) if params is not None else {})
+    tree = applicable_dict(config)
+    try:
+        import yaml
+    except ImportError:
+        return json.dumps(tree, indent=2) + "\n"
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=None, width=100)
+
+
 def _default_out(config: ExperimentConfig) -> Path:
+    """``runs/<algorithm>-<data>-seed<seed>``: where a run without --out goes, unless taken."""
+    from fedkernels.algorithms.registry import strategy_class
+
     name = strategy_class(config.algorithm).name
     return Path("runs") / f"{name}-{config.data.name}-seed{config.seed}"
 
 
-def _chosen_algorithm(argv: list[str]) -> str:
+def _claim_default_out(base: Path) -> Path:
+    """The first of ``base``, ``base-2``, ``base-3``, ... that does not exist, created now:
+    a second run of the same configuration gets its own folder instead of being refused (and
+    two started at once cannot both take one, mkdir being atomic)."""
+    for count in range(1, 100_000):
+        out = base if count == 1 else base.with_name(f"{base.name}-{count}")
+        try:
+            out.mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError as err:
+            raise ConfigError(f"--out {out}: cannot create the folder: "
+                              f"{err.strerror or err}") from None
+        return out
+    raise ConfigError(f"{base}: every numbered folder up to -99999 is taken; give --out")
+
+
+
+def _chosen_algorithm(argv: list[str], help_only: bool = False) -> str:
     """The algorithm the command line asks for, found before the full parse (whose flags
     depend on it): ``--algorithm``, else the ``--config`` file's, else, with ``--resume``, the
-    saved run's. Problems are left for the full parse to report."""
+    saved run's. Problems are left for the full parse to report. ``help_only``: matched
+    against the saved names, without importing the algorithms."""
+    names = known_names() if help_only else None
     pre = Parser(add_help=False)
     for flag in ("--algorithm", "--config", "--out"):
         pre.add_argument(flag)
@@ -398,7 +437,7 @@ def _chosen_algorithm(argv: list[str]) -> str:
     except UsageError:
         return DEFAULT_ALGORITHM
     if known.algorithm:
-        return algorithm_name(known.algorithm)
+        return algorithm_name(known.algorithm, names)
     trees = []
     if known.config:
         trees.append(lambda: load_config_file(known.config))
@@ -410,7 +449,7 @@ def _chosen_algorithm(argv: list[str]) -> str:
         except (ConfigError, OSError, ValueError):
             continue
         if isinstance(tree, dict) and isinstance(tree.get("algorithm"), str):
-            return algorithm_name(tree["algorithm"])
+            return algorithm_name(tree["algorithm"], names)
     return DEFAULT_ALGORITHM
 
 
@@ -557,7 +596,9 @@ def _main(argv: list[str]) -> int:
     args: argparse.Namespace | None = None
     out: Path | None = None
     try:
-        parser = build_parser(_chosen_algorithm(argv))
+        # the help needs neither the algorithms nor torch: it answers at once
+        help_only = any(flag in argv for flag in ("-h", "--help"))
+        parser = build_parser(_chosen_algorithm(argv, help_only), help_only=help_only)
         try:
             args = parser.parse_strict(argv)
         except SystemExit as done:  # --help
@@ -575,11 +616,16 @@ def _main(argv: list[str]) -> int:
             print(f"fedkernels run: warning: {sentence}", file=sys.stderr)
         if saved is not None:
             _check_saved_data_file(config, saved)
+        if args.print_config:
+            print(_config_text(config), end="")
+            return 0
         out = Path(args.out) if args.out else _default_out(config)
-        _check_out(out, resume=args.resume, overwrite=args.overwrite)
+        _check_out(out, resume=args.resume, overwrite=args.overwrite or not args.out)
         check_writable(out)
         _check_extras(config, progress=not args.no_progress, plots=not args.no_plots,
                       log=args.log)
+        if not args.out and not args.overwrite:  # --overwrite alone replaces the default one
+            out = _claim_default_out(out)
         with data_warnings("fedkernels run"):
             results = run_experiment(
                 config,

@@ -8,24 +8,36 @@ Modules, one concept each: :mod:`~fedkernels.sim.config` (dataclasses), :mod:`.s
 :mod:`.metrics`, :mod:`.run` (the round loop, checkpoints), :mod:`.results`, :mod:`.plots`.
 """
 
-from .config import (
-    ClientConfig,
-    ConfigError,
-    DataConfig,
-    ExperimentConfig,
-    ModelConfig,
-    ParticipationConfig,
-    PartitionConfig,
-    ServerConfig,
-    from_dict,
-)
-from .data import Dataset
-from .federation import ClientData, Federation
-from .participation import ParticipationHistory
-from .results import RunResult
-from .run import Simulation
-from .server import Server
-from .strategy import RoundInfo, SetupInfo, Strategy
+import importlib
+
+# name -> the module defining it; imported on first use, so that the torch-free modules
+# (config, provenance) load without torch (the command line's --help reads the configuration)
+_EXPORTS = {
+    **dict.fromkeys(("ClientConfig", "ConfigError", "DataConfig", "ExperimentConfig",
+                     "ModelConfig", "ParticipationConfig", "PartitionConfig", "ServerConfig",
+                     "from_dict"), "config"),
+    "Dataset": "data",
+    "ClientData": "federation",
+    "Federation": "federation",
+    "ParticipationHistory": "participation",
+    "RunResult": "results",
+    "Simulation": "run",
+    "Server": "server",
+    **dict.fromkeys(("RoundInfo", "SetupInfo", "Strategy"), "strategy"),
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "ClientConfig",
