@@ -373,7 +373,7 @@ def late_accuracy(entries: list[dict[str, Any]], rounds: int) -> str:
     lines = [f"Pooled test accuracy averaged over rounds {rounds - rounds // 3 + 1}-{rounds} (%):",
              ""]
     for e in entries:
-        late = [np.mean([a for r, a in run["curve"] if r + 1 > rounds - rounds // 3])
+        late = [np.mean([a for r, a in run["curve"] if r > rounds - rounds // 3])
                 for run in e["runs"]]
         lines.append(f"- {e['label']}: {100 * np.mean(late):.1f} ± {100 * np.std(late):.1f}")
     return "\n".join(lines) + "\n"

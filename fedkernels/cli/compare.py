@@ -1,48 +1,63 @@
-"""``fedkernels compare``: several strategies over several seeds, one table and one plot.
+"""``fedkernels compare``: one table and one figure over several runs, the seeds of each
+configuration grouped; the runs are either finished already, or a sweep it runs itself.
 
-Every run is a :class:`~fedkernels.sim.run.Simulation` of the same experiment (``--config``
-file and ``--set section.field=value`` overrides, as ``fedkernels run`` reads them) with a
-different algorithm and seed. For each run the global model is evaluated on every client's
-own test split; per run we keep the pooled accuracy and AUROC and the statistics over clients
-of the per-client accuracies and AUROCs (:func:`fedkernels.sim.metrics.evaluation_metrics`:
-mean, test-size-weighted mean, worst-10%, worst client, best-10%, gap, std, Gini), and the
-tables report each as mean ± std over the seeds. A client whose test split holds one class has
-no AUROC and is left out of the AUROC statistics; the AUROC table says how many clients remain.
+Finished runs: ``fedkernels compare RUN_DIR...`` reads each folder's ``results.json`` (a folder
+without one is searched for runs below it; a quoted glob is expanded), groups the runs whose
+configurations differ only in the seed (and the device), and labels each group by what sets it
+apart from the others (``fedprox, client.lr=0.05``).
 
-When a method keeps personal models (the personalized baselines, SuPerFed), a further table
-reports what it is judged by: each client's own model on the client's own test split
-(``personalized_accuracy``, its worst-10%, and the models' ECE and MCE, mean over clients);
-methods without personal models appear there with their global model. For SuPerFed the
-personalized figure is at the lambda each client picks on its validation rows, and the paper's
-test-chosen (oracle) figure is shown beside it.
+A sweep: ``fedkernels compare [run's flags] --sweep KEY=V1,V2 ... --seeds 0-4 --out DIR`` runs
+every combination of the swept values (any key of the configuration: ``algorithm``, a section's
+field, an algorithm's parameter such as ``fedprox.mu``) for every seed, each with ``fedkernels
+run``'s own code into its own folder ``DIR/runs/<label>-seed<k>/`` (config.json, results.json,
+metrics.csv, checkpoint). The other flags are ``fedkernels run``'s, and set the base of every
+run; an algorithm's flag applies to that algorithm's runs. An ``--out`` that holds a comparison
+is refused unless ``--resume`` (keep its finished runs, continue the others from their
+checkpoints) or ``--overwrite`` (start again); Ctrl-C keeps the finished runs and tables them.
 
-``--reference NAME`` adds the comparison of the Semi-VRed paper, per seed and client by client
-against that method's run with the same seed (hence the same clients): of the clients below the
-reference's median accuracy (``--reference-split mean``: its mean), how many the method
-improves, and of those above it, how many it degrades (:func:`reference_changes`).
+The older spelling still works: ``--algorithms NAME[:key=value;key=value][@label],...`` and
+``--set section.field=value`` (it is a sweep over the algorithm).
 
-An algorithm is ``NAME`` or ``NAME:key=value,key=value`` (its parameters), optionally with
-``@label``::
-
-    fedkernels compare --algorithms fedavg,term:tilt=1,afl:step=0.1 --seeds 0,1,2 \\
-        --set partition.kind=dirichlet --set partition.alpha=0.1 --out runs/compare
-
-writes ``compare.json``, ``compare.md`` and ``compare.png`` into ``--out``.
+The tables (:mod:`.compare_tables`) report each metric as mean ± std over the seeds;
+``compare.json`` holds every run's summary, per-client accuracies, curve, resolved
+configuration, environment and folder.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import glob
+import itertools
 import json
+import re
+import shutil
 import sys
-import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedkernels.sim.config import ConfigError, ExperimentConfig, from_dict, set_dotted
+from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, from_dict, set_dotted
 
+from .compare_tables import (
+    AUROC_METRICS,
+    COUNTS,
+    GLOBAL_AS_PERSONAL,
+    METRICS,
+    PERSONALIZED_METRICS,
+    REFERENCE_SPLITS,
+    add_reference_comparison,
+    find_reference,
+    has_auroc,
+    has_personal_models,
+    markdown_table,
+    reference_changes,
+    seed_statistics,
+)
 from .config_file import load_config_file
 from .parsing import (
     Parser,
@@ -55,46 +70,21 @@ from .parsing import (
     set_threads,
 )
 
-METRICS = [  # the accuracy table
-    ("test_accuracy", "pooled acc"),
-    ("client_accuracy_mean", "avg"),
-    ("client_accuracy_mean_weighted", "avg (w)"),
-    ("client_accuracy_worst10", "worst-10%"),
-    ("client_accuracy_worst10_weighted", "worst-10% (w)"),
-    ("client_accuracy_min", "worst"),
-    ("client_accuracy_best10", "best-10%"),
-    ("client_accuracy_gap", "gap"),
-    ("client_accuracy_std", "std"),
-    ("client_accuracy_gini", "Gini"),
+__all__ = [
+    "AUROC_METRICS", "COUNTS", "GLOBAL_AS_PERSONAL", "METRICS", "PERSONALIZED_METRICS",
+    "REFERENCE_SPLITS", "add_reference_comparison", "compare", "compare_runs", "find_reference",
+    "has_auroc", "has_personal_models", "main", "markdown_table", "parse_algorithm", "plot",
+    "reference_changes", "seed_statistics", "split_algorithms",
 ]
-AUROC_METRICS = [  # the AUROC table, over the clients whose AUROC is defined
-    ("test_auroc", "pooled AUROC"),
-    ("client_auroc_mean", "avg"),
-    ("client_auroc_mean_weighted", "avg (w)"),
-    ("client_auroc_worst10", "worst-10%"),
-    ("client_auroc_worst10_weighted", "worst-10% (w)"),
-    ("client_auroc_min", "worst"),
-    ("client_auroc_best10", "best-10%"),
-    ("client_auroc_gap", "gap"),
-    ("client_auroc_clients", "clients"),
-]
-PERSONALIZED_METRICS = [  # each client's own model on its own test split
-    ("personalized_accuracy", "personalized acc"),
-    ("personalized_accuracy_worst10", "worst-10%"),
-    ("personalized_ece", "ECE ×100"),
-    ("personalized_mce", "MCE ×100"),
-    ("personalized_accuracy_oracle", "λ chosen on test (SuPerFed's oracle)"),
-    ("client_accuracy_mean", "global model avg"),
-]
-# the global model's figures stand in for a method without personal models
-GLOBAL_AS_PERSONAL = {
-    "personalized_accuracy": "client_accuracy_mean",
-    "personalized_accuracy_worst10": "client_accuracy_worst10",
-    "personalized_ece": "client_ece_mean",
-    "personalized_mce": "client_mce_mean",
-}
-COUNTS = {"client_auroc_clients"}  # shown as numbers, not percentages
-REFERENCE_SPLITS = ("median", "mean")
+
+OUTPUT_NAMES = ("compare.json", "compare.md", "compare.png", "compare.pdf", "compare.svg")
+RUNS_DIR = "runs"  # a sweep's runs, one folder each
+# configuration keys in which two runs of one method may differ
+NOT_A_METHOD = ("seed", "device", "checkpoint_every")
+DEFAULT_SEEDS = "0,1,2"
+
+
+# ---------------------------------------------------------------- the older --algorithms spelling
 
 
 def parse_algorithm(text: str) -> tuple[str, dict[str, str], str]:
@@ -110,7 +100,19 @@ def parse_algorithm(text: str) -> tuple[str, dict[str, str], str]:
     return name.strip(), params, label or spec
 
 
+def split_algorithms(text: str) -> list[str]:
+    """Splits on commas that start a new algorithm (parameters use ';' or follow ':')."""
+    items: list[str] = []
+    for piece in text.split(","):
+        if items and "=" in piece and ":" not in piece and "@" not in piece.split("=")[0]:
+            items[-1] += "," + piece  # a further key=value of the previous algorithm
+        else:
+            items.append(piece)
+    return [i.strip() for i in items if i.strip()]
+
+
 def base_tree(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
+    """``--config`` and ``--set section.field=value`` as a configuration tree."""
     tree: dict[str, Any] = {}
     if config_file:
         tree = load_config_file(config_file)
@@ -122,19 +124,75 @@ def base_tree(config_file: str | None, overrides: list[str]) -> dict[str, Any]:
     return tree
 
 
-def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) -> dict[str, Any]:
-    """One simulation; returns its summary and per-client accuracies."""
-    from fedkernels.algorithms import build_strategy
-    from fedkernels.sim.run import Simulation
+# ---------------------------------------------------------------- seeds and sweeps
 
-    run_tree = json.loads(json.dumps(tree))
-    run_tree["seed"] = seed
-    run_tree["algorithm"] = name
-    config = from_dict(ExperimentConfig, run_tree)
-    start = time.perf_counter()
-    result = Simulation(config, build_strategy(name, params)).run()
+
+def parse_seeds(text: str) -> list[int]:
+    """``"0-4"``, ``"0,2,5"``, ``"0-2,7"``: the seeds, in order, each once."""
+    seeds: list[int] = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        match = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", item)
+        if match is None:
+            raise ConfigError(f"--seeds: expected seeds and ranges such as 0,3 or 0-4, got "
+                              f"{text!r}")
+        first, last = int(match[1]), int(match[2] or match[1])
+        if last < first:
+            raise ConfigError(f"--seeds: the range {item} runs backwards")
+        if last - first >= 10_000:
+            raise ConfigError(f"--seeds: the range {item} holds over 10000 seeds")
+        seeds += range(first, last + 1)
+    if not seeds:
+        raise ConfigError(f"--seeds: no seed given ({text!r})")
+    return list(dict.fromkeys(seeds))
+
+
+def split_values(text: str) -> list[str]:
+    """The values of ``--sweep KEY=V1,V2``: split at commas outside brackets; a bracketed value
+    is a list (``[64,64]`` -> ``64,64``, the list flag's spelling)."""
+    values, depth, current = [], 0, ""
+    for char in text:
+        if char == "," and depth == 0:
+            values.append(current)
+            current = ""
+            continue
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        current += char
+    values.append(current)
+    values = [v.strip() for v in values]
+    return [v[1:-1].strip() if v.startswith("[") and v.endswith("]") else v for v in values]
+
+
+def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """``--sweep KEY=V1,V2`` items as ``(key, values)``, keys in the order given."""
+    sweeps: list[tuple[str, list[str]]] = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip().removeprefix("--")
+        values = split_values(text) if sep else []
+        if not key or not sep or not any(values) or not all(values):
+            raise ConfigError(f"--sweep {item!r}: expected KEY=VALUE,VALUE,... (a list value in "
+                              "brackets: model.hidden=[64,64],[128])")
+        if key == "seed":
+            raise ConfigError("--sweep seed=...: give the seeds with --seeds (0-4, or 0,3,7)")
+        if key in [k for k, _ in sweeps]:
+            raise ConfigError(f"--sweep {key} is given twice; list all its values in one")
+        if len(set(values)) < len(values):
+            raise ConfigError(f"--sweep {item!r}: a value is given twice")
+        sweeps.append((key, values))
+    return sweeps
+
+
+# ---------------------------------------------------------------- one run's record
+
+
+def run_record(results: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """What the comparison keeps of one run's ``results.json``: its summary (the global
+    model's figures standing in for personal ones where a method keeps none), per-client
+    accuracies, AUROCs and test sizes, the accuracy curve, the resolved configuration, the
+    environment and the folder."""
+    raw = results["summary"]
     summary = {
-        k: v for k, v in result.summary.items()
+        k: v for k, v in raw.items()
         if k.startswith(("test_", "client_accuracy_", "client_auroc_", "client_ece_",
                          "client_mce_", "personalized_"))
         and (v is None or isinstance(v, (int, float)))
@@ -143,222 +201,430 @@ def run_one(tree: dict[str, Any], name: str, params: dict[str, str], seed: int) 
     if not personal:
         for key, source in GLOBAL_AS_PERSONAL.items():
             summary[key] = summary.get(source)
-    summary["seconds"] = time.perf_counter() - start
+    rounds = results["rounds"]
+    summary["seconds"] = float(sum(r.get("wall_time_s", 0.0) for r in rounds))
+    shift = 1 if rounds and rounds[0].get("round") == 0 else 0  # results.json counted from 0
+    config = results["config"]
     return {
-        "seed": seed,
+        "seed": config.get("seed", 0),
         "personal_models": personal,
         # results.json's flags of a run that blew up, kept out of the averaged summary
-        "diverged": bool(result.summary.get("diverged", False)),
-        "non_finite": list(result.summary.get("non_finite", [])),
-        "caveats": list(result.summary.get("caveats", [])),
+        "diverged": bool(raw.get("diverged", False)),
+        "non_finite": list(raw.get("non_finite", [])),
+        "caveats": list(raw.get("caveats", [])),
         "summary": summary,
-        "client_accuracy": [c["test_accuracy"] for c in result.clients],
-        "client_auroc": [c.get("test_auroc") for c in result.clients],
-        "client_test_size": [c["num_test"] for c in result.clients],
-        "curve": [
-            (r["round"], r["test_accuracy"]) for r in result.rounds if "test_accuracy" in r
-        ],
+        "client_accuracy": [c["test_accuracy"] for c in results["clients"]],
+        "client_auroc": [c.get("test_auroc") for c in results["clients"]],
+        "client_test_size": [c["num_test"] for c in results["clients"]],
+        "curve": [(r["round"] + shift, r["test_accuracy"]) for r in rounds
+                  if "test_accuracy" in r],
+        "config": config,
+        "dataset": results.get("dataset"),
+        "environment": results.get("environment", {}),
+        "path": None if path is None else str(path),
     }
 
 
-def seed_statistics(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Mean and std over seeds of every key of ``rows`` (one dict per seed); a key whose value
-    is None in some seeds (an undefined AUROC) is averaged over the others, None in all -> None."""
-    mean: dict[str, Any] = {}
-    std: dict[str, Any] = {}
-    for key in dict.fromkeys(k for row in rows for k in row):
-        values = np.array([r[key] for r in rows if r.get(key) is not None], dtype=np.float64)
-        mean[key] = float(values.mean()) if len(values) else None
-        std[key] = float(values.std()) if len(values) else None
-    return mean, std
-
-
-def reference_changes(
-    accuracy: list[float], reference: list[float], split: str = "median"
-) -> dict[str, Any]:
-    """One seed of the Semi-VRed paper's comparison with a reference method, client by client.
-
-    With r_k the reference's accuracy on client k, a_k the method's and c the median of the r_k
-    (``split="mean"``: their mean), the clients with r_k < c are "below" (the suffering clients)
-    and those with r_k > c "above" (clients at c are in neither). Returns ``below``/``above``
-    (counts), ``improved`` (below with a_k > r_k), ``degraded`` (above with a_k < r_k), their
-    ``_fraction``s, ``below_change``/``above_change`` (mean a_k − r_k over each group) and
-    ``mean_change`` (over all clients); a fraction or change over an empty group is None."""
-    if split not in REFERENCE_SPLITS:
-        raise ConfigError(f"reference split must be one of {', '.join(REFERENCE_SPLITS)}, "
-                          f"got {split!r}")
-    a = np.asarray(accuracy, dtype=np.float64)
-    r = np.asarray(reference, dtype=np.float64)
-    if a.shape != r.shape or a.ndim != 1 or len(a) == 0:
-        raise ConfigError(
-            f"reference comparison needs the same clients: {a.size} against {r.size} accuracies"
-        )
-    cut = float(np.median(r)) if split == "median" else float(r.mean())
-    below, above = r < cut, r > cut
-    diff = a - r
-    improved, degraded = int((diff[below] > 0).sum()), int((diff[above] < 0).sum())
-
-    def ratio(count: int, group) -> float | None:
-        return count / int(group.sum()) if group.any() else None
-
+def method_entry(label: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row of the tables: the runs of one configuration over their seeds."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    mean, std = seed_statistics([r["summary"] for r in runs])
+    config = runs[0]["config"]
     return {
-        "split_value": cut,
-        "below": int(below.sum()),
-        "improved": improved,
-        "improved_fraction": ratio(improved, below),
-        "below_change": float(diff[below].mean()) if below.any() else None,
-        "above": int(above.sum()),
-        "degraded": degraded,
-        "degraded_fraction": ratio(degraded, above),
-        "above_change": float(diff[above].mean()) if above.any() else None,
-        "mean_change": float(diff.mean()),
+        "label": label, "algorithm": config.get("algorithm"),
+        "params": config.get("algorithm_params", {}), "runs": runs, "mean": mean, "std": std,
+        "diverged_seeds": [r["seed"] for r in runs if r["diverged"]],
+        "caveats": sorted({c for r in runs for c in r["caveats"]}),
     }
 
 
-def add_reference_comparison(
-    entries: list[dict[str, Any]], reference: dict[str, Any], split: str = "median"
-) -> None:
-    """Adds ``versus_reference`` (per seed :func:`reference_changes`, with mean and std over
-    the seeds) to every entry but the reference itself, matching runs by seed."""
-    by_seed = {run["seed"]: run for run in reference["runs"]}
-    for entry in entries:
-        if entry is reference:
+def method_key(config: dict[str, Any]) -> str:
+    """The configuration without the keys in which runs of one method differ (the seed)."""
+    return json.dumps({k: v for k, v in config.items() if k not in NOT_A_METHOD},
+                      sort_keys=True, default=str)
+
+
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """``section.field`` -> value; an algorithm's parameters as ``<algorithm>.<field>``."""
+    out = {}
+    for key, value in config.items():
+        if key in NOT_A_METHOD:
             continue
-        seeds = []
-        for run in entry["runs"]:
-            ref = by_seed.get(run["seed"])
-            if ref is None:
-                raise ConfigError(f"reference {reference['label']} has no run with seed {run['seed']}")
-            if run.get("client_test_size") != ref.get("client_test_size"):
-                raise ConfigError(
-                    f"{entry['label']} and the reference {reference['label']} do not have the same "
-                    f"clients in seed {run['seed']}"
-                )
-            seeds.append({"seed": run["seed"],
-                          **reference_changes(run["client_accuracy"], ref["client_accuracy"],
-                                              split)})
-        mean, std = seed_statistics([{k: v for k, v in s.items() if k != "seed"} for s in seeds])
-        entry["versus_reference"] = {"reference": reference["label"], "split": split,
-                                     "seeds": seeds, "mean": mean, "std": std}
+        if key == "algorithm_params" and isinstance(value, dict):
+            for name, v in value.items():
+                out[f"{config.get('algorithm')}.{name}"] = v
+        elif isinstance(value, dict):
+            for name, v in value.items():
+                out[f"{key}.{name}"] = v
+        else:
+            out[key] = value
+    return out
 
 
-def find_reference(specs: list[tuple[str, dict[str, str], str]], reference: str) -> int:
-    """The index of the method ``reference`` names: a label, else a unique algorithm name."""
+def _text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value))
+    return str(value)
+
+
+def group_labels(configs: list[dict[str, Any]]) -> list[str]:
+    """A label per configuration: the keys whose values set it apart from the others
+    (``fedprox, client.lr=0.05``; the algorithm by its name), or its algorithm alone."""
+    flats = [_flat(c) for c in configs]
+    keys = list(dict.fromkeys(k for f in flats for k in f))
+
+    def varies(key: str) -> bool:
+        # an algorithm's parameter, among the runs of that algorithm only
+        among = [f for f in flats if key in f] if _is_parameter(key, flats) else flats
+        return len({json.dumps(f.get(key), default=str) for f in among}) > 1
+
+    varying = [k for k in keys if varies(k)]
+    labels = []
+    for config, flat in zip(configs, flats):
+        parts = [_text(flat["algorithm"]) if k == "algorithm" else f"{k}={_text(flat.get(k, '—'))}"
+                 for k in varying if k == "algorithm" or k in flat]
+        labels.append(", ".join(parts) if parts else str(config.get("algorithm")))
+    return labels
+
+
+def _is_parameter(key: str, flats: list[dict[str, Any]]) -> bool:
+    return key.split(".", 1)[0] in {str(f.get("algorithm")) for f in flats} and "." in key
+
+
+# ---------------------------------------------------------------- finished runs
+
+
+def find_runs(paths: Sequence[str]) -> list[Path]:
+    """The run folders ``paths`` name: folders holding results.json, folders searched for
+    them below, and globs the shell did not expand."""
+    found: list[Path] = []
+    for text in paths:
+        matches = sorted(glob.glob(text)) if glob.has_magic(text) else [text]
+        if not matches:
+            raise ConfigError(f"{text}: matches no folder")
+        for match in map(Path, matches):
+            if (match / "results.json").is_file():
+                found.append(match)
+                continue
+            if not match.is_dir():
+                raise ConfigError(f"{match}: no such run folder")
+            below = sorted(p.parent for p in match.rglob("results.json"))
+            if not below:
+                waiting = (match / "checkpoint.pt").is_file()
+                raise ConfigError(f"{match}: no results.json in it or below" + (
+                    " (the run has not finished: fedkernels run --resume --out "
+                    f"{match} finishes it)" if waiting else ""))
+            found += below
+    return list(dict.fromkeys(p.resolve() for p in found))
+
+
+def read_run(path: Path) -> dict[str, Any]:
+    try:
+        results = json.loads((path / "results.json").read_text())
+        return run_record(results, path)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"{path / 'results.json'}: not a run's results "
+                          f"({type(err).__name__}: {one_line(err)})") from None
+
+
+def entries_of(records: list[dict[str, Any]],
+               labels: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The records grouped by configuration (in order of first appearance), one entry each;
+    ``labels``: a label per method key (default: :func:`group_labels`)."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        groups.setdefault(method_key(record["config"]), []).append(record)
+    for runs in groups.values():
+        seeds = [r["seed"] for r in runs]
+        twice = next((s for k, s in enumerate(seeds) if s in seeds[:k]), None)
+        if twice is not None:
+            where = [r["path"] for r in runs if r["seed"] == twice]
+            raise ConfigError(f"two runs of one configuration with seed {twice}: "
+                              f"{' and '.join(map(str, where))}; compare one of them")
+    if labels is None:
+        names = group_labels([runs[0]["config"] for runs in groups.values()])
+        labels = dict(zip(groups, names))
+    return [method_entry(labels[key], runs) for key, runs in groups.items()]
+
+
+def compare_runs(paths: Sequence[str]) -> list[dict[str, Any]]:
+    """The entries of the finished runs ``paths`` name (:func:`find_runs`)."""
+    return entries_of([read_run(p) for p in find_runs(paths)])
+
+
+# ---------------------------------------------------------------- planning a sweep
+
+
+@dataclass
+class Planned:
+    """One run of a sweep: its method's label, seed, checked configuration and folder."""
+
+    label: str
+    seed: int
+    config: ExperimentConfig
+    folder: str
+    tree: dict[str, Any] = dataclasses.field(default_factory=dict)  # as config.json holds it
+
+
+def _folder_name(label: str, seed: int) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._=+-]+", "_", label.replace(", ", "_")).strip("_.") or "run"
+    return f"{slug[:100]}-seed{seed}"
+
+
+def _finish(plans: list[Planned]) -> list[Planned]:
+    """Checks every plan (the algorithm and its parameters, now rather than hours later) and
+    gives each a folder of its own."""
+    from .run import resolved_tree
+
+    labels: dict[str, str] = {}
+    for plan in plans:
+        plan.tree = resolved_tree(plan.config)
+        key = method_key(plan.tree)
+        if labels.setdefault(key, plan.label) != plan.label:
+            raise ConfigError(f"{labels[key]} and {plan.label} are the same configuration")
+    folders: dict[str, int] = {}
+    for plan in plans:
+        name = _folder_name(plan.label, plan.seed)
+        folders[name] = folders.get(name, 0) + 1
+        plan.folder = name if folders[name] == 1 else f"{name}-{folders[name]}"
+    return plans
+
+
+def plan_algorithms(algorithms: list[str], seeds: list[int],
+                    tree: dict[str, Any]) -> list[Planned]:
+    """The older spelling: each ``NAME[:params][@label]`` on the configuration ``tree``."""
+    specs = [(algorithm_name(name), params, label)
+             for name, params, label in map(parse_algorithm, algorithms)]
+    if not specs:
+        raise ConfigError("--algorithms: no algorithm given")
     labels = [label for _, _, label in specs]
-    if reference in labels:
-        return labels.index(reference)
-    named = [i for i, (name, _, _) in enumerate(specs) if name == reference]
-    if len(named) == 1:
-        return named[0]
-    if named:
-        raise ConfigError(f"--reference {reference}: several methods run {reference} "
-                          f"({', '.join(labels[i] for i in named)}); name one by its label")
-    raise ConfigError(f"--reference {reference}: not one of the compared methods "
-                      f"({', '.join(labels)})")
+    twice = next((label for k, label in enumerate(labels) if label in labels[:k]), None)
+    if twice is not None:  # two rows of one name, and --reference could not tell them apart
+        raise ConfigError(f"--algorithms: the label {twice!r} is given twice; give each entry "
+                          "its own (ALGORITHM@LABEL)")
+    plans = []
+    for name, params, label in specs:
+        for seed in seeds:
+            run_tree = json.loads(json.dumps(tree))
+            run_tree.update(seed=seed, algorithm=name, algorithm_params=params)
+            plans.append(Planned(label, seed, from_dict(ExperimentConfig, run_tree), ""))
+    return _finish(plans)
 
 
-def _cell(entry: dict[str, Any], key: str) -> str:
-    mean, std = entry["mean"].get(key), entry["std"].get(key)
-    if mean is None:
-        return "—"
-    if key in COUNTS:
-        return f"{mean:.1f}"
-    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+def plan_sweep(base: dict[str, Any], sweeps: list[tuple[str, list[str]]],
+               seeds: list[int]) -> list[Planned]:
+    """Every combination of the swept values for every seed, on the base flags ``base``
+    (argparse destinations of ``fedkernels run``'s configuration flags)."""
+    from fedkernels.algorithms.registry import strategy_class
+
+    from .run import resolve_config
+
+    combos = list(itertools.product(*[values for _, values in sweeps])) or [()]
+    algorithms_used: set[str] = set()
+    plans = []
+    for combo in combos:
+        flags = {**base, **{key: value for (key, _), value in zip(sweeps, combo)}}
+        algorithm = strategy_class(algorithm_name(flags.get("algorithm", "fedavg"))).name
+        algorithms_used.add(algorithm)
+        # an algorithm's flags apply to that algorithm's runs only
+        own = {k: v for k, v in flags.items()
+               if "." not in k or k.split(".", 1)[0] in SECTIONS
+               or k.split(".", 1)[0] == algorithm}
+        config = resolve_config(argparse.Namespace(**{"config": None, **own}))
+        label = ", ".join((_text(value) if key == "algorithm" else f"{key}={value}")
+                          for (key, _), value in zip(sweeps, combo)) or algorithm
+        plans += [Planned(label, seed, dataclasses.replace(config, seed=seed), "")
+                  for seed in seeds]
+    for key in list(base) + [k for k, _ in sweeps]:
+        head = key.split(".", 1)[0]
+        if "." in key and head not in SECTIONS and head not in algorithms_used:
+            raise ConfigError(f"--{key} is a parameter of {head}, which none of the runs uses "
+                              f"(their algorithms: {', '.join(sorted(algorithms_used))})")
+    return _finish(plans)
 
 
-def _table(entries: list[dict[str, Any]], metrics: list[tuple[str, str]]) -> list[str]:
-    lines = ["| method | " + " | ".join(label for _, label in metrics) + " |",
-             "|" + "---|" * (len(metrics) + 1)]
-    for entry in entries:
-        cells = [_cell(entry, key) for key, _ in metrics]
-        lines.append(f"| {entry['label']} | " + " | ".join(cells) + " |")
-    return lines
+# ---------------------------------------------------------------- running a sweep
 
 
-def _reference_table(entries: list[dict[str, Any]]) -> list[str]:
-    compared = [e for e in entries if "versus_reference" in e]
-    first = compared[0]["versus_reference"]
-    where = f"the {first['reference']} {first['split']}"
-    lines = [
-        f"Client by client against {first['reference']} with the same seed (mean ± std over "
-        f"seeds): clients below / above {where} accuracy, the share of them the method improves "
-        "/ degrades (mean count in brackets), and mean accuracy changes in points.",
-        "",
-        "| method | below: improved | below: Δ acc | above: degraded | above: Δ acc | Δ avg |",
-        "|---|---|---|---|---|---|",
-    ]
-
-    def share(v: dict[str, Any], key: str, count: str, group: str) -> str:
-        m, s = v["mean"].get(key), v["std"].get(key)
-        if m is None:
-            return "—"
-        return (f"{100 * m:.0f} ± {100 * s:.0f}% ({v['mean'][count]:.1f} of "
-                f"{v['mean'][group]:.1f})")
-
-    def change(v: dict[str, Any], key: str) -> str:
-        m, s = v["mean"].get(key), v["std"].get(key)
-        return "—" if m is None else f"{100 * m:+.2f} ± {100 * s:.2f}"
-
-    for entry in entries:
-        v = entry.get("versus_reference")
-        if v is None:
-            lines.append(f"| {entry['label']} (reference) | — | — | — | — | — |")
-            continue
-        lines.append(
-            f"| {entry['label']} | {share(v, 'improved_fraction', 'improved', 'below')} | "
-            f"{change(v, 'below_change')} | {share(v, 'degraded_fraction', 'degraded', 'above')}"
-            f" | {change(v, 'above_change')} | {change(v, 'mean_change')} |"
-        )
-    return lines
+def _progress_line(label: str, record: dict[str, Any], note: str = "") -> str:
+    s = record["summary"]
+    personal = (f" personalized {s['personalized_accuracy']:.3f}"
+                if record["personal_models"] else "")
+    flag = " DIVERGED" if record["diverged"] else ""
+    return (f"{label:>28s} seed {record['seed']}: avg {s['client_accuracy_mean']:.3f} worst10 "
+            f"{s['client_accuracy_worst10']:.3f}{personal} ({s['seconds']:.1f}s){note}{flag}")
 
 
-def has_auroc(entries: list[dict[str, Any]]) -> bool:
-    """Whether any method has a pooled or per-client AUROC to show."""
-    return any(e["mean"].get(k) is not None for e in entries
-               for k in ("test_auroc", "client_auroc_mean"))
+def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in dict.fromkeys([*a, *b])
+                for d in _differences(a.get(k), b.get(k), f"{prefix}{k}.")]
+    return [] if a == b else [prefix.rstrip(".")]
 
 
-def has_personal_models(entries: list[dict[str, Any]]) -> bool:
-    """Whether any method keeps personal models (its runs report ``personalized_accuracy``)."""
-    return any(run.get("personal_models") for e in entries for run in e.get("runs", ()))
+def run_planned(plan: Planned, folder: Path, resume: bool) -> tuple[dict[str, Any], str]:
+    """Runs ``plan`` into ``folder`` (with ``resume``: reuses a finished run of the same
+    configuration there, continues one from its checkpoint); returns its results and a note
+    for the progress line."""
+    from .run import run_experiment
+
+    saved = folder / "config.json"
+    if resume and saved.is_file():
+        try:
+            tree = json.loads(saved.read_text())
+        except (OSError, ValueError):
+            tree = None
+        changed = _differences(tree, plan.tree) if isinstance(tree, dict) else ["config.json"]
+        if changed and ((folder / "results.json").is_file()
+                        or (folder / "checkpoint.pt").is_file()):
+            raise ConfigError(f"--resume: {folder} holds a run of another configuration (it "
+                              f"differs in {', '.join(changed[:3])}): --overwrite starts the "
+                              "comparison again")
+        if (folder / "results.json").is_file():
+            return json.loads((folder / "results.json").read_text()), " (finished before)"
+        if (folder / "checkpoint.pt").is_file():
+            return run_experiment(plan.config, folder, resume=True, progress=False,
+                                  plots=False), " (continued)"
+    return run_experiment(plan.config, folder, overwrite=True, progress=False, plots=False), ""
 
 
-def _personalized_table(entries: list[dict[str, Any]]) -> list[str]:
-    rows = [
-        {**e, "label": e["label"] if any(r.get("personal_models") for r in e["runs"])
-         else f"{e['label']} (global model)"}
-        for e in entries
-    ]
-    return [
-        "Personalized (%, mean ± std over seeds): each client's own model on its own test split, "
-        "mean over clients; ECE and MCE of those models (15 equal-width confidence bins, mean "
-        "over clients); a method without personal models is shown with its global model.",
-        "",
-        *_table(rows, PERSONALIZED_METRICS),
-    ]
+def run_sweep(plans: list[Planned], out: Path, *, resume: bool = False,
+              progress: bool = True) -> list[dict[str, Any]]:
+    """Runs every plan into ``out/runs/<folder>``; returns the records of those that finished.
+    On Ctrl-C, :class:`Interrupted` carries the records finished so far."""
+    records = []
+    try:
+        for plan in plans:
+            results, note = run_planned(plan, out / RUNS_DIR / plan.folder, resume)
+            record = run_record(results, out / RUNS_DIR / plan.folder)
+            record["label"] = plan.label
+            records.append(record)
+            if progress:
+                print(_progress_line(plan.label, record, note), file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        raise Interrupted(records, len(plans)) from stop
+    return records
 
 
-def markdown_table(entries: list[dict[str, Any]]) -> str:
-    """The accuracy table (% , mean ± std over seeds; ``(w)``: weighted by test size), then
-    the AUROC table when there is an AUROC, the personalized table when a method keeps
-    personal models, then the comparison with ``--reference``."""
-    lines = _table(entries, METRICS)
-    if has_auroc(entries):
-        lines += ["", "AUROC (%; the clients whose test split holds one class are left out, "
-                  "'clients' counts the others):", "", *_table(entries, AUROC_METRICS)]
-    if has_personal_models(entries):
-        lines += ["", *_personalized_table(entries)]
-    if any("versus_reference" in e for e in entries):
-        lines += ["", *_reference_table(entries)]
-    diverged = [f"{e['label']} (seeds {', '.join(map(str, e['diverged_seeds']))})"
-                for e in entries if e.get("diverged_seeds")]
-    if diverged:
-        lines += ["", "Diverged (a global model with NaN/inf entries or an infinite test loss; "
-                  f"its numbers above are not those of a trained model): {'; '.join(diverged)}"]
-    caveats = [f"{e['label']}: {c}" for e in entries for c in e.get("caveats", [])]
-    if caveats:
-        lines += ["", "Caveats: " + "; ".join(caveats)]
-    return "\n".join(lines) + "\n"
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep, with the records of the runs finished before it."""
+
+    def __init__(self, records: list[dict[str, Any]], planned: int) -> None:
+        super().__init__()
+        self.records, self.planned = records, planned
+
+
+def sweep_entries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of a sweep's records, labelled as planned."""
+    labels = {method_key(r["config"]): r["label"] for r in records}
+    return entries_of(records, labels)
+
+
+# ---------------------------------------------------------------- the output folder
+
+
+def check_out(out: Path, *, resume: bool = False, overwrite: bool = False,
+              sweep: bool = True) -> None:
+    """Refuses an --out that cannot be a folder, or that holds a comparison when neither
+    ``resume`` (a sweep's) nor ``overwrite`` says what to do with it."""
+    if resume and overwrite:
+        raise ConfigError("--resume keeps the comparison in --out and --overwrite replaces it: "
+                          "give one of them")
+    for path in (out, *out.parents):
+        if path.exists() and not path.is_dir():
+            what = "" if path == out else f": {path}"
+            raise ConfigError(f"--out {out}{what} exists and is not a folder")
+    taken = [n for n in (*OUTPUT_NAMES, RUNS_DIR) if (out / n).exists()] if out.is_dir() else []
+    if taken and not (overwrite or (resume and sweep)):
+        how = ("add --resume to keep its finished runs and run the others, or --overwrite to "
+               "start again") if sweep else "add --overwrite to replace its table and figures"
+        raise ConfigError(f"--out {out} already holds a comparison ({', '.join(taken)}): {how}")
+    if resume and not sweep:
+        raise ConfigError("--resume continues a sweep; finished runs are only read")
+
+
+def clear_out(out: Path, *, runs: bool) -> None:
+    """``--overwrite``: removes the comparison's files (and, for a sweep, its runs)."""
+    for name in OUTPUT_NAMES:
+        (out / name).unlink(missing_ok=True)
+    if runs:
+        shutil.rmtree(out / RUNS_DIR, ignore_errors=True)
+
+
+def default_out() -> Path:
+    """``runs/compare``, or the first free ``runs/compare-N``."""
+    base = Path("runs") / "compare"
+    count = 1
+    while True:
+        out = base if count == 1 else base.with_name(f"compare-{count}")
+        if not out.exists():
+            return out
+        count += 1
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_outputs(entries: list[dict[str, Any]], out: Path, *, title: str = "",
+                  reference: str | None = None, reference_split: str = "median",
+                  sweep: list[tuple[str, list[str]]] | None = None,
+                  plots: bool = True) -> None:
+    """``compare.json``, ``compare.md`` and the figure into ``out``."""
+    if reference is not None:
+        specs = [(e["algorithm"], e["params"], e["label"]) for e in entries]
+        add_reference_comparison(entries, entries[find_reference(specs, reference)],
+                                 reference_split)
+    seeds = sorted({r["seed"] for e in entries for r in e["runs"]})
+    meta = {"title": title, "seeds": seeds, "sweep": sweep, "reference": reference,
+            "reference_split": reference_split, "entries": entries}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    table = markdown_table(entries)
+    (out / "compare.md").write_text((f"**{title}**\n\n" if title else "") + table)
+    if plots:
+        plot(entries, out / "compare.png", title)
+
+
+# ---------------------------------------------------------------- the Python entry point
+
+
+def compare(
+    algorithms: list[str],
+    seeds: list[int],
+    tree: dict[str, Any],
+    out: Path,
+    title: str = "",
+    progress: bool = True,
+    reference: str | None = None,
+    reference_split: str = "median",
+    resume: bool = False,
+) -> list[dict[str, Any]]:
+    """Runs every algorithm (``NAME[:key=value;...][@label]``) on every seed of the
+    configuration ``tree``, each run in ``out/runs/<label>-seed<k>``, and writes
+    ``compare.{json,md,png}`` into ``out``; returns the entries. A previous comparison in
+    ``out`` is replaced, or, with ``resume``, its finished runs are kept. Every algorithm, the
+    reference and the output folder are checked before the first run."""
+    if not seeds:
+        raise ConfigError("--seeds: no seed given")
+    plans = plan_algorithms(algorithms, seeds, tree)
+    if reference_split not in REFERENCE_SPLITS:
+        raise ConfigError(f"--reference-split: expected one of {', '.join(REFERENCE_SPLITS)}, "
+                          f"got {reference_split!r}")
+    if reference is not None:  # now, not after hours of runs
+        labels = list(dict.fromkeys(p.label for p in plans))
+        names = {p.label: p.config.algorithm for p in plans}
+        find_reference([(names[label], {}, label) for label in labels], reference)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
+    if not resume:
+        clear_out(out, runs=True)
+    records = run_sweep(plans, out, resume=resume, progress=progress)
+    entries = sweep_entries(records)
+    write_outputs(entries, out, title=title, reference=reference,
+                  reference_split=reference_split)
+    return entries
 
 
 def plot(entries: list[dict[str, Any]], path: Path, title: str):
@@ -415,92 +681,52 @@ def plot(entries: list[dict[str, Any]], path: Path, title: str):
     return fig
 
 
-def compare(
-    algorithms: list[str],
-    seeds: list[int],
-    tree: dict[str, Any],
-    out: Path,
-    title: str = "",
-    progress: bool = True,
-    reference: str | None = None,
-    reference_split: str = "median",
-) -> list[dict[str, Any]]:
-    """Runs every algorithm on every seed and writes ``compare.{json,md,png}`` into ``out``.
-    ``reference`` (a label or algorithm name among ``algorithms``) adds the client-by-client
-    comparison with that method (:func:`add_reference_comparison`). Every algorithm, the
-    reference and the output folder are checked (and the folder created) before the first
-    run."""
-    from fedkernels.algorithms import build_strategy
 
-    specs = [(algorithm_name(name), params, label)
-             for name, params, label in map(parse_algorithm, algorithms)]
-    if not specs:
-        raise ConfigError("--algorithms: no algorithm given")
-    labels = [label for _, _, label in specs]
-    twice = next((label for k, label in enumerate(labels) if label in labels[:k]), None)
-    if twice is not None:  # two rows of one name, and --reference could not tell them apart
-        raise ConfigError(f"--algorithms: the label {twice!r} is given twice; give each entry "
-                          "its own (ALGORITHM@LABEL)")
-    if not seeds:
-        raise ConfigError("--seeds: no seed given")
-    for name, params, _ in specs:
-        build_strategy(name, params)  # an unknown name or parameter fails now, not hours later
-    if reference_split not in REFERENCE_SPLITS:
-        raise ConfigError(f"--reference-split: expected one of {', '.join(REFERENCE_SPLITS)}, "
-                          f"got {reference_split!r}")
-    reference_index = None if reference is None else find_reference(specs, reference)
-    try:  # now, not after hours of runs
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--out {out}: cannot create the folder: {err.strerror or err}") from None
-    entries = []
-    for name, params, label in specs:
-        runs = []
-        for seed in seeds:
-            run = run_one(tree, name, params, seed)
-            runs.append(run)
-            if progress:
-                s = run["summary"]
-                personal = (f" personalized {s['personalized_accuracy']:.3f}"
-                            if run["personal_models"] else "")
-                flag = " DIVERGED" if run["diverged"] else ""
-                print(
-                    f"{label:>28s} seed {seed}: avg {s['client_accuracy_mean']:.3f} worst10 "
-                    f"{s['client_accuracy_worst10']:.3f}{personal} ({s['seconds']:.1f}s){flag}",
-                    file=sys.stderr,
-                )
-        mean, std = seed_statistics([r["summary"] for r in runs])
-        entries.append({
-            "label": label, "algorithm": name, "params": params, "runs": runs,
-            "mean": mean, "std": std,
-            "diverged_seeds": [r["seed"] for r in runs if r["diverged"]],
-            "caveats": sorted({c for r in runs for c in r["caveats"]}),
-        })
-    if reference_index is not None:
-        add_reference_comparison(entries, entries[reference_index], reference_split)
-    meta = {"title": title, "seeds": seeds, "config": tree, "reference": reference,
-            "reference_split": reference_split, "entries": entries}
-    (out / "compare.json").write_text(json.dumps(meta, indent=1) + "\n")
-    table = markdown_table(entries)
-    (out / "compare.md").write_text((f"**{title}**\n\n" if title else "") + table)
-    plot(entries, out / "compare.png", title)
-    return entries
+# ---------------------------------------------------------------- the command line
+
+_COMPARE_OPTIONS = {"runs", "algorithms", "set", "sweep", "seeds", "config", "out", "resume",
+                    "overwrite", "title", "threads", "reference", "reference_split", "no_plots",
+                    "no_progress"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(help_only: bool = False) -> Parser:
+    """``fedkernels compare``'s parser: its own options, and every configuration flag of
+    ``fedkernels run`` (not listed; ``help_only``: from the saved algorithm options)."""
+    from .algorithm_options import live, saved
+
     parser = Parser(
         prog="fedkernels compare",
-        description="Run several strategies over several seeds; write a table and a plot.",
+        usage="%(prog)s RUN_DIR... [--out DIR]\n"
+        "       %(prog)s [RUN FLAGS] --sweep KEY=V1,V2 ... [--seeds 0-4] [--out DIR] "
+        "[--resume | --overwrite]",
+        description="Table and plot finished runs, grouping the seeds of each configuration; "
+        "or run a sweep (every combination of the --sweep values, every seed, each run in its "
+        "own folder under --out/runs) and table it.",
+        epilog="Every configuration flag of fedkernels run (--rounds, --partition.alpha, "
+        "--fedprox.mu, ...; see fedkernels run --help) sets the base of a sweep's runs; an "
+        "algorithm's flag applies to its runs. The older spelling --algorithms "
+        "NAME[:key=value;...][@label],... with --set KEY=VALUE still works.",
     )
-    parser.add_argument("--algorithms", required=True,
-                        help="comma-separated NAME[:key=value;key=value][@label]")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--config", metavar="FILE", help="YAML/JSON experiment configuration")
-    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override one configuration field (repeatable)")
-    parser.add_argument("--out", default="runs/compare", help="output folder")
-    parser.add_argument("--title", default="", help="title of the table and plot")
+    parser.add_argument("runs", nargs="*", metavar="RUN_DIR",
+                        help="finished runs: folders holding results.json, or folders and globs "
+                        "searched for them")
+    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                        help="run every value of KEY (any configuration key: algorithm, "
+                        "client.lr, fedprox.mu, ...; a list value in brackets, [64,64]); "
+                        "repeat for a grid")
+    parser.add_argument("--seeds", metavar="SEEDS",
+                        help=f"seeds of every configuration: 0-4, 0,3,7 (default: {DEFAULT_SEEDS})")
+    parser.add_argument("--out", metavar="DIR",
+                        help="output folder (default: runs/compare, -2, -3, ... if taken)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the finished runs of the sweep in --out, run the others")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the comparison in --out")
+    parser.add_argument("--title", default="", help="title of the table and figure "
+                        "(default: what the runs share)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--no-plots", action="store_true", help="no figure")
+    parser.add_argument("--no-progress", action="store_true", help="no line per run")
     parser.add_argument("--reference", metavar="METHOD",
                         help="label or algorithm name of the method every other one is compared "
                         "with client by client, seed by seed: how many clients below its median "
@@ -508,61 +734,160 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reference-split", choices=REFERENCE_SPLITS, default="median",
                         help="split the reference's clients at its median (default) or mean "
                         "accuracy (the Semi-VRed paper's 'suffering' clients are below the mean)")
+    parser.add_argument("--config", metavar="FILE", help="YAML/JSON base configuration")
+    parser.add_argument("--algorithms", help=argparse.SUPPRESS)
+    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
+    from .run import add_config_arguments
+
+    options = saved() if help_only else live()
+    # --seed is --seeds here; a misspelled --seed gets that hint
+    add_config_arguments(parser, "", options, hidden=True, skip=("seed",))
     return parser
 
 
-def split_algorithms(text: str) -> list[str]:
-    """Splits on commas that start a new algorithm (parameters use ';' or follow ':')."""
-    items: list[str] = []
-    for piece in text.split(","):
-        if items and "=" in piece and ":" not in piece and "@" not in piece.split("=")[0]:
-            items[-1] += "," + piece  # a further key=value of the previous algorithm
-        else:
-            items.append(piece)
-    return [i.strip() for i in items if i.strip()]
+def _fail(message: object) -> int:
+    print(f"fedkernels compare: error: {one_line(message)}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     """``fedkernels compare ...`` (``argv`` holds what follows the word ``compare``)."""
     argv = sys.argv[2:] if argv is None else list(argv)
+    out: Path | None = None
+    args = None
     try:
+        parser = build_parser(help_only=any(f in argv for f in ("-h", "--help")))
         try:
-            args = build_parser().parse_strict(argv)
+            args = parser.parse_strict(argv)
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
         if args.threads is not None:
             set_threads(args.threads)
-        try:
-            seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        except ValueError:
-            raise ConfigError(
-                f"--seeds: expected comma-separated integers, got {args.seeds!r}"
-            ) from None
-        if not seeds:
-            raise ConfigError(f"--seeds: no seed given ({args.seeds!r})")
-        out = Path(args.out)
-        for path in (out, *out.parents):
-            if path.exists() and not path.is_dir():
-                what = "" if path == out else f": {path}"
-                raise ConfigError(f"--out {out}{what} exists and is not a folder")
+        base = {k: v for k, v in vars(args).items() if k not in _COMPARE_OPTIONS}
+        sweep_mode = bool(args.sweep or args.algorithms or base or args.set or args.config
+                          or args.seeds)
+        if not args.runs and not sweep_mode:
+            raise ConfigError("nothing to compare: give finished runs (fedkernels compare "
+                              "RUN_DIR...) or a sweep (--sweep KEY=V1,V2 with run's flags)")
+        if args.runs and args.seeds:
+            raise ConfigError("--seeds chooses the seeds of a sweep; finished runs bring their "
+                              "own")
+        if args.runs and sweep_mode:
+            raise ConfigError("give finished runs (RUN_DIR...) or a sweep's flags, not both")
+        out = Path(args.out) if args.out else default_out()
+        check_out(out, resume=args.resume, overwrite=args.overwrite, sweep=sweep_mode)
         check_writable(out)
-        require_extra("matplotlib", "plotting")
-        tree = base_tree(args.config, args.set)
+        if not args.no_plots:
+            require_extra("matplotlib", "plotting", "--no-plots")
+        if not sweep_mode:
+            entries = compare_runs(args.runs)
+            if args.reference is not None:
+                find_reference([(e["algorithm"], e["params"], e["label"]) for e in entries],
+                               args.reference)
+            if args.overwrite:
+                clear_out(out, runs=False)
+            title = args.title or default_title(entries)
+            write_outputs(entries, out, title=title, reference=args.reference,
+                          reference_split=args.reference_split, plots=not args.no_plots)
+            print((out / "compare.md").read_text() + f"-> {out}")
+            return 0
+        seeds = parse_seeds(args.seeds or DEFAULT_SEEDS)
+        sweeps = parse_sweep(args.sweep)
+        keys = [a.dest for a in parser._actions if a.dest not in _COMPARE_OPTIONS | {"help"}]
+        for key, _ in sweeps:
+            if key not in keys:
+                close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise ConfigError(f"--sweep {key}: not a key of the configuration{hint}")
+        if args.algorithms is not None:
+            if args.sweep or base:
+                raise ConfigError("--algorithms (the older spelling) goes with --set; with "
+                                  "--sweep and run's flags, sweep the algorithm: "
+                                  "--sweep algorithm=fedavg,fedprox")
+            plans = plan_algorithms(split_algorithms(args.algorithms), seeds,
+                                    base_tree(args.config, args.set))
+        else:
+            if args.set:
+                raise ConfigError("--set goes with --algorithms (the older spelling); with "
+                                  "--sweep, give run's flags: --partition.alpha 0.3")
+            if args.config:
+                base["config"] = args.config
+            plans = plan_sweep(base, sweeps, seeds)
+        if args.reference is not None:
+            labels = list(dict.fromkeys(p.label for p in plans))
+            names = {p.label: p.tree["algorithm"] for p in plans}
+            find_reference([(names[label], {}, label) for label in labels], args.reference)
+        out.mkdir(parents=True, exist_ok=True)
+        if args.overwrite:
+            clear_out(out, runs=True)
         with data_warnings("fedkernels compare"):
-            entries = compare(split_algorithms(args.algorithms), seeds, tree, out, args.title,
-                              reference=args.reference, reference_split=args.reference_split)
+            try:
+                records = run_sweep(plans, out, resume=args.resume,
+                                    progress=not args.no_progress)
+            except Interrupted as stop:
+                if stop.records:
+                    entries = sweep_entries(stop.records)
+                    write_outputs(entries, out, title=args.title or default_title(entries),
+                                  sweep=sweeps or None, plots=not args.no_plots)
+                    done = "the table holds those"
+                else:
+                    done = "no table was written"
+                command = " ".join(["fedkernels", "compare", *_without(argv, "--overwrite"),
+                                    *(["--out", str(out)] if not args.out else []),
+                                    *([] if args.resume else ["--resume"])])
+                print(f"\ninterrupted after {len(stop.records)} of {stop.planned} runs; {done}; "
+                      f"continue with: {command}" if stop.records
+                      else "\ninterrupted; no table was written", file=sys.stderr)
+                return 130
+        entries = sweep_entries(records)
+        write_outputs(entries, out, title=args.title or default_title(entries),
+                      reference=args.reference, reference_split=args.reference_split,
+                      sweep=sweeps or None, plots=not args.no_plots)
     except KeyboardInterrupt:
         print("\ninterrupted; no table was written", file=sys.stderr)
         return 130
     except ConfigError as err:
-        print(f"fedkernels compare: error: {one_line(err)}", file=sys.stderr)
-        return 2
+        return _fail(err)
     except ModuleNotFoundError as err:
         message = missing_extra(err)
         if message is None:
             raise
-        print(f"fedkernels compare: error: {message}", file=sys.stderr)
-        return 2
-    print(markdown_table(entries))
+        return _fail(message)
+    print((out / "compare.md").read_text() + f"-> {out}")
     return 0
 
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    import shlex
+
+    return [shlex.quote(a) for a in argv if a != flag]
+
+
+def default_title(entries: list[dict[str, Any]]) -> str:
+    """What every compared run shares, in words: data, partition, clients, model (the
+    differences are the labels)."""
+    configs = [r["config"] for e in entries for r in e["runs"]]
+    if not configs:
+        return ""
+    shared = _flat(configs[0])
+    for config in configs[1:]:
+        flat = _flat(config)
+        shared = {k: v for k, v in shared.items() if flat.get(k) == v}
+    parts = []
+    data = shared.get("data.name")
+    if data:
+        parts.append(str(data))
+    kind = shared.get("partition.kind")
+    if kind:
+        alpha = shared.get("partition.alpha")
+        parts.append(f"{kind}" + (f" (α={alpha})" if kind == "dirichlet" and alpha else "")
+                     + " partition")
+    if "partition.num_clients" in shared:
+        parts.append(f"{shared['partition.num_clients']} clients")
+    if "model.name" in shared:
+        parts.append(str(shared["model.name"]))
+    if "rounds" in shared:
+        parts.append(f"{shared['rounds']} rounds")
+    if "algorithm" in shared and len(entries) > 1:
+        parts.insert(0, str(shared["algorithm"]))
+    return ", ".join(parts)

@@ -164,10 +164,19 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
     parser.add_argument("--log", action="append", choices=LOGGERS, default=[], metavar="NAME",
                         help=f"log the rounds to tensorboard too (--out/{TENSORBOARD_DIR})")
 
-    top = parser.add_argument_group("experiment")
+    add_config_arguments(parser, algorithm, options)
+    return parser
+
+
+def add_config_arguments(parser: Parser, algorithm: str, options: dict[str, Any],
+                         hidden: bool = False, skip: tuple[str, ...] = ()) -> None:
+    """The configuration's flags: ``--FIELD``, ``--SECTION.FIELD`` and each algorithm's
+    ``--ALGORITHM.FIELD`` (``options``: :mod:`.algorithm_options`); only ``algorithm``'s are
+    listed in the help, and none with ``hidden``. ``skip``: top-level fields left out."""
+    top = parser if hidden else parser.add_argument_group("experiment")
     types = field_types(ExperimentConfig)
     for f in dataclasses.fields(ExperimentConfig):
-        if f.name in SECTIONS or f.name == "algorithm_params":
+        if f.name in SECTIONS or f.name == "algorithm_params" or f.name in skip:
             continue
         if f.name == "algorithm":
             top.add_argument(
@@ -175,19 +184,20 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
                 dest="algorithm",
                 default=argparse.SUPPRESS,
                 metavar="NAME",
-                help="the algorithm: a name listed below, package.module:Class, or an installed "
-                f"plugin (default: {DEFAULT_ALGORITHM})",
+                help=argparse.SUPPRESS if hidden else "the algorithm: a name listed below, "
+                f"package.module:Class, or an installed plugin (default: {DEFAULT_ALGORITHM})",
             )
             continue
-        _add_field(top, f.name, field_options(f, types[f.name]))
+        _add_field(top, f.name, field_options(f, types[f.name]), hidden)
     for section in SECTIONS:
         cls = types[section]
-        group = parser.add_argument_group(section)
+        group = parser if hidden else parser.add_argument_group(section)
         section_types = field_types(cls)
         for f in dataclasses.fields(cls):
-            _add_field(group, f"{section}.{f.name}", field_options(f, section_types[f.name]))
+            _add_field(group, f"{section}.{f.name}", field_options(f, section_types[f.name]),
+                       hidden)
     for name, fields in sorted(options.items()):
-        shown = name == algorithm
+        shown = name == algorithm and not hidden
         if fields is None:
             if shown:
                 parser.add_argument_group(
@@ -197,7 +207,6 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
         group = parser.add_argument_group(f"algorithm {name}") if shown else parser
         for field_name, field_opts in fields:
             _add_field(group, f"{name}.{field_name}", field_opts, hidden=not shown)
-    return parser
 
 
 # argparse destinations that are options of the command, not configuration fields
@@ -377,10 +386,9 @@ def _run_locked(simulation, config: ExperimentConfig, out: Path, *, resume: bool
     return result.to_dict()
 
 
-def _config_text(config: ExperimentConfig) -> str:
-    """``--print_config``: the configuration as config.json will hold it (the fields that
-    apply, the algorithm's parameters checked and complete) in YAML, or JSON without PyYAML;
-    either reads back with --config."""
+def resolved_tree(config: ExperimentConfig) -> dict[str, Any]:
+    """``config`` as config.json will hold it: the fields that apply, the algorithm under its
+    registered name (an import path as given) with all its parameters, checked."""
     from fedkernels.algorithms.registry import build_strategy, is_import_path
 
     strategy = build_strategy(config.algorithm, config.algorithm_params)
@@ -388,7 +396,13 @@ def _config_text(config: ExperimentConfig) -> str:
     config = dataclasses.replace(
         config, algorithm=config.algorithm if is_import_path(config.algorithm) else strategy.name,
         algorithm_params=dataclasses.asdict(params) if params is not None else {})
-    tree = applicable_dict(config)
+    return applicable_dict(config)
+
+
+def _config_text(config: ExperimentConfig) -> str:
+    """``--print_config``: :func:`resolved_tree` in YAML, or JSON without PyYAML; either reads
+    back with --config."""
+    tree = resolved_tree(config)
     try:
         import yaml
     except ImportError:
