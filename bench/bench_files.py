@@ -44,23 +44,13 @@ import warnings
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fedkernels
+from fedkernels.checkpoint_files import open_checkpoint, safetensors_header
+from fedkernels.ops import summation
 
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    _merge_into,
-    add_output_arguments,
-    at_least,
-    check_output_arguments,
-    device_name,
-    environment,
-    fail,
-    write_results,
-)
-
-import fedkernels  # noqa: E402
-from fedkernels.checkpoint_files import open_checkpoint, safetensors_header  # noqa: E402
-from fedkernels.ops import summation  # noqa: E402
+from harness.cli import add_output_arguments, at_least, check_output_arguments, fail
+from harness.machine import device_name, environment
+from harness.results import RESULTS_DIR, _merge_into, write_results
 
 
 def llama_shapes(d: int = 2048, ff: int = 5632, layers: int = 12,
