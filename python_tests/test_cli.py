@@ -67,7 +67,9 @@ def test_run_writes_results_and_plots(tmp_path, capsys):
         "results.json",
         "metrics.csv",
         "curves.png",
+        "curves.pdf",
         "client_accuracy.png",
+        "client_accuracy.pdf",
     }
     results = read(out / "results.json")
     assert results["config"]["algorithm"] == "fedprox" and results["config"][

@@ -119,3 +119,95 @@ def test_compare_plot_many_methods_stay_distinguishable(tmp_path):
     assert len(lines) == 13
     styles = {(line.get_color(), line.get_linestyle(), line.get_marker()) for line in lines}
     assert len(styles) == 13
+
+
+# ---------------------------------------------------------------- fit for a paper
+
+
+def _texts(fig):
+    from matplotlib.text import Text
+
+    return [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def _saved_width_in(path) -> float:
+    import matplotlib.image
+
+    return matplotlib.image.imread(path).shape[1] / 300  # saved at 300 dpi
+
+
+def adam_cnn_result() -> RunResult:
+    result = fake_result([0.2, 0.5, 0.7], [0.25, 0.45, 0.72], [0.9, 0.95])
+    result.config = {"algorithm": "fedavg", "algorithm_params": {},
+                     "model": {"name": "cnn", "channels": [16, 32]},
+                     "data": {"name": "digits"}, "server": {"optimizer": "fedadam", "lr": None},
+                     "partition": {"kind": "dirichlet", "alpha": 0.3, "num_clients": 2},
+                     "participation": {"kind": "uniform", "fraction": 0.5}, "rounds": 3}
+    return result
+
+
+def test_a_runs_title_says_what_ran():
+    # a FedAdam + CNN run's figure was titled "fedavg on digits"
+    fig = curves_figure(adam_cnn_result())
+    title = " ".join(fig._suptitle.get_text().split())
+    assert title.startswith("fedavg, server fedadam (lr 0.1); cnn on digits, dirichlet (α=0.3) "
+                            "split, 2 clients, uniform (0.5) participation, 3 rounds"), title
+    plt.close(fig)
+
+
+def test_run_figures_fit_a_column_with_nine_point_text(tmp_path):
+    result = adam_cnn_result()
+    for make, name in ((plot_curves, "c.png"), (plot_client_accuracy, "h.png")):
+        path = make(result, tmp_path / name)
+        assert _saved_width_in(path) <= 3.5
+        assert path.with_suffix(".pdf").read_bytes()[:4] == b"%PDF"
+    for figure in (curves_figure(result), client_accuracy_figure(result)):
+        assert min(t.get_fontsize() for t in _texts(figure)) >= 9
+        assert figure.get_figwidth() == 3.5
+        plt.close(figure)
+
+
+def test_the_first_eight_series_differ_in_colour_line_style_and_marker():
+    from fedkernels.sim.plots import series_style
+
+    looks = [series_style(i) for i in range(8)]
+    for key in ("color", "linestyle", "marker"):
+        assert len({str(look[key]) for look in looks}) == 8, key
+    assert len({json_key(series_style(i)) for i in range(64)}) == 64
+
+
+def json_key(look) -> str:
+    return f"{look['color']}|{look['linestyle']}|{look['marker']}"
+
+
+def _seeded_entry(label, base, auroc=None):
+    keys = {"client_accuracy_worst10": base - 0.05, "client_accuracy_mean": base,
+            "client_accuracy_best10": base + 0.03}
+    if auroc is not None:
+        keys.update(client_auroc_worst10=auroc - 0.02, client_auroc_mean=auroc,
+                    client_auroc_best10=min(1.0, auroc + 0.01))
+    runs = [{"curve": [(r, base - 0.3 / r + 0.01 * seed) for r in range(1, 21)]}
+            for seed in range(3)]
+    return {"label": label, "runs": runs, "mean": keys, "std": {k: 0.01 for k in keys}}
+
+
+def test_the_comparison_figure_is_fit_for_a_paper(tmp_path):
+    labels = ["fedavg", "fedprox, client.lr=0.05", "qffl, qffl.q=5", "term"]
+    entries = [_seeded_entry(label, 0.85 + 0.02 * i, auroc=0.95 + 0.01 * i)
+               for i, label in enumerate(labels)]
+    fig = compare_plot(entries, tmp_path / "compare.png", "logreg on digits, iid split")
+    points, curves, auroc = fig.axes
+    lines = curves.get_lines()
+    assert [line.get_label() for line in lines] == labels
+    # a colour and a line style of its own per method
+    assert len({line.get_color() for line in lines}) == 4
+    assert len({str(line._unscaled_dash_pattern) for line in lines}) == 4
+    assert len(curves.collections) == 4  # mean ± std bands over the seeds
+    # metric axes over the data, not from 0
+    assert points.get_xlim()[0] > 50 and auroc.get_xlim()[0] > 80
+    assert curves.get_ylim()[0] > 40
+    # the statistics' key sits above the points, not on them
+    assert points.get_legend() is None and auroc.get_legend() is None
+    assert min(t.get_fontsize() for t in _texts(fig)) >= 9
+    assert _saved_width_in(tmp_path / "compare.png") <= 3.5
+    assert (tmp_path / "compare.pdf").read_bytes()[:4] == b"%PDF"

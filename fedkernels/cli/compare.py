@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, from_dict, set_dotted
 
+from .compare_plots import plot
 from .compare_tables import (
     AUROC_METRICS,
     COUNTS,
@@ -627,61 +626,6 @@ def compare(
     return entries
 
 
-def plot(entries: list[dict[str, Any]], path: Path, title: str):
-    """Bars of worst-10%/avg/best-10% client accuracy per method, the pooled test accuracy per
-    round (mean over seeds; one distinct colour/line style/marker per method, integer round
-    ticks), and, when the methods have AUROCs, bars of worst-10%/avg/best-10% client AUROC.
-    Returns the (closed) figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
-    auroc = has_auroc(entries)
-    fig, axes = plt.subplots(1, 3 if auroc else 2, figsize=(19 if auroc else 13, 4.5))
-    bars, curves = axes[0], axes[1]
-    x = np.arange(len(entries))
-    width = 0.27
-
-    def tail_bars(ax, metric: str, ylabel: str) -> None:
-        keys = [(f"{metric}_worst10", "worst-10%"), (f"{metric}_mean", "avg"),
-                (f"{metric}_best10", "best-10%")]
-        for i, (key, label) in enumerate(keys):
-            means = [e["mean"].get(key) for e in entries]
-            stds = [e["std"].get(key) for e in entries]
-            ax.bar(x + (i - 1) * width, [np.nan if m is None else 100 * m for m in means], width,
-                   yerr=[0.0 if s is None else 100 * s for s in stds], label=label, capsize=2)
-        ax.set_xticks(x, [e["label"] for e in entries], rotation=40, ha="right", fontsize=8)
-        ax.set_ylabel(ylabel)
-        ax.legend(fontsize=8)
-
-    tail_bars(bars, "client_accuracy", "client test accuracy (%)")
-    if auroc:
-        tail_bars(axes[2], "client_auroc", "client test AUROC (%)")
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    line_styles, markers = ["-", "--", ":", "-."], ["o", "s", "^", "D", "v", "P"]
-    for i, e in enumerate(entries):
-        rounds = np.array([[r for r, _ in run["curve"]] for run in e["runs"]])
-        acc = np.array([[a for _, a in run["curve"]] for run in e["runs"]])
-        curves.plot(rounds[0], 100 * acc.mean(0), label=e["label"],
-                    color=colors[i % len(colors)],
-                    linestyle=line_styles[(i // len(colors)) % len(line_styles)],
-                    marker=markers[i % len(markers)], markersize=3,
-                    markevery=max(1, rounds.shape[1] // 10))
-    curves.set_xlabel("round")
-    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
-    curves.set_ylabel("pooled test accuracy (%)")
-    curves.legend(fontsize=7, ncol=2)
-    if title:
-        fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return fig
-
-
-
 # ---------------------------------------------------------------- the command line
 
 _COMPARE_OPTIONS = {"runs", "algorithms", "set", "sweep", "seeds", "config", "out", "resume",
@@ -864,30 +808,15 @@ def _without(argv: list[str], flag: str) -> list[str]:
 
 
 def default_title(entries: list[dict[str, Any]]) -> str:
-    """What every compared run shares, in words: data, partition, clients, model (the
-    differences are the labels)."""
-    configs = [r["config"] for e in entries for r in e["runs"]]
-    if not configs:
+    """What every compared run shares, in words: the method when there is one, the model and
+    data, the split, clients, participation and rounds (the differences are the labels)."""
+    from fedkernels.sim.plots import describe_method, describe_setting
+
+    runs = [r for e in entries for r in e["runs"]]
+    if not runs:
         return ""
-    shared = _flat(configs[0])
-    for config in configs[1:]:
-        flat = _flat(config)
-        shared = {k: v for k, v in shared.items() if flat.get(k) == v}
-    parts = []
-    data = shared.get("data.name")
-    if data:
-        parts.append(str(data))
-    kind = shared.get("partition.kind")
-    if kind:
-        alpha = shared.get("partition.alpha")
-        parts.append(f"{kind}" + (f" (α={alpha})" if kind == "dirichlet" and alpha else "")
-                     + " partition")
-    if "partition.num_clients" in shared:
-        parts.append(f"{shared['partition.num_clients']} clients")
-    if "model.name" in shared:
-        parts.append(str(shared["model.name"]))
-    if "rounds" in shared:
-        parts.append(f"{shared['rounds']} rounds")
-    if "algorithm" in shared and len(entries) > 1:
-        parts.insert(0, str(shared["algorithm"]))
-    return ", ".join(parts)
+    settings = [describe_setting(r["config"], r.get("dataset"), len(r["client_accuracy"]))
+                for r in runs]
+    shared = [v for k, v in settings[0].items() if v and all(s[k] == v for s in settings)]
+    methods = {describe_method(r["config"]) for r in runs}
+    return ", ".join(([methods.pop()] if len(methods) == 1 else []) + shared)

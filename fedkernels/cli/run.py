@@ -83,6 +83,9 @@ OUTPUT_NAMES = (
     METRICS_NAME,
     CURVES_NAME,
     CLIENTS_NAME,
+    # each figure's PDF beside its PNG
+    str(Path(CURVES_NAME).with_suffix(".pdf")),
+    str(Path(CLIENTS_NAME).with_suffix(".pdf")),
 )
 # files that mean a folder holds a run worth keeping
 RUN_MARKERS = (RESULTS_NAME, CHECKPOINT_NAME)
