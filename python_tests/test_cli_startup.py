@@ -47,7 +47,7 @@ def test_help_and_version_answer_without_torch(tmp_path):
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(NO_TORCH)
     for argv in (["run", "--help"], ["run", "--algorithm", "FedProx", "--help"], ["--help"],
-                 ["--version"]):
+                 ["--version"], ["compare", "--help"]):
         done = fedkernels(*argv, PYTHONPATH=str(blocker))
         assert_success(done)
         assert "Traceback" not in done.stderr

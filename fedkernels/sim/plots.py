@@ -14,10 +14,12 @@ import contextlib
 import textwrap
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .config import DEFAULT_SERVER_LR
-from .results import RunResult
+
+if TYPE_CHECKING:  # results imports torch, which drawing does not need
+    from .results import RunResult
 
 COLUMN_WIDTH_IN = 3.5  # one column of a two-column paper (IEEE, ACM, NeurIPS-style)
 FONT_PT = 9  # the smallest text on a figure, at COLUMN_WIDTH_IN
