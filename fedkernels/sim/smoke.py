@@ -163,7 +163,7 @@ def write_tiny_dataset(data: dict[str, Any], root: Path, seed: int = 0) -> int |
     name = data["name"]
     rng = np.random.default_rng(seed)
     if name in ("mnist", "fashion_mnist"):
-        tiny_files.write_mnist(root, num_train=200, num_test=100, seed=seed)
+        tiny_files.write_mnist(root, num_train=120, num_test=60, seed=seed)
         return 10
     if name == "emnist":
         split = data["split"]
@@ -173,13 +173,13 @@ def write_tiny_dataset(data: dict[str, Any], root: Path, seed: int = 0) -> int |
                                first_label=1 if split == "letters" else 0, seed=seed)
         return classes
     if name == "cifar10":
-        tiny_files.write_cifar10(root, per_batch=30, num_test=60, seed=seed)
+        tiny_files.write_cifar10(root, per_batch=20, num_test=40, seed=seed)
         return 10
     if name == "cifar100":
         tiny_files.write_cifar100(root, num_train=300, num_test=100, seed=seed)
         return 20 if data["coarse"] else 100
     if name == "svhn":
-        parts = {"train": 150, "test": 60, **({"extra": 20} if data["extra"] else {})}
+        parts = {"train": 100, "test": 40, **({"extra": 20} if data["extra"] else {})}
         tiny_files.write_svhn(root, parts, seed=seed)
         return 10
     if name == "cinic10":
