@@ -164,3 +164,17 @@ def test_smoke_has_tiny_files_for_every_file_based_data_set(name, tmp_path):
         assert dataset.num_classes == classes
     else:  # LEAF's writers and the heart sites: one client each
         assert dataset.groups is not None and len(set(np.asarray(dataset.groups).tolist())) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_smoke_run_has_a_folder_of_its_own_and_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = str(CONFIGS / "mnist1d" / "aaggff_d.yaml")
+    assert main(["run", "--config", config, "--smoke", *RUN_FLAGS]) == 0, capsys.readouterr().err
+    out = tmp_path / "runs" / "aaggff-d-mnist1d-seed0-smoke"  # never a full run's folder
+    assert (out / "results.json").is_file() and not (tmp_path / "runs" / out.name[:-6]).exists()
+    first = json.loads((out / "results.json").read_text())["summary"]["test_accuracy"]
+    assert main(["run", "--resume", "--out", str(out), "--smoke", *RUN_FLAGS]) == 0, \
+        capsys.readouterr().err
+    assert json.loads((out / "results.json").read_text())["summary"]["test_accuracy"] == first

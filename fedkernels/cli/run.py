@@ -45,8 +45,6 @@ from fedkernels.algorithms.registry import (
 )
 from fedkernels.sim.atomic_files import remove_leftovers, write_text
 from fedkernels.sim.config import SECTIONS, ConfigError, ExperimentConfig, field_types, from_dict, set_dotted
-from fedkernels.sim.smoke import DATA_FOLDER as SMOKE_DATA
-from fedkernels.sim.smoke import smoke_config
 
 from .config_file import load_config_file
 from .parsing import (
@@ -532,8 +530,10 @@ def _main(argv: list[str]) -> int:
             out = out.with_name(out.name + "-smoke")  # never a full run's folder
         _check_out(out, resume=args.resume, overwrite=args.overwrite)
         check_writable(out)
-        if args.smoke:
-            config = smoke_config(config, out / SMOKE_DATA,
+        if args.smoke:  # imported here: the data sets' writers cost every other run's start
+            from fedkernels.sim.smoke import DATA_FOLDER, smoke_config
+
+            config = smoke_config(config, out / DATA_FOLDER,
                                   strategy_class(config.algorithm).config_class)
         _check_extras(config, progress=not args.no_progress, plots=not args.no_plots)
         with data_warnings("fedkernels run"):
