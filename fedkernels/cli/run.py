@@ -152,6 +152,8 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--smoke", action="store_true", help="shrink the run to seconds: 2 rounds, "
+                        "few clients and steps, tiny data files (fedkernels.sim.smoke)")
 
     top = parser.add_argument_group("experiment")
     types = field_types(ExperimentConfig)
@@ -192,7 +194,8 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM) -> Parser:
 
 
 # argparse destinations that are options of the command, not configuration fields
-_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots"}
+_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "threads", "no_progress", "no_plots",
+                "smoke"}
 
 
 def resolve_config(
@@ -523,8 +526,15 @@ def _main(argv: list[str]) -> int:
         if saved is not None:
             _check_saved_data_file(config, saved)
         out = Path(args.out) if args.out else _default_out(config)
+        if args.smoke and not args.out:
+            out = out.with_name(out.name + "-smoke")  # never a full run's folder
         _check_out(out, resume=args.resume, overwrite=args.overwrite)
         check_writable(out)
+        if args.smoke:  # imported here: the data sets' writers cost every other run's start
+            from fedkernels.sim.smoke import DATA_FOLDER, smoke_config
+
+            config = smoke_config(config, out / DATA_FOLDER,
+                                  strategy_class(config.algorithm).config_class)
         _check_extras(config, progress=not args.no_progress, plots=not args.no_plots)
         with data_warnings("fedkernels run"):
             results = run_experiment(
