@@ -53,14 +53,16 @@ class ClientSet:
     def label(self, i: int) -> str:
         return self.layout.label(self.layout.names[i])
 
-    def out_tensors(self, out: Model | None, *, floats_written_here: bool = False
-                    ) -> list[Tensor] | None:
+    def out_tensors(self, out: Model | None, *, floats_written_here: bool = False,
+                    op_sees: Sequence[int] | None = ()) -> list[Tensor] | None:
         """``out``'s tensors after checking them against client 0's, before any write: every
-        entry's shape, dtype and device, and the memory checks the native ops do not make (they
-        check their floating-point outputs against their inputs). The integer entries, and
+        entry's shape, dtype and device, and memory: no entry
+        may overlap any of the K clients (also those a rule does not select: the native ops
+        only see, and check against, the clients they are given: ``op_sees`` are the clients
+        whose float tensors the rule's op takes with every float out entry, and checks itself;
+        None for all of them). The integer entries, and
         the float ones where ``floats_written_here`` (Krum copies its selection itself), must
-        not be expanded views nor overlap a client or another out entry; no entry may overlap
-        a client's integer tensor."""
+        not be expanded views nor overlap another out entry."""
         if out is None:
             return None
         tensors = self.layout.tensors(out, "out")
@@ -78,14 +80,15 @@ class ClientSet:
                                  "output needs one element of memory each")
         ints = Footprints([(byte_span(t), t, (k, i)) for i, column in self.ints.items()
                            for k, t in enumerate(column)])
+        seen = set() if floats_written_here else set(range(self.K) if op_sees is None
+                                                     else op_sees)
         floats = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
-                             for i, t in zip(self.layout.float_index, c)]
-                            if floats_written_here else [])
+                             if k not in seen for i, t in zip(self.layout.float_index, c)])
         outputs = Footprints([(byte_span(o), o, j) for j, o in enumerate(tensors)])
         for i, o in enumerate(tensors):
             span = byte_span(o)
             hit = ints.overlap(span, o)
-            if hit is None and i in written_here:
+            if hit is None:
                 hit = floats.overlap(span, o)
             if hit is not None:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps client "

@@ -48,7 +48,7 @@ def coordinate_median(clients, *, out: Model | None = None) -> Model:
     any client is NaN is NaN. ``out``: where to write the result (client 0's structure, dtypes
     and devices; must not alias a client)."""
     cs = ClientSet(clients, "fedkernels.coordinate_median")
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     results = cs.run(robust_ops.coordinate_median, cs.flat(), cs.K, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
 
@@ -64,7 +64,7 @@ def trimmed_mean(clients, beta: float, *, out: Model | None = None) -> Model:
     if not 0.0 <= beta < 0.5:
         raise ValueError(f"{api}: beta must be in [0, 0.5), got {beta}")
     cs = ClientSet(clients, api)
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     lowercut = int(beta * cs.K)  # Flower's (and SciPy's trim_mean's) cut
     results = cs.run(robust_ops.trimmed_mean, cs.flat(), cs.K, lowercut, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
@@ -79,7 +79,7 @@ def nearest_to_median_mean(clients, window: int, *, out: Model | None = None) ->
     api = "fedkernels.nearest_to_median_mean"
     cs = ClientSet(clients, api)
     window = _check_count(api, "window", window, 1, cs.K)
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     results = cs.run(robust_ops.median_window_mean, cs.flat(), cs.K, window,
                      cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
@@ -230,10 +230,10 @@ def bulyan(clients, num_malicious: int, *, selection: str = "iterative",
     if cs.K < 4 * f + 3:
         raise ValueError(f"{api}: Bulyan needs K >= 4 * num_malicious + 3 = {4 * f + 3} "
                          f"clients, got K = {cs.K}")
-    out_tensors = cs.out_tensors(out)
     theta = cs.K - 2 * f
     beta = theta - 2 * f
     chosen = _bulyan_select(_distances(cs), f, theta, selection)
+    out_tensors = cs.out_tensors(out, op_sees=chosen)  # and the others, which it does not see
     results = cs.run(robust_ops.median_window_mean, cs.flat(chosen), theta, beta,
                      cs.float_out(out_tensors))
     return cs.finish(results, chosen, out_tensors, out)

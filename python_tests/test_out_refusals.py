@@ -1,0 +1,69 @@
+"""Refusals of the robust and private APIs that must come before anything is written: an
+``out`` that aliases any of the K clients (also one the rule does not select)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fedkernels import robust
+
+K = 7  # Bulyan with f = 1 needs K >= 7
+
+
+def _clients(kind: str, outlier: int = K - 1):
+    """K clients, client ``outlier`` far from the others (no rule selects it)."""
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(2, 3, generator=g) for _ in range(K)]
+    rows[outlier] = rows[outlier] + 100.0
+    if kind == "tensor":
+        return [r.reshape(-1) for r in rows]
+    if kind == "flat":
+        return torch.stack([r.reshape(-1) for r in rows])
+    if kind == "list":
+        return [[r[0], r[1]] for r in rows]
+    return [{"a": r[0], "n": torch.tensor(k), "b": r[1]} for k, r in enumerate(rows)]
+
+
+def _snapshot(model):
+    if isinstance(model, torch.Tensor):
+        return [model.detach().clone()]
+    values = model.values() if isinstance(model, dict) else model
+    return [t.detach().clone() for t in values]
+
+
+def _unchanged(model, before) -> bool:
+    return all(torch.equal(a.detach(), b) for a, b in zip(_snapshot(model), before))
+
+
+SELECTING = {
+    "bulyan": lambda c, out: robust.bulyan(c, 1, out=out),
+    "bulyan multikrum": lambda c, out: robust.bulyan(c, 1, selection="multikrum", out=out),
+    "krum": lambda c, out: robust.krum(c, 1, out=out),
+    "multikrum": lambda c, out: robust.krum(c, 1, 3, out=out),
+}
+
+
+@pytest.mark.parametrize("kind", ["tensor", "flat", "list", "dict"])
+@pytest.mark.parametrize("rule", sorted(SELECTING))
+def test_out_aliasing_an_unselected_client_is_refused(rule, kind):
+    clients = _clients(kind)
+    victim = clients[K - 1]
+    before = _snapshot(victim)
+    with pytest.raises(ValueError, match=rf"fedkernels\.(bulyan|krum): out tensor .* overlaps "
+                                         rf"client {K - 1}"):
+        SELECTING[rule](clients, victim)
+    assert _unchanged(victim, before)
+
+
+@pytest.mark.parametrize("rule", sorted(SELECTING))
+def test_out_overlapping_part_of_an_unselected_client_is_refused(rule):
+    clients = _clients("tensor")
+    buffer = torch.cat([clients[K - 1], torch.zeros(6)])
+    clients[K - 1] = buffer[:6]
+    out = buffer[3:9]  # its last three elements are the outlier's first three
+    before = buffer.clone()
+    with pytest.raises(ValueError, match=f"overlaps client {K - 1}"):
+        SELECTING[rule](clients, out)
+    assert torch.equal(buffer, before)
+    SELECTING[rule](clients, buffer[6:].clone())  # beside it, not over it: accepted
