@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from .memory_footprints import Footprints, byte_span, has_internal_overlap
@@ -56,7 +57,9 @@ class ClientSet:
     def out_tensors(self, out: Model | None, *, floats_written_here: bool = False,
                     op_sees: Sequence[int] | None = ()) -> list[Tensor] | None:
         """``out``'s tensors after checking them against client 0's, before any write: every
-        entry's shape, dtype and device, and memory: no entry
+        entry's shape, dtype and device; with grad mode on, no entry that requires grad (as
+        PyTorch's in-place ops; checked here because Krum copies into ``out`` itself, and an
+        entry written before a later one is refused would stay written); and memory: no entry
         may overlap any of the K clients (also those a rule does not select: the native ops
         only see, and check against, the clients they are given: ``op_sees`` are the clients
         whose float tensors the rule's op takes with every float out entry, and checks itself;
@@ -71,6 +74,14 @@ class ClientSet:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
+        if torch.is_grad_enabled():
+            for i, o in enumerate(tensors):
+                if o.requires_grad:
+                    what = "is a leaf that requires grad" if o.is_leaf else "requires grad"
+                    raise RuntimeError(f"{self.api}: out tensor {self.label(i)} {what}; the "
+                                       "result is written in place and carries no gradient: "
+                                       "write it under torch.no_grad(), as PyTorch's in-place "
+                                       "ops require")
         written_here = {i for i, f in enumerate(self.layout.float_mask)
                         if floats_written_here or not f}
         for i in sorted(written_here):

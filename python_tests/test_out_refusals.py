@@ -1,11 +1,13 @@
 """Refusals of the robust and private APIs that must come before anything is written: an
-``out`` that aliases any of the K clients (also one the rule does not select)."""
+``out`` that aliases any of the K clients (also one the rule does not select), and an ``out``
+entry that requires grad at any position."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import fedkernels as fk
 from fedkernels import robust
 
 K = 7  # Bulyan with f = 1 needs K >= 7
@@ -67,3 +69,30 @@ def test_out_overlapping_part_of_an_unselected_client_is_refused(rule):
         SELECTING[rule](clients, out)
     assert torch.equal(buffer, before)
     SELECTING[rule](clients, buffer[6:].clone())  # beside it, not over it: accepted
+
+
+@pytest.mark.parametrize("position", [0, 1, 2])
+@pytest.mark.parametrize("rule", sorted(SELECTING) + ["median", "trimmed"])
+def test_out_entry_requiring_grad_is_refused_before_any_write(rule, position):
+    calls = dict(SELECTING, median=lambda c, out: robust.coordinate_median(c, out=out),
+                 trimmed=lambda c, out: robust.trimmed_mean(c, 0.2, out=out))
+    clients = [dict(a=c["a"], b=c["b"], c=c["a"] * 2) for c in _clients("dict")]
+    out = {name: torch.zeros(3) for name in "abc"}
+    name = "abc"[position]
+    out[name] = torch.zeros(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match=rf"fedkernels\.\w+: out tensor '{name}' is a leaf "
+                                           "that requires grad"):
+        calls[rule](clients, out)
+    assert all(torch.equal(t.detach(), torch.zeros(3)) for t in out.values())
+    with torch.no_grad():  # as PyTorch's in-place ops: allowed there
+        calls[rule](clients, out)
+    assert not all(torch.equal(t.detach(), torch.zeros(3)) for t in out.values())
+
+
+def test_private_aggregate_out_requiring_grad_is_refused_before_any_write():
+    clients = [{"a": torch.randn(3), "b": torch.randn(3)} for _ in range(3)]
+    base = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    out = {"a": torch.zeros(3), "b": torch.zeros(3, requires_grad=True)}
+    with pytest.raises(RuntimeError, match="private_aggregate: out tensor 'b' is a leaf"):
+        fk.private_aggregate(clients, base=base, clip_norm=1.0, noise_std=0.0, out=out)
+    assert torch.equal(out["a"], torch.zeros(3))
