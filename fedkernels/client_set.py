@@ -51,6 +51,13 @@ class ClientSet:
         # ops, which need at least one tensor: run() then returns no results.
         self.has_floats = bool(layout.float_index)
 
+    def refuse_meta(self, why: str) -> None:
+        """A ValueError naming the API when the clients are on the meta device (no values):
+        for rules whose result or selection depends on the values (``why``)."""
+        if self.floats and self.floats[0] and self.floats[0][0].device.type == "meta":
+            raise ValueError(f"{self.api}: the clients are on the meta device, which holds no "
+                             f"values; {why}")
+
     def label(self, i: int) -> str:
         return self.layout.label(self.layout.names[i])
 

@@ -122,6 +122,8 @@ def krum_scores(distances: Tensor, num_malicious: int) -> Tensor:
         raise ValueError(f"{api}: distances must be a square [K, K] tensor")
     K = distances.shape[0]
     f = _check_count(api, "num_malicious", num_malicious, 0)
+    if distances.device.type == "meta":
+        raise ValueError(f"{api}: distances is on the meta device, which holds no values")
     num_closest = max(1, K - f - 2)
     d = distances.detach().to("cpu", torch.float64).numpy()
     scores = np.array([np.sum(np.sort(row)[1:num_closest + 1]) for row in d], dtype=np.float64)
@@ -157,6 +159,7 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
     cs = ClientSet(clients, api)
     f = _check_count(api, "num_malicious", num_malicious, 0)
     m = _check_count(api, "num_to_keep", num_to_keep, 1, cs.K)
+    cs.refuse_meta("Krum's selection depends on them")
     out_tensors = cs.out_tensors(out, floats_written_here=True)
     if weights is not None:
         w = _checked_weights(api, weights, cs.K)
@@ -230,6 +233,7 @@ def bulyan(clients, num_malicious: int, *, selection: str = "iterative",
     if cs.K < 4 * f + 3:
         raise ValueError(f"{api}: Bulyan needs K >= 4 * num_malicious + 3 = {4 * f + 3} "
                          f"clients, got K = {cs.K}")
+    cs.refuse_meta("Bulyan's selection depends on them")
     theta = cs.K - 2 * f
     beta = theta - 2 * f
     chosen = _bulyan_select(_distances(cs), f, theta, selection)

@@ -1,6 +1,7 @@
 """Refusals of the robust and private APIs that must come before anything is written: an
-``out`` that aliases any of the K clients (also one the rule does not select), and an ``out``
-entry that requires grad at any position."""
+``out`` that aliases any of the K clients (also one the rule does not select), an ``out`` entry
+that requires grad at any position, and clients on the meta device for the rules whose
+selection or clipping reads values."""
 
 from __future__ import annotations
 
@@ -96,3 +97,29 @@ def test_private_aggregate_out_requiring_grad_is_refused_before_any_write():
     with pytest.raises(RuntimeError, match="private_aggregate: out tensor 'b' is a leaf"):
         fk.private_aggregate(clients, base=base, clip_norm=1.0, noise_std=0.0, out=out)
     assert torch.equal(out["a"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("call", ["krum", "multikrum", "bulyan", "private_aggregate"])
+def test_value_dependent_rules_refuse_meta_clients_by_name(call):
+    meta = [torch.empty(5, device="meta") for _ in range(K)]
+    calls = {
+        "krum": lambda: robust.krum(meta, 1),
+        "multikrum": lambda: robust.krum(meta, 1, 2),
+        "bulyan": lambda: robust.bulyan(meta, 1),
+        "private_aggregate": lambda: fk.private_aggregate(
+            meta, base=torch.empty(5, device="meta"), clip_norm=1.0, noise_std=0.0),
+    }
+    name = "krum" if "krum" in call else call
+    with pytest.raises(ValueError, match=rf"fedkernels\.{name}: the clients are on the meta "
+                                         "device"):
+        calls[call]()
+    with pytest.raises(ValueError, match="krum_scores: distances is on the meta device"):
+        robust.krum_scores(torch.empty(K, K, device="meta"), 1)
+
+
+def test_value_free_rules_still_give_meta_results():
+    meta = [torch.empty(5, device="meta") for _ in range(K)]
+    for result in (robust.coordinate_median(meta), robust.trimmed_mean(meta, 0.2),
+                   robust.nearest_to_median_mean(meta, 3),
+                   fk.update_norms(meta, torch.empty(5, device="meta"))):
+        assert result.device.type == "meta"

@@ -144,6 +144,7 @@ def private_aggregate(
     if not (math.isfinite(noise_std) and noise_std >= 0):
         raise ValueError(f"{api}: noise_std must be finite and >= 0, got {noise_std}")
     cs, base_floats, base_all = _with_base(clients, base, api)
+    cs.refuse_meta("the clipping depends on the update norms")
     if weights is None:
         w = [1.0 / cs.K] * cs.K
     else:
