@@ -1,7 +1,7 @@
 """Refusals of the robust and private APIs that must come before anything is written: an
 ``out`` that aliases any of the K clients (also one the rule does not select), an ``out`` entry
-that requires grad at any position, and clients on the meta device for the rules whose
-selection or clipping reads values."""
+that requires grad at any position, clients on the meta device for the rules whose selection
+or clipping reads values, and an adaptive clip norm that underflows to 0."""
 
 from __future__ import annotations
 
@@ -123,3 +123,17 @@ def test_value_free_rules_still_give_meta_results():
                    robust.nearest_to_median_mean(meta, 3),
                    fk.update_norms(meta, torch.empty(5, device="meta"))):
         assert result.device.type == "meta"
+
+
+def test_adaptive_clip_norm_refuses_underflow_as_it_refuses_overflow():
+    args = dict(target_quantile=0.0, clipped_count_stddev=0.0)
+    with pytest.raises(ValueError, match="adaptive_clip_norm: .* underflows to 0"):
+        fk.adaptive_clip_norm(1e-300, [1.0] * 10, clip_norm_lr=1000.0, **args)
+    with pytest.raises(ValueError, match="adaptive_clip_norm: .* beyond the float64 range"):
+        fk.adaptive_clip_norm(1e300, [0.0] * 10, clip_norm_lr=1000.0, target_quantile=1.0,
+                              clipped_count_stddev=0.0)
+    # Whatever it returns, private_aggregate accepts as a clip norm.
+    for lr in (1.0, 10.0, 700.0):
+        c = fk.adaptive_clip_norm(1.0, [2.0] * 4, clip_norm_lr=lr, **args)
+        fk.private_aggregate([torch.ones(2)] * 4, base=torch.zeros(2), clip_norm=c,
+                             noise_std=0.0)
