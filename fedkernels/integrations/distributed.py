@@ -66,6 +66,7 @@ from fedkernels.model_layout import (
     with_metadata,
 )
 from fedkernels.ops import summation
+from fedkernels.ops.concurrency import one_call_at_a_time
 
 __all__ = ["WeightedPartial", "all_reduce_aggregate"]
 
@@ -430,7 +431,11 @@ class WeightedPartial:
     twice (the same partials all-reduced twice, or partials that share a rank's clients after
     an earlier collective) raises the same ``ValueError`` on every rank; so does reading or
     summing a partial that :meth:`reduce` sent to another rank (its buffer is no longer a
-    sum: it may only receive a :meth:`broadcast`)."""
+    sum: it may only receive a :meth:`broadcast`).
+
+    Not for concurrent use: a method called while another thread is inside one on the same
+    partial (clients added during a collective, two collectives at once) raises
+    ``RuntimeError`` without touching it. Each rank's partial is used by one thread at a time."""
 
     def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
                  int_policy: str, order: list | None = None) -> None:
@@ -543,6 +548,7 @@ class WeightedPartial:
         partial._metadata = getattr(template, "_metadata", None)
         return partial, clients, w
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def add_clients(self, updates: Sequence[Model], weights) -> None:
         """Adds more clients, models of the partial's structure (state_dicts are matched by
         name), in one fused pass. Every input is checked before anything is added."""
@@ -636,6 +642,7 @@ class WeightedPartial:
             described["base"] = self._base_checksums
         return described
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def agree(self, group=None, *, timeout=None) -> list[int]:
         """Checks, with one small all_gather, that every rank of ``group`` holds a partial of
         the same layout; returns each rank's client count. Every rank raises the same
@@ -703,6 +710,7 @@ class WeightedPartial:
 
     # ---------------------------------------------------------------- collectives
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def all_reduce(self, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials of every rank of ``group`` (one all-reduce per accumulate
         dtype, usually one; plus a max over the integer tensors), after :meth:`agree`."""
@@ -722,6 +730,7 @@ class WeightedPartial:
         self._sources = tuple(sources)
         return self
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
         self._agree_on(group, timeout, collective="reduce", dst=dst)
@@ -742,6 +751,7 @@ class WeightedPartial:
             self._sources = ()
         return self
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
         """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
         self._agree_on(group, timeout, collective="broadcast", src=src)
@@ -836,6 +846,7 @@ class WeightedPartial:
                                  f"{tuple(shape)} on {self.device}")
         return tensors
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def result(self, *, scale: float = 1.0, normalize: bool = False,
                out: Model | None = None) -> Model:
         r"""The aggregate: :math:`\mathrm{scale}\,S/[W]`, or :math:`b + \mathrm{scale}\,S/[W]`
