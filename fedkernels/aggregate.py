@@ -68,8 +68,10 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
 _WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor |tensor )(\d+)")
 
 
-def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception:
-    """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
+def _rename(err: Exception, layout: ModelLayout, float_names: list,
+            api: str = "fedkernels.aggregate") -> Exception:
+    """Rewrites the native op's tensor indices into the user's names (state_dict keys), and
+    its name (``fedkernels.weighted_sum.out: ...``) into the API's that was called."""
 
     def name(match: re.Match) -> str:
         if layout.kind == "tensor":  # one tensor per client: "client 2", "out", "base"
@@ -80,6 +82,7 @@ def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception
         return match.group(1) + label
 
     message = _WHERE.sub(name, str(err).split("\nException raised from")[0])
+    message = re.sub(r"^fedkernels\.weighted_sum\w*(\.out)?:", f"{api}:", message)
     kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
     return kind(message)
 
@@ -589,7 +592,7 @@ class Accumulator:
                 _refuse_non_strided(layout, float_names, [floats], [])
             except TypeError as layout_err:
                 raise TypeError(str(layout_err).replace("client 0", what)) from None
-            err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
+            err = _rename(err, layout, float_names, "fedkernels.Accumulator")  # client 0: `what`
             raise type(err)(str(err).replace("client 0", what)) from None
         # Only now, with the update accepted, is any state changed.
         for i, f in enumerate(layout.float_mask):
