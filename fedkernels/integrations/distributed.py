@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fedkernels.aggregate import FLOAT32_MAX, needs_float64_factor, weight_unit
+from fedkernels.memory_footprints import Footprints, byte_span, has_internal_overlap, same_memory
 from fedkernels.model_layout import (
     INT_POLICIES,
     Model,
@@ -837,13 +838,38 @@ class WeightedPartial:
 
     def _check_out(self, out: Model) -> list[Tensor]:
         """``out``'s tensors in the canonical order, after checking each has the result's
-        shape, dtype and device (so a bad ``out`` fails before any collective)."""
+        shape, dtype and device, and everything else that would fail or corrupt midway, as
+        the entries are written one by one: with grad mode on, no entry that requires grad;
+        no entry with elements that share memory, overlapping another entry, or overlapping
+        a base entry other than its own (which it may be, in place)."""
         tensors = self.layout.tensors(out, "out")
-        for name, t, shape, dtype in zip(self.layout.names, tensors, self.shapes, self.dtypes):
+        labels = [self.layout.label(name) for name in self.layout.names]
+        for label, t, shape, dtype in zip(labels, tensors, self.shapes, self.dtypes):
             if t.shape != shape or t.dtype != dtype or t.device != self.device:
-                raise ValueError(f"{API}: out tensor {self.layout.label(name)} is "
-                                 f"{_describe_tensor(t)}, the result is {dtype} "
-                                 f"{tuple(shape)} on {self.device}")
+                raise ValueError(f"{API}: out tensor {label} is {_describe_tensor(t)}, the "
+                                 f"result is {dtype} {tuple(shape)} on {self.device}")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(f"{API}: out tensor {label} requires grad; the result is "
+                                   "written in place and carries no gradient: write it under "
+                                   "torch.no_grad(), as PyTorch's in-place ops require")
+            if has_internal_overlap(t):
+                raise ValueError(f"{API}: out tensor {label} has elements that share memory "
+                                 "(an expanded or overlapping view)")
+        outputs = Footprints([(byte_span(t), t, i) for i, t in enumerate(tensors)])
+        bases = Footprints([] if self.base is None else
+                           [(byte_span(b), b, i) for i, b in enumerate(self.base)])
+        for i, t in enumerate(tensors):
+            span = byte_span(t)
+            other = outputs.overlap(span, t, exclude=i)
+            if other is not None and not same_memory(t, tensors[other]):  # tied: one tensor
+                raise ValueError(f"{API}: out tensors {labels[i]} and {labels[other]} "
+                                 "overlap; every output entry needs its own memory")
+            own = self.base is not None and same_memory(t, self.base[i])
+            hit = bases.overlap(span, t, exclude=i if own else None)
+            if hit is not None and not same_memory(t, self.base[hit]):
+                raise ValueError(f"{API}: out tensor {labels[i]} overlaps base tensor "
+                                 f"{labels[hit]}; out may be the base itself (in place), not "
+                                 "part of it")
         return tensors
 
     @one_call_at_a_time("fedkernels.WeightedPartial")
