@@ -137,3 +137,30 @@ def test_adaptive_clip_norm_refuses_underflow_as_it_refuses_overflow():
         c = fk.adaptive_clip_norm(1.0, [2.0] * 4, clip_norm_lr=lr, **args)
         fk.private_aggregate([torch.ones(2)] * 4, base=torch.zeros(2), clip_norm=c,
                              noise_std=0.0)
+
+
+def test_weighted_partial_result_refuses_out_before_writing_any_entry():
+    from fedkernels.integrations.distributed import WeightedPartial
+
+    clients = [{"a": torch.randn(3), "b": torch.randn(3)} for _ in range(2)]
+    partial = WeightedPartial.from_clients(clients, [1.0, 2.0])
+    out = {"a": torch.zeros(3), "b": torch.zeros(3, requires_grad=True)}
+    with pytest.raises(RuntimeError, match="distributed: out tensor 'b' requires grad"):
+        partial.result(out=out)
+    assert torch.equal(out["a"], torch.zeros(3))
+    buffer = torch.zeros(5)
+    with pytest.raises(ValueError, match="out tensors 'a' and 'b' overlap"):
+        partial.result(out={"a": buffer[:3], "b": buffer[2:]})
+    assert torch.equal(buffer, torch.zeros(5))
+    base = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    delta = WeightedPartial.from_clients(clients, [1.0, 2.0], base=base)
+    delta.result(out=base)  # the base itself, in place: allowed
+
+
+@pytest.mark.parametrize("out, message", [
+    (torch.zeros(4, dtype=torch.float64), "has dtype Double"),
+    (torch.empty(4, device="meta"), "out is on meta"),
+])
+def test_aggregate_errors_name_aggregate_not_the_op(out, message):
+    with pytest.raises((TypeError, ValueError), match=rf"^fedkernels\.aggregate: .*{message}"):
+        fk.aggregate([torch.ones(4), torch.ones(4)], [1.0, 1.0], out=out)
