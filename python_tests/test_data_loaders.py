@@ -17,7 +17,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from publisher_files import (
+
+from fedkernels.sim.config import ConfigError, DataConfig, ExperimentConfig, PartitionConfig, from_dict
+from fedkernels.sim.data import Dataset, load_dataset
+from fedkernels.sim.datasets.leaf import LEAF_CHARACTERS
+from fedkernels.sim.datasets.tiny_files import (
     CIFAR10_NAMES,
     IMAGES_MAGIC,
     LABELS_MAGIC,
@@ -35,10 +39,6 @@ from publisher_files import (
     write_svhn,
     write_tiny_imagenet,
 )
-
-from fedkernels.sim.config import ConfigError, DataConfig, ExperimentConfig, PartitionConfig, from_dict
-from fedkernels.sim.data import Dataset, load_dataset
-from fedkernels.sim.datasets.leaf import LEAF_CHARACTERS
 from fedkernels.sim.federation import build_federation
 
 

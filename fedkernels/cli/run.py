@@ -166,6 +166,8 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
     parser.add_argument("--no-plots", action="store_true", help="skip the plots")
     parser.add_argument("--log", action="append", choices=LOGGERS, default=[], metavar="NAME",
                         help=f"log the rounds to tensorboard too (--out/{TENSORBOARD_DIR})")
+    parser.add_argument("--smoke", action="store_true",
+                        help="shrink the run to seconds (fedkernels.sim.smoke)")
 
     add_config_arguments(parser, algorithm, options)
     return parser
@@ -214,7 +216,7 @@ def add_config_arguments(parser: Parser, algorithm: str, options: dict[str, Any]
 
 # argparse destinations that are options of the command, not configuration fields
 _RUN_OPTIONS = {"config", "out", "resume", "overwrite", "print_config", "threads", "no_progress",
-                "no_plots", "log"}
+                "no_plots", "log", "smoke"}
 
 
 def resolve_config(
@@ -637,12 +639,20 @@ def _main(argv: list[str]) -> int:
             print(_config_text(config), end="")
             return 0
         out = Path(args.out) if args.out else _default_out(config)
+        if args.smoke and not args.out:
+            out = out.with_name(out.name + "-smoke")  # never a full run's folder
         _check_out(out, resume=args.resume, overwrite=args.overwrite or not args.out)
         check_writable(out)
         _check_extras(config, progress=not args.no_progress, plots=not args.no_plots,
                       log=args.log)
         if not args.out and not args.overwrite:  # --overwrite alone replaces the default one
             out = _claim_default_out(out)
+        if args.smoke:  # imported here: the data sets' writers cost every other run's start
+            from fedkernels.algorithms.registry import strategy_class
+            from fedkernels.sim.smoke import DATA_FOLDER, smoke_config
+
+            config = smoke_config(config, out / DATA_FOLDER,
+                                  strategy_class(config.algorithm).config_class)
         with data_warnings("fedkernels run"):
             results = run_experiment(
                 config,

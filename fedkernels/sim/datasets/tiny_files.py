@@ -1,9 +1,11 @@
-"""Tiny data sets written in their publishers' exact on-disk formats, for the loader tests.
+"""Tiny data sets written in their publishers' exact on-disk formats.
 
 Each writer takes a folder (``data.root``) and returns what it wrote (the arrays, in the order
-the loader stacks them), so a test can compare the loaded rows with the source. Sizes are a few
-dozen samples: the formats (headers, magic numbers, pickle keys, folder names) are real, the
-contents random.
+the loader stacks them), so that a test can compare the loaded rows with the source. Sizes are a
+few dozen samples: the formats (headers, magic numbers, pickle keys, folder names) are real, the
+contents random. The loader tests use them, and so does ``fedkernels run --smoke``
+(:mod:`fedkernels.sim.smoke`), which runs a configuration on such files instead of the real
+data set.
 """
 
 from __future__ import annotations
@@ -238,3 +240,38 @@ def shakespeare_user(text: str, n: int) -> dict[str, list]:
     """``n`` windows of 80 characters of ``text`` and the character after each."""
     assert len(text) >= n + 80
     return {"x": [text[i:i + 80] for i in range(n)], "y": [text[i + 80] for i in range(n)]}
+
+
+# processed.<site>.data of the UCI heart data: codes each category column may hold
+HEART_CODES = {"sex": (0, 1), "cp": (1, 2, 3, 4), "fbs": (0, 1), "restecg": (0, 1, 2),
+               "exang": (0, 1), "slope": (1, 2, 3), "thal": (3, 6, 7)}
+HEART_SITE_FILES = ("processed.cleveland.data", "processed.hungarian.data",
+                    "processed.switzerland.data", "processed.va.data")
+
+
+def write_heart(folder: Path, per_site: int = 12, seed: int = 0) -> dict[str, np.ndarray]:
+    """The four ``processed.<site>.data`` files of the UCI heart data (comma separated, no
+    header, ``?`` for a gap, categories as codes), ``per_site`` random patients each, half of
+    them ill (``num`` 1-4), with a few gaps; returns each file's label column ``num``."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = {}
+    for name in HEART_SITE_FILES:
+        num = np.where(np.arange(per_site) % 2 == 0, 0, rng.integers(1, 5, per_site))
+        lines = []
+        for i in range(per_site):
+            row = {
+                "age": f"{rng.integers(28, 78)}", "trestbps": f"{rng.integers(90, 190)}",
+                "chol": f"{rng.integers(120, 400)}", "thalach": f"{rng.integers(70, 200)}",
+                "oldpeak": f"{rng.uniform(-1, 5):.1f}", "ca": f"{rng.integers(0, 4)}",
+                **{c: f"{rng.choice(codes)}" for c, codes in HEART_CODES.items()},
+                "num": f"{num[i]}",
+            }
+            if i % 5 == 3:  # a gap, as the files have many
+                row[("chol", "ca", "thal", "slope")[i % 4]] = "?"
+            lines.append(",".join(row[c] for c in ("age", "sex", "cp", "trestbps", "chol",
+                                                   "fbs", "restecg", "thalach", "exang",
+                                                   "oldpeak", "slope", "ca", "thal", "num")))
+        (folder / name).write_text("\n".join(lines) + "\n")
+        written[name] = num
+    return written
