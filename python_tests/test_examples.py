@@ -101,7 +101,7 @@ def reference(tmp_path_factory) -> dict[int, float]:
 
 
 def test_every_example_has_a_readme_and_the_same_task():
-    task = (EXAMPLES / TASK_FILES["plain_pytorch"]).read_text()
+    task = (EXAMPLES / "plain_pytorch" / TASK_FILES["plain_pytorch"]).read_text()
     for name in FOLDERS:
         assert (EXAMPLES / name / "README.md").is_file(), name
         assert (EXAMPLES / name / TASK_FILES[name]).read_text() == task, \
