@@ -1,5 +1,5 @@
-"""Every relative link of README.md, CONTRIBUTING.md and docs/**/*.md names a file that exists,
-and a link to a heading of a Markdown page names a heading that page has."""
+"""Every relative link of README.md, CONTRIBUTING.md, docs/**/*.md and examples/**/*.md names a
+file that exists, and a link to a heading of a Markdown page names a heading that page has."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md")),
+         *sorted((ROOT / "examples").rglob("*.md"))]
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
