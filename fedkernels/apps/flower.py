@@ -37,8 +37,9 @@ strategies that evaluate on the clients: SuPerFed's local models). What a client
 between rounds lives in the node's ``Context.state``.
 
 Failures follow Flower's semantics: a reply that does not come within the round's time, or
-that carries an error (the ClientApp raised), leaves the round with the others' updates (its
-record lists ``lost_participants`` and ``client_errors``); a round without any reply leaves
+that carries an error (the node became unavailable, its ClientApp crashed or raised), leaves
+the round with the others' updates (its record lists ``lost_participants``, and what the
+raising ClientApps said in ``client_errors``); a round without any reply leaves
 the global model as it was, and one whose every reply is an error stops the run with them. A
 reply whose records do not fit (missing, wrong names, shapes or dtypes, another client's)
 stops the run with :class:`MalformedReply`, naming the node and the client.
@@ -58,6 +59,7 @@ from typing import Any
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from torch import Tensor
 
@@ -88,6 +90,10 @@ APP_KEYS = {
     "node-wait-timeout": 120.0,
     "result-path": "",
 }
+# Error replies that say the node or its ClientApp went away: the reply is lost, as one that
+# never came (the others are the ClientApp's errors, recorded as such).
+GONE = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
+        ErrorCode.NODE_UNAVAILABLE, ErrorCode.CLIENT_APP_CRASHED)
 STATE_KEY = "fedkernels.client"  # the node's Context.state record of what its client keeps
 POLL_S = 0.1
 
@@ -337,9 +343,13 @@ class FlowerServer:
         template = self._reply_template(plan)
         got: dict[int, tuple[ClientUpdate, float | None, dict[str, Tensor]]] = {}
         errors: dict[str, str] = {}
+        unavailable = []
         for k, reply in exchange.replies.items():
             node = self.nodes[k]
             if reply.has_error():
+                if reply.error.code in GONE:
+                    unavailable.append(k)
+                    continue
                 errors[str(k)] = reply.error.reason or f"error code {reply.error.code}"
                 log.warning("fedkernels round %d: client %d (node %d) failed: %s", t + 1, k,
                             node, errors[str(k)])
@@ -353,7 +363,7 @@ class FlowerServer:
             except (ValueError, KeyError, RuntimeError) as err:
                 raise MalformedReply(f"node {self.nodes[k]} (client {k}) sent a malformed "
                                      f"reply in round {t + 1}: {err}") from None
-        lost = sorted(set(offline) | set(exchange.missing))
+        lost = sorted(set(offline) | set(exchange.missing) | set(unavailable))
         if lost:
             log.warning("fedkernels round %d: no reply from clients %s (nodes %s)", t + 1,
                         lost, [self.nodes[k] for k in lost])
@@ -544,9 +554,10 @@ def _node_device(context: Context) -> str | None:
     return None if device in (None, "") else str(device)
 
 
-def client_app() -> ClientApp:
-    """The ``ClientApp`` of every algorithm (the server's messages name the experiment)."""
-    app = ClientApp()
+def client_app(mods: list[Any] | None = None) -> ClientApp:
+    """The ``ClientApp`` of every algorithm (the server's messages name the experiment), with
+    Flower ``mods`` around its functions."""
+    app = ClientApp(mods=mods)
 
     @app.query()
     def query(msg: Message, context: Context) -> Message:

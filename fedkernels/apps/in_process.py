@@ -52,8 +52,9 @@ class InProcessGrid(Grid):
     """A ``Grid`` over ``num_nodes`` in-process nodes running ``app`` (module docstring).
 
     ``tamper(message, reply)`` may replace each reply before the server sees it (return None
-    to lose it); :meth:`kill` takes a node away as a SuperNode that stopped: it no longer
-    appears among the nodes, and messages to it get no reply."""
+    to lose it: the server then waits for it until ``round-timeout``); :meth:`kill` takes a
+    node away as a SuperNode that stopped: it no longer appears among the nodes, and a message
+    to it gets the error reply of an unavailable node."""
 
     def __init__(
         self,
@@ -102,7 +103,12 @@ class InProcessGrid(Grid):
             ids.append(message_id)
             node = message.metadata.dst_node_id
             if node not in self.contexts or node in self.dead:
-                continue  # no reply will come
+                # what the SuperLink answers once it has seen the node go
+                reply = Message(Error(ErrorCode.NODE_UNAVAILABLE, "node unavailable"),
+                                reply_to=message)
+                reply.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+                self._replies[message_id] = reply
+                continue
             sent = Message(_over_the_wire(message.content), metadata=copy.copy(message.metadata))
             reply = self._handle(sent, node)
             if self.tamper is not None:
