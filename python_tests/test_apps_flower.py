@@ -62,12 +62,16 @@ def test_run_config_maps_onto_the_experiment(tmp_path):
     assert settings.result_path == "out/results.json"
     # defaults (server_app's) under the run config
     assert app_settings({"rounds": 5}, {"algorithm": "fedau", "rounds": 9}).experiment.rounds == 5
+    # parameters of another registered algorithm wait for it
+    other = app_settings({"algorithm": "fedau", "fedau.cutoff": 3, "superfed-mm.nu": 2.0,
+                          "app.my-setting": 1})
+    assert other.experiment.algorithm_params == {"cutoff": 3}
 
 
 @pytest.mark.parametrize("key, value, message", [
     ("rounds_", 3, "unknown key rounds_"),
     ("clients.count", 3, "neither a section"),
-    ("fedprox.mu", 0.1, "nor a parameter of fedau"),
+    ("fedproxx.mu", 0.1, "nor a parameter of fedau"),
     ("fedau.nope", 1, "unknown key fedau.nope"),
     ("partition.num_clients", "many", "expected an integer"),
     ("round-timeout", -1, "round-timeout must be"),

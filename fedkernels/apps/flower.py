@@ -17,12 +17,14 @@ Configuration: Flower's run config (``[tool.flwr.app.config]`` of the App's
 ``pyproject.toml``, ``flwr run --run-config``) holds the experiment in ``fedkernels run``'s
 spelling: ``algorithm``, ``rounds``, ``seed``, ``device`` and the other top-level fields,
 ``section.field`` keys (a TOML table ``[tool.flwr.app.config.partition]`` becomes
-``partition.*``), the algorithm's parameters as ``<algorithm>.<field>`` (``superfed-mm.nu``),
-lists as comma-separated strings; ``config-file`` names a YAML or JSON file of
+``partition.*``), the algorithm's parameters as ``<algorithm>.<field>`` (``superfed-mm.nu``;
+those of the other registered algorithms are ignored, so that one ``pyproject.toml`` may hold
+several), lists as comma-separated strings; ``config-file`` names a YAML or JSON file of
 ``fedkernels run --config`` read first. The app's own keys: ``round-timeout`` (seconds a round
 waits for its replies, 0: until all arrive), ``straggler-patience`` (seconds a round still
 waits after its first reply, 0: no limit), ``node-wait-timeout`` (seconds to wait for the
-SuperNodes at the start) and ``result-path`` (where the ServerApp writes ``results.json``).
+SuperNodes at the start) and ``result-path`` (where the ServerApp writes ``results.json``);
+keys ``app.*`` are left to the App's own code.
 
 Clients and nodes: SuperNode ``partition-id = k`` (its ``node_config``, as Flower's simulation
 engine sets it) is client k of the run's ``partition.num_clients`` clients, and
@@ -63,7 +65,7 @@ from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 from torch import Tensor
 
-from fedkernels.algorithms.registry import build_strategy, strategy_class
+from fedkernels.algorithms.registry import available, build_strategy, strategy_class
 from fedkernels.cli.config_file import load_config_file
 from fedkernels.integrations.flower.records import (
     arrayrecord_to_state_dict,
@@ -95,6 +97,7 @@ APP_KEYS = {
 GONE = (ErrorCode.MESSAGE_UNAVAILABLE, ErrorCode.REPLY_MESSAGE_UNAVAILABLE,
         ErrorCode.NODE_UNAVAILABLE, ErrorCode.CLIENT_APP_CRASHED)
 STATE_KEY = "fedkernels.client"  # the node's Context.state record of what its client keeps
+USER_SECTION = "app"  # run-config keys app.* are the App's own (its mods, ...): left alone
 POLL_S = 0.1
 
 
@@ -135,16 +138,20 @@ def app_settings(run_config: Mapping[str, Any],
     if not isinstance(algorithm, str):
         raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
     name = strategy_class(algorithm).name
+    others = set(available()) - {name, algorithm}
     for key, value in merged.items():
         head, _, param = key.partition(".")
         if head in SECTIONS:
             set_dotted(tree, key, value)
         elif head in (name, algorithm):
             tree.setdefault("algorithm_params", {})[param] = value
+        elif head in others or head == USER_SECTION:
+            continue  # another algorithm's parameters, or the App's own settings
         else:
             raise ConfigError(f"run config key {key!r}: neither a section of the experiment "
                               f"({', '.join(SECTIONS)}) nor a parameter of {name} "
-                              f"({name}.FIELD) nor one of the app's ({', '.join(APP_KEYS)})")
+                              f"({name}.FIELD) nor one of the app's ({', '.join(APP_KEYS)}; "
+                              f"{USER_SECTION}.* for the App's own code)")
     experiment = from_dict(ExperimentConfig, tree)
     strategy_params = experiment.algorithm_params
     build_strategy(experiment.algorithm, strategy_params)  # checks the parameters now
