@@ -68,6 +68,20 @@ def test_run_config_maps_onto_the_experiment(tmp_path):
     assert other.experiment.algorithm_params == {"cutoff": 3}
 
 
+def test_which_algorithms_run_as_apps():
+    """Every algorithm whose clients keep nothing between rounds, and those that say what
+    they keep and send (the seed methods, the distillation family); the personalized
+    baselines and FedCVAE keep client state in the strategy object and are refused."""
+    from fedkernels.algorithms import available, strategy_class
+
+    refused = sorted(n for n in available() if strategy_class(n).apart_problem() is not None)
+    assert refused == ["apfl", "ditto", "fedavg-ft", "fedcvae", "fedper", "fedrep",
+                       "lg-fedavg", "local", "pfedme"]
+    with pytest.raises(ConfigError, match="ditto trains or evaluates its clients its own way "
+                       r"\(train_client, evaluate\).*cannot run as a Flower app"):
+        app_settings({"algorithm": "ditto"})
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("rounds_", 3, "unknown key rounds_"),
     ("clients.count", 3, "neither a section"),
@@ -94,6 +108,25 @@ def test_seed_methods_match_fedkernels_run(name):
     every metric of every round, the summary and the per-client table equal Simulation's,
     bit for bit. Each case runs in under a second."""
     config = run_config(name)
+    assert_same_metrics(run_in_process(config), simulate(config))
+
+
+def _every_algorithm_that_runs_apart() -> list[str]:
+    from fedkernels.algorithms import available, strategy_class
+
+    return [n for n in available() if strategy_class(n).apart_problem() is None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _every_algorithm_that_runs_apart())
+def test_every_algorithm_that_runs_apart_matches_fedkernels_run(name):
+    """Beyond the seed methods: every registered algorithm the apps accept (robust rules,
+    fairness, participation, update memories, the distillation family, FedProx, ...), seven
+    clients, two rounds, server data for the distillers."""
+    config = {"algorithm": name, "rounds": 2, "partition.num_clients": 7, "model.hidden": "16",
+              "data.server_fraction": 0.2}
+    if name in ("feddf", "fedet", "entropy-kd", "dafkd", "fedgo"):
+        config.update({f"{name}.disc_epochs": 1, f"{name}.server_epochs": 1})
     assert_same_metrics(run_in_process(config), simulate(config))
 
 

@@ -391,6 +391,7 @@ class EnsembleDistillation(Strategy):
 
     config_class = DistillationConfig
     weighting: ClassVar[str] = "uniform"
+    runs_apart = True  # the fake data's source and the discriminators cross as tensors
 
     @property
     def uses_discriminators(self) -> bool:

@@ -296,6 +296,7 @@ class FedEvg(Strategy):
     config_class = FedEvgConfig
     supports_central_dp = False  # the server combines energy models its own way
     replies_are_models = False  # a client replies with its energy model
+    runs_apart = True  # the synthetic set through client_payload, nothing kept
 
     def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
         cfg = self.config

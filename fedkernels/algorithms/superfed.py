@@ -125,6 +125,7 @@ class _SuPerFed(FedAvg):
 
     layerwise: ClassVar[bool] = False
     evaluates_on_clients = True  # the local models live on the clients
+    runs_apart = True  # their state through client_state_dict
 
     def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
         old_start = int(self.config.start_fraction * old_rounds)

@@ -153,8 +153,10 @@ def app_settings(run_config: Mapping[str, Any],
                               f"({name}.FIELD) nor one of the app's ({', '.join(APP_KEYS)}; "
                               f"{USER_SECTION}.* for the App's own code)")
     experiment = from_dict(ExperimentConfig, tree)
-    strategy_params = experiment.algorithm_params
-    build_strategy(experiment.algorithm, strategy_params)  # checks the parameters now
+    build_strategy(experiment.algorithm, experiment.algorithm_params)  # checks the parameters
+    problem = strategy_class(experiment.algorithm).apart_problem()
+    if problem is not None:
+        raise ConfigError(f"{problem}: it cannot run as a Flower app")
 
     def seconds(key: str) -> float | None:
         value = float(app[key])
@@ -513,13 +515,15 @@ _RUNTIMES: dict[tuple[str, str | None], ClientRuntime] = {}
 
 def _runtime(experiment: str, device: str | None) -> ClientRuntime:
     """The client runtime of this experiment in this process (built once: the data set is
-    loaded and partitioned once per process, not per message)."""
+    loaded and partitioned once per process, not per message; the strategy is new for every
+    message)."""
     key = (experiment, device)
     if key not in _RUNTIMES:
         config = _experiment(experiment)
-        strategy = build_strategy(config.algorithm, config.algorithm_params)
         _RUNTIMES.clear()  # one run at a time per process
-        _RUNTIMES[key] = ClientRuntime(config, strategy, device=device)
+        _RUNTIMES[key] = ClientRuntime(
+            config, lambda: build_strategy(config.algorithm, config.algorithm_params),
+            device=device)
     return _RUNTIMES[key]
 
 

@@ -8,13 +8,14 @@ inside ``fedkernels run``: the same samples, the same minibatch order and random
 same local training code (:meth:`Strategy.train_client` or the shared
 :class:`~fedkernels.sim.client.LocalTrainer`). What the client keeps between its rounds comes
 in and goes out with each call (``client_state``): a process may serve one client's rounds
-or many clients', and may be a new process in every round.
+or many clients', and may be a new process in every round, so every call sets up a strategy
+of its own and nothing else carries over.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ class ClientRuntime:
     def __init__(
         self,
         config: ExperimentConfig,
-        strategy: Strategy,
+        new_strategy: Callable[[], Strategy],
         *,
         device: str | None = None,
         dataset: Dataset | None = None,
@@ -64,29 +65,36 @@ class ClientRuntime:
         self.device = resolve_device(device or config.device)
         data = prepare_data(config, self.device, dataset)
         self.federation = fed = data.federation
-        model = data.initial_model(config, model)
-        sampler = build_sampler(config.participation, fed, config.seed)
-        self.strategy = strategy
-        self.trainer = LocalTrainer(model, config.client, strategy, config.seed,
-                                    image_shape=fed.image_shape)
-        self.eval_model = copy.deepcopy(model)
-        with reproducible_numerics(self.device):
-            strategy.setup(SetupInfo(
-                fed.num_clients,
-                fed.train_sizes(),
-                fed.num_classes,
-                sampler.probabilities,
-                [n for n, _ in model.named_parameters()],
-                model=model,
-                client_config=config.client,
-                rounds=config.rounds,
-                seed=config.seed,
-                server_data=None,  # the server's rows stay with the server
-                participants_per_round=sampler.fixed_count,
-                device=self.device,
-                role="client",
-                num_features=fed.num_features,
-            ))
+        self.model = data.initial_model(config, model)
+        self.sampler = build_sampler(config.participation, fed, config.seed)
+        self.new_strategy = new_strategy
+        self.eval_model = copy.deepcopy(self.model)
+
+    def _setup(self) -> tuple[Strategy, LocalTrainer]:
+        """A strategy set up as the clients' half, and the shared trainer on it: new for every
+        call, so that nothing a client does stays in this process (what it keeps goes through
+        ``client_state``, as it must where every message is a process of its own)."""
+        fed, config, model = self.federation, self.config, self.model
+        strategy = self.new_strategy()
+        trainer = LocalTrainer(model, config.client, strategy, config.seed,
+                               image_shape=fed.image_shape)
+        strategy.setup(SetupInfo(
+            fed.num_clients,
+            fed.train_sizes(),
+            fed.num_classes,
+            self.sampler.probabilities,
+            [n for n, _ in model.named_parameters()],
+            model=model,
+            client_config=config.client,
+            rounds=config.rounds,
+            seed=config.seed,
+            server_data=None,  # the server's rows stay with the server
+            participants_per_round=self.sampler.fixed_count,
+            device=self.device,
+            role="client",
+            num_features=fed.num_features,
+        ))
+        return strategy, trainer
 
     def client(self, client_id: int) -> ClientData:
         """Client ``client_id``'s samples (on this process's device)."""
@@ -111,8 +119,8 @@ class ClientRuntime:
         from its earlier rounds; ``global_loss`` adds ``f_k(x_t)``."""
         data = self.client(client_id)
         state = to_device(dict(global_state), self.device)
-        strategy = self.strategy
         with reproducible_numerics(self.device):
+            strategy, trainer = self._setup()
             strategy.load_client_state_dict(client_id, to_device(dict(client_state or {}),
                                                                  self.device))
             if payload:
@@ -122,7 +130,7 @@ class ClientRuntime:
                 loss = float(global_losses(self.eval_model, state, [data])[0])
             update = strategy.train_client(state, data, round_index, client_id)
             if update is None:
-                update = self.trainer.train(state, data, round_index, client_id)
+                update = trainer.train(state, data, round_index, client_id)
             extras = strategy.reply_extras(client_id)
             kept = strategy.client_state_dict(client_id)
         return ClientReply(update, data.num_train, loss, extras, kept)
@@ -138,8 +146,8 @@ class ClientRuntime:
         (:meth:`Strategy.evaluate_client`) and the state it keeps afterwards."""
         data = self.client(client_id)
         state = to_device(dict(global_state), self.device)
-        strategy = self.strategy
         with reproducible_numerics(self.device), torch.no_grad():
+            strategy, _ = self._setup()
             strategy.load_client_state_dict(client_id, to_device(dict(client_state or {}),
                                                                  self.device))
             part = strategy.evaluate_client(state, data, client_id)

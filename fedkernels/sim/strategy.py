@@ -117,6 +117,10 @@ class Strategy:
     # clients apart, evaluate_client runs on each client and combine_client_evaluations on
     # the server
     evaluates_on_clients: ClassVar[bool] = False
+    # Whether the strategy runs with its clients apart (module docstring): None judges by
+    # whether it trains or evaluates its own way (train_client, evaluate), for then it may
+    # keep client state in this object, which other processes would not see
+    runs_apart: ClassVar[bool | None] = None
 
     def __init__(self, config: Any = None) -> None:
         if self.config_class is None:
@@ -200,6 +204,20 @@ class Strategy:
         docstring)."""
 
     # ---------------------------------------------------------- clients apart (module docstring)
+
+    @classmethod
+    def apart_problem(cls) -> str | None:
+        """Why this strategy cannot run with its clients in other processes, or None."""
+        if cls.runs_apart is not None:
+            return None if cls.runs_apart else f"{cls.name} keeps its clients' state in one process"
+        own = [m for m in ("train_client", "evaluate")
+               if getattr(cls, m) is not getattr(Strategy, m)]
+        if not own:
+            return None
+        return (f"{cls.name} trains or evaluates its clients its own way ({', '.join(own)}) "
+                "and may keep their state in the strategy, where a client in another process "
+                "would not find it; a strategy that keeps nothing there, or passes it through "
+                "client_state_dict and the payload hooks, sets runs_apart = True")
 
     def client_payload(self, client_id: int, round_index: int) -> dict[str, Tensor]:
         """Server side: the tensors client ``client_id`` needs besides the global model to
