@@ -21,10 +21,10 @@ spelling: ``algorithm``, ``rounds``, ``seed``, ``device`` and the other top-leve
 those of the other registered algorithms are ignored, so that one ``pyproject.toml`` may hold
 several), lists as comma-separated strings; ``config-file`` names a YAML or JSON file of
 ``fedkernels run --config`` read first. The app's own keys: ``round-timeout`` (seconds a round
-waits for its replies, 0: until all arrive), ``straggler-patience`` (seconds a round still
-waits after its first reply, 0: no limit), ``node-wait-timeout`` (seconds to wait for the
-SuperNodes at the start) and ``result-path`` (where the ServerApp writes ``results.json``);
-keys ``app.*`` are left to the App's own code.
+waits for its replies, default 3600 as Flower's strategies, 0: until all arrive),
+``straggler-patience`` (seconds a round still waits after its first reply, 0: no limit),
+``node-wait-timeout`` (seconds to wait for the SuperNodes at the start) and ``result-path``
+(where the ServerApp writes ``results.json``); keys ``app.*`` are left to the App's own code.
 
 Clients and nodes: SuperNode ``partition-id = k`` (its ``node_config``, as Flower's simulation
 engine sets it) is client k of the run's ``partition.num_clients`` clients, and
@@ -87,7 +87,7 @@ log = logging.getLogger("flwr")
 # experiment's.
 APP_KEYS = {
     "config-file": "",
-    "round-timeout": 0.0,
+    "round-timeout": 3600.0,  # as Flower's strategies' start()
     "straggler-patience": 0.0,
     "node-wait-timeout": 120.0,
     "result-path": "",
