@@ -31,6 +31,7 @@ from .model_layout import (
     with_metadata,
 )
 from .ops import summation
+from .ops.concurrency import CopyableLock
 
 
 def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: str,
@@ -67,8 +68,10 @@ def _int_result(values: list[Tensor], base: Tensor | None, policy: str, label: s
 _WHERE = re.compile(r"(client \d+, tensor |base tensor |out tensor |tensor )(\d+)")
 
 
-def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception:
-    """Rewrites the native op's tensor indices into the user's names (state_dict keys)."""
+def _rename(err: Exception, layout: ModelLayout, float_names: list,
+            api: str = "fedkernels.aggregate") -> Exception:
+    """Rewrites the native op's tensor indices into the user's names (state_dict keys), and
+    its name (``fedkernels.weighted_sum.out: ...``) into the API's that was called."""
 
     def name(match: re.Match) -> str:
         if layout.kind == "tensor":  # one tensor per client: "client 2", "out", "base"
@@ -79,6 +82,7 @@ def _rename(err: Exception, layout: ModelLayout, float_names: list) -> Exception
         return match.group(1) + label
 
     message = _WHERE.sub(name, str(err).split("\nException raised from")[0])
+    message = re.sub(r"^fedkernels\.weighted_sum\w*(\.out)?:", f"{api}:", message)
     kind = type(err) if isinstance(err, (ValueError, TypeError)) else RuntimeError
     return kind(message)
 
@@ -471,6 +475,9 @@ class Accumulator:
     :math:`\sum w_k` is kept in float64, so weights whose float32 sum or value would overflow
     or vanish (3e38 + 3e38, 1e-46) normalise as in :func:`aggregate`. A copy made between
     adds (``copy.copy``, ``copy.deepcopy``, pickling) goes on without touching the original.
+    Thread-safe: :meth:`add`, :meth:`result`, :meth:`reset` and copies hold one lock, so
+    threads that add into one accumulator (a server receiving uploads concurrently) get the
+    sum of all their updates, added one at a time in some order.
 
     >>> acc = Accumulator()
     >>> for sd, n in incoming:        # doctest: +SKIP
@@ -489,6 +496,12 @@ class Accumulator:
         self.base = base
         self.scale = scale
         self.int_policy = int_policy
+        # add(), result(), reset() and copies hold it: two threads adding into one accumulator
+        # raced on the running sums (an in-place pass each) and on the totals.
+        self._lock = CopyableLock()
+        self._clear()
+
+    def _clear(self) -> None:
         self._layout: ModelLayout | None = None
         self._acc: list[Tensor] = []
         self._ints: dict[int, Tensor] = {}
@@ -507,7 +520,12 @@ class Accumulator:
         self.count = 0
 
     def add(self, update: Model, weight: float) -> None:
-        """Adds ``weight · update``. ``update`` has the structure of the first one added."""
+        """Adds ``weight · update``. ``update`` has the structure of the first one added.
+        Thread-safe: concurrent adds are applied one at a time, in some order."""
+        with self._lock:
+            self._add(update, weight)
+
+    def _add(self, update: Model, weight: float) -> None:
         what = f"update {self.count}"
         w = _one_weight(weight, what)
         if self._layout is None:
@@ -574,7 +592,7 @@ class Accumulator:
                 _refuse_non_strided(layout, float_names, [floats], [])
             except TypeError as layout_err:
                 raise TypeError(str(layout_err).replace("client 0", what)) from None
-            err = _rename(err, layout, float_names)  # one client per call: client 0 is `what`
+            err = _rename(err, layout, float_names, "fedkernels.Accumulator")  # client 0: `what`
             raise type(err)(str(err).replace("client 0", what)) from None
         # Only now, with the update accepted, is any state changed.
         for i, f in enumerate(layout.float_mask):
@@ -597,7 +615,12 @@ class Accumulator:
         self.count += 1
 
     def result(self, *, normalize: bool = False) -> Model:
-        """The aggregate so far, in the models' dtypes; ``normalize`` divides by Σw."""
+        """The aggregate so far, in the models' dtypes; ``normalize`` divides by Σw. Taken
+        between adds when other threads are adding."""
+        with self._lock:
+            return self._result(normalize)
+
+    def _result(self, normalize: bool) -> Model:
         if self._layout is None:
             raise ValueError("fedkernels.Accumulator: no update was added")
         if normalize and self._total_units == 0:
@@ -645,11 +668,27 @@ class Accumulator:
         so ``copy.copy`` gives the copy its own (``base`` stays shared: it is only read).
         ``copy.deepcopy`` and pickling copy everything, ``base`` included."""
         new = type(self).__new__(type(self))
-        new.__dict__.update(self.__dict__)
-        new._acc = [a.clone() for a in self._acc]
-        new._ints = dict(self._ints)  # its tensors are replaced, never written
+        with self._lock:
+            new.__dict__.update(self.__dict__)
+            new._acc = [a.clone() for a in self._acc]
+            new._ints = dict(self._ints)  # its tensors are replaced, never written
+        new._lock = CopyableLock()
         return new
+
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and pickling: a snapshot taken between adds (the running sums
+        cloned under the lock, as another thread may be adding)."""
+        with self._lock:
+            state = dict(self.__dict__)
+            state["_acc"] = [a.clone() for a in self._acc]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "_lock" not in state:  # pickled before the lock existed
+            self._lock = CopyableLock()
 
     def reset(self) -> None:
         """Forgets every update added so far."""
-        self.__init__(base=self.base, scale=self.scale, int_policy=self.int_policy)
+        with self._lock:
+            self._clear()

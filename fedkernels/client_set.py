@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from .memory_footprints import Footprints, byte_span, has_internal_overlap
@@ -50,17 +51,28 @@ class ClientSet:
         # ops, which need at least one tensor: run() then returns no results.
         self.has_floats = bool(layout.float_index)
 
+    def refuse_meta(self, why: str) -> None:
+        """A ValueError naming the API when the clients are on the meta device (no values):
+        for rules whose result or selection depends on the values (``why``)."""
+        if self.floats and self.floats[0] and self.floats[0][0].device.type == "meta":
+            raise ValueError(f"{self.api}: the clients are on the meta device, which holds no "
+                             f"values; {why}")
+
     def label(self, i: int) -> str:
         return self.layout.label(self.layout.names[i])
 
-    def out_tensors(self, out: Model | None, *, floats_written_here: bool = False
-                    ) -> list[Tensor] | None:
+    def out_tensors(self, out: Model | None, *, floats_written_here: bool = False,
+                    op_sees: Sequence[int] | None = ()) -> list[Tensor] | None:
         """``out``'s tensors after checking them against client 0's, before any write: every
-        entry's shape, dtype and device, and the memory checks the native ops do not make (they
-        check their floating-point outputs against their inputs). The integer entries, and
+        entry's shape, dtype and device; with grad mode on, no entry that requires grad (as
+        PyTorch's in-place ops; checked here because Krum copies into ``out`` itself, and an
+        entry written before a later one is refused would stay written); and memory: no entry
+        may overlap any of the K clients (also those a rule does not select: the native ops
+        only see, and check against, the clients they are given: ``op_sees`` are the clients
+        whose float tensors the rule's op takes with every float out entry, and checks itself;
+        None for all of them). The integer entries, and
         the float ones where ``floats_written_here`` (Krum copies its selection itself), must
-        not be expanded views nor overlap a client or another out entry; no entry may overlap
-        a client's integer tensor."""
+        not be expanded views nor overlap another out entry."""
         if out is None:
             return None
         tensors = self.layout.tensors(out, "out")
@@ -69,6 +81,14 @@ class ClientSet:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} is {o.dtype} "
                                  f"{tuple(o.shape)} on {o.device}, expected {t.dtype} "
                                  f"{tuple(t.shape)} on {t.device}")
+        if torch.is_grad_enabled():
+            for i, o in enumerate(tensors):
+                if o.requires_grad:
+                    what = "is a leaf that requires grad" if o.is_leaf else "requires grad"
+                    raise RuntimeError(f"{self.api}: out tensor {self.label(i)} {what}; the "
+                                       "result is written in place and carries no gradient: "
+                                       "write it under torch.no_grad(), as PyTorch's in-place "
+                                       "ops require")
         written_here = {i for i, f in enumerate(self.layout.float_mask)
                         if floats_written_here or not f}
         for i in sorted(written_here):
@@ -78,14 +98,15 @@ class ClientSet:
                                  "output needs one element of memory each")
         ints = Footprints([(byte_span(t), t, (k, i)) for i, column in self.ints.items()
                            for k, t in enumerate(column)])
+        seen = set() if floats_written_here else set(range(self.K) if op_sees is None
+                                                     else op_sees)
         floats = Footprints([(byte_span(t), t, (k, i)) for k, c in enumerate(self.floats)
-                             for i, t in zip(self.layout.float_index, c)]
-                            if floats_written_here else [])
+                             if k not in seen for i, t in zip(self.layout.float_index, c)])
         outputs = Footprints([(byte_span(o), o, j) for j, o in enumerate(tensors)])
         for i, o in enumerate(tensors):
             span = byte_span(o)
             hit = ints.overlap(span, o)
-            if hit is None and i in written_here:
+            if hit is None:
                 hit = floats.overlap(span, o)
             if hit is not None:
                 raise ValueError(f"{self.api}: out tensor {self.label(i)} overlaps client "

@@ -48,7 +48,7 @@ def coordinate_median(clients, *, out: Model | None = None) -> Model:
     any client is NaN is NaN. ``out``: where to write the result (client 0's structure, dtypes
     and devices; must not alias a client)."""
     cs = ClientSet(clients, "fedkernels.coordinate_median")
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     results = cs.run(robust_ops.coordinate_median, cs.flat(), cs.K, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
 
@@ -64,7 +64,7 @@ def trimmed_mean(clients, beta: float, *, out: Model | None = None) -> Model:
     if not 0.0 <= beta < 0.5:
         raise ValueError(f"{api}: beta must be in [0, 0.5), got {beta}")
     cs = ClientSet(clients, api)
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     lowercut = int(beta * cs.K)  # Flower's (and SciPy's trim_mean's) cut
     results = cs.run(robust_ops.trimmed_mean, cs.flat(), cs.K, lowercut, cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
@@ -79,7 +79,7 @@ def nearest_to_median_mean(clients, window: int, *, out: Model | None = None) ->
     api = "fedkernels.nearest_to_median_mean"
     cs = ClientSet(clients, api)
     window = _check_count(api, "window", window, 1, cs.K)
-    out_tensors = cs.out_tensors(out)
+    out_tensors = cs.out_tensors(out, op_sees=None)
     results = cs.run(robust_ops.median_window_mean, cs.flat(), cs.K, window,
                      cs.float_out(out_tensors))
     return cs.finish(results, None, out_tensors, out)
@@ -122,6 +122,8 @@ def krum_scores(distances: Tensor, num_malicious: int) -> Tensor:
         raise ValueError(f"{api}: distances must be a square [K, K] tensor")
     K = distances.shape[0]
     f = _check_count(api, "num_malicious", num_malicious, 0)
+    if distances.device.type == "meta":
+        raise ValueError(f"{api}: distances is on the meta device, which holds no values")
     num_closest = max(1, K - f - 2)
     d = distances.detach().to("cpu", torch.float64).numpy()
     scores = np.array([np.sum(np.sort(row)[1:num_closest + 1]) for row in d], dtype=np.float64)
@@ -157,6 +159,7 @@ def krum(clients, num_malicious: int, num_to_keep: int = 1, *, weights=None,
     cs = ClientSet(clients, api)
     f = _check_count(api, "num_malicious", num_malicious, 0)
     m = _check_count(api, "num_to_keep", num_to_keep, 1, cs.K)
+    cs.refuse_meta("Krum's selection depends on them")
     out_tensors = cs.out_tensors(out, floats_written_here=True)
     if weights is not None:
         w = _checked_weights(api, weights, cs.K)
@@ -230,10 +233,11 @@ def bulyan(clients, num_malicious: int, *, selection: str = "iterative",
     if cs.K < 4 * f + 3:
         raise ValueError(f"{api}: Bulyan needs K >= 4 * num_malicious + 3 = {4 * f + 3} "
                          f"clients, got K = {cs.K}")
-    out_tensors = cs.out_tensors(out)
+    cs.refuse_meta("Bulyan's selection depends on them")
     theta = cs.K - 2 * f
     beta = theta - 2 * f
     chosen = _bulyan_select(_distances(cs), f, theta, selection)
+    out_tensors = cs.out_tensors(out, op_sees=chosen)  # and the others, which it does not see
     results = cs.run(robust_ops.median_window_mean, cs.flat(chosen), theta, beta,
                      cs.float_out(out_tensors))
     return cs.finish(results, chosen, out_tensors, out)

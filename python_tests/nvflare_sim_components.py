@@ -7,6 +7,8 @@ Each site ``site-i`` returns arrays drawn from a generator seeded by (i, round),
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable
 from nvflare.apis.executor import Executor
@@ -68,6 +70,25 @@ class DiffTrainer(Executor):
         diff = {k: new[k] - np.asarray(dxo.data[k], np.float32) for k in new}
         return DXO(DataKind.WEIGHT_DIFF, data=diff,
                    meta={MetaKey.NUM_STEPS_CURRENT_ROUND: index + 1}).to_shareable()
+
+
+class DroppingDiffTrainer(DiffTrainer):
+    """:class:`DiffTrainer`, but site ``drop_site`` stops answering in round ``drop_round``: it
+    goes silent for ``silent_s`` seconds (longer than the server waits for a straggler) and
+    then sends a reply the server must refuse as late, before it takes the next task."""
+
+    def __init__(self, drop_site: int, drop_round: int, silent_s: float):
+        super().__init__()
+        self.drop_site, self.drop_round, self.silent_s = drop_site, drop_round, silent_s
+
+    def execute(self, task_name: str, shareable: Shareable, fl_ctx: FLContext,
+                abort_signal: Signal) -> Shareable:
+        current_round = shareable.get_header(AppConstants.CURRENT_ROUND)
+        if site_index(fl_ctx) == self.drop_site and current_round == self.drop_round:
+            end = time.monotonic() + self.silent_s
+            while time.monotonic() < end and not abort_signal.triggered:
+                time.sleep(0.1)
+        return super().execute(task_name, shareable, fl_ctx, abort_signal)
 
 
 class ModelTrainer(Executor):

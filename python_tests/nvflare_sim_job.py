@@ -1,7 +1,7 @@
 """Runs one NVFlare job in NVFlare's simulator (loopback, in this machine only) and writes the
 final global model to a ``.npz`` file. Used by ``test_nvflare_simulator.py`` as a child process:
 
-    python nvflare_sim_job.py {sag,fedavg} {nvflare,fedkernels} WORKSPACE OUT.npz [N_CLIENTS]
+    python nvflare_sim_job.py {sag,sagdrop,fedavg} {nvflare,fedkernels} WORKSPACE OUT.npz [N_CLIENTS]
 
 ``sag``: the ScatterAndGather workflow with ``InTimeAccumulateWeightedAggregator`` (NVFlare's or
 ours, the only difference between the two jobs is the component's module path), WEIGHT_DIFF
@@ -22,7 +22,13 @@ from nvflare.app_common.shareablegenerators.full_model_shareable_generator impor
 )
 from nvflare.app_common.workflows.scatter_and_gather import ScatterAndGather
 from nvflare.job_config.api import FedJob
-from nvflare_sim_components import DiffTrainer, ModelTrainer, SavingFedAvg, SavingPersistor
+from nvflare_sim_components import (
+    DiffTrainer,
+    DroppingDiffTrainer,
+    ModelTrainer,
+    SavingFedAvg,
+    SavingPersistor,
+)
 
 ROUNDS = 3
 
@@ -54,6 +60,32 @@ def sag_job(which: str, out_path: str, n_clients: int) -> FedJob:
     return job
 
 
+# "sagdrop": the last site goes silent in round DROP_ROUND for longer than the server waits
+# after the first n - 1 replies (WAIT_S); the round ends with the others, the late reply is
+# refused, and the site is back for the next round.
+DROP_ROUND = 1
+WAIT_S = 8  # seconds (NVFlare takes an int)
+
+
+def sag_drop_job(which: str, out_path: str, n_clients: int) -> FedJob:
+    from fedkernels.integrations.nvflare import InTimeAccumulateWeightedAggregator
+
+    job = FedJob(name="sagdrop_fedkernels", min_clients=n_clients)
+    job.to_server(SavingPersistor(out_path=out_path), id="persistor")
+    job.to_server(FullModelShareableGenerator(), id="shareable_generator")
+    job.to_server(InTimeAccumulateWeightedAggregator(
+        expected_data_kind=DataKind.WEIGHT_DIFF,
+        aggregation_weights=aggregation_weights(n_clients),
+    ), id="aggregator")
+    job.to_server(ScatterAndGather(
+        min_clients=n_clients - 1, num_rounds=ROUNDS, wait_time_after_min_received=WAIT_S,
+        persistor_id="persistor", train_timeout=0, task_check_period=0.05,
+    ))
+    job.to_clients(DroppingDiffTrainer(drop_site=n_clients, drop_round=DROP_ROUND,
+                                       silent_s=WAIT_S + 4.0), tasks=["train"])
+    return job
+
+
 def fedavg_job(which: str, out_path: str, n_clients: int) -> FedJob:
     kwargs = dict(num_clients=n_clients, num_rounds=ROUNDS, out_path=out_path, persistor_id="",
                   save_filename=None)
@@ -74,7 +106,7 @@ def fedavg_job(which: str, out_path: str, n_clients: int) -> FedJob:
 def main() -> None:
     kind, which, workspace, out_path = sys.argv[1:5]
     n_clients = int(sys.argv[5]) if len(sys.argv) > 5 else 3
-    build = sag_job if kind == "sag" else fedavg_job
+    build = {"sag": sag_job, "sagdrop": sag_drop_job, "fedavg": fedavg_job}[kind]
     job = build(which, os.path.abspath(out_path), n_clients)
     # fedkernels is installed: keep FedJob from copying its sources into the job's custom/ folder
     job.set_app_packages(["fedkernels"])

@@ -8,6 +8,9 @@ same replies to Flower's own FedAvg and records the largest difference.
   while its ClientApp trains. The round ends with the two surviving replies (the ServerApp
   waits a bounded time for stragglers after the first reply), and the result is the
   aggregate of the survivors.
+- ``test_supernode_killed_mid_round_and_restarted``: the same, then a new SuperNode with the
+  killed one's partition joins; a later round includes it again, and the final model is
+  FedAvg over each round's replies.
 
 Works without an activated virtualenv: the SuperLink starts ``flower-superexec`` and the
 SuperNodes start ``flwr-clientapp`` from PATH, so the interpreter's ``bin/`` goes first on the
@@ -387,3 +390,39 @@ def test_a_child_that_exits_fails_the_wait_at_once(tmp_path):
     message = str(failure.value)
     assert "superlink exited with status" in message and "--no-such-option" in message
     assert "timed out" not in message
+
+
+def test_supernode_killed_mid_round_and_restarted(tmp_path):
+    """As above, then a new SuperNode process with the killed one's partition joins: the
+    rounds after it include that partition again, and the final model is FedAvg's over each
+    round's replies (whichever rounds the new node made it into; the killed node may still be
+    sampled until the SuperLink forgets it, costing that round the straggler patience)."""
+    deployment = Deployment(tmp_path, nodes=3, deadline_s=420)
+    result_path = tmp_path / "result.json"
+    marker = tmp_path / "victim-is-training"
+    try:
+        deployment.start_superlink_and_nodes()
+        deployment.run_app(f'result-path="{result_path}" num-server-rounds=4 '
+                           f'round-timeout=180.0 straggler-patience=10.0 victim-partition=2 '
+                           f'victim-round=2 marker-path="{marker}"')
+        deployment.wait_for(lambda: marker.exists() or deployment.flwr_run_failed(),
+                            "the victim's ClientApp to start round 2")
+        deployment.expected_exits.add("supernode2")
+        os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
+        deployment.processes["supernode2"].wait(timeout=10)
+        port = _free_ports(1)[0]
+        deployment.start("supernode2-restarted", [
+            _tool("flower-supernode"), "--insecure", "--superlink",
+            f"127.0.0.1:{deployment.link_port}", "--host", "127.0.0.1", "--port", str(port),
+            "--node-config", "partition-id=2 num-partitions=3"])
+        result = _wait_for_result(deployment, result_path)
+    finally:
+        deployment.stop()
+    assert result["rounds"] == [1, 2, 3, 4]
+    partitions = result["partitions"]
+    assert partitions[:2] == [[0, 1, 2], [0, 1]]  # round 2: the survivors only
+    assert 2 in partitions[3], partitions  # the restarted node is back by round 4
+    assert max(result["differences"]) < 1e-6  # fedkernels FedAvg == Flower FedAvg
+    expected = sum(_move(p) for p in partitions)
+    for values in result["arrays"].values():
+        assert _flat(values) == pytest.approx([expected] * len(_flat(values)), rel=1e-6)

@@ -8,7 +8,8 @@ Two jobs, four simulator runs started side by side as child processes:
   only in the aggregator component's module path.
 - NVFlare's FedAvg controller: its built-in aggregation against ``WeightedModelAggregator``.
 
-Both are also checked against the FedAvg formula replayed here in float64.
+Both are also checked against the FedAvg formula replayed here in float64. A fifth run has a
+client go silent mid-round (``test_a_client_that_goes_silent_mid_round``).
 """
 
 from __future__ import annotations
@@ -188,3 +189,50 @@ def test_jobs_differ_only_in_the_aggregator_path(simulator_runs):
 
     assert without_output_path(ours) == without_output_path(theirs)
     assert ours["workflows"] == theirs["workflows"]
+
+
+def test_a_client_that_goes_silent_mid_round(tmp_path):
+    """Site-3 stops answering in round 1 for longer than the server waits after the other two
+    replies: the round ends with sites 1 and 2, fedkernels' aggregator sums just those, the
+    late reply is dropped, and site-3 is back in round 2. The final model is the formula with
+    each round's participants; the run ends within the bound, its model file whole."""
+    from nvflare_sim_job import DROP_ROUND
+
+    root = tmp_path
+    out = root / "sagdrop.npz"
+    log_path = root / "sagdrop.log"
+    cmd = [sys.executable, str(HERE / "nvflare_sim_job.py"), "sagdrop", "fedkernels",
+           str(root / "ws"), str(out), str(N_CLIENTS)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, cwd=root, env=_child_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+            pytest.fail(f"the run did not end within {TIMEOUT_S} s:\n"
+                        f"{log_path.read_text(errors='replace')[-6000:]}")
+    text = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, text[-6000:]
+    assert f"aggregating {N_CLIENTS - 1} update(s) at round {DROP_ROUND}" in text, text[-6000:]
+    for r in range(ROUNDS):
+        if r != DROP_ROUND:
+            assert f"aggregating {N_CLIENTS} update(s) at round {r}" in text, text[-6000:]
+    a = aggregation_weights(N_CLIENTS)
+    model = {k: v.astype(np.float64) for k, v in initial_model().items()}
+    for r in range(ROUNDS):
+        sent = {k: v.astype(np.float32) for k, v in model.items()}
+        sites = range(1, N_CLIENTS if r == DROP_ROUND else N_CLIENTS + 1)
+        num = {k: np.zeros_like(v) for k, v in model.items()}
+        den = 0.0
+        for i in sites:
+            new = site_update(i, r, sent)
+            w = a[f"site-{i}"] * (i + 1)
+            for k in num:
+                num[k] += w * (new[k].astype(np.float64) - sent[k])
+            den += w
+        model = {k: sent[k] + num[k] / den for k in model}
+    ours = _load(out)
+    for k, v in model.items():
+        np.testing.assert_allclose(ours[k], v, rtol=1e-5, atol=1e-5, err_msg=k)

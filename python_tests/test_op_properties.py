@@ -1,8 +1,10 @@
 """Property test over every op family: on random shapes (0-d and empty included), dtypes,
-devices (cpu, or one argument on meta) and values (NaN/Inf injected), each call either raises
-a clear ``ValueError``/``TypeError`` naming the op, or equals the pure-PyTorch reference
-(NaN where the reference has NaN). Never a crash, never another exception, never a result
-that differs from the reference.
+devices (cpu, or one argument on meta) and values (NaN/Inf injected), each call on valid
+arguments equals the pure-PyTorch reference (NaN where the reference has NaN), and each call
+on invalid ones (a mix of meta and cpu tensors, a parameter out of its range) raises a clear
+``ValueError``/``TypeError`` naming the op. Which it is, each test decides from the arguments
+before the call: a refusal of a valid call fails, as an accepted invalid one does. Never a
+crash, never another exception, never a result that differs from the reference.
 """
 
 from __future__ import annotations
@@ -38,15 +40,18 @@ def tensors(draw, shape, dtype, poison=True):
     return t.to(dtype)
 
 
-def _outcome(call, reference, dtype, mixed_devices: bool):
-    """Either a clear error, or equality with the reference (only the shapes when every
-    tensor was on meta); a call that mixes meta and cpu tensors must raise."""
+def _outcome(call, reference, dtype, mixed_devices: bool, invalid: str | None = None):
+    """A call on invalid arguments (``mixed_devices``: meta and cpu tensors; ``invalid``: why
+    else) raises a clear error; any other call returns the reference's result (only the
+    shapes when every tensor was on meta), and a refusal of it fails the property."""
+    invalid = invalid or ("mixes meta and cpu tensors" if mixed_devices else None)
     try:
         got = call()
     except (ValueError, TypeError) as err:
         assert "fedkernels" in str(err), f"unclear error: {err!r}"
+        assert invalid is not None, f"a valid call was refused: {err}"
         return
-    assert not mixed_devices, "a call mixing meta and cpu tensors must raise, not return"
+    assert invalid is None, f"an invalid call ({invalid}) returned instead of raising"
     want = reference()
     got = got if isinstance(got, (list, tuple)) else [got]
     want = want if isinstance(want, (list, tuple)) else [want]
@@ -116,7 +121,9 @@ def test_robust_rules_and_distances(data):
         "distances": (lambda: ops.pairwise_sq_distances(args["flat"], k),
                       lambda: R.pairwise_sq_distances_reference(flat, k)),
     }
-    _outcome(*calls[rule], torch.float64 if rule == "distances" else dtype, moved)
+    invalid = {"trimmed": None if 0 <= param < k - param else "cut not in [0, K/2)",
+               "window": None if 1 <= param <= k else "window not in [1, K]"}.get(rule)
+    _outcome(*calls[rule], torch.float64 if rule == "distances" else dtype, moved, invalid)
 
 
 @SETTINGS
@@ -251,6 +258,18 @@ def test_an_unexpected_exception_type_fails_the_property():
 
     with pytest.raises(RuntimeError):
         _outcome(crash, lambda: torch.zeros(1), torch.float32, False)
+
+
+def test_a_refusal_of_a_valid_call_fails_the_property():
+    """The property helper itself: an op changed to refuse every input does not pass."""
+    def refuse():
+        raise ValueError("fedkernels.weighted_sum: no")
+
+    with pytest.raises(AssertionError, match="a valid call was refused"):
+        _outcome(refuse, lambda: torch.zeros(1), torch.float32, False)
+    _outcome(refuse, lambda: torch.zeros(1), torch.float32, False, invalid="cut out of range")
+    with pytest.raises(AssertionError, match="returned instead of raising"):
+        _outcome(lambda: torch.zeros(1), lambda: torch.zeros(1), torch.float32, True)
 
 
 @pytest.mark.parametrize("row", [[math.inf], [math.inf, 1.0], [-math.inf], [-math.inf, -math.inf],

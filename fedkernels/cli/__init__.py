@@ -4,7 +4,10 @@ check`` (:mod:`.check`) and ``fedkernels aggregate`` (checkpoint files, :mod:`.a
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 
 from . import aggregate_files, check, compare, run
@@ -48,9 +51,39 @@ def _run_command(command: str, rest: list[str]) -> int:
     return 2
 
 
+def _exit_at_the_next_ctrl_c(code: int) -> None:
+    """After the command has returned, a further Ctrl-C (a second quick one, say) lands in the
+    interpreter's exit handlers (torch's, weakref finalizers) and printed their traceback: the
+    process now just ends there, with the command's status."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def leave(signum, frame) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+    signal.signal(signal.SIGINT, leave)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fedkernels`` script."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    """Entry point of the ``fedkernels`` script (``argv``: None to read ``sys.argv``, as the
+    script does; a list when called from Python, which leaves signal handling alone)."""
+    if argv is not None:
+        return _dispatch(list(argv))
+    try:
+        code = _dispatch(sys.argv[1:])
+    except KeyboardInterrupt:  # a second Ctrl-C while the first one's report was printed
+        print("\ninterrupted", file=sys.stderr)
+        code = 128 + signal.SIGINT
+    _exit_at_the_next_ctrl_c(code)
+    return code
+
+
+def _dispatch(argv: list[str]) -> int:
     command, rest = (argv[0], argv[1:]) if argv else ("", [])
     if command in COMMANDS:
         return _run_command(command, rest)

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fedkernels.aggregate import FLOAT32_MAX, needs_float64_factor, weight_unit
+from fedkernels.memory_footprints import Footprints, byte_span, has_internal_overlap, same_memory
 from fedkernels.model_layout import (
     INT_POLICIES,
     Model,
@@ -66,6 +67,7 @@ from fedkernels.model_layout import (
     with_metadata,
 )
 from fedkernels.ops import summation
+from fedkernels.ops.concurrency import one_call_at_a_time
 
 __all__ = ["WeightedPartial", "all_reduce_aggregate"]
 
@@ -430,7 +432,11 @@ class WeightedPartial:
     twice (the same partials all-reduced twice, or partials that share a rank's clients after
     an earlier collective) raises the same ``ValueError`` on every rank; so does reading or
     summing a partial that :meth:`reduce` sent to another rank (its buffer is no longer a
-    sum: it may only receive a :meth:`broadcast`)."""
+    sum: it may only receive a :meth:`broadcast`).
+
+    Not for concurrent use: a method called while another thread is inside one on the same
+    partial (clients added during a collective, two collectives at once) raises
+    ``RuntimeError`` without touching it. Each rank's partial is used by one thread at a time."""
 
     def __init__(self, layout: ModelLayout, like: list[Tensor], base: list[Tensor] | None,
                  int_policy: str, order: list | None = None) -> None:
@@ -543,6 +549,7 @@ class WeightedPartial:
         partial._metadata = getattr(template, "_metadata", None)
         return partial, clients, w
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def add_clients(self, updates: Sequence[Model], weights) -> None:
         """Adds more clients, models of the partial's structure (state_dicts are matched by
         name), in one fused pass. Every input is checked before anything is added."""
@@ -636,6 +643,7 @@ class WeightedPartial:
             described["base"] = self._base_checksums
         return described
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def agree(self, group=None, *, timeout=None) -> list[int]:
         """Checks, with one small all_gather, that every rank of ``group`` holds a partial of
         the same layout; returns each rank's client count. Every rank raises the same
@@ -703,6 +711,7 @@ class WeightedPartial:
 
     # ---------------------------------------------------------------- collectives
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def all_reduce(self, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials of every rank of ``group`` (one all-reduce per accumulate
         dtype, usually one; plus a max over the integer tensors), after :meth:`agree`."""
@@ -722,6 +731,7 @@ class WeightedPartial:
         self._sources = tuple(sources)
         return self
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def reduce(self, dst: int, group=None, *, timeout=None) -> WeightedPartial:
         """Sums the partials onto rank ``dst`` (global rank) only, e.g. a node's leader."""
         self._agree_on(group, timeout, collective="reduce", dst=dst)
@@ -742,6 +752,7 @@ class WeightedPartial:
             self._sources = ()
         return self
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def broadcast(self, src: int, group=None, *, timeout=None) -> WeightedPartial:
         """Copies rank ``src``'s (global rank) partial to every rank of ``group``."""
         self._agree_on(group, timeout, collective="broadcast", src=src)
@@ -827,15 +838,41 @@ class WeightedPartial:
 
     def _check_out(self, out: Model) -> list[Tensor]:
         """``out``'s tensors in the canonical order, after checking each has the result's
-        shape, dtype and device (so a bad ``out`` fails before any collective)."""
+        shape, dtype and device, and everything else that would fail or corrupt midway, as
+        the entries are written one by one: with grad mode on, no entry that requires grad;
+        no entry with elements that share memory, overlapping another entry, or overlapping
+        a base entry other than its own (which it may be, in place)."""
         tensors = self.layout.tensors(out, "out")
-        for name, t, shape, dtype in zip(self.layout.names, tensors, self.shapes, self.dtypes):
+        labels = [self.layout.label(name) for name in self.layout.names]
+        for label, t, shape, dtype in zip(labels, tensors, self.shapes, self.dtypes):
             if t.shape != shape or t.dtype != dtype or t.device != self.device:
-                raise ValueError(f"{API}: out tensor {self.layout.label(name)} is "
-                                 f"{_describe_tensor(t)}, the result is {dtype} "
-                                 f"{tuple(shape)} on {self.device}")
+                raise ValueError(f"{API}: out tensor {label} is {_describe_tensor(t)}, the "
+                                 f"result is {dtype} {tuple(shape)} on {self.device}")
+            if t.requires_grad and torch.is_grad_enabled():
+                raise RuntimeError(f"{API}: out tensor {label} requires grad; the result is "
+                                   "written in place and carries no gradient: write it under "
+                                   "torch.no_grad(), as PyTorch's in-place ops require")
+            if has_internal_overlap(t):
+                raise ValueError(f"{API}: out tensor {label} has elements that share memory "
+                                 "(an expanded or overlapping view)")
+        outputs = Footprints([(byte_span(t), t, i) for i, t in enumerate(tensors)])
+        bases = Footprints([] if self.base is None else
+                           [(byte_span(b), b, i) for i, b in enumerate(self.base)])
+        for i, t in enumerate(tensors):
+            span = byte_span(t)
+            other = outputs.overlap(span, t, exclude=i)
+            if other is not None and not same_memory(t, tensors[other]):  # tied: one tensor
+                raise ValueError(f"{API}: out tensors {labels[i]} and {labels[other]} "
+                                 "overlap; every output entry needs its own memory")
+            own = self.base is not None and same_memory(t, self.base[i])
+            hit = bases.overlap(span, t, exclude=i if own else None)
+            if hit is not None and not same_memory(t, self.base[hit]):
+                raise ValueError(f"{API}: out tensor {labels[i]} overlaps base tensor "
+                                 f"{labels[hit]}; out may be the base itself (in place), not "
+                                 "part of it")
         return tensors
 
+    @one_call_at_a_time("fedkernels.WeightedPartial")
     def result(self, *, scale: float = 1.0, normalize: bool = False,
                out: Model | None = None) -> Model:
         r"""The aggregate: :math:`\mathrm{scale}\,S/[W]`, or :math:`b + \mathrm{scale}\,S/[W]`

@@ -80,6 +80,7 @@ except ImportError as _err:  # pragma: no cover - exercised only without nvflare
 
 from fedkernels.aggregate import FLOAT32_MAX
 from fedkernels.ops import summation
+from fedkernels.ops.concurrency import CopyableLock
 
 __all__ = [
     "ContributionError",
@@ -539,7 +540,8 @@ class WeightedModelAggregator(ModelAggregator):
     controller does). The aggregated ``FLModel`` has the controller's params, params type,
     metrics, round and meta (``nr_aggregated``, ``current_round``, metrics aggregation info);
     the round's key-match stats go to ``AppConstants.AGGREGATION_STATS`` of the aggregator's
-    ``FLContext``.
+    ``FLContext``. Thread-safe: :meth:`accept_model`, :meth:`aggregate_model` and
+    :meth:`reset_stats` hold one lock.
     """
 
     def __init__(self, exclude_vars: str | None = None,
@@ -555,9 +557,16 @@ class WeightedModelAggregator(ModelAggregator):
         self.exclude_vars = exclude_vars
         self.aggregation_weights = aggregation_weights or {}
         self._warned_metric_keys: set[str] = set()
+        # Results may be accepted from several threads (NVFlare's result callbacks), as the
+        # helpers allow: the counts, metric weights and round beside them are held by one lock.
+        self._lock = CopyableLock(reentrant=True)
         self.reset_stats()
 
     def reset_stats(self) -> None:
+        with self._lock:
+            self._reset_stats()
+
+    def _reset_stats(self) -> None:
         self._params_helper = WeightedAggregationHelper(exclude_vars=self.exclude_vars)
         self._metrics_helper = WeightedAggregationHelper()
         self._all_metrics = True
@@ -567,6 +576,10 @@ class WeightedModelAggregator(ModelAggregator):
         self._round = None
 
     def accept_model(self, model: FLModel) -> bool:
+        with self._lock:
+            return self._accept_model(model)
+
+    def _accept_model(self, model: FLModel) -> bool:
         client = _client_name(model)
         if not model.params:
             self.warning(f"Empty result from client {client}, skipping.")
@@ -592,6 +605,10 @@ class WeightedModelAggregator(ModelAggregator):
         return True
 
     def aggregate_model(self) -> FLModel:
+        with self._lock:
+            return self._aggregate_model()
+
+    def _aggregate_model(self) -> FLModel:
         current_round = self._round
         if self.fl_ctx is not None:
             ctx_round = self.fl_ctx.get_prop(AppConstants.CURRENT_ROUND)

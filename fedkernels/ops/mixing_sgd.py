@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .concurrency import one_call_at_a_time
 from .devices import check_device, check_list_device
 from .mixing import (
     COSINE_EPS,
@@ -133,6 +134,10 @@ class SuPerFedSGD(torch.optim.Optimizer):
     the regularizer's alone, or zero: weight decay and momentum still apply). The parameters
     form one group (``g`` then ``l``), so a learning-rate scheduler and ``state_dict`` work as
     with SGD over ``g + l``, momentum buffers included.
+
+    Not for concurrent use (as ``torch.optim`` optimizers): :meth:`mix` or :meth:`step` called
+    while another thread is inside one of them raises ``RuntimeError`` without touching the
+    parameters.
     """
 
     def __init__(
@@ -196,6 +201,7 @@ class SuPerFedSGD(torch.optim.Optimizer):
             raise ValueError("fedkernels.SuPerFedSGD has one parameter group (g then l)")
         super().add_param_group(param_group)
 
+    @one_call_at_a_time("fedkernels.SuPerFedSGD")
     def mix(self, lam: float | Sequence[float] | Tensor) -> tuple[list[Tensor], Tensor]:
         r"""``(theta, reg)``: the mixed parameters :math:`(1-\lambda) g + \lambda l` as fresh
         leaf tensors that require grad (give them to the network), and the regularizer
@@ -220,6 +226,7 @@ class SuPerFedSGD(torch.optim.Optimizer):
         return theta, total.to(_loss_dtype(g))
 
     @torch.no_grad()
+    @one_call_at_a_time("fedkernels.SuPerFedSGD")
     def step(self, closure=None) -> None:
         """Updates ``g``, ``l`` and the momentum buffers from the gradients of the last
         :meth:`mix`'s outputs (after ``backward``). ``closure`` is not supported."""

@@ -144,6 +144,7 @@ def private_aggregate(
     if not (math.isfinite(noise_std) and noise_std >= 0):
         raise ValueError(f"{api}: noise_std must be finite and >= 0, got {noise_std}")
     cs, base_floats, base_all = _with_base(clients, base, api)
+    cs.refuse_meta("the clipping depends on the update norms")
     if weights is None:
         w = [1.0 / cs.K] * cs.K
     else:
@@ -263,12 +264,18 @@ def adaptive_clip_norm(
         z = torch.randn((), dtype=torch.float64, generator=generator).item()
         noisy = clipped + clipped_count_stddev * z
     fraction = noisy / len(values)
+    formula = (f"{clip_norm} * exp({-clip_norm_lr} * ({fraction} - {target_quantile}))")
     try:
-        return float(clip_norm * math.exp(-clip_norm_lr * (fraction - target_quantile)))
+        next_norm = float(clip_norm * math.exp(-clip_norm_lr * (fraction - target_quantile)))
     except OverflowError:  # math.exp's "math range error"
-        raise ValueError(f"{api}: the next clip norm, {clip_norm} * exp({-clip_norm_lr} * "
-                         f"({fraction} - {target_quantile})), is beyond the float64 range; "
+        raise ValueError(f"{api}: the next clip norm, {formula}, is beyond the float64 range; "
                          "lower clip_norm_lr") from None
+    # The other end of the range: a norm that underflows to 0 is one that private_aggregate
+    # (and this function, next round) refuses, so it is refused here, where it arises.
+    if not next_norm > 0:
+        raise ValueError(f"{api}: the next clip norm, {formula}, underflows to 0 in float64; "
+                         "lower clip_norm_lr or raise clip_norm")
+    return next_norm
 
 
 def adaptive_noise_params(noise_multiplier: float, num_sampled: int,

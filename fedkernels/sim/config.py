@@ -15,6 +15,7 @@ import codecs
 import dataclasses
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
@@ -26,6 +27,28 @@ from .model_catalog import LEGACY_MODELS, LEGACY_OPTIONS, MODEL_CATALOG, MODEL_N
 
 class ConfigError(ValueError):
     """An invalid configuration value or combination of values."""
+
+
+# A value quoted in an error is shown in at most a few hundred characters: a configuration
+# file can hold a list or mapping whose YAML aliases expand it far beyond its size, and a
+# message that spelled it out would take the memory and time the file did not.
+_SHOWN = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_SHOWN.maxlevel = 3
+_SHOWN.maxtuple = _SHOWN.maxlist = _SHOWN.maxarray = _SHOWN.maxdict = 6
+_SHOWN.maxset = _SHOWN.maxfrozenset = _SHOWN.maxdeque = 6
+_SHOWN.maxstring, _SHOWN.maxlong, _SHOWN.maxother = 80, 40, 80
+
+
+def show(value: Any) -> str:
+    """``repr(value)``, bounded in length whatever the value (for error messages)."""
+    return _SHOWN.repr(value)
+
+
+def show_key(key: Any) -> str:
+    """A mapping key for an error message: a string as it is, up to a bounded length."""
+    if isinstance(key, str) and len(key) <= 80:
+        return key
+    return show(key)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -43,7 +66,7 @@ def _require_finite(config: Any, section: str) -> None:
         for v in values:
             _require(
                 not isinstance(v, float) or math.isfinite(v),
-                f"{section}.{f.name} must be a finite number, got {value!r}",
+                f"{section}.{f.name} must be a finite number, got {show(value)}",
             )
 
 
@@ -95,7 +118,7 @@ def check_device_name(value: Any) -> None:
     ``auto`` (whether the device exists is :func:`fedkernels.sim.devices.resolve_device`'s
     question)."""
     _require(isinstance(value, str) and DEVICE_NAME.fullmatch(value) is not None,
-             f"device must be cpu, cuda, cuda:N or auto, got {value!r}")
+             f"device must be cpu, cuda, cuda:N or auto, got {show(value)}")
 
 
 def _field(default: Any, help: str) -> Any:  # noqa: A002  (the argparse word)
@@ -210,7 +233,7 @@ class DataConfig:
             value, default = getattr(self, option), _default(DATA_FIELDS[option])
             _require(value == default or self.name in names,
                      f"data.{option} is a setting of {', '.join(names)}, but data.name is "
-                     f"{self.name!r}: leave it out, or choose one of those data sets")
+                     f"{show(self.name)}: leave it out, or choose one of those data sets")
         _require(self.num_features >= 1, "data.num_features must be >= 1")
         _require(self.num_classes >= 2, "data.num_classes must be >= 2")
         _require(self.separation >= 0, "data.separation must be >= 0")
@@ -224,14 +247,14 @@ class DataConfig:
             given = [f.name for f in dataclasses.fields(self)
                      if f.name in CSV_FIELDS and getattr(self, f.name) != _default(f)]
             _require(not given, f"data.{given[0] if given else ''} is a setting of CSV data, but "
-                     f"data.name is {self.name!r}: add --data.name csv (data.name: csv in a "
+                     f"data.name is {show(self.name)}: add --data.name csv (data.name: csv in a "
                      "configuration file) to read the file, or leave the setting out")
         _require(self.delimiter is None or self.delimiter in CSV_DELIMITERS,
-                 f"data.delimiter must be one of ',', ';', 'tab' or '|', got {self.delimiter!r}")
+                 f"data.delimiter must be one of ',', ';', 'tab' or '|', got {show(self.delimiter)}")
         _require(self.decimal in CSV_DECIMAL_MARKS, f"data.decimal must be '.' or ',', got "
-                 f"{self.decimal!r}")
+                 f"{show(self.decimal)}")
         _require(known_encoding(self.encoding), f"data.encoding: unknown text encoding "
-                 f"{self.encoding!r} (e.g. utf-8, cp1252, latin-1)")
+                 f"{show(self.encoding)} (e.g. utf-8, cp1252, latin-1)")
         _require(0.0 <= self.noise_rate < 1.0, "data.noise_rate must be in [0, 1)")
         _require(
             self.label_noise != "none" or self.noise_rate == 0.0,
@@ -541,7 +564,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is Literal:
         choices = get_args(tp)
         _require(
-            value in choices, f"{where}: {value!r} is not one of: {', '.join(map(str, choices))}"
+            value in choices, f"{where}: {show(value)} is not one of: {', '.join(map(str, choices))}"
         )
         return value
     if origin in (Union, types.UnionType):
@@ -557,35 +580,37 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return bool(value)
         if isinstance(value, str) and value.lower() in _TRUE | _FALSE:
             return value.lower() in _TRUE
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        raise ConfigError(f"{where}: expected true or false, got {show(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {show(value)}")
         if isinstance(value, int):
             number = value
         elif isinstance(value, float) and value.is_integer():
             number = int(value)
         else:
+            if isinstance(value, (Mapping, list, tuple, set)):  # str() would spell it all out
+                raise ConfigError(f"{where}: expected an integer, got {show(value)}")
             try:
                 number = int(str(value))
             except ValueError:
-                raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+                raise ConfigError(f"{where}: expected an integer, got {show(value)}") from None
         # every count, size and seed is a 64-bit integer in NumPy and torch
         _require(-(2**63) <= number < 2**63,
-                 f"{where}: {value!r} is beyond the 64-bit integer range")
+                 f"{where}: {show(value)} is beyond the 64-bit integer range")
         return number
     if tp is float:
         if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {show(value)}")
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+            raise ConfigError(f"{where}: expected a number, got {show(value)}") from None
         # no configuration value means anything as NaN or infinity (algorithms' included)
-        _require(math.isfinite(number), f"{where}: expected a finite number, got {value!r}")
+        _require(math.isfinite(number), f"{where}: expected a finite number, got {show(value)}")
         return number
     if tp is str:
-        _require(isinstance(value, str), f"{where}: expected a string, got {value!r}")
+        _require(isinstance(value, str), f"{where}: expected a string, got {show(value)}")
         return value
     if origin is list:
         (item,) = get_args(tp)
@@ -594,10 +619,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]  # YAML's 'hidden: 64', as the flag's '--model.hidden 64'
-        _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {value!r}")
+        _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {show(value)}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
-        _require(isinstance(value, Mapping), f"{where}: expected a mapping, got {value!r}")
+        _require(isinstance(value, Mapping), f"{where}: expected a mapping, got {show(value)}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, where)
@@ -614,13 +639,13 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     ``partition.alpha: expected a number, got 'x'``.
     """
     section = where or cls.__name__
-    _require(isinstance(data, Mapping), f"{section}: expected a mapping, got {data!r}")
+    _require(isinstance(data, Mapping), f"{section}: expected a mapping, got {show(data)}")
     hints = get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     prefix = f"{where}." if where else ""
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]} (valid: {', '.join(names)})")
+        raise ConfigError(f"unknown key {prefix}{show_key(unknown[0])} (valid: {', '.join(names)})")
     kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     return cls(**kwargs)
 

@@ -69,6 +69,7 @@ from fedkernels.integrations.flower.records import (
     ndarray_view,
 )
 from fedkernels.integrations.flower.weighted_mean import weights_from_records
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.ops.sgld import sgld_step
 from fedkernels.privacy.mechanism import adaptive_clip_norm, private_aggregate, update_norms
 
@@ -261,6 +262,7 @@ class DifferentialPrivacyServerSideFixedClipping(
         self.strategy = strategy
         self.generator = generator
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies_list = list(replies)
@@ -314,6 +316,7 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
             clip_norm_lr=self.clip_norm_lr, clipped_count_stddev=self.clipped_count_stddev,
             generator=self.generator)
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         replies_list = list(replies)

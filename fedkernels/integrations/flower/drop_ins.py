@@ -58,6 +58,7 @@ from fedkernels.integrations.flower.weighted_mean import (
     int_policy_entry,
     weights_from_records,
 )
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.privacy.mechanism import update_norms
 
 __all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedProx", "FedYogi", "QFedAvg"]
@@ -130,6 +131,7 @@ def _drop_in(flower_cls: type) -> Callable[[type], type]:
 
 
 class _FusedFedAvgTrain(_FusedAggregation):
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's ``FedAvg.aggregate_train`` with the fused weighted mean."""
@@ -183,6 +185,7 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
     :math:`m \leftarrow \mu m + g` (``momentum_vector``, when :math:`\mu > 0`),
     :math:`x_{t+1} = x_t - \eta m`; ``current_arrays`` becomes the result.""" + _DROP_IN_DOC)
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         current = None
@@ -240,6 +243,7 @@ class _FusedFedOpt(_FusedAggregation):
     def _step_size(self, server_round: int) -> float:
         return self.eta
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         current = self.current_arrays
@@ -341,6 +345,7 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
     model's, float16 replies, non-finite coefficients) go through Flower's own code.""" +
                _DROP_IN_DOC)
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         policy = check_int_policy(type(self).__name__, self.int_policy)

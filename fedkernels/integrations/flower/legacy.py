@@ -70,6 +70,7 @@ from flwr.server.client_proxy import ClientProxy
 
 from fedkernels.aggregate import aggregate
 from fedkernels.integrations.adapters import ndarrays_to_tensors
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.ops.mixing import superfed_stats
 
 __all__ = [
@@ -299,6 +300,7 @@ class FedAvg(_flower.FedAvg):
     :func:`aggregate_inplace` when ``inplace`` (the default) and :func:`aggregate_ndarrays`
     otherwise, exactly where Flower calls its functions of those names."""
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """The clients' weighted mean (None when there are no results, or failures that
@@ -340,6 +342,7 @@ class FedAvgM(_flower.FedAvgM, FedAvg):
     :math:`m \leftarrow \mu m + g` (``momentum_vector``, started with :math:`g` in round 1) and
     :math:`g = m`, :math:`x_{t+1} = x_t - \eta g`, stored back into ``initial_parameters``."""
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """The server-optimized mean and the aggregated fit metrics."""
@@ -385,6 +388,7 @@ class QFedAvg(_flower.QFedAvg, FedAvg):
     and without ``pre_weights`` ``AttributeError``, as Flower's does.
     """
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         """The q-FFL update of ``pre_weights`` and the aggregated fit metrics."""

@@ -49,6 +49,7 @@ from flwr.supercore.differential_privacy import (
 from fedkernels.aggregate import aggregate
 from fedkernels.integrations.flower.legacy import Failures, FitResults, parameters_to_arrays
 from fedkernels.integrations.flower.records import FUSED_FLOAT_DTYPES, as_tensors
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.ops.sgld import sgld_step
 from fedkernels.privacy.mechanism import adaptive_clip_norm, update_norms
 
@@ -130,6 +131,7 @@ class DifferentialPrivacyServerSideFixedClipping(
         super().__init__(strategy, noise_multiplier, clipping_norm, num_sampled_clients)
         self.generator = generator
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if failures:
@@ -159,6 +161,7 @@ class DifferentialPrivacyServerSideAdaptiveClipping(
                          clipped_count_stddev)
         self.generator = generator
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if failures:

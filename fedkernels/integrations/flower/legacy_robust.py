@@ -47,6 +47,7 @@ from fedkernels.integrations.flower.legacy import (
     parameters_to_arrays,
 )
 from fedkernels.integrations.flower.records import FUSED_FLOAT_DTYPES, as_tensors
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.robust import (
     bulyan,
     coordinate_median,
@@ -85,6 +86,7 @@ class _RobustFit:
     def _combine(self, clients: Clients, examples: list[int]) -> list[np.ndarray]:
         raise NotImplementedError
 
+    @one_call_at_a_time()
     def aggregate_fit(self, server_round: int, results: FitResults, failures: Failures
                       ) -> tuple[Parameters | None, dict[str, Scalar]]:
         if not results:

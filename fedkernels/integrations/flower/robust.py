@@ -66,6 +66,7 @@ from fedkernels.integrations.flower.records import (
     to_arrayrecord,
 )
 from fedkernels.integrations.flower.weighted_mean import fused_weighted_mean, weights_from_records
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.robust import (
     coordinate_median,
     krum_scores,
@@ -123,6 +124,7 @@ class FedMedian(_flwr.FedMedian):
     :func:`fedkernels.robust.coordinate_median`. As in Flower, the median of an integer
     array is float64 and the replies' ArrayRecords are emptied by the aggregation."""
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(replies, is_train=True)
@@ -147,6 +149,7 @@ class FedTrimmedAvg(_flwr.FedTrimmedAvg):
     construction) or replies whose shapes differ raise Flower's ``AggregationError``; the
     replies' ArrayRecords are emptied, as in Flower."""
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(replies, is_train=True)
@@ -258,6 +261,7 @@ def _flower_score_rounding(columns: list[list[np.ndarray]], tensors: list[list[T
 
 
 class _MultiKrumTrain:
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Flower's ``MultiKrum.aggregate_train`` with the fused distances and mean."""
@@ -295,6 +299,7 @@ class Bulyan(_flwr.Bulyan):
     arrays; on an exact distance tie the lower value). Arrays pair by position and the
     selected replies' ArrayRecords are emptied, as in Flower."""
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(replies, is_train=True)

@@ -42,6 +42,7 @@ from fedkernels.integrations.flower.records import (
     state_dict_to_arrayrecord,
 )
 from fedkernels.model_layout import INT_POLICIES
+from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.rules.aaggff import AAggFFDDecision, AAggFFSDecision
 from fedkernels.rules.fairness_weights import qffl_weights, term_weights, vred_weights
 from fedkernels.rules.participation_weights import IntervalWeightEstimator
@@ -121,6 +122,7 @@ class FusedStrategy(_FlowerFedAvg):
             self.on_configure(server_round, [m.metadata.dst_node_id for m in messages], grid)
         return messages
 
+    @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         valid, _ = self._check_and_log_replies(list(replies), is_train=True)
