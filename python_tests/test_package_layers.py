@@ -1,7 +1,8 @@
 """The package's layers as the code imports them: every import inside ``fedkernels`` points down
-(ops, public APIs, framework-neutral rules, simulator, algorithms, entry points), the
-integrations never import the simulator or the algorithms, ``import fedkernels`` loads neither
-the self-check nor an optional dependency, and the former module paths still import."""
+(ops, public APIs, framework-neutral rules, simulator, algorithms, entry points, apps), the
+integrations never import the simulator or the algorithms, nothing below the apps imports
+them, ``import fedkernels`` loads neither the self-check nor an optional dependency, and the
+former module paths still import."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ LAYERS = [
     {"sim"},
     {"algorithms"},
     {"cli", "integrations"},
+    {"apps"},  # algorithms as other frameworks' apps: on the simulator and the integrations
 ]
 LAYER_OF = {top: level for level, names in enumerate(LAYERS) for top in names}
 
@@ -85,6 +87,14 @@ def test_integrations_never_import_the_simulator_or_the_algorithms():
     assert not offenders, "\n".join(offenders)
 
 
+def test_the_apps_are_the_top_layer():
+    """The apps (Flower ServerApp/ClientApp of an algorithm) use the simulator, the
+    algorithms and the Flower integration's records; no other layer uses them."""
+    assert LAYER_OF["apps"] > max(LAYER_OF[n] for n in ("cli", "integrations", "algorithms"))
+    imported = {top_level(m) for p in sources(PACKAGE / "apps") for _, m in imported_modules(p)}
+    assert {"sim", "algorithms", "integrations"} <= imported
+
+
 def test_imports_point_down_the_layers():
     offenders = []
     for p in sources():
@@ -122,7 +132,7 @@ def test_import_fedkernels_stays_light():
     assert "fedkernels.aggregate" in loaded  # the snapshot saw fedkernels' own modules
     heavy = [m for m in loaded if m.split(".")[0] in OPTIONAL or m in (
         "fedkernels.selfcheck", "fedkernels.sim", "fedkernels.algorithms", "fedkernels.cli",
-        "fedkernels.integrations", "fedkernels.rules")]
+        "fedkernels.integrations", "fedkernels.rules", "fedkernels.apps")]
     assert not heavy, heavy
     assert out.stdout.splitlines()[1] == "fedkernels.selfcheck"
 

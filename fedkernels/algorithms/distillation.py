@@ -391,6 +391,7 @@ class EnsembleDistillation(Strategy):
 
     config_class = DistillationConfig
     weighting: ClassVar[str] = "uniform"
+    runs_apart = True  # the fake data's source and the discriminators cross as tensors
 
     @property
     def uses_discriminators(self) -> bool:
@@ -399,7 +400,8 @@ class EnsembleDistillation(Strategy):
     def setup(self, info: SetupInfo) -> None:
         super().setup(info)
         cfg = self.config
-        if info.server_data is None or info.server_data.shape[0] == 0:
+        client_side = info.role == "client"  # the server's rows and generator come later
+        if not client_side and (info.server_data is None or info.server_data.shape[0] == 0):
             raise ConfigError(
                 f"{self.name} distils on the server's unlabeled data: set data.server_fraction "
                 "(e.g. 0.5, the paper's half of every class)"
@@ -408,27 +410,27 @@ class EnsembleDistillation(Strategy):
             raise ConfigError(f"{self.name} needs the model in SetupInfo")
         self.device = info.device
         self.model = copy.deepcopy(info.model)
-        self.server_x = info.server_data
-        d = self.server_x.shape[1]
-        conv_generator = cfg.generator_arch == "conv" or (
+        self.server_x = None if client_side else info.server_data
+        d = info.num_features if client_side else self.server_x.shape[1]
+        self.num_features = d
+        self.conv_generator = cfg.generator_arch == "conv" or (
             cfg.generator_arch == "auto" and cfg.generator == "wgan_gp" and self._is_image(d))
         # The conv networks need an image shape: checked here, before anything is trained.
         self.image_shape = (
             resolve_image_shape(d, cfg.image_shape)
-            if conv_generator or cfg.disc_arch != "mlp" else None
+            if self.conv_generator or cfg.disc_arch != "mlp" else None
         )
+        self.discriminators: dict[int, dict[str, Tensor]] = {}
+        self.discriminator_wanted: set[int] = set()  # client side: asked for by the server
+        self.generator_stats: dict[str, float] = {}
+        self.generator = None
+        if client_side:
+            return
         # Generated rows lie in [0, 1] when U does (pixels), else anywhere.
         unit = bool(self.server_x.min() >= 0) and bool(self.server_x.max() <= 1)
-        output = "sigmoid" if unit else "linear"
-        self.generator_stats: dict[str, float] = {}
+        self.generator_output = "sigmoid" if unit else "linear"
         with seeding.torch_stream(info.seed, GENERATOR, device=self.device):
-            with torch.device("cpu"):  # initialised on the CPU: alike on every device
-                if conv_generator:
-                    self.generator = ConvGenerator(cfg.noise_dim, self.image_shape,
-                                                   cfg.generator_width, output)
-                else:
-                    self.generator = MLPGenerator(cfg.noise_dim, d, [64, 64], output)
-            self.generator.to(self.device)
+            self.generator = self.new_generator(self.generator_output)
             gen_seed = seeding.torch_seed(info.seed, GENERATOR)
             if self._load_generator():
                 pass
@@ -438,7 +440,7 @@ class EnsembleDistillation(Strategy):
             elif cfg.generator == "wgan_gp":
                 with torch.device("cpu"):
                     critic = (DCGANDiscriminator(self.image_shape, cfg.generator_width)
-                              if conv_generator else mlp(d, [64, 64], 1))
+                              if self.conv_generator else mlp(d, [64, 64], 1))
                 critic.to(self.device)
                 self.generator_stats = train_wgan_gp(
                     self.generator, critic, self.server_x, steps=cfg.gan_steps,
@@ -456,10 +458,21 @@ class EnsembleDistillation(Strategy):
         # Per-client discriminator logits on the distillation set (NaN: not trained yet).
         self.disc_scores = torch.full((info.num_clients, self.distill_x.shape[0]), math.nan,
                                       device=self.device)
-        self.discriminators: dict[int, dict[str, Tensor]] = {}
         self.last_teachers: list[dict[str, Tensor]] = []
         self.last_participants: list[int] = []
         self.last_sizes: list[float] = []
+
+    def new_generator(self, output: str) -> nn.Module:
+        """The generator network, initialised on the CPU (torch's CPU generator, which the
+        caller seeds: alike on every device) and moved to the run's device."""
+        cfg = self.config
+        with torch.device("cpu"):
+            if self.conv_generator:
+                generator = ConvGenerator(cfg.noise_dim, self.image_shape, cfg.generator_width,
+                                          output)
+            else:
+                generator = MLPGenerator(cfg.noise_dim, self.num_features, [64, 64], output)
+        return generator.to(self.device)
 
     def _generator_key(self) -> dict[str, Any]:
         """What a trained generator depends on: its settings, the seed and U."""
@@ -526,7 +539,7 @@ class EnsembleDistillation(Strategy):
         cfg = self.config
         with torch.device("cpu"):
             if cfg.disc_arch == "mlp":
-                disc = mlp(self.server_x.shape[1], list(cfg.disc_hidden), 1)
+                disc = mlp(self.num_features, list(cfg.disc_hidden), 1)
             else:
                 head = "conv" if cfg.disc_arch == "cnn" else "linear"
                 disc = DCGANDiscriminator(self.image_shape, cfg.disc_width, head)
@@ -535,7 +548,13 @@ class EnsembleDistillation(Strategy):
     # -- clients: the shared trainer for the classifier; the discriminator once per client.
 
     def train_client(self, global_state, data, round_index, client_id):
-        if self.uses_discriminators and client_id not in self.discriminators:
+        if not self.uses_discriminators:
+            return None
+        if self.info.role == "client":
+            wanted = client_id in self.discriminator_wanted
+        else:
+            wanted = client_id not in self.discriminators
+        if wanted:
             cfg = self.config
             with seeding.torch_stream(self.info.seed, DISCRIMINATOR, client_id,
                                       device=self.device):
@@ -544,10 +563,69 @@ class EnsembleDistillation(Strategy):
                     epochs=cfg.disc_epochs, batch_size=cfg.disc_batch_size, lr=cfg.disc_lr,
                     seed=seeding.torch_seed(self.info.seed, DISCRIMINATOR, client_id),
                 )
-                with torch.no_grad():
-                    self.disc_scores[client_id] = disc(self.distill_x).squeeze(-1)
-            self.discriminators[client_id] = {k: v.detach().clone() for k, v in disc.state_dict().items()}
+                if self.info.role == "client":  # the server scores it (reply_extras)
+                    self.discriminators[client_id] = {
+                        k: v.detach().clone() for k, v in disc.state_dict().items()}
+                else:
+                    self.add_discriminator(client_id, disc)
         return None  # the shared trainer trains the classifier
+
+    def add_discriminator(self, client_id: int, disc: nn.Module) -> None:
+        """Server side: client ``client_id``'s trained discriminator, its logits on the
+        distillation set cached for the run."""
+        with torch.no_grad():
+            self.disc_scores[client_id] = disc(self.distill_x).squeeze(-1)
+        self.discriminators[client_id] = {k: v.detach().clone() for k, v in disc.state_dict().items()}
+
+    # -- clients apart: the server sends the fake data's source to a client without a
+    # discriminator, the client sends its trained discriminator back.
+
+    def client_payload(self, client_id: int, round_index: int) -> dict[str, Tensor]:
+        if not self.uses_discriminators or client_id in self.discriminators:
+            return {}
+        if self.config.generator == "server_data":
+            return {"server_rows": self.server_x}
+        state = {f"generator.{k}": v for k, v in self.generator.state_dict().items()}
+        sigmoid = self.generator_output == "sigmoid"
+        return {**state, "generator_sigmoid": torch.tensor(sigmoid, device="cpu")}
+
+    def receive_payload(self, client_id: int, payload: Mapping[str, Tensor]) -> None:
+        if not payload:
+            return
+        if "server_rows" in payload:
+            self.server_x = payload["server_rows"]
+        else:
+            output = "sigmoid" if bool(payload["generator_sigmoid"]) else "linear"
+            with torch.random.fork_rng(devices=[]):  # its initialisation is overwritten
+                generator = self.new_generator(output)
+            generator.load_state_dict({k[len("generator."):]: v for k, v in payload.items()
+                                       if k.startswith("generator.")})
+            generator.eval()
+            self.generator = generator.requires_grad_(False)
+        self.discriminator_wanted.add(client_id)
+
+    def reply_extras(self, client_id: int) -> dict[str, Tensor]:
+        if client_id not in self.discriminator_wanted:
+            return {}
+        self.discriminator_wanted.discard(client_id)
+        state = self.discriminators.pop(client_id)
+        return {f"discriminator.{k}": v for k, v in state.items()}
+
+    def receive_reply_extras(self, client_id: int, extras: Mapping[str, Tensor]) -> None:
+        state = {k[len("discriminator."):]: v for k, v in extras.items()
+                 if k.startswith("discriminator.")}
+        if not state:
+            if self.uses_discriminators and client_id not in self.discriminators:
+                raise ValueError(f"{self.name}: client {client_id} sent no discriminator")
+            return
+        with torch.random.fork_rng(devices=[]):  # its initialisation is overwritten
+            disc = self.new_discriminator()
+        try:
+            disc.load_state_dict(state)
+        except RuntimeError as err:
+            raise ValueError(f"{self.name}: client {client_id}'s discriminator does not fit: "
+                             f"{' '.join(str(err).split())}") from None
+        self.add_discriminator(client_id, disc)
 
     # -- server
 

@@ -39,6 +39,7 @@ import copy
 import math
 import struct
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -295,6 +296,7 @@ class FedEvg(Strategy):
     config_class = FedEvgConfig
     supports_central_dp = False  # the server combines energy models its own way
     replies_are_models = False  # a client replies with its energy model
+    runs_apart = True  # the synthetic set through client_payload, nothing kept
 
     def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
         cfg = self.config
@@ -324,6 +326,26 @@ class FedEvg(Strategy):
     def client_lr(self, round_index: int) -> float:
         cfg = self.config
         return cfg.lr * cfg.lr_decay ** ((round_index + 1) // cfg.lr_decay_step)
+
+    # -- clients apart: the server sends the synthetic set, a client replies with its energy
+    # gradients and energies on it (train_client's state)
+
+    def client_payload(self, client_id: int, round_index: int) -> dict[str, Tensor]:
+        self._ensure_synthetic(self.info.num_features)
+        return {"synthetic_x": self.synth_x}
+
+    def receive_payload(self, client_id: int, payload: Mapping[str, Tensor]) -> None:
+        x = payload["synthetic_x"]
+        if x.shape != (len(self.synth_y), self.info.num_features):
+            raise ValueError(f"fedevg: the synthetic set has shape {tuple(x.shape)}, expected "
+                             f"({len(self.synth_y)}, {self.info.num_features})")
+        self.synth_x = x.to(self.device, copy=True)
+
+    def reply_template(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        m, d = len(self.synth_y), self.info.num_features
+        return {"energy_grad": ((m, d), torch.float32), "energy": ((m,), torch.float32),
+                "energy_real_mean": ((), torch.float32),
+                "energy_synthetic_mean": ((), torch.float32)}
 
     def new_energy_model(self, num_features: int) -> nn.Module:
         """A freshly initialised energy model (``energy_model``) for rows of ``num_features``;

@@ -33,9 +33,10 @@ on the grid (an oracle choice), is ``personalized_accuracy_oracle``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -123,6 +124,8 @@ class _SuPerFed(FedAvg):
     """Shared by the MM and LM variants (module docstring); the server is FedAvg's."""
 
     layerwise: ClassVar[bool] = False
+    evaluates_on_clients = True  # the local models live on the clients
+    runs_apart = True  # their state through client_state_dict
 
     def rounds_dependence(self, old_rounds: int, played: int) -> str | None:
         old_start = int(self.config.start_fraction * old_rounds)
@@ -253,6 +256,55 @@ class _SuPerFed(FedAvg):
 
     # ------------------------------------------------------------------ evaluation
 
+    @contextlib.contextmanager
+    def _evaluating(self, global_state: Mapping[str, Tensor]) -> Iterator[None]:
+        """The working model holds ``global_state``'s buffers, in eval mode, within the block."""
+        self.model.load_state_dict(global_state)
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train()
+
+    def _split_rows(self, client: Any, client_id: int, split: str
+                    ) -> tuple[Tensor, Tensor] | None:
+        """``(x, y)`` of the client's ``split``: ``test``, ``train`` (the samples it trains
+        on) or ``validation``; None where that split is empty."""
+        fit, val = self.split(client, client_id)
+        if split == "test":
+            rows = (client.test_x, client.test_y)
+        elif split == "train":
+            rows = (fit.train_x, fit.train_y)
+        else:
+            rows = None if val is None else (val.train_x, val.train_y)
+        return None if rows is None or len(rows[0]) == 0 else rows
+
+    @torch.no_grad()
+    def _split_logits(self, global_state: Mapping[str, Tensor], client: Any, client_id: int,
+                      split: str) -> Tensor | None:
+        """``[11, n, C]`` logits of the client's theta(lambda) on its ``split`` for the lambda
+        grid (inside :meth:`_evaluating`); None where the split is empty."""
+        rows = self._split_rows(client, client_id, split)
+        if rows is None:
+            return None
+        g = [global_state[n] for n in self.names]
+        local = self.local_model(client_id, global_state)
+        return torch.stack([
+            functional_call(self.model, dict(zip(self.names, mix_endpoints(g, local, lam))),
+                            (rows[0],))
+            for lam in EVAL_GRID
+        ])
+
+    def _split_accuracy(self, global_state: Mapping[str, Tensor], client: Any, client_id: int,
+                        split: str) -> Tensor:
+        """``[11]``: the client's accuracy on its ``split`` for the lambda grid (0 where the
+        split is empty)."""
+        z = self._split_logits(global_state, client, client_id, split)
+        if z is None:
+            return torch.zeros(len(EVAL_GRID), dtype=torch.float64, device="cpu")
+        y = self._split_rows(client, client_id, split)[1]
+        return (z.argmax(2) == y).double().mean(1).cpu()
+
     @torch.no_grad()
     def grid_logits(
         self, global_state: Mapping[str, Tensor], clients: list[Any], split: str = "test"
@@ -260,58 +312,82 @@ class _SuPerFed(FedAvg):
         """Per client, ``[11, n, C]`` logits of its theta(lambda) for the lambda grid 0, 0.1,
         ..., 1 (one lambda for all layers) on its ``split`` (``test``, ``train``: the samples
         it trains on, or ``validation``); None where that split is empty."""
-        model = self.model
-        model.load_state_dict(global_state)
-        model.eval()
-        g = [global_state[n] for n in self.names]
-        out: list[Tensor | None] = []
-        for k, c in enumerate(clients):
-            fit, val = self.split(c, k)
-            x = {"test": c.test_x, "train": fit.train_x}.get(split)
-            if split == "validation":
-                x = None if val is None else val.train_x
-            if x is None or len(x) == 0:
-                out.append(None)
-                continue
-            local = self.local_model(k, global_state)
-            out.append(torch.stack([
-                functional_call(model, dict(zip(self.names, mix_endpoints(g, local, lam))), (x,))
-                for lam in EVAL_GRID
-            ]))
-        model.train()
-        return out
+        with self._evaluating(global_state):
+            return [self._split_logits(global_state, c, k, split) for k, c in enumerate(clients)]
 
     def grid_accuracy(
         self, global_state: Mapping[str, Tensor], clients: list[Any], split: str = "test"
     ) -> Tensor:
         """``[clients, 11]``: accuracy of each client's theta(lambda) on its ``split`` for the
         lambda grid (:meth:`grid_logits`; 0 where the split is empty)."""
-        out = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64, device="cpu")
-        for k, (c, z) in enumerate(zip(clients, self.grid_logits(global_state, clients, split))):
-            if z is not None:
-                fit, val = self.split(c, k)
-                y = {"test": c.test_y, "train": fit.train_y}.get(split)
-                y = val.train_y if split == "validation" else y
-                out[k] = (z.argmax(2) == y).double().mean(1).cpu()
-        return out
+        with self._evaluating(global_state):
+            rows = [self._split_accuracy(global_state, c, k, split) for k, c in enumerate(clients)]
+        if not rows:
+            return torch.zeros(0, len(EVAL_GRID), dtype=torch.float64, device="cpu")
+        return torch.stack(rows)
+
+    def _selection_splits(self) -> tuple[str, ...]:
+        return ("train", "validation") if self.config.lambda_selection == "validation" \
+            else ("train",)
 
     def evaluate(self, global_state: Mapping[str, Tensor], clients: list[Any]) -> dict[str, Any]:
         """``personalized_*`` at each client's lambda chosen on ``lambda_selection``'s split
         (accuracy statistics, ECE, MCE; ties go to the smaller lambda, a client with an empty
         split takes lambda = 0), ``personalized_accuracy_oracle`` (the paper's per-client best
         test accuracy), the train-selected (and validation-selected) accuracy, the best lambda
-        common to all clients and both endpoints."""
-        logits = self.grid_logits(global_state, clients, "test")
-        test = torch.zeros(len(clients), len(EVAL_GRID), dtype=torch.float64, device="cpu")
-        for k, z in enumerate(logits):
+        common to all clients and both endpoints: :meth:`combine_client_evaluations` of every
+        client's :meth:`evaluate_client`."""
+        parts = [self.evaluate_client(global_state, c, k) for k, c in enumerate(clients)]
+        return self.combine_client_evaluations(global_state, clients, parts)
+
+    @torch.no_grad()
+    def evaluate_client(
+        self, global_state: Mapping[str, Tensor], client: Any, client_id: int
+    ) -> dict[str, Tensor]:
+        """What :meth:`evaluate` needs of one client, who alone holds its local model: its
+        test logits on the lambda grid (``test_logits``, ``[11, n, C]``, absent for an empty
+        test split) and its grid accuracies on the splits that choose lambda
+        (``train_accuracy``, ``validation_accuracy``, ``[11]``)."""
+        part: dict[str, Tensor] = {}
+        with self._evaluating(global_state):
+            logits = self._split_logits(global_state, client, client_id, "test")
+            if logits is not None:
+                part["test_logits"] = logits
+            for split in self._selection_splits():
+                part[f"{split}_accuracy"] = self._split_accuracy(global_state, client,
+                                                                 client_id, split)
+        return part
+
+    def combine_client_evaluations(
+        self, global_state: Mapping[str, Tensor], clients: list[Any],
+        parts: list[dict[str, Tensor] | None],
+    ) -> dict[str, Any]:
+        """:meth:`evaluate`'s metrics from the clients' parts (:meth:`evaluate_client`); the
+        statistics cover the clients that replied, and ``personalized_missing_clients`` lists
+        the others."""
+        present = [k for k, part in enumerate(parts) if part is not None]
+        grid_size = len(EVAL_GRID)
+        test = torch.zeros(len(present), grid_size, dtype=torch.float64, device="cpu")
+        logits: list[Tensor | None] = [None] * len(clients)
+        for row, k in enumerate(present):
+            z = parts[k].get("test_logits")
             if z is not None:
-                test[k] = (z.argmax(2) == clients[k].test_y).double().mean(1).cpu()
-        grids = {"test": test, "train": self.grid_accuracy(global_state, clients, "train")}
-        if self.config.lambda_selection == "validation":
-            grids["validation"] = self.grid_accuracy(global_state, clients, "validation")
+                z = z.to(clients[k].test_y.device)
+                logits[k] = z
+                test[row] = (z.argmax(2) == clients[k].test_y).double().mean(1).cpu()
+        grids = {"test": test}
+        for split in self._selection_splits():
+            grids[split] = torch.stack([
+                parts[k][f"{split}_accuracy"].double().cpu().reshape(grid_size) for k in present
+            ]) if present else test.clone()
         chosen = grids[self.config.lambda_selection].argmax(dim=1)  # first maximum
-        at_chosen = [None if z is None else z[j] for z, j in zip(logits, chosen.tolist())]
+        at_chosen: list[Tensor | None] = [None] * len(clients)
+        for row, k in enumerate(present):
+            if logits[k] is not None:
+                at_chosen[k] = logits[k][int(chosen[row])]
         out = personalized_summary(personalized_metrics(at_chosen, clients))
+        if not present:
+            return {**out, "personalized_missing_clients": list(range(len(clients)))}
         grid = torch.tensor(EVAL_GRID, dtype=torch.float64, device="cpu")
         out["personalized_lambda_mean"] = float(grid[chosen].mean())
         out["personalized_accuracy_oracle"] = float(test.max(dim=1).values.mean())
@@ -322,7 +398,26 @@ class _SuPerFed(FedAvg):
         out["mixed_accuracy_best_common_lambda"] = float(test.mean(dim=0).max())
         out["global_endpoint_accuracy"] = float(test[:, 0].mean())
         out["local_endpoint_accuracy"] = float(test[:, -1].mean())
+        if len(present) < len(clients):
+            out["personalized_missing_clients"] = sorted(set(range(len(clients))) - set(present))
         return out
+
+    # ------------------------------------------------------------------ clients apart
+
+    def client_state_dict(self, client_id: int) -> dict[str, Tensor]:
+        """The client's local endpoint ``l_k`` (none before its first use)."""
+        local = self.local.get(client_id)
+        return {} if local is None else {f"local.{i}": x for i, x in enumerate(local)}
+
+    def load_client_state_dict(self, client_id: int, state: Mapping[str, Tensor]) -> None:
+        if not state:
+            self.local.pop(client_id, None)
+            return
+        expected = [f"local.{i}" for i in range(len(self.names))]
+        if sorted(state) != sorted(expected):
+            raise ValueError(f"{self.name}: client {client_id}'s kept state has "
+                             f"{len(state)} tensors, its local model {len(expected)}")
+        self.local[client_id] = [state[key].to(self.device, copy=True) for key in expected]
 
     # ------------------------------------------------------------------ checkpoint
 

@@ -5,7 +5,8 @@ Modules, one concept each: :mod:`~fedkernels.sim.config` (dataclasses), :mod:`.s
 :mod:`.federation` (the clients' train/test splits), :mod:`.participation` (who takes part),
 :mod:`.models`, :mod:`.client` (local training), :mod:`.vmap` (batched local training),
 :mod:`.server` (server optimizers), :mod:`.strategy` (the algorithm interface),
-:mod:`.metrics`, :mod:`.run` (the round loop, checkpoints), :mod:`.results`, :mod:`.plots`.
+:mod:`.metrics`, :mod:`.run` (the round loop, checkpoints), :mod:`.client_runtime` (the
+clients' half of a round in another process), :mod:`.results`, :mod:`.plots`.
 """
 
 import importlib

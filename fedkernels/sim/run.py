@@ -28,15 +28,16 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .atomic_files import replacing
-from .attacks import build_attack
+from .attacks import ByzantineClients, build_attack
 from .central_dp import CentralPrivacy, sampling_rate
 from .client import ClientUpdate, LocalTrainer
 from .config import (
@@ -58,7 +59,7 @@ from .devices import (
     resolve_device,
     synchronize,
 )
-from .federation import build_federation
+from .federation import Federation, build_federation
 from .metrics import ClientEvaluation, evaluate_clients, evaluation_metrics
 from .models import build_model
 from .participation import ParticipationHistory, build_sampler
@@ -68,6 +69,80 @@ from .strategy import RoundInfo, SetupInfo, Strategy
 from .vmap import BatchedTrainer
 
 CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class PreparedData:
+    """The clients of a run as :func:`prepare_data` builds them, for the server's process and
+    for every client's alike."""
+
+    federation: Federation  # on the run's device, labels poisoned where the attack says
+    dataset_name: str
+    data_file: dict[str, Any] | None  # a CSV file's size and SHA-256, else None
+    attack: ByzantineClients | None
+
+    def initial_model(self, config: ExperimentConfig, model: nn.Module | None = None
+                      ) -> nn.Module:
+        """The initial global model on the federation's device: ``config.model`` built from
+        the seed, or a copy of ``model``."""
+        fed = self.federation
+        if model is None:
+            model = build_model(
+                config.model, fed.num_features, fed.num_classes, fed.image_shape, config.seed,
+                vocab_size=fed.vocab_size,
+            )
+        else:
+            model = copy.deepcopy(model)
+        device = fed.clients[0].train_x.device if fed.clients else torch.device("cpu")
+        return model.to(device)
+
+
+def prepare_data(
+    config: ExperimentConfig, device: torch.device, dataset: Dataset | None = None
+) -> PreparedData:
+    """Loads ``config.data`` (or takes ``dataset``), partitions it among the clients, moves
+    their samples to ``device`` and poisons the labels the attack names: the same clients,
+    bit for bit, in every process that calls it with the same configuration."""
+    seed = config.seed
+    data_file = None  # the CSV file's size and hash, so that a resumed run refuses a new file
+    if dataset is None:
+        dataset = load_dataset(config.data, config.partition.num_clients, seed)
+        if config.data.name == "csv":
+            data_file = file_fingerprint(config.data.path)
+            _warn_client_column_as_feature(dataset, config)
+    _check_client_sizes(dataset, config.partition)
+    federation = build_federation(
+        dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
+        label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
+        use_official_split=config.data.official_split,
+        stratify=stratified_split(config.data),
+    ).to(device)
+    attack = build_attack(config.attack, federation.num_clients, seed)
+    if attack is not None:
+        attack.poison_labels(federation)
+    return PreparedData(federation, dataset.name, data_file, attack)
+
+
+def global_losses(model: nn.Module, global_state: dict[str, Tensor], clients: list[Any]
+                  ) -> Tensor:
+    """``f_k(x_t)``: the global model's mean loss on each client's training split (float64
+    ``[K]`` on the CPU), computed with ``model`` (its weights are replaced)."""
+    model.load_state_dict(global_state)
+    return evaluate_clients(model, [c.train_x for c in clients], [c.train_y for c in clients]).loss
+
+
+@dataclass
+class RoundPlan:
+    """One round between :meth:`Simulation.open_round` and :meth:`Simulation.finish_round`."""
+
+    round: int
+    mask: Tensor  # the sampler's draw, bool [N]
+    participants: list[int]  # the clients to train, sorted ([] when nobody trains)
+    global_state: dict[str, Tensor]  # x_t, a copy ({} when nobody trains)
+    record: dict[str, Any]  # the round's metrics so far
+    trained: int = 0  # updates aggregated (close_round)
+    time_client: float = 0.0
+    time_aggregate: float = 0.0
 
 
 class Simulation:
@@ -82,6 +157,10 @@ class Simulation:
             its current weights are the initial global model (a copy of it is moved to
             ``config.device``; ``model`` itself stays where it is).
         checkpoint: file to write after every ``config.checkpoint_every`` rounds and to resume from.
+        role: ``"server"`` where the clients train elsewhere (:mod:`fedkernels.apps`): the
+            strategy is set up as the server's half, and the rounds are played through
+            :meth:`open_round`, :meth:`close_round` and :meth:`finish_round` with the
+            clients' updates from :class:`ClientRuntime`.
     """
 
     def __init__(
@@ -92,6 +171,7 @@ class Simulation:
         dataset: Dataset | None = None,
         model: nn.Module | None = None,
         checkpoint: str | os.PathLike | None = None,
+        role: Literal["both", "server"] = "both",
     ) -> None:
         strategy_config = getattr(strategy, "config", None)
         params = dataclasses.asdict(strategy_config) if strategy_config is not None else {}
@@ -99,33 +179,12 @@ class Simulation:
         self.device = resolve_device(config.device)
         reset_peak_memory(self.device)
         seed = config.seed
-        # the CSV file's size and hash, so that a resumed run refuses a file that has changed
-        self.data_file: dict[str, Any] | None = None
-        if dataset is None:
-            dataset = load_dataset(config.data, config.partition.num_clients, seed)
-            if config.data.name == "csv":
-                self.data_file = file_fingerprint(config.data.path)
-                _warn_client_column_as_feature(dataset, config)
-        self.dataset_name = dataset.name
-        _check_client_sizes(dataset, config.partition)
-        self.federation = build_federation(
-            dataset, config.partition, config.data.test_fraction, seed, config.data.server_fraction,
-            label_noise=config.data.label_noise, noise_rate=config.data.noise_rate,
-            use_official_split=config.data.official_split,
-            stratify=stratified_split(config.data),
-        ).to(self.device)
-        fed = self.federation
-        self.attack = build_attack(config.attack, fed.num_clients, seed)
-        if self.attack is not None:
-            self.attack.poison_labels(fed)
-        if model is None:
-            model = build_model(
-                config.model, fed.num_features, fed.num_classes, fed.image_shape, seed,
-                vocab_size=fed.vocab_size,
-            )
-        else:
-            model = copy.deepcopy(model)
-        model = model.to(self.device)
+        data = prepare_data(config, self.device, dataset)
+        self.data_file = data.data_file
+        self.dataset_name = data.dataset_name
+        self.federation = fed = data.federation
+        self.attack = data.attack
+        model = data.initial_model(config, model)
         self.sampler = build_sampler(config.participation, fed, seed)
         fixed_count = self.sampler.fixed_count
         _check_strategy_fits(strategy, config)
@@ -160,6 +219,8 @@ class Simulation:
                 server_data=fed.server_x,
                 participants_per_round=fixed_count,
                 device=self.device,
+                role=role,
+                num_features=fed.num_features,
             ))
 
     # ------------------------------------------------------------------ the loop
@@ -199,43 +260,79 @@ class Simulation:
         return record
 
     def _play_round(self, t: int) -> dict[str, Any]:
-        fed = self.federation
-        mask = torch.from_numpy(self.sampler.sample())
-        self.history.record(mask)
-        ids = mask.nonzero().flatten()
-        # rounds are numbered from 1 wherever a user reads them (results.json, plots, messages)
-        record: dict[str, Any] = {"round": t + 1, "participants": len(ids)}
-        time_client = time_aggregate = 0.0
-        too_few = self.strategy.too_few_participants(len(ids)) if len(ids) else None
-        if too_few is not None:
-            record["skipped"] = f"{too_few}; the round drew {len(ids)}"
-        elif len(ids):
-            clients = [fed.clients[i] for i in ids.tolist()]
-            global_state = {k: v.clone() for k, v in self.server.state.items()}
-            global_losses = None
+        plan = self.open_round(t)
+        updates: list[ClientUpdate] = []
+        global_losses = None
+        time_client = 0.0
+        if plan.participants:
+            clients = [self.federation.clients[i] for i in plan.participants]
             if self.strategy.wants_global_loss:
-                self.eval_model.load_state_dict(global_state)
-                global_losses = evaluate_clients(
-                    self.eval_model, [c.train_x for c in clients], [c.train_y for c in clients]
-                ).loss
+                global_losses = self.global_losses(plan.global_state, clients)
             start = time.perf_counter()
-            updates, batched = self._train(global_state, clients, t, ids.tolist())
+            updates, batched = self._train(plan.global_state, clients, t, plan.participants)
             synchronize(self.device)
             time_client = time.perf_counter() - start
             if self.config.vmap:  # a strategy that trains its own clients leaves vmap unused
-                record["vmap"] = batched
+                plan.record["vmap"] = batched
+        self.close_round(plan, plan.participants, updates, global_losses, time_client)
+        return self.finish_round(plan)
+
+    # The server's half of a round, in three calls: the clients' half between open_round and
+    # close_round is this process's (_play_round) or other processes' (fedkernels.apps).
+
+    def open_round(self, t: int) -> RoundPlan:
+        """Draws round ``t``'s participants; the plan says whom to train from which model
+        (nobody where none was drawn or the strategy refuses their number)."""
+        mask = torch.from_numpy(self.sampler.sample())
+        ids = mask.nonzero().flatten().tolist()
+        # rounds are numbered from 1 wherever a user reads them (results.json, plots, messages)
+        record: dict[str, Any] = {"round": t + 1, "participants": len(ids)}
+        too_few = self.strategy.too_few_participants(len(ids)) if ids else None
+        if too_few is not None:
+            record["skipped"] = f"{too_few}; the round drew {len(ids)}"
+            ids = []
+        global_state = {k: v.clone() for k, v in self.server.state.items()} if ids else {}
+        return RoundPlan(t, mask, ids, global_state, record)
+
+    def global_losses(self, global_state: dict[str, Tensor], clients: list[Any]) -> Tensor:
+        """``f_k(x_t)`` of the round's clients (:func:`global_losses`)."""
+        return global_losses(self.eval_model, global_state, clients)
+
+    def close_round(
+        self,
+        plan: RoundPlan,
+        ids: list[int],
+        updates: list[ClientUpdate],
+        global_losses: Tensor | None,
+        time_client: float = 0.0,
+    ) -> None:
+        """Records who took part and aggregates ``updates`` (those of clients ``ids``, a
+        subset of the plan's participants in its order: the others' replies were lost) into
+        the global model. With no update the global model stays as it is."""
+        record = plan.record
+        mask = plan.mask
+        if list(ids) != plan.participants:
+            mask = torch.zeros_like(plan.mask)
+            mask[list(ids)] = True
+            lost = sorted(set(plan.participants) - set(ids))
+            record["participants"] = len(ids)
+            record["lost_participants"] = lost
+        self.history.record(mask)
+        time_aggregate = 0.0
+        if updates:
+            id_tensor = torch.tensor(list(ids), dtype=torch.int64, device="cpu")
             if self.attack is not None:
                 updates = self.attack.corrupt(
-                    updates, ids.tolist(), global_state, self.server.parameter_names, t
+                    updates, list(ids), plan.global_state, self.server.parameter_names, plan.round
                 )
-                record["byzantine_participants"] = self.attack.count_in(ids.tolist())
+                record["byzantine_participants"] = self.attack.count_in(list(ids))
             info = RoundInfo(
-                round=t,
-                num_clients=fed.num_clients,
-                participants=ids,
-                num_samples=torch.tensor([c.num_train for c in clients], dtype=torch.float64,
-                                         device="cpu"),
-                global_state=global_state,
+                round=plan.round,
+                num_clients=self.federation.num_clients,
+                participants=id_tensor,
+                num_samples=torch.tensor([self.federation.clients[i].num_train for i in ids],
+                                         dtype=torch.float64, device="cpu"),
+                global_state=plan.global_state,
                 client_states=[u.state for u in updates],
                 train_losses=torch.tensor([u.train_loss for u in updates], dtype=torch.float64,
                                           device="cpu"),
@@ -250,14 +347,33 @@ class Simulation:
             if global_losses is not None:
                 record["global_loss_before"] = float(global_losses.mean())
             record.update({f"strategy_{k}": float(v) for k, v in extra.items()})
+        plan.trained = len(updates)
+        plan.time_client, plan.time_aggregate = time_client, time_aggregate
+
+    def evaluation_due(self, t: int) -> bool:
+        """Whether round ``t`` (0-based) ends with an evaluation."""
+        return (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds
+
+    def finish_round(
+        self, plan: RoundPlan,
+        strategy_evaluation: Callable[[], dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The round's record, with the evaluation when one is due; ``strategy_evaluation``
+        gives the strategy's metrics in place of :meth:`Strategy.evaluate` (the clients'
+        evaluation, :meth:`Strategy.combine_client_evaluations`)."""
+        record = plan.record
         if self.server.private is not None:
-            record.update(self.server.private.take_round_record(len(ids) if too_few is None else 0))
-        record["time_client"] = time_client
-        record["time_aggregate"] = time_aggregate
-        if (t + 1) % self.config.eval_every == 0 or t + 1 == self.config.rounds:
+            trained = plan.trained if "skipped" not in record else 0
+            record.update(self.server.private.take_round_record(trained))
+        record["time_client"] = plan.time_client
+        record["time_aggregate"] = plan.time_aggregate
+        if self.evaluation_due(plan.round):
             start = time.perf_counter()
             record.update(evaluation_metrics(self.evaluate()))
-            record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
+            if strategy_evaluation is None:
+                record.update(self.strategy.evaluate(self.server.state, self.federation.clients))
+            else:
+                record.update(strategy_evaluation())
             record["time_eval"] = time.perf_counter() - start
         bad = non_finite_keys(record)
         if bad:
@@ -284,14 +400,15 @@ class Simulation:
                 auroc=True, calibration=True,
             )
 
-    def result(self) -> RunResult:
+    def result(self, strategy_metrics: dict[str, Any] | None = None) -> RunResult:
         """Config, per-round metrics, and per-client metrics of the current global model; the
         summary names the device (``device``, ``device_name``) and its peak memory
-        (:func:`~fedkernels.sim.devices.peak_memory_bytes`)."""
+        (:func:`~fedkernels.sim.devices.peak_memory_bytes`). ``strategy_metrics`` replaces
+        :meth:`Strategy.evaluate` of the current model (the clients' evaluation of it)."""
         with reproducible_numerics(self.device):
-            return self._result()
+            return self._result(strategy_metrics)
 
-    def _result(self) -> RunResult:
+    def _result(self, strategy_metrics: dict[str, Any] | None = None) -> RunResult:
         evaluation = self.evaluate()
         counts = self.history.counts()
         probabilities = self.sampler.probabilities
@@ -313,7 +430,8 @@ class Simulation:
             clients.append(entry)
         summary = {
             **evaluation_metrics(evaluation),
-            **self.strategy.evaluate(self.server.state, self.federation.clients),
+            **(self.strategy.evaluate(self.server.state, self.federation.clients)
+               if strategy_metrics is None else strategy_metrics),
             "rounds_completed": self.next_round,
             "time_client_total": sum(r["time_client"] for r in self.records),
             "time_aggregate_total": sum(r["time_aggregate"] for r in self.records),

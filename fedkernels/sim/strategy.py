@@ -25,13 +25,27 @@ what it keeps on the device.
 A new algorithm subclasses :class:`Strategy`, overrides what it needs, and registers itself in
 :mod:`fedkernels.algorithms`. Strategy state that must survive a resume (running estimates,
 per-client tables) goes through :meth:`Strategy.state_dict`.
+
+Clients apart from the server (a Flower ClientApp, :mod:`fedkernels.apps`): the server's and
+the clients' processes each hold a strategy of the same configuration, set up with
+``SetupInfo.role`` ``"server"`` and ``"client"``. The server's calls :meth:`Strategy.aggregate`,
+the clients' :meth:`Strategy.train_client` (or the shared trainer), and what crosses between
+them besides the global model and the trained states goes through four hooks, all tensors:
+:meth:`Strategy.client_payload` (server to client before training, e.g. FedEvg's synthetic
+set), :meth:`Strategy.receive_payload`, :meth:`Strategy.reply_extras` (client to server after
+training, e.g. FedGO's discriminator) and :meth:`Strategy.receive_reply_extras`. What a client
+keeps between its rounds (SuPerFed's local model) goes through
+:meth:`Strategy.client_state_dict`; an evaluation that needs it runs on the clients
+(``evaluates_on_clients``: :meth:`Strategy.evaluate_client` there,
+:meth:`Strategy.combine_client_evaluations` on the server). In one process (``role="both"``)
+the hooks are never called and the strategy keeps everything itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -61,6 +75,10 @@ class SetupInfo:
     # K of every round when the participation pattern fixes it (full: N, uniform: m), else None
     participants_per_round: int | None = None
     device: torch.device = torch.device("cpu")  # where the models and samples are
+    # "both": one process runs server and clients (the simulation); "server"/"client": the
+    # halves of a run whose clients run apart (module docstring)
+    role: Literal["both", "server", "client"] = "both"
+    num_features: int | None = None  # values per sample row
 
 
 @dataclass
@@ -95,6 +113,14 @@ class Strategy:
     # False where a client's reply is not the global model retrained (FedEvg's energy model,
     # FedCVAE's CVAE): attacks that rewrite the replies (signflip, scale, gaussian) are refused
     replies_are_models: ClassVar[bool] = True
+    # True where evaluate needs what only the clients keep (SuPerFed's local models): with
+    # clients apart, evaluate_client runs on each client and combine_client_evaluations on
+    # the server
+    evaluates_on_clients: ClassVar[bool] = False
+    # Whether the strategy runs with its clients apart (module docstring): None judges by
+    # whether it trains or evaluates its own way (train_client, evaluate), for then it may
+    # keep client state in this object, which other processes would not see
+    runs_apart: ClassVar[bool | None] = None
 
     def __init__(self, config: Any = None) -> None:
         if self.config_class is None:
@@ -176,3 +202,63 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` (its tensors arrive on the CPU: see the module
         docstring)."""
+
+    # ---------------------------------------------------------- clients apart (module docstring)
+
+    @classmethod
+    def apart_problem(cls) -> str | None:
+        """Why this strategy cannot run with its clients in other processes, or None."""
+        if cls.runs_apart is not None:
+            return None if cls.runs_apart else f"{cls.name} keeps its clients' state in one process"
+        own = [m for m in ("train_client", "evaluate")
+               if getattr(cls, m) is not getattr(Strategy, m)]
+        if not own:
+            return None
+        return (f"{cls.name} trains or evaluates its clients its own way ({', '.join(own)}) "
+                "and may keep their state in the strategy, where a client in another process "
+                "would not find it; a strategy that keeps nothing there, or passes it through "
+                "client_state_dict and the payload hooks, sets runs_apart = True")
+
+    def client_payload(self, client_id: int, round_index: int) -> dict[str, Tensor]:
+        """Server side: the tensors client ``client_id`` needs besides the global model to
+        train in round ``round_index`` (default none)."""
+        return {}
+
+    def receive_payload(self, client_id: int, payload: Mapping[str, Tensor]) -> None:
+        """Client side: installs :meth:`client_payload`'s tensors (on the CPU) before
+        :meth:`train_client`."""
+
+    def reply_extras(self, client_id: int) -> dict[str, Tensor]:
+        """Client side, after training: the tensors the server needs besides the trained
+        state (default none)."""
+        return {}
+
+    def receive_reply_extras(self, client_id: int, extras: Mapping[str, Tensor]) -> None:
+        """Server side: takes in :meth:`reply_extras`' tensors (on the CPU) before the round
+        is aggregated; raises ``ValueError`` for tensors that do not fit."""
+
+    def reply_template(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]] | None:
+        """The names, shapes and dtypes of a client's reply when it is not a state of the
+        global model (``replies_are_models`` false), or None when they are not fixed."""
+        return None
+
+    def client_state_dict(self, client_id: int) -> dict[str, Tensor]:
+        """Client side: what client ``client_id`` keeps between its rounds (default none)."""
+        return {}
+
+    def load_client_state_dict(self, client_id: int, state: Mapping[str, Tensor]) -> None:
+        """Client side: restores :meth:`client_state_dict` (empty: the client has none yet)."""
+
+    def evaluate_client(
+        self, global_state: Mapping[str, Tensor], client: Any, client_id: int
+    ) -> dict[str, Tensor]:
+        """Client side (``evaluates_on_clients``): this client's part of :meth:`evaluate`."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate on the clients")
+
+    def combine_client_evaluations(
+        self, global_state: Mapping[str, Tensor], clients: list[Any],
+        parts: list[dict[str, Tensor] | None],
+    ) -> dict[str, Any]:
+        """Server side: :meth:`evaluate`'s metrics from every client's
+        :meth:`evaluate_client` (None for a client that did not reply)."""
+        raise NotImplementedError(f"{type(self).__name__} does not evaluate on the clients")
