@@ -72,8 +72,71 @@ METHODS = ("sequential", "vmap", "flower", "pfl", "plain")
 # ---------------------------------------------------------------- the methods (in a child)
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (Linux /proc), children first."""
+    found, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    kids = [int(c) for c in f.read().split()]
+                found += kids
+                stack += kids
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def tree_cpu_s() -> float:
+    """CPU seconds (user + system) so far of this process and the live processes below it:
+    Flower's clients train in Ray worker processes, which this process's clock leaves out."""
+    ticks = 0
+    for p in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime
+        except (OSError, ValueError, IndexError):
+            continue
+    return time.process_time() + ticks / os.sysconf("SC_CLK_TCK")
+
+
+class RoundMarks:
+    """Wall and CPU clocks at the start and at each round's end; a round's time is the
+    difference between two marks, the same cut for every method. CPU time leaves out the
+    other jobs of a shared machine that inflate wall time."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def mark(self) -> None:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(tree_cpu_s())
+
+    def rounds(self, first_wall: float | None = None) -> dict:
+        wall = [b - a for a, b in zip(self.wall, self.wall[1:])]
+        cpu = [b - a for a, b in zip(self.cpu, self.cpu[1:])]
+        if first_wall is not None:  # marks only at rounds' ends: the first round from its record
+            wall, cpu = [first_wall, *wall], [None, *cpu]
+        return {"round_s": wall, "round_cpu_s": cpu}
+
+
 def run_fedkernels(args, vmap: bool) -> dict:
     from fedkernels.cli import main as cli_main
+    from fedkernels.sim import run as sim_run
+
+    # the same marks as the peers' (a round's end), wall and CPU, around the simulator's round
+    marks = RoundMarks()
+    play_round = sim_run.Simulation.play_round
+
+    def timed(self, *a, **k):
+        result = play_round(self, *a, **k)
+        marks.mark()
+        return result
+
+    sim_run.Simulation.play_round = timed
 
     with tempfile.TemporaryDirectory() as out:
         participation = (["--participation.kind", "full"] if args.per_round == NUM_CLIENTS else
@@ -92,11 +155,13 @@ def run_fedkernels(args, vmap: bool) -> dict:
         start = time.perf_counter()
         code = cli_main(argv)
         run_s = time.perf_counter() - start
+        sim_run.Simulation.play_round = play_round
         if code not in (None, 0):
             raise RuntimeError(f"fedkernels run exited {code}")
         with open(os.path.join(out, "run", "results.json")) as f:
             results = json.load(f)
-    return {"round_s": [r["wall_time_s"] for r in results["rounds"]],
+    # the first mark is the first round's end: its time is the simulator's own record
+    return {**marks.rounds(first_wall=results["rounds"][0]["wall_time_s"]),
             "accuracy": results["summary"]["test_accuracy"], "run_s": run_s}
 
 
@@ -111,10 +176,10 @@ def run_plain(args) -> dict:
     rng = np.random.default_rng(SEED)
     gen = torch.Generator().manual_seed(SEED)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    round_s = []
+    marks = RoundMarks()
     start = time.perf_counter()
+    marks.mark()
     for _ in range(args.rounds):
-        t0 = time.perf_counter()
         ids = rng.choice(NUM_CLIENTS, size=args.per_round, replace=False)
         total = 0
         acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
@@ -126,10 +191,10 @@ def run_plain(args) -> dict:
                 acc[k].add_(v, alpha=c.num_train)
             total += c.num_train
         global_state = {k: v / total for k, v in acc.items()}
-        round_s.append(time.perf_counter() - t0)
+        marks.mark()
     model.load_state_dict(global_state)
     accuracy = pooled_accuracy(model, fed)
-    return {"round_s": round_s, "accuracy": accuracy, "run_s": time.perf_counter() - start}
+    return {**marks.rounds(), "accuracy": accuracy, "run_s": time.perf_counter() - start}
 
 
 def run_flower(args) -> dict:
@@ -165,12 +230,12 @@ def run_flower(args) -> dict:
                               "metrics": MetricRecord({"num-examples": client.num_train})})
         return Message(content=content, reply_to=msg)
 
-    marks: list[float] = []
+    marks = RoundMarks()
 
     class TimedFedAvg(FedAvg):
         def aggregate_train(self, server_round, replies):
             result = super().aggregate_train(server_round, replies)
-            marks.append(time.perf_counter())
+            marks.mark()
             return result
 
     outcome: dict = {}
@@ -181,7 +246,7 @@ def run_flower(args) -> dict:
         strategy = TimedFedAvg(fraction_train=args.per_round / NUM_CLIENTS,
                                fraction_evaluate=0.0, min_train_nodes=args.per_round,
                                min_evaluate_nodes=0, min_available_nodes=NUM_CLIENTS)
-        marks.append(time.perf_counter())
+        marks.mark()
         result = strategy.start(grid=grid, initial_arrays=initial, num_rounds=args.rounds)
         outcome["state"] = result.arrays.to_torch_state_dict()
 
@@ -192,12 +257,11 @@ def run_flower(args) -> dict:
                                                  "logging_level": "error",
                                                  "log_to_driver": False}})
     run_s = time.perf_counter() - start
-    if "state" not in outcome or len(marks) != args.rounds + 1:
-        raise RuntimeError(f"Flower's simulation finished {len(marks) - 1} of {args.rounds} "
-                           "rounds")
+    if "state" not in outcome or len(marks.wall) != args.rounds + 1:
+        raise RuntimeError(f"Flower's simulation finished {len(marks.wall) - 1} of "
+                           f"{args.rounds} rounds")
     model.load_state_dict(outcome["state"])
-    return {"round_s": [b - a for a, b in zip(marks, marks[1:])],
-            "accuracy": pooled_accuracy(model, fed), "run_s": run_s}
+    return {**marks.rounds(), "accuracy": pooled_accuracy(model, fed), "run_s": run_s}
 
 
 def run_pfl(args) -> dict:
@@ -253,11 +317,11 @@ def run_pfl(args) -> dict:
 
     pfl_model = PyTorchModel(model=net, local_optimizer_create=torch.optim.SGD,
                              central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
-    marks = [0.0]
+    marks = RoundMarks()
 
     class Timer(TrainingProcessCallback):
         def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-            marks.append(time.perf_counter())
+            marks.mark()
             return False, Metrics()
 
     backend = SimulatedBackend(training_data=federated("train"), val_data=federated("test"))
@@ -267,14 +331,13 @@ def run_pfl(args) -> dict:
     train_params = NNTrainHyperParams(local_num_epochs=args.epochs, local_learning_rate=LR,
                                       local_batch_size=BATCH)
     start = time.perf_counter()
-    marks[0] = start
+    marks.mark()
     FederatedAveraging().run(algorithm_params=algorithm_params, backend=backend,
                              model=pfl_model, model_train_params=train_params,
                              model_eval_params=NNEvalHyperParams(local_batch_size=256),
                              callbacks=[Timer()], send_metrics_to_platform=False)
     run_s = time.perf_counter() - start
-    return {"round_s": [b - a for a, b in zip(marks, marks[1:])],
-            "accuracy": pooled_accuracy(net.net, fed), "run_s": run_s}
+    return {**marks.rounds(), "accuracy": pooled_accuracy(net.net, fed), "run_s": run_s}
 
 
 # Where a method's packages come from: a missing one is a skip with the reason, not a failure.
@@ -305,19 +368,13 @@ def child(args) -> dict:
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and all its descendants (Linux /proc)."""
-    total, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
+    total = 0
+    for p in [pid, *descendants(pid)]:
         try:
             with open(f"/proc/{p}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
-                        break
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack.extend(int(c) for c in f.read().split())
-        except (OSError, ValueError):
+                total += next(int(line.split()[1]) * 1024 for line in f
+                              if line.startswith("VmRSS:"))
+        except (OSError, ValueError, StopIteration):
             continue
     return total
 
@@ -353,8 +410,10 @@ def run_child(method: str, model: str, per_round: int, epochs: int, args) -> dic
             result = json.load(f)
     if "round_s" in result:
         steady = result["round_s"][1:] or result["round_s"]
+        steady_cpu = [c for c in result["round_cpu_s"][1:] if c is not None]
         result.update(end_to_end_s=wall, peak_rss_MB=peak / 2**20,
-                      median_round_s=statistics.median(steady))
+                      median_round_s=statistics.median(steady),
+                      median_round_cpu_s=statistics.median(steady_cpu) if steady_cpu else None)
     return result
 
 
@@ -364,7 +423,9 @@ def summarize(repeats: list[dict], per_round: int) -> dict:
         first = repeats[0]
         return {k: first[k] for k in ("skipped", "error", "traceback", "log") if k in first}
     round_s = statistics.median(r["median_round_s"] for r in done)
+    cpu = [r["median_round_cpu_s"] for r in done if r["median_round_cpu_s"] is not None]
     return {"round_s": round_s, "updates_per_s": per_round / round_s,
+            "round_cpu_s": statistics.median(cpu) if cpu else None,
             "end_to_end_s": statistics.median(r["end_to_end_s"] for r in done),
             "peak_rss_MB": statistics.median(r["peak_rss_MB"] for r in done),
             "accuracy": statistics.median(r["accuracy"] for r in done),
@@ -421,24 +482,30 @@ def main() -> None:
                     continue  # skipped or failed once: the reason is recorded already
                 r = run_child(method, model, k, e, args)
                 runs[method].append(r)
-                shown = (f"{r['median_round_s'] * 1e3:9.1f} ms/round  acc {r['accuracy']:.3f}  "
+                shown = (f"{r['median_round_s'] * 1e3:9.1f} ms/round "
+                         f"{(r['median_round_cpu_s'] or 0) * 1e3:9.1f} CPU ms  "
+                         f"acc {r['accuracy']:.3f}  "
                          f"peak {r['peak_rss_MB']:.0f} MB  e2e {r['end_to_end_s']:.1f} s"
                          if "median_round_s" in r else
                          (r.get("skipped") or r.get("error", "?")))
                 print(f"{model} K={k:3d} E={e} rep {rep} {method:10s} {shown}", flush=True)
         summary = {m: summarize(v, k) for m, v in runs.items()}
-        base = summary.get("sequential", {}).get("round_s")
+        base = summary.get("sequential", {})
         for s in summary.values():
-            if base and "round_s" in s:
-                s["speedup_vs_sequential"] = base / s["round_s"]
+            if base.get("round_s") and "round_s" in s:
+                s["speedup_vs_sequential"] = base["round_s"] / s["round_s"]
+            if base.get("round_cpu_s") and s.get("round_cpu_s"):
+                s["cpu_ratio_vs_sequential"] = s["round_cpu_s"] / base["round_cpu_s"]
         rows.append({"model": model, "per_round": k, "epochs": e, "methods": summary,
                      "repeats": {m: [{kk: vv for kk, vv in r.items() if kk != "traceback"}
                                      for r in v] for m, v in runs.items()}})
-    payload = {"environment": environment(args, load_before), "task": task(args), "rows": rows}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(payload, f, indent=1)
-        f.write("\n")
+        # after every cell, so that a grid cut short keeps the cells it finished
+        payload = {"environment": environment(args, load_before), "task": task(args),
+                   "rows": rows}
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
     print(f"wrote {args.out}")
 
 
