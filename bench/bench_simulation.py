@@ -2,7 +2,7 @@
 simulators researchers use: wall time per round, client updates per second, peak memory and
 final accuracy.
 
-    python bench/bench_simulation.py                      # the full grid, 3 repeats
+    python bench/bench_simulation.py                      # the grid: results/simulation-<cpu>.json
     python bench/bench_simulation.py --models mlp --epochs 1 --repeats 1
     python bench/bench_simulation.py --tiny               # seconds: checks that every path runs
     python bench/bench_simulation.py --methods sequential vmap plain --out /tmp/sim.json
@@ -26,12 +26,14 @@ the sums are each method's own, so accuracies agree to noise, not bitwise. Every
 ``--threads`` torch threads (Flower: Ray gets that many CPUs, one per client actor).
 
 Reported per method and cell: the median time of a round after the first (the first holds
-one-off warm-up: Ray actors, lazy imports), client updates per second (K over that), the end-to-
-end time of the child process, the peak resident set of the child's process tree (sampled at
-20 Hz, so Ray's workers count), and the final global model's accuracy on the pooled test rows.
-Repeats interleave the methods (all methods once, then again), and the results JSON keeps every
-repeat and the medians, plus the load average of the machine before and after, since a shared
-machine inflates absolute times: compare methods through their ratios.
+one-off warm-up: Ray actors, lazy imports), in wall time and in CPU time of the child's process
+tree (user + system, Ray's workers included: on a shared machine other jobs inflate wall time,
+much less CPU time), client updates per second (K over the wall time), the end-to-end time of
+the child process, the peak resident set of the child's process tree (sampled at 20 Hz, so
+Ray's workers count), and the final global model's accuracy on the pooled test rows. Every
+method cuts rounds at the same marks (a round's end). Repeats interleave the methods (all
+methods once, then again), and the results JSON keeps every repeat and the medians, plus the
+load average of the machine before and after: compare methods through their ratios.
 
 A method that cannot run here (a package missing, an API that refuses) is recorded with the
 reason instead of numbers.
@@ -64,7 +66,6 @@ from harness.sim_task import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-DEFAULT_OUT = os.path.join(HERE, "results", "simulation-cpu.json")
 
 METHODS = ("sequential", "vmap", "flower", "pfl", "plain")
 
@@ -446,7 +447,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds a child may run")
     parser.add_argument("--tiny", action="store_true",
                         help="MLP, 10 clients a round, 1 epoch, 3 rounds, 1000 samples, once")
-    parser.add_argument("--out", metavar="FILE", default=DEFAULT_OUT)
+    parser.add_argument("--out", metavar="FILE",
+                        help="results JSON (default: bench/results/simulation-<cpu>.json; "
+                             "--tiny: a new file under bench/results/runs/)")
     # the child's own arguments
     parser.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -469,8 +472,16 @@ def main() -> None:
     if args.tiny:
         args.models, args.per_rounds, args.epochs = ["mlp"], [10], [1]
         args.rounds, args.repeats, args.num_samples = 3, 1, 1000
-        if args.out == DEFAULT_OUT:
-            args.out = os.path.join(HERE, "results", "runs", "simulation-tiny.json")
+        if args.out is None:
+            from harness.results import new_run_path
+
+            args.out = new_run_path("simulation-tiny")
+    if args.out is None:
+        import torch
+
+        from harness.machine import device_name
+
+        args.out = os.path.join(HERE, "results", f"simulation-{device_name(torch.device('cpu'))}.json")
     cells = [(m, k, e) for m in args.models for k in args.per_rounds for e in args.epochs]
     load_before = os.getloadavg()
     rows = []

@@ -212,27 +212,33 @@ def simulation_block(root: Path, name: str) -> str:
     env, task = data["environment"], data["task"]
     rows, reasons = [], {}
     for r in data["rows"]:
+        base = r["methods"].get("sequential", {})
         for method, label in SIMULATION_METHODS.items():
             m = r["methods"].get(method)
             if m is None:
                 continue
             cell = [r["model"], str(r["per_round"]), str(r["epochs"]), label]
-            if "round_s" in m:
-                rows.append(cell + [sig(m["round_s"] * 1e3), sig(m["updates_per_s"]),
-                                    ratio(m.get("speedup_vs_sequential")), sig(m["peak_rss_MB"]),
-                                    f"{m['accuracy']:.3f}", sig(m["end_to_end_s"]),
-                                    str(m["repeats"])])
-            else:
+            if "round_s" not in m:
                 reasons[label] = m.get("skipped") or m.get("error", "?")
-                rows.append(cell + ["did not run"] + ["—"] * 6)
-    header = ["model", "K", "epochs", "method", "ms per round", "updates/s",
-              "× fedkernels run", "peak MB", "accuracy", "end-to-end s", "repeats"]
+                rows.append(cell + ["did not run"] + ["—"] * 8)
+                continue
+            cpu, base_cpu = m.get("round_cpu_s"), base.get("round_cpu_s")
+            rows.append(cell + [
+                sig(cpu * 1e3) if cpu else "—",
+                ratio(base_cpu / cpu) if cpu and base_cpu else "—",
+                sig(m["round_s"] * 1e3), ratio(m.get("speedup_vs_sequential")),
+                sig(m["updates_per_s"]), sig(m["peak_rss_MB"]), f"{m['accuracy']:.3f}",
+                sig(m["end_to_end_s"]), str(m["repeats"])])
+    header = ["model", "K", "epochs", "method", "CPU ms per round", "speed-up (CPU)",
+              "wall ms per round", "speed-up (wall)", "updates/s (wall)", "peak MB", "accuracy",
+              "end-to-end s", "repeats"]
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     line = (f"*{env['cpu_count']} CPUs shared with other jobs (load average "
             f"{env['load_average_before'][0]:.1f} before, {env['load_average_after'][0]:.1f} "
             f"after), {env['threads']} thread{'s' if env['threads'] != 1 else ''} a run, "
             f"{versions}, {env['date'][:10]}; {task['rounds']} rounds, medians of "
-            f"interleaved repeats. Source: `bench/results/{name}`.*")
+            f"interleaved repeats; speed-ups are over `fedkernels run` in the same cell. "
+            f"Source: `bench/results/{name}`.*")
     notes = "".join(f"\n\n{label} did not run: {why}" for label, why in reasons.items())
     return line + "\n\n" + table(header, rows) + notes
 

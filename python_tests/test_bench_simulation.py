@@ -41,6 +41,7 @@ def test_tiny_simulation_bench_runs_every_installed_method(tmp_path):
         result = row["methods"][method]
         assert "error" not in result, (method, result)
         assert result["round_s"] > 0 and result["updates_per_s"] > 0, method
+        assert result["round_cpu_s"] > 0, method
         assert result["peak_rss_MB"] > 0, method
         assert 0.0 <= result["accuracy"] <= 1.0, method
     assert row["methods"]["sequential"]["speedup_vs_sequential"] == 1.0
