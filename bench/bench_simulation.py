@@ -444,6 +444,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--num-samples", type=int, default=5000)
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the cells of an existing --out file that this run does not "
+                             "measure (a grid run in parts)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds a child may run")
     parser.add_argument("--tiny", action="store_true",
                         help="MLP, 10 clients a round, 1 epoch, 3 rounds, 1000 samples, once")
@@ -484,8 +487,13 @@ def main() -> None:
         args.out = os.path.join(HERE, "results", f"simulation-{device_name(torch.device('cpu'))}.json")
     cells = [(m, k, e) for m in args.models for k in args.per_rounds for e in args.epochs]
     load_before = os.getloadavg()
-    rows = []
+    rows, kept = [], []
+    if args.merge and os.path.exists(args.out):
+        with open(args.out) as f:
+            kept = [r for r in json.load(f)["rows"]
+                    if (r["model"], r["per_round"], r["epochs"]) not in cells]
     for model, k, e in cells:
+        cell_load = os.getloadavg()[0]
         runs: dict[str, list[dict]] = {m: [] for m in args.methods}
         for rep in range(args.repeats):
             for method in args.methods:
@@ -508,11 +516,13 @@ def main() -> None:
             if base.get("round_cpu_s") and s.get("round_cpu_s"):
                 s["cpu_ratio_vs_sequential"] = s["round_cpu_s"] / base["round_cpu_s"]
         rows.append({"model": model, "per_round": k, "epochs": e, "methods": summary,
+                     "load_average": [round(cell_load, 2), round(os.getloadavg()[0], 2)],
                      "repeats": {m: [{kk: vv for kk, vv in r.items() if kk != "traceback"}
                                      for r in v] for m, v in runs.items()}})
         # after every cell, so that a grid cut short keeps the cells it finished
         payload = {"environment": environment(args, load_before), "task": task(args),
-                   "rows": rows}
+                   "rows": sorted(kept + rows, key=lambda r: (r["model"] != "mlp",
+                                                              r["per_round"], r["epochs"]))}
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(payload, f, indent=1)

@@ -233,9 +233,11 @@ def simulation_block(root: Path, name: str) -> str:
               "wall ms per round", "speed-up (wall)", "updates/s (wall)", "peak MB", "accuracy",
               "end-to-end s", "repeats"]
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
-    line = (f"*{env['cpu_count']} CPUs shared with other jobs (load average "
-            f"{env['load_average_before'][0]:.1f} before, {env['load_average_after'][0]:.1f} "
-            f"after), {env['threads']} thread{'s' if env['threads'] != 1 else ''} a run, "
+    loads = [env["load_average_before"][0], env["load_average_after"][0]]
+    loads += [x for r in data["rows"] for x in r.get("load_average", [])]
+    line = (f"*{env['cpu_count']} CPUs shared with other jobs (1-minute load average "
+            f"{min(loads):.1f} to {max(loads):.1f} at the cells' starts and ends), "
+            f"{env['threads']} thread{'s' if env['threads'] != 1 else ''} a run, "
             f"{versions}, {env['date'][:10]}; {task['rounds']} rounds, medians of "
             f"interleaved repeats; speed-ups are over `fedkernels run` in the same cell. "
             f"Source: `bench/results/{name}`.*")
