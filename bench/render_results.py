@@ -202,6 +202,49 @@ def vmap_block(root: Path, name: str, key: str = "vmap") -> str:
     return source_line(name, key, run["environment"]) + "\n\n" + table(header, rows)
 
 
+SIMULATION_METHODS = {"sequential": "fedkernels run", "vmap": "fedkernels run --vmap",
+                      "flower": "Flower (Ray)", "pfl": "pfl-research", "plain": "plain PyTorch loop"}
+
+
+def simulation_block(root: Path, name: str) -> str:
+    """bench_simulation.py: the same FL task by fedkernels' simulator and its peers."""
+    data = load(root, name)
+    env, task = data["environment"], data["task"]
+    rows, reasons = [], {}
+    for r in data["rows"]:
+        base = r["methods"].get("sequential", {})
+        for method, label in SIMULATION_METHODS.items():
+            m = r["methods"].get(method)
+            if m is None:
+                continue
+            cell = [r["model"], str(r["per_round"]), str(r["epochs"]), label]
+            if "round_s" not in m:
+                reasons[label] = m.get("skipped") or m.get("error", "?")
+                rows.append(cell + ["did not run"] + ["—"] * 8)
+                continue
+            cpu, base_cpu = m.get("round_cpu_s"), base.get("round_cpu_s")
+            rows.append(cell + [
+                sig(cpu * 1e3) if cpu else "—",
+                ratio(base_cpu / cpu) if cpu and base_cpu else "—",
+                sig(m["round_s"] * 1e3), ratio(m.get("speedup_vs_sequential")),
+                sig(m["updates_per_s"]), sig(m["peak_rss_MB"]), f"{m['accuracy']:.3f}",
+                sig(m["end_to_end_s"]), str(m["repeats"])])
+    header = ["model", "K", "epochs", "method", "CPU ms per round", "speed-up (CPU)",
+              "wall ms per round", "speed-up (wall)", "updates/s (wall)", "peak MB", "accuracy",
+              "end-to-end s", "repeats"]
+    versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
+    loads = [env["load_average_before"][0], env["load_average_after"][0]]
+    loads += [x for r in data["rows"] for x in r.get("load_average", [])]
+    line = (f"*{env['cpu_count']} CPUs shared with other jobs (1-minute load average "
+            f"{min(loads):.1f} to {max(loads):.1f} at the cells' starts and ends), "
+            f"{env['threads']} thread{'s' if env['threads'] != 1 else ''} a run, "
+            f"{versions}, {env['date'][:10]}; {task['rounds']} rounds, medians of "
+            f"interleaved repeats; speed-ups are over `fedkernels run` in the same cell. "
+            f"Source: `bench/results/{name}`.*")
+    notes = "".join(f"\n\n{label} did not run: {why}" for label, why in reasons.items())
+    return line + "\n\n" + table(header, rows) + notes
+
+
 # ---------------------------------------------------------------- distillation and FedEvg
 
 
@@ -492,6 +535,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "distributed/amd-epyc-avx512": lambda r: distributed_block(r, ZEN4),
     "distributed/amd-epyc-avx2": lambda r: distributed_block(r, ZEN3),
     "vmap/intel-xeon-avx512": lambda r: vmap_block(r, INTEL),
+    "simulation/amd-epyc-avx512": lambda r: simulation_block(
+        r, "simulation-cpu-amd-epyc-avx512.json"),
     "pseudo-labels/intel-xeon-avx512": lambda r: pseudo_labels_block(r, INTEL),
     "pseudo-labels/amd-epyc-avx512": lambda r: pseudo_labels_block(r, ZEN4),
     "distill-kl/intel-xeon-avx512": lambda r: distill_kl_block(r, INTEL),

@@ -15,4 +15,5 @@ on ``sys.path``), one module per concern, each name from the module that defines
 - ``peer_comparisons``: the comparisons with a framework's own aggregation
 - ``model_shapes``: the parameter shapes of the models the benchmarks aggregate
 - ``fedml_files``: FedML's aggregation code, loaded without ``import fedml``
+- ``sim_task``: the federated task that bench_simulation.py gives every simulator
 """
