@@ -13,8 +13,8 @@ methods. Every client holds at least 50 test samples. The tables, in order of im
   (Dirichlet 0.5), 10 sampled per round, with the worst-10 % of clients (``fairness-short``:
   the first, shorter run with momentum SGD, whose rates all hit the top of the grid);
 - ``fedau-bernoulli``, ``fedau-markov``, ``fedau-cyclic``: FedAU against averaging the
-  participants and averaging all, 100 clients whose participation probabilities depend on
-  their labels (FedAU's experiment);
+  participants, averaging all and the known-p oracle, 100 clients whose participation
+  probabilities depend on their labels (FedAU's experiment);
 - ``fedgo``: FedGO against FedAvg, FedDF, Fed-ET and DaFKD's weighting, 20 clients,
   Dirichlet 0.1, an unlabeled server set;
 - ``fedevg-a0.01``, ``fedevg-a1``: FedEvg against FedCVAE, 10 clients, Dirichlet 0.01 and 1.
@@ -141,7 +141,15 @@ FEDAU_METHODS = [
     ("avg participants", "avg-participating", {}),
     ("avg all", "avg-all", {}),
     ("FedAU (K=50)", "fedau", {"cutoff": 50}),
+    ("known p_n", "known-p", {}),  # the oracle FedAU estimates: separates weights from estimate
 ]
+
+FEDAU_PAIRS = [(a, b, m) for a, b in (("FedAU (K=50)", "avg participants"),
+                                       ("FedAU (K=50)", "avg all"),
+                                       ("FedAU (K=50)", "known p_n"),
+                                       ("known p_n", "avg participants"),
+                                       ("avg all", "avg participants"))
+               for m in ("test_accuracy", "client_accuracy_worst10")]
 
 FEDGO_TREE = {
     "rounds": 50,
@@ -223,20 +231,20 @@ TABLES: dict[str, dict[str, Any]] = {
     "fedau-bernoulli": {
         "family": "fedau", "tree": _fedau("bernoulli"), "methods": FEDAU_METHODS,
         "criterion": "pooled", "metrics": POOLED, "baselines": ["avg participants", "avg all"],
-        "lr_grid": PLAIN_GRID,
+        "pairs": FEDAU_PAIRS, "lr_grid": PLAIN_GRID,
         "title": "MNIST-1D, Dirichlet(0.5), 100 clients, Bernoulli participation with "
                  "label-correlated p_n (mean 0.1, min 0.02), 200 rounds x 5 steps, 1-D CNN",
     },
     "fedau-markov": {
         "family": "fedau", "tree": _fedau("markov", markov_delta=0.05),
         "methods": FEDAU_METHODS, "criterion": "pooled", "metrics": POOLED,
-        "baselines": ["avg participants", "avg all"], "lrs_from": "fedau-bernoulli",
+        "baselines": ["avg participants", "avg all"], "pairs": FEDAU_PAIRS, "lrs_from": "fedau-bernoulli",
         "title": "as fedau-bernoulli, Markov participation (delta 0.05)",
     },
     "fedau-cyclic": {
         "family": "fedau", "tree": _fedau("cyclic", cycle_length=50),
         "methods": FEDAU_METHODS, "criterion": "pooled", "metrics": POOLED,
-        "baselines": ["avg participants", "avg all"], "lrs_from": "fedau-bernoulli",
+        "baselines": ["avg participants", "avg all"], "pairs": FEDAU_PAIRS, "lrs_from": "fedau-bernoulli",
         "title": "as fedau-bernoulli, cyclic participation (cycles of 50 rounds)",
     },
     "fedgo": {
