@@ -25,14 +25,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from local_ports import free_ports, listening
 
 pytest.importorskip("flwr")
 
 from app_parity_helpers import assert_same_metrics, simulate  # noqa: E402
 from test_integrations_flower_deployment import (  # noqa: E402
     Deployment,
-    _free_ports,
-    _listening,
     _tool,
     _wait_for_result,
 )
@@ -190,7 +189,7 @@ def test_flwr_run_on_the_simulation_engine(tmp_path):
     nodes' contexts between rounds."""
     result_path = tmp_path / "results.json"
     deployment = AppDeployment(tmp_path, nodes=0, deadline_s=600, app=EXAMPLE)
-    link_port, control_port = _free_ports(2)
+    link_port, control_port = free_ports(2)
     (Path(deployment.env["FLWR_HOME"]) / "config.toml").write_text(
         f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
         f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
@@ -201,7 +200,7 @@ def test_flwr_run_on_the_simulation_engine(tmp_path):
             "--host", "127.0.0.1", "--port", str(link_port),
             "--control-api-address", f"127.0.0.1:{control_port}",
             "--disable-runtime-dependency-installation"])
-        deployment.wait_for(lambda: _listening(link_port), "the SuperLink's port")
+        deployment.wait_for(lambda: listening(link_port), "the SuperLink's port")
         deployment.start("flwr-run", [
             _tool("flwr"), "run", str(EXAMPLE), "loopback", "--stream",
             "--run-config", _run_config(overrides),

@@ -20,12 +20,12 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from local_ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -46,15 +46,6 @@ TOLERANCE = 0.01
 def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def _copy(name: str, tmp_path: Path) -> Path:
@@ -198,7 +189,7 @@ def test_flower_simulation(tmp_path, reference):
     background, runs the app on 2 simulated SuperNodes, and leaves the SuperLink running."""
     folder = _copy("flower_fedavg", tmp_path)
     home = tmp_path / "flwr-home"
-    link_port, control_port = _free_ports(2)
+    link_port, control_port = free_ports(2)
     env = _env(FLWR_HOME=str(home), FLWR_LOCAL_SUPERLINK_HTTP_API_PORT=str(link_port),
                FLWR_LOCAL_CONTROL_API_PORT=str(control_port), FLWR_DISABLE_UPDATE_CHECK="1",
                UV_OFFLINE="1")  # the app lists no dependencies: nothing may be downloaded

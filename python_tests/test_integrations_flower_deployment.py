@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,6 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from local_ports import free_ports, listening
 
 pytest.importorskip("flwr")
 
@@ -189,22 +189,6 @@ def main(grid: Grid, context: Context) -> None:
 '''
 
 
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -237,7 +221,7 @@ class Deployment:
         (self.app / "fkdeploy" / "server_app.py").write_text(textwrap.dedent(SERVER_APP))
         home = tmp_path / "flwr-home"
         home.mkdir()
-        self.link_port, *self.node_ports = _free_ports(1 + nodes)
+        self.link_port, *self.node_ports = free_ports(1 + nodes)
         (home / "config.toml").write_text(
             f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
             f'address = "127.0.0.1:{self.link_port}"\ninsecure = true\n')
@@ -286,7 +270,7 @@ class Deployment:
         self.start("superlink", [_tool("flower-superlink"), "--insecure", "--host",
                                  "127.0.0.1", "--port", str(self.link_port),
                                  "--disable-runtime-dependency-installation"])
-        self.wait_for(lambda: _listening(self.link_port), "the SuperLink's port")
+        self.wait_for(lambda: listening(self.link_port), "the SuperLink's port")
         for p, port in enumerate(self.node_ports):
             self.start(f"supernode{p}", [
                 _tool("flower-supernode"), "--insecure", "--superlink",
@@ -410,7 +394,7 @@ def test_supernode_killed_mid_round_and_restarted(tmp_path):
         deployment.expected_exits.add("supernode2")
         os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
         deployment.processes["supernode2"].wait(timeout=10)
-        port = _free_ports(1)[0]
+        port = free_ports(1)[0]
         deployment.start("supernode2-restarted", [
             _tool("flower-supernode"), "--insecure", "--superlink",
             f"127.0.0.1:{deployment.link_port}", "--host", "127.0.0.1", "--port", str(port),
