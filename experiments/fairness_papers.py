@@ -58,7 +58,8 @@ import torch
 from fedkernels.algorithms.registry import build_strategy
 from fedkernels.cli.compare import compare, markdown_table
 from fedkernels.sim.config import ExperimentConfig, from_dict
-from fedkernels.sim.data import Dataset, load_dataset
+from fedkernels.sim.data import load_dataset
+from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.federation import build_federation
 from fedkernels.sim.run import Simulation
 

@@ -60,7 +60,8 @@ from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.atomic_files import replacing
 from fedkernels.sim.config import ConfigError, from_dict
-from fedkernels.sim.data import Dataset, load_dataset
+from fedkernels.sim.data import load_dataset
+from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.federation import build_federation
 from fedkernels.sim.paired_stats import paired_difference
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from fedkernels.sim.config import ConfigError, DataConfig, ExperimentConfig, PartitionConfig, from_dict
-from fedkernels.sim.data import Dataset, load_dataset
+from fedkernels.sim.data import load_dataset
+from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.datasets.leaf import LEAF_CHARACTERS
 from fedkernels.sim.datasets.tiny_files import (
     CIFAR10_NAMES,

@@ -17,7 +17,7 @@ _EXPORTS = {
     **dict.fromkeys(("ClientConfig", "ConfigError", "DataConfig", "ExperimentConfig",
                      "ModelConfig", "ParticipationConfig", "PartitionConfig", "ServerConfig",
                      "from_dict"), "config"),
-    "Dataset": "data",
+    "Dataset": "dataset",
     "ClientData": "federation",
     "Federation": "federation",
     "ParticipationHistory": "participation",

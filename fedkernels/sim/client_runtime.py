@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .client import ClientUpdate, LocalTrainer
 from .config import ConfigError, ExperimentConfig
-from .data import Dataset
+from .dataset import Dataset
 from .devices import reproducible_numerics, resolve_device
 from .federation import ClientData
 from .participation import build_sampler

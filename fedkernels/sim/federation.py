@@ -14,7 +14,7 @@ from torch import Tensor
 
 from . import seeding
 from .config import ConfigError, PartitionConfig
-from .data import Dataset
+from .dataset import Dataset
 from .partition import partition
 from .tabular import DataWarning
 

@@ -50,7 +50,8 @@ from .config import (
     applicable_dict,
     from_dict,
 )
-from .data import Dataset, load_dataset, stratified_split
+from .data import load_dataset, stratified_split
+from .dataset import Dataset
 from .devices import (
     device_name,
     peak_memory_bytes,

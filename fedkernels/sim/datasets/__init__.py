@@ -3,7 +3,7 @@
 One module per format family: :mod:`.idx` (MNIST, Fashion-MNIST, EMNIST), :mod:`.cifar`
 (CIFAR-10/100 pickles), :mod:`.svhn` (MATLAB files), :mod:`.image_folders` (CINIC-10,
 Tiny-ImageNet), :mod:`.leaf` (FEMNIST, Shakespeare) and :mod:`.mnist_1d` (generated). Images
-are kept as uint8 pixels (:class:`~fedkernels.sim.data.Dataset` scales them to [0, 1] as it
+are kept as uint8 pixels (:class:`~fedkernels.sim.dataset.Dataset` scales them to [0, 1] as it
 hands rows to clients). Each loader checks the files' structure (magic numbers, keys, shapes,
 label ranges), not their checksums, and reports a problem as one line naming the file.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..config import DataConfig
-from ..data import Dataset
+from ..dataset import Dataset
 from .cifar import load_cifar10, load_cifar100
 from .download import TORCHVISION_CLASSES, download
 from .files import MissingFiles

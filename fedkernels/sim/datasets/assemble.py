@@ -1,4 +1,4 @@
-"""One :class:`~fedkernels.sim.data.Dataset` from the parts a publisher ships (train, test, ...).
+"""One :class:`~fedkernels.sim.dataset.Dataset` from the parts a publisher ships (train, test, ...).
 
 The parts are stacked in the order given, and ``official_test`` marks the rows of the parts the
 publisher meant for testing, so that a configuration can keep that split while the default
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..data import Dataset
+from ..dataset import Dataset
 
 
 def from_parts(

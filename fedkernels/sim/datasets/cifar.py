@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 from .files import data_error, find_folder, root_folder
 

@@ -39,7 +39,7 @@ from ..tabular import (
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ..data import Dataset
+    from ..dataset import Dataset
 
 # the 14 columns of the processed.*.data files, in their order
 COLUMNS = ("age", "sex", "cp", "trestbps", "chol", "fbs", "restecg", "thalach", "exang",
@@ -80,7 +80,7 @@ def load_heart(root: str | Path) -> Dataset:
     refused (they differ by a few patients, and which one a run read must not depend on what
     else lies in the folder). Every problem is a :class:`ConfigError` naming the file, the row
     and the column."""
-    from ..data import Dataset
+    from ..dataset import Dataset
 
     root = Path(root).expanduser()
     if not root.is_dir():

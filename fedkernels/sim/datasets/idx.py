@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 from .files import data_error, find_file, read_bytes, root_folder
 

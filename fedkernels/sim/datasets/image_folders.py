@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 from .files import MissingFiles, data_error, find_folder, root_folder
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 from .files import MissingFiles, data_error, root_folder
 

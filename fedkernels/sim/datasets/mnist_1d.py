@@ -15,7 +15,7 @@ import random
 import numpy as np
 
 from ..config import ConfigError
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 
 DEFAULT_SAMPLES = 5000  # the published set: 4000 train, 1000 test

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ConfigError
-from ..data import Dataset
+from ..dataset import Dataset
 from .assemble import from_parts
 from .files import data_error, find_file, root_folder
 
