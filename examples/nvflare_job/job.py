@@ -14,6 +14,7 @@ import torch
 from nvflare.app_opt.pt.recipes.fedavg import FedAvgRecipe
 from nvflare.recipe import SimEnv
 
+import fedkernels
 from fedkernels.integrations.nvflare import WeightedModelAggregator
 
 from task import MLP, evaluate, load_test
@@ -36,6 +37,12 @@ def main() -> None:
         # the only line that differs from NVFlare's own FedAvg: the weighted mean is fused
         aggregator=WeightedModelAggregator())
     where = {"workspace_root": args.workspace} if args.workspace else {}
+    # NVFlare copies the aggregator's source files into the job's custom/ folder when they lie
+    # outside site-packages (an editable install). An editable install is found after the path,
+    # so the copies, which lack the compiled kernels, would win: put the real package on the path.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(fedkernels.__file__)))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     run = recipe.execute(SimEnv(num_clients=args.sites, **where))
 
     # the server's persistor saved the last global model in the job's workspace
