@@ -183,6 +183,9 @@ def test_a_supernode_killed_mid_round(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="Flower's simulation engine needs Ray: pip install 'flwr[simulation]'")
+# Ray starts each ClientApp's worker with OMP_NUM_THREADS=1: the reference runs on one thread
+# too, so that its sums round as the workers' do (2 threads gave an ECE 3e-11 apart)
+@pytest.mark.usefixtures("one_thread")
 def test_flwr_run_on_the_simulation_engine(tmp_path):
     """``flwr run`` of the example against a SuperLink in simulation mode: five simulated
     SuperNodes (Ray actors), the ClientApps' kept state (SuPerFed's local models) in the
