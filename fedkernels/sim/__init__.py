@@ -1,12 +1,13 @@
 """Federated-learning simulation on top of the fedkernels ops.
 
 Modules, one concept each: :mod:`~fedkernels.sim.config` (dataclasses), :mod:`.seeding`
-(random streams), :mod:`.dataset` (the data set type), :mod:`.data` (loaders), :mod:`.partition` (splitting among clients),
-:mod:`.federation` (the clients' train/test splits), :mod:`.participation` (who takes part),
-:mod:`.models`, :mod:`.client` (local training), :mod:`.vmap` (batched local training),
-:mod:`.server` (server optimizers), :mod:`.strategy` (the algorithm interface),
-:mod:`.metrics`, :mod:`.run` (the round loop, checkpoints), :mod:`.client_runtime` (the
-clients' half of a round in another process), :mod:`.results`, :mod:`.plots`.
+(random streams), :mod:`.dataset` (the data set type), :mod:`.data` (loaders),
+:mod:`.partition` (splitting among clients), :mod:`.federation` (the clients' train/test
+splits), :mod:`.participation` (who takes part), :mod:`.models`, :mod:`.client` (local
+training), :mod:`.vmap` (batched local training), :mod:`.server` (server optimizers),
+:mod:`.strategy` (the algorithm interface), :mod:`.metrics`, :mod:`.run` (the round loop,
+checkpoints), :mod:`.client_runtime` (the clients' half of a round in another process),
+:mod:`.results`, :mod:`.plots`.
 """
 
 import importlib
