@@ -113,7 +113,7 @@ algorithm = "fedau"
 rounds = 3
 result-path = ""
 round-timeout = 240.0
-straggler-patience = 20.0
+straggler-patience = 10.0
 
 [tool.flwr.app.config.partition]
 num_clients = 3
