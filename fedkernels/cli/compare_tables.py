@@ -54,13 +54,14 @@ REFERENCE_SPLITS = ("median", "mean")
 
 def seed_statistics(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Mean and std over seeds of every key of ``rows`` (one dict per seed); a key whose value
-    is None in some seeds (an undefined AUROC) is averaged over the others, None in all -> None."""
+    is None in some seeds (an undefined AUROC) is averaged over the others, None in all -> None.
+    The std of a single value is None: one seed says nothing about the spread."""
     mean: dict[str, Any] = {}
     std: dict[str, Any] = {}
     for key in dict.fromkeys(k for row in rows for k in row):
         values = np.array([r[key] for r in rows if r.get(key) is not None], dtype=np.float64)
         mean[key] = float(values.mean()) if len(values) else None
-        std[key] = float(values.std()) if len(values) else None
+        std[key] = float(values.std()) if len(values) > 1 else None
     return mean, std
 
 
@@ -154,7 +155,7 @@ def _cell(entry: dict[str, Any], key: str) -> str:
         return "—"
     if key in COUNTS:
         return f"{mean:.1f}"
-    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+    return f"{100 * mean:.1f}" + ("" if std is None else f" ± {100 * std:.1f}")
 
 
 def _table(entries: list[dict[str, Any]], metrics: list[tuple[str, str]]) -> list[str]:
@@ -183,12 +184,14 @@ def _reference_table(entries: list[dict[str, Any]]) -> list[str]:
         m, s = v["mean"].get(key), v["std"].get(key)
         if m is None:
             return "—"
-        return (f"{100 * m:.0f} ± {100 * s:.0f}% ({v['mean'][count]:.1f} of "
-                f"{v['mean'][group]:.1f})")
+        spread = "" if s is None else f" ± {100 * s:.0f}"
+        return f"{100 * m:.0f}{spread}% ({v['mean'][count]:.1f} of {v['mean'][group]:.1f})"
 
     def change(v: dict[str, Any], key: str) -> str:
         m, s = v["mean"].get(key), v["std"].get(key)
-        return "—" if m is None else f"{100 * m:+.2f} ± {100 * s:.2f}"
+        if m is None:
+            return "—"
+        return f"{100 * m:+.2f}" + ("" if s is None else f" ± {100 * s:.2f}")
 
     for entry in entries:
         v = entry.get("versus_reference")
