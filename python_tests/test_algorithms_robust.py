@@ -17,12 +17,7 @@ from fedkernels.sim.server import Server, build_server_optimizer
 RULES = ["fedmedian", "trimmed-mean", "krum", "multikrum", "bulyan"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def server_at(global_state, lr=1.0):

@@ -7,19 +7,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from fedkernels.cli import main
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models are tiny: intra-op threads only add synchronisation (and stall badly when
-    the machine is busy), so the tests train on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 FAST = [

@@ -21,12 +21,7 @@ from fedkernels.sim.federation import server_split
 METHODS = ["feddf", "fedet", "entropy-kd", "dafkd", "fedgo"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def config(rounds=2, server_fraction=0.5):

@@ -25,13 +25,7 @@ from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.config import ConfigError, from_dict
 from fedkernels.sim.strategy import RoundInfo
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def config(rounds=2, participation=None):

@@ -7,18 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from fedkernels.cli import main
 from fedkernels.cli.compare import markdown_table
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def test_personalized_columns(tmp_path, capsys):

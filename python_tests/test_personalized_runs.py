@@ -20,12 +20,7 @@ PARAMS = {"fedrep": {"head_epochs": "1"}, "apfl": {"learn_alpha": "true"}, "pfed
 NUM_CLIENTS = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def config(rounds=2, participation="uniform", **client):

@@ -21,12 +21,7 @@ from fedkernels.sim.run import Simulation
 dp_accounting = pytest.importorskip("dp_accounting")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 # ----------------------------------------------------------------- accounting

@@ -16,13 +16,7 @@ from fedkernels.sim.client import ClientUpdate
 from fedkernels.sim.config import AttackConfig, ConfigError, ExperimentConfig, from_dict
 from fedkernels.sim.run import Simulation
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 def small_config(rounds=2, **attack):

@@ -23,13 +23,7 @@ from sim_device_cases import (
 import fedkernels as fk
 from fedkernels.sim.devices import resolve_device
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
 
 
 @pytest.mark.parametrize("device", DEVICES)
