@@ -190,6 +190,8 @@ BAD_ARGUMENTS = [
     ("bench_robust_ops.py", ["--repeats", "0"], "argument --repeats: must be at least 1"),
     ("bench_vmap.py", ["--threads", "0"], "argument --threads: must be at least 1"),
     ("bench_vmap.py", ["--hidden", "0"], "argument --hidden: must be at least 1"),
+    ("bench_personalized_eval.py", ["--clients", "0"], "argument --clients: must be at least 1"),
+    ("bench_personalized_eval.py", ["--max-rows", "0"], "argument --max-rows: must be at least 1"),
     ("bench_serial_threshold.py", ["--max-mib", "0"], "argument --max-mib: must be at least 1"),
     ("bench_sgld.py", ["--max-elements", "0"], "argument --max-elements: must be at least 1"),
     ("compare_strategies.py", ["--seeds", "0,x"], "argument --seeds: expected comma-separated"),

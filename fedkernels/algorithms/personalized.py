@@ -61,6 +61,7 @@ from fedkernels.sim.config import ClientConfig, ConfigError
 from fedkernels.sim.metrics import calibration_errors, distribution_summary
 from fedkernels.sim.server import Server
 from fedkernels.sim.strategy import RoundInfo, SetupInfo
+from fedkernels.sim.vmap import eval_batchable, stacked_eval
 
 from .fedavg import FedAvg
 from .registry import register
@@ -263,22 +264,61 @@ class PersonalizedStrategy(FedAvg):
         rng = seeding.numpy_rng(self.seed, SECOND_PHASE, round_index, client_id)
         return phase_plan(self.client, epochs, data.num_train, rng)
 
+    # Evaluation runs up to ``eval_chunk`` clients' personalized models in one vmapped forward
+    # (fedkernels.sim.vmap.stacked_eval) instead of a load_state_dict and a forward per client;
+    # ``eval_chunk_rows`` bounds the padded test rows of a chunk (memory). A subclass whose
+    # personal_state must run in client order, or whose model vmap cannot run, sets
+    # ``batched_eval = False``.
+    batched_eval: ClassVar[bool] = True
+    eval_chunk: ClassVar[int] = 64
+    eval_chunk_rows: ClassVar[int] = 1 << 16
+
     @torch.no_grad()
     def personalized_logits(
         self, global_state: Mapping[str, Tensor], clients: list[Any]
     ) -> list[Tensor | None]:
         """Each client's personalized model's logits on its own test split (None for a client
-        without test samples)."""
+        without test samples). Clients are batched in chunks of similar test sizes (so
+        :meth:`personal_state` is called in that order); a model or states the batched path
+        cannot take fall back to one client at a time, with the same results up to float
+        rounding."""
         model = self.eval_model()
-        out: list[Tensor | None] = []
-        for k, c in enumerate(clients):
-            if len(c.test_y) == 0:
-                out.append(None)
-                continue
-            model.load_state_dict(self.personal_state(k, global_state, c))
-            model.eval()
-            out.append(model(c.test_x))
+        model.eval()
+        out: list[Tensor | None] = [None] * len(clients)
+        ids = [k for k, c in enumerate(clients) if len(c.test_y)]
+        if not (self.batched_eval and getattr(self, "_eval_batchable", True)
+                and eval_batchable(model)):
+            for k in ids:
+                out[k] = self._sequential_logits(model, self.personal_state(k, global_state, clients[k]),
+                                                 clients[k].test_x)
+            return out
+        ids.sort(key=lambda k: len(clients[k].test_y))
+        start = 0
+        while start < len(ids):
+            end = start + 1  # sizes ascend: the chunk's padded rows are (end - start) * the last
+            while (end < len(ids) and end - start < self.eval_chunk
+                   and (end + 1 - start) * len(clients[ids[end]].test_y) <= self.eval_chunk_rows):
+                end += 1
+            chunk = ids[start:end]
+            states = [self.personal_state(k, global_state, clients[k]) for k in chunk]
+            inputs = [clients[k].test_x for k in chunk]
+            try:
+                logits = stacked_eval(model, states, inputs)
+            except RuntimeError:  # an op vmap has no rule for: this model stays sequential
+                self._eval_batchable = False
+                logits = None
+            if logits is None:
+                logits = [self._sequential_logits(model, s, x) for s, x in zip(states, inputs)]
+            for k, z in zip(chunk, logits):
+                out[k] = z
+            start = end
         return out
+
+    @staticmethod
+    def _sequential_logits(model: nn.Module, state: Mapping[str, Tensor], x: Tensor) -> Tensor:
+        model.load_state_dict(state)
+        model.eval()
+        return model(x)
 
     def eval_model(self) -> nn.Module:
         if not hasattr(self, "_eval_model"):

@@ -53,6 +53,44 @@ def check_batchable(model: nn.Module) -> None:
             )
 
 
+def eval_batchable(model: nn.Module) -> bool:
+    """Whether :func:`stacked_eval` may run ``model``: its eval-mode forward must treat every
+    row on its own (BatchNorm does, with its running statistics) and keep no state outside
+    the ``state_dict`` (spectral norm's power iteration vectors are not worth the risk)."""
+    return not any(isinstance(m, _SpectralNorm) for m in model.modules())
+
+
+def stacked_eval(
+    model: nn.Module, states: list[dict[str, Tensor]], inputs: list[Tensor]
+) -> list[Tensor] | None:
+    """``model`` (in eval mode, no gradients) run with ``states[k]`` on ``inputs[k]`` for every
+    k, as one ``vmap(functional_call)`` over the states stacked along a new first dimension and
+    the inputs zero padded to the longest; returns each input's output rows, or ``None`` when
+    the states do not match the model's ``state_dict`` entry for entry (keys, shapes, dtypes,
+    devices), so the caller's ``load_state_dict`` path can report or cast as it would.
+
+    An entry that is the same tensor in every state (a shared body, the buffers) is passed
+    once, unstacked."""
+    reference = model.state_dict()
+    first = states[0]
+    if set(first) != set(reference):
+        return None
+    for n, ref in reference.items():
+        for s in states:
+            t = s[n]
+            if t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                return None
+    shared = {n: t for n, t in first.items() if all(s[n] is t for s in states)}
+    stacked = {n: torch.stack([s[n] for s in states]) for n in first if n not in shared}
+    x = _stack_rows(inputs)
+
+    def forward(p: dict[str, Tensor], rows: Tensor) -> Tensor:
+        return functional_call(model, (p, shared), (rows,))
+
+    out = vmap(forward)(stacked, x)
+    return [out[k, : t.shape[0]] for k, t in enumerate(inputs)]
+
+
 class BatchedTrainer:
     """Trains a list of clients with one vmapped step per local step (module docstring)."""
 
