@@ -59,7 +59,7 @@ def test_seed_statistics_skip_undefined_values():
     mean, std = seed_statistics([{"a": 0.2, "b": None, "c": None}, {"a": 0.4, "b": 0.5,
                                                                       "c": None}])
     assert mean["a"] == pytest.approx(0.3) and std["a"] == pytest.approx(0.1)
-    assert (mean["b"], std["b"]) == (0.5, 0.0)
+    assert (mean["b"], std["b"]) == (0.5, None)  # one value: no spread
     assert mean["c"] is None and std["c"] is None
 
 
