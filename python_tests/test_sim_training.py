@@ -21,8 +21,9 @@ from fedkernels.sim import (
     ServerConfig,
     Simulation,
     Strategy,
+    seeding,
 )
-from fedkernels.sim.client import batch_plan
+from fedkernels.sim.client import batch_indices, batch_plan, plan_indices
 from fedkernels.sim.metrics import evaluate_clients
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest.py
@@ -242,3 +243,30 @@ def test_batch_plan():
     assert [len(b) for b in merged] == [10, 11]  # a trailing single row joins the batch before
     steps = batch_plan(5, ClientConfig(steps=4, batch_size=3), rng)
     assert [len(b) for b in steps] == [3] * 4
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 21, 23, 32, 33, 40, 64, 65])
+@pytest.mark.parametrize("config", [ClientConfig(epochs=1, batch_size=32),
+                                    ClientConfig(epochs=3, batch_size=10),
+                                    ClientConfig(epochs=2, batch_size=1),
+                                    ClientConfig(steps=4, batch_size=3)])
+def test_plan_indices_are_the_batch_plan(n, config):
+    # the trainer's shortcut draws the same permutations and cuts the same batches
+    if n == 0 and config.steps is not None:
+        pytest.skip("step mode needs rows")
+    cpu = torch.device("cpu")
+    expected = batch_indices(batch_plan(n, config, np.random.default_rng(n)), cpu)
+    got = plan_indices(n, config, np.random.default_rng(n), cpu)
+    assert [b.tolist() for b in got] == [b.tolist() for b in expected]
+    assert all(b.dtype == torch.int64 for b in got)
+
+
+def test_torch_stream_restores_the_callers_generator():
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    with seeding.torch_stream(7, seeding.LOCAL_TRAINING, 1, 2):
+        first = torch.rand(3)
+    with pytest.raises(RuntimeError), seeding.torch_stream(7, seeding.LOCAL_TRAINING, 1, 2):
+        assert torch.equal(torch.rand(3), first)
+        raise RuntimeError
+    assert torch.equal(torch.get_rng_state(), before)

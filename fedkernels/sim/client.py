@@ -67,6 +67,27 @@ def batch_plan(
     return np.split(order, config.steps)
 
 
+def plan_indices(
+    num_samples: int, config: ClientConfig, rng: np.random.Generator, device: torch.device
+) -> list[Tensor]:
+    """``batch_indices(batch_plan(num_samples, config, rng), device)``, the same draws and
+    rows, built from the whole order at once instead of from cut and rejoined pieces."""
+    b = config.batch_size
+    if config.steps is not None:
+        return batch_indices(batch_plan(num_samples, config, rng), device)
+    sizes = []
+    for _ in range(config.epochs):
+        cut = [b] * (num_samples // b) + ([num_samples % b] if num_samples % b else [])
+        if len(cut) > 1 and cut[-1] == 1:
+            cut[-2:] = [cut[-2] + 1]
+        sizes += cut
+    if not sizes:
+        return []
+    orders = [rng.permutation(num_samples) for _ in range(config.epochs)]
+    flat = torch.from_numpy(orders[0] if len(orders) == 1 else np.concatenate(orders))
+    return list(flat.to(device).split(sizes))
+
+
 def batch_indices(plan: list[np.ndarray], device: torch.device) -> list[Tensor]:
     """The plan's minibatches as int64 index tensors on ``device``, copied there in one piece
     (one host-to-device copy per client and round instead of one per minibatch)."""
@@ -120,6 +141,10 @@ class LocalTrainer:
             weight_decay=config.weight_decay,
         )
         self.uses_penalty = type(strategy).local_penalty is not Strategy.local_penalty
+        self.transforms_loss = (type(strategy).transform_local_loss
+                                is not Strategy.transform_local_loss)
+        self.modules = list(self.model.modules())
+        self.param_list = list(self.params.values())
         self.augment = build_augmentation(
             config.augment, image_shape or getattr(model, "image_shape", None)
         )
@@ -133,32 +158,44 @@ class LocalTrainer:
         where ``data`` must be."""
         model, config, optimizer = self.model, self.config, self.optimizer
         self._load(global_state)
-        model.train()
-        global_params = {n: global_state[n] for n in self.parameter_names}
+        if not all(m.training for m in self.modules):
+            model.train()
+        global_params = ({n: global_state[n] for n in self.parameter_names}
+                         if self.uses_penalty else None)
         optimizer.state.clear()  # no momentum carried from the previous client
         optimizer.param_groups[0]["lr"] = local_lr(config, round_index)
-        plan = batch_plan(
+        batches = plan_indices(
             data.num_train,
             config,
             seeding.numpy_rng(self.seed, seeding.BATCHES, round_index, client_id),
+            self.device,
         )
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        # float64 sums of the float32 losses in batch order: a Python float on the CPU (the
+        # same IEEE additions as a float64 tensor, without a tensor op per batch)
+        on_cpu = self.device.type == "cpu"
+        loss_sum = 0.0 if on_cpu else torch.zeros((), dtype=torch.float64, device=self.device)
+        params = self.param_list
         with seeding.torch_stream(self.seed, seeding.LOCAL_TRAINING, round_index, client_id,
                                   device=self.device):
-            for index in batch_indices(plan, self.device):
+            for index in batches:
                 x = data.train_x[index]
                 if self.augment is not None:
                     x = self.augment(x)
                 loss = F.cross_entropy(model(x), data.train_y[index])
                 penalty = (self.strategy.local_penalty(self.params, global_params)
                            if self.uses_penalty else None)
-                optimizer.zero_grad(set_to_none=True)
-                objective = self.strategy.transform_local_loss(loss)
+                for p in params:  # optimizer.zero_grad(set_to_none=True) without its wrappers
+                    p.grad = None
+                objective = (self.strategy.transform_local_loss(loss) if self.transforms_loss
+                             else loss)
                 (objective if penalty is None else objective + penalty).backward()
                 optimizer.step()
-                loss_sum += loss.detach()
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        return ClientUpdate(state, float(loss_sum) / len(plan))
+                if on_cpu:
+                    loss_sum += loss.item()
+                else:
+                    loss_sum += loss.detach()
+        state = dict(zip(self.state_keys, [v.detach().clone() for v in self.state_targets]))
+        return ClientUpdate(state, float(loss_sum) / len(batches))
 
     def _load(self, global_state: dict[str, Tensor]) -> None:
         """``load_state_dict`` for the layout this trainer was built with: one foreach copy

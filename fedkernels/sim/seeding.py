@@ -60,7 +60,18 @@ def torch_stream(seed: int, stream: int, *keys: int,
     """Runs the block with torch's CPU generator seeded for one stream, and with a CUDA
     ``device`` that device's default generator too (same seed), then restores the caller's
     generator states (so a simulation leaves the user's torch RNG untouched)."""
-    cuda = [] if device is None or device.type != "cuda" else [device]
+    if device is None or device.type != "cuda":
+        # the CPU generator alone, saved and restored by hand: fork_rng's checks cost more
+        # than the seeding itself, once per client and round
+        cpu = torch.default_generator
+        saved = cpu.get_state()
+        cpu.manual_seed(torch_seed(seed, stream, *keys))
+        try:
+            yield
+        finally:
+            cpu.set_state(saved)
+        return
+    cuda = [device]
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         # Only these generators: torch.manual_seed would also queue seeds for every
         # accelerator backend, a cost paid on every call.
