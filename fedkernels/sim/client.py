@@ -75,12 +75,7 @@ def plan_indices(
     b = config.batch_size
     if config.steps is not None:
         return batch_indices(batch_plan(num_samples, config, rng), device)
-    sizes = []
-    for _ in range(config.epochs):
-        cut = [b] * (num_samples // b) + ([num_samples % b] if num_samples % b else [])
-        if len(cut) > 1 and cut[-1] == 1:
-            cut[-2:] = [cut[-2] + 1]
-        sizes += cut
+    sizes = _cut_sizes(num_samples, b) * config.epochs
     if not sizes:
         return []
     orders = [rng.permutation(num_samples) for _ in range(config.epochs)]
@@ -97,11 +92,18 @@ def batch_indices(plan: list[np.ndarray], device: torch.device) -> list[Tensor]:
     return list(flat.split([len(rows) for rows in plan]))
 
 
+def _cut_sizes(n: int, size: int) -> list[int]:
+    """Batch sizes of one pass over ``n`` rows: ``size`` each, the last smaller, and a trailing
+    batch of one row merged into the one before it."""
+    sizes = [size] * (n // size) + ([n % size] if n % size else [])
+    if len(sizes) > 1 and sizes[-1] == 1:
+        sizes[-2:] = [sizes[-2] + 1]
+    return sizes
+
+
 def _cut(order: np.ndarray, size: int) -> list[np.ndarray]:
-    pieces = [order[i : i + size] for i in range(0, len(order), size)]
-    if len(pieces) > 1 and len(pieces[-1]) == 1:
-        pieces[-2:] = [np.concatenate(pieces[-2:])]
-    return pieces
+    sizes = _cut_sizes(len(order), size)
+    return np.split(order, np.cumsum(sizes)[:-1]) if sizes else []
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
