@@ -63,6 +63,8 @@ def main() -> None:
             loss, accuracy = evaluate(global_model, x_test, y_test)
             print(f"round {server_round}: test accuracy {accuracy:.3f}, loss {loss:.3f}, "
                   f"{time.perf_counter() - start:.2f} s", flush=True)
+    # Leave together: gloo's teardown can abort a rank whose peer is still evaluating
+    dist.barrier()
     dist.destroy_process_group()
 
 
