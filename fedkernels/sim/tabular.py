@@ -145,6 +145,8 @@ def canonical_column(column: pd.Series) -> list[str]:
     return [spelled[text] for text in column]
 
 
+# The order of labels, clients and levels (not LabelEncoder's or OneHotEncoder's own, which
+# sort text: 10 before 9), exact for numbers.
 def _sort_key(value: str) -> tuple:
     number = exact_number(value)
     return (0, number, "") if number is not None else (1, 0, value)
@@ -390,9 +392,10 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
     import pandas as pd
 
-    # Tokenised by the csv module in strict mode, not pandas.read_csv: its C engine reads a
-    # row with an unclosed quote into the next one without a word, and its python engine (this
-    # same module) gives neither the row of a quoting error nor the fields of a padded row.
+    # Tokenised by the csv module in strict mode, not pandas.read_csv: its C engine reads an
+    # unclosed quote into the next row without a word and pads a short row with empty fields;
+    # its python engine names no row for a quoting error, and with the on_bad_lines callable
+    # that a spreadsheet's padded rows need, it drops a malformed row silently.
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
     reader = csv.reader(io.StringIO(_read_text(path, encoding), newline=""), strict=True,
                         skipinitialspace=True, delimiter=separator)
