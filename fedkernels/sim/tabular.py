@@ -34,6 +34,7 @@ import math
 import numbers
 import re
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -175,11 +176,15 @@ def locale_number(text: str) -> str | None:
 def _locale_hint(texts: Sequence[str]) -> str:
     """A note for a text column most of whose values look like numbers written with
     thousands separators, decimal commas or a % sign (empty otherwise)."""
-    kinds = [locale_number(t) for t in texts]
-    found = [(k, t) for k, t in zip(kinds, texts) if k is not None]
-    if len(found) * 2 <= len(texts):
+    # each distinct spelling once (in order of first appearance, for the example), with how
+    # often it occurs: a column has far fewer levels than rows
+    spellings = Counter(texts)
+    found = [(k, t) for t in spellings if (k := locale_number(t)) is not None]
+    if sum(spellings[t] for _, t in found) * 2 <= len(texts):
         return ""
-    counts = {k: [k for k, _ in found].count(k) for k, _ in found}
+    counts = Counter()
+    for k, t in found:
+        counts[k] += spellings[t]
     kind = max(sorted(counts), key=counts.get)
     # 1,250 reads as thousands or as a decimal comma; beside 7,5 or 0,125, whose comma can only
     # be a decimal one, it is a decimal comma too when that reading makes every value a number
