@@ -295,6 +295,16 @@ def test_categorical_and_ignored_columns(tmp_path):
     fails(path, "no feature columns", ignore_columns=["id", "cp", "age"])
 
 
+def test_numeric_levels_sort_by_value(tmp_path):
+    """Levels that are numbers come in numeric order (9 before 10, exact for long ones), as
+    labels do; scikit-learn's own category order would sort them as text."""
+    rows = ["9", "10", "2", "9007199254740993", "9007199254740992", "b", "10.0"]
+    text = "code,label\n" + "".join(f"{v},{i % 2}\n" for i, v in enumerate(rows))
+    d = load_csv(write(tmp_path, text), client_column=None, categorical_columns=["code"])
+    assert d.info["features"]["one_hot"]["code"]["levels"] == [
+        "2", "9", "10", "9007199254740992", "9007199254740993", "b"]
+
+
 def test_empty_column_is_dropped_and_reported(tmp_path):
     d = load_csv(write(tmp_path, "a,empty,label\n1,,0\n2,?,1\n"), client_column=None)
     assert d.info["features"]["dropped"] == {"empty": "no value in any row"}

@@ -34,6 +34,7 @@ import math
 import numbers
 import re
 import warnings
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
@@ -145,6 +146,8 @@ def canonical_column(column: pd.Series) -> list[str]:
     return [spelled[text] for text in column]
 
 
+# The order of labels, clients and levels (not LabelEncoder's or OneHotEncoder's own, which
+# sort text: 10 before 9), exact for numbers.
 def _sort_key(value: str) -> tuple:
     number = exact_number(value)
     return (0, number, "") if number is not None else (1, 0, value)
@@ -173,11 +176,15 @@ def locale_number(text: str) -> str | None:
 def _locale_hint(texts: Sequence[str]) -> str:
     """A note for a text column most of whose values look like numbers written with
     thousands separators, decimal commas or a % sign (empty otherwise)."""
-    kinds = [locale_number(t) for t in texts]
-    found = [(k, t) for k, t in zip(kinds, texts) if k is not None]
-    if len(found) * 2 <= len(texts):
+    # each distinct spelling once (in order of first appearance, for the example), with how
+    # often it occurs: a column has far fewer levels than rows
+    spellings = Counter(texts)
+    found = [(k, t) for t in spellings if (k := locale_number(t)) is not None]
+    if sum(spellings[t] for _, t in found) * 2 <= len(texts):
         return ""
-    counts = {k: [k for k, _ in found].count(k) for k, _ in found}
+    counts = Counter()
+    for k, t in found:
+        counts[k] += spellings[t]
     kind = max(sorted(counts), key=counts.get)
     # 1,250 reads as thousands or as a decimal comma; beside 7,5 or 0,125, whose comma can only
     # be a decimal one, it is a decimal comma too when that reading makes every value a number
@@ -390,9 +397,10 @@ def read_table(path: str | Path, delimiter: str | None = None, decimal: str = ".
         raise ConfigError(f"data.decimal must be '.' or ',', got {decimal!r}")
     import pandas as pd
 
-    # Tokenised by the csv module in strict mode, not pandas.read_csv: its C engine reads a
-    # row with an unclosed quote into the next one without a word, and its python engine (this
-    # same module) gives neither the row of a quoting error nor the fields of a padded row.
+    # Tokenised by the csv module in strict mode, not pandas.read_csv: its C engine reads an
+    # unclosed quote into the next row without a word and pads a short row with empty fields;
+    # its python engine names no row for a quoting error, and with the on_bad_lines callable
+    # that a spreadsheet's padded rows need, it drops a malformed row silently.
     # skipinitialspace: a quoted field after ", " is still quoted (spaces around fields go)
     reader = csv.reader(io.StringIO(_read_text(path, encoding), newline=""), strict=True,
                         skipinitialspace=True, delimiter=separator)
