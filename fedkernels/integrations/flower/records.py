@@ -4,9 +4,11 @@ the state_dict conversions. Shared by every strategy of :mod:`fedkernels.integra
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import math
+import platform
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -112,6 +114,69 @@ def ndarray_to_array(a: np.ndarray) -> Array:
     data = b"".join((header.getvalue(), memoryview(a.reshape(-1).view(np.uint8))))
     return Array(dtype=str(a.dtype), shape=tuple(int(s) for s in a.shape),
                  stype=_NUMPY_STYPE, data=data)
+
+
+def _bytes_allocator():
+    """CPython's ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object of n bytes, not yet
+    written. The C API lets its creator fill such an object before anyone else sees it, which
+    is how the result is written where the outgoing ``Array`` keeps it (no copy into a second
+    buffer). None on other interpreters: the caller then copies, as before."""
+    if platform.python_implementation() != "CPython":
+        return None
+    try:
+        make = ctypes.pythonapi.PyBytes_FromStringAndSize
+    except AttributeError:  # pragma: no cover - a CPython without the symbol exported
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    return make
+
+
+_NEW_BYTES = _bytes_allocator()
+
+
+@functools.lru_cache(maxsize=4096)
+def _npy_header(dtype_str: str, shape: tuple[int, ...]) -> bytes | None:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array of this dtype and shape
+    (format 1.0), or None where format 1.0 cannot hold it."""
+    fields = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype_str)),
+              "fortran_order": False, "shape": shape}
+    stream = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(stream, fields)
+    except ValueError:
+        return None
+    return stream.getvalue()
+
+
+def array_with_buffer(dtype: np.dtype, shape: Sequence[int]) -> tuple[Array, Tensor] | None:
+    """A NumPy-serialized ``Array`` of ``dtype`` and ``shape`` whose values are not written
+    yet, and a writable CPU tensor over them (its own fresh bytes, aliasing nothing else).
+    The caller must write every value before handing the ``Array`` on; the ``Array`` then
+    equals ``Array(ndarray)`` of those values. None where this cannot be done (another
+    interpreter, an empty array, a dtype torch lacks): the caller copies as before."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    count = math.prod(shape)
+    if _NEW_BYTES is None or count == 0 or dtype not in FUSED_FLOAT_DTYPES \
+            or not dtype.isnative:
+        return None
+    header = _npy_header(dtype.str, shape)
+    if header is None:
+        return None
+    nbytes = count * dtype.itemsize
+    data = _NEW_BYTES(None, len(header) + nbytes)
+    with warnings.catch_warnings():  # the buffer is a new bytes object only this code sees
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    raw[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    values = raw[len(header):].view(_TORCH_DTYPES[dtype]).view(shape)
+    array = Array(dtype=str(dtype), shape=shape, stype=_NUMPY_STYPE, data=data)
+    return array, values
+
+
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                 np.dtype(np.float64): torch.float64}
 
 
 def arrayrecord_to_state_dict(record: ArrayRecord, *, copy: bool = False) -> StateDict:
