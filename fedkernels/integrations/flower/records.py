@@ -69,34 +69,40 @@ def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
     been checked to say the same (C order, that descr, that shape): no header parsing
     (``np.lib.format`` evaluates it as a Python literal, slow next to a small array's copy).
     None where anything differs; the caller then parses the header."""
-    if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
-        return None
-    start = 10 if data[6] == 1 else 12
-    end = start + int.from_bytes(data[8:start], "little")
     try:
         expected = _expected_header(array.dtype, array.shape)
     except (TypeError, ValueError):
         return None
     if expected is None:
         return None
-    dtype, shape, count, (order, descr, dims) = expected
-    if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
-            or data.find(dims, start, end) < 0 or end + count * dtype.itemsize > len(data):
+    dtype, shape, count, (order, descr, dims), saved = expected
+    if saved is not None and data.startswith(saved):  # np.save's own header, byte for byte
+        end = len(saved)
+    else:
+        if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
+            return None
+        start = 10 if data[6] == 1 else 12
+        end = start + int.from_bytes(data[8:start], "little")
+        if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
+                or data.find(dims, start, end) < 0:
+            return None
+    if end + count * dtype.itemsize > len(data):
         return None
-    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
+    return np.ndarray(shape, dtype=dtype, buffer=data, offset=end)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expected_header(dtype_name: str, shape: tuple[int, ...]):
-    """What the ``.npy`` header of a C-ordered array of this dtype and shape says (cached:
-    a model has few distinct layer shapes, its replies many arrays)."""
+    """What the ``.npy`` header of a C-ordered array of this dtype and shape says, and the
+    header ``np.save`` writes for it, which most replies carry byte for byte (cached: a model
+    has few distinct layer shapes, its replies many arrays)."""
     dtype = np.dtype(dtype_name)
     shape = tuple(int(s) for s in shape)
     if dtype.hasobject:
         return None
     markers = (b"'fortran_order': False", f"'descr': {dtype.str!r}".encode(),
                f"'shape': {shape!r}".encode())
-    return dtype, shape, math.prod(shape), markers
+    return dtype, shape, math.prod(shape), markers, _npy_header(dtype.str, shape)
 
 
 def ndarray_to_array(a: np.ndarray) -> Array:
@@ -216,10 +222,13 @@ def as_tensors(arrays: Sequence[np.ndarray], dtypes: Iterable[np.dtype]) -> list
         for a, dtype in zip(arrays, dtypes):
             if a.dtype != dtype:
                 a = a.astype(dtype)
-            if a.dtype.isnative and all(s >= 0 for s in a.strides):
-                out.append(torch.from_numpy(a))
-            else:
-                out.append(ndarrays_to_tensors([a])[0])
+            if a.dtype.isnative:
+                try:
+                    out.append(torch.from_numpy(a))
+                    continue
+                except ValueError:  # negative strides, which torch cannot view
+                    pass
+            out.append(ndarrays_to_tensors([a])[0])
     return out
 
 
