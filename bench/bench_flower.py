@@ -47,7 +47,8 @@ from harness.model_shapes import resnet18_shapes
 from harness.probes import bandwidth_probes
 from harness.results import RESULTS_DIR
 
-STRATEGIES = ("FedAvg", "FedAdam", "QFedAvg")
+STRATEGIES = ("FedAvg", "FedAdam", "FedYogi", "FedAdagrad", "QFedAvg")
+FEDOPT = ("FedAdam", "FedYogi", "FedAdagrad")
 
 
 MODELS = {
@@ -108,7 +109,7 @@ def make_strategy(impl: str, name: str, global_record):
         from fedkernels.integrations import flower as module
     strategy = module.QFedAvg(client_learning_rate=0.1) if name == "QFedAvg" else \
         getattr(module, name)()
-    if name == "FedAdam":
+    if name in FEDOPT:
         strategy.current_arrays = {k: v.numpy() for k, v in global_record.items()}
     elif name == "QFedAvg":
         strategy.current_arrays = global_record.copy()

@@ -372,10 +372,12 @@ def flower_block(root: Path, name: str) -> str:
     rows = [[r["model"], str(r["K"]), str(r["distinct_clients"]), r["strategy"],
              sig(r["flower_s"] * 1e3), sig(r["fedkernels_s"] * 1e3), ratio(r["speedup"]),
              sig(r["flower_peak_MB"]), sig(r["fedkernels_peak_MB"]),
-             f"{r['environment']['probe']['read_GBps']:.1f}", r["environment"]["date"][:10]]
+             f"{r['environment']['probe']['read_GBps']:.1f}",
+             f"{100 * r['fedkernels_read_probe_fraction']:.0f} %", r["environment"]["date"][:10]]
             for r in data["rows"]]
     header = ["model", "K", "distinct replies", "strategy", "Flower ms", "fedkernels ms",
-              "speed-up", "Flower peak MB", "fedkernels peak MB", "read probe GB/s", "date"]
+              "speed-up", "Flower peak MB", "fedkernels peak MB", "read probe GB/s",
+              "fedkernels % of read probe", "date"]
     env = data["environment"]
     return source_line(name, None, env) + "\n\n" + table(header, rows)
 
@@ -559,6 +561,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "flower-robust/amd-epyc-avx512-krum-ties": lambda r: flower_robust_block(
         r, "robust-krum-ties-cpu-amd-epyc-avx512.json"),
     "flower/amd-epyc-avx2": lambda r: flower_block(r, "flower-cpu-amd-epyc-avx2.json"),
+    "flower/intel-xeon-avx512": lambda r: flower_block(
+        r, "flower-cpu-intel-r-xeon-r-processor-avx512.json"),
     "nvflare/amd-epyc-avx2": lambda r: framework_block(r, "nvflare-cpu-amd-epyc-avx2.json",
                                                        "nvflare", "NVFlare"),
     "fedlab/amd-epyc-avx2": lambda r: framework_block(r, "fedlab-cpu-amd-epyc-avx2.json",

@@ -9,9 +9,10 @@ arithmetic of ``aggregate_train``: the weighted sum over the K replies is one fu
 ``np.load`` copy, multiply and add. Constructor arguments, public attributes
 (``current_arrays``, ``m_t``, ``v_t``, ``momentum_vector``, ``server_opt``, ...), attributes
 changed after construction, output dtypes, exceptions (``AggregationError``,
-``InconsistentMessageReplies``, ``ZeroDivisionError``) and side effects are Flower's; the
-server-optimizer step after the mean is Flower's formula on NumPy arrays. Replace the import
-and nothing else::
+``InconsistentMessageReplies``, ``ZeroDivisionError``) and side effects are Flower's. The
+result is written straight into the bytes of the outgoing ``Array`` objects (no copy of it into
+a second buffer); FedAdam, FedYogi and FedAdagrad run Flower's moment updates and step chunk by
+chunk in one pass, with Flower's output dtypes. Replace the import and nothing else::
 
     from fedkernels.integrations.flower import FedAdam   # was: from flwr.serverapp.strategy
 
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.serverapp import strategy as _flwr
 from flwr.serverapp.exception import AggregationError
 from flwr.serverapp.strategy.qfedavg import get_train_loss as _flwr_train_loss
@@ -47,6 +48,8 @@ from torch import Tensor
 from fedkernels.aggregate import aggregate
 from fedkernels.integrations.flower.records import (
     FUSED_FLOAT_DTYPES,
+    array_with_buffer,
+    as_tensors,
     ndarray_to_array,
     ndarray_view,
     to_arrayrecord,
@@ -69,8 +72,9 @@ __all__ = ["FedAdagrad", "FedAdam", "FedAvg", "FedAvgM", "FedProx", "FedYogi", "
 # the O(K·P) part of aggregate_train, the weighted sum over the K replies, by the fused op.
 # Everything else is Flower's: constructor, attributes (current_arrays, m_t, v_t,
 # momentum_vector, server_opt, ...), configure_train/evaluate, start(), exceptions, and the
-# O(P) server-optimizer formulas, which run as Flower writes them (NumPy on the averaged
-# arrays) so that output dtypes and odd cases (0-d arrays, mixed dtypes, broadcasting) match.
+# O(P) server-optimizer formulas: the FedOpt family runs them chunk by chunk where NumPy's
+# dtypes allow, and as Flower writes them (NumPy on the averaged arrays) elsewhere, so that
+# output dtypes and odd cases (0-d arrays, mixed dtypes, broadcasting) match.
 # Hyperparameters are read from the instance at every aggregation, as Flower does.
 
 
@@ -81,10 +85,11 @@ class _FusedAggregation:
     check_finite: bool = False
 
     def _fused_mean(self, replies: Iterable[Message], base: Mapping[str, np.ndarray] | None
-                    = None) -> tuple[list[Any] | None, dict[str, np.ndarray] | None, set[str]]:
+                    = None, as_arrays: bool = False
+                    ) -> tuple[list[Any] | None, dict[str, Any] | None, set[str]]:
         """Flower's reply checks and weights, then :func:`fused_weighted_mean`. Returns the
-        valid replies' contents (None if there are none), the means and the resolved
-        integer entries."""
+        valid replies' contents (None if there are none), the means (ndarrays, or Flower
+        Arrays with ``as_arrays``) and the resolved integer entries."""
         policy = check_int_policy(type(self).__name__, self.int_policy)
         valid, _ = self._check_and_log_replies(replies, is_train=True)
         if not valid:
@@ -93,7 +98,8 @@ class _FusedAggregation:
         factors = weights_from_records(contents, self.weighted_by_key)
         records = [next(iter(c.array_records.values())) for c in contents]
         means, resolved = fused_weighted_mean(records, factors, int_policy=policy,
-                                              check_finite=bool(self.check_finite), base=base)
+                                              check_finite=bool(self.check_finite), base=base,
+                                              as_arrays=as_arrays)
         return contents, means, resolved
 
 
@@ -134,11 +140,12 @@ class _FusedFedAvgTrain(_FusedAggregation):
     @one_call_at_a_time()
     def aggregate_train(self, server_round: int, replies: Iterable[Message]
                         ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Flower's ``FedAvg.aggregate_train`` with the fused weighted mean."""
-        contents, means, _ = self._fused_mean(replies)
+        """Flower's ``FedAvg.aggregate_train`` with the fused weighted mean, written straight
+        into the outgoing record's bytes."""
+        contents, means, _ = self._fused_mean(replies, as_arrays=True)
         if contents is None:
             return None, None
-        arrays = to_arrayrecord(means)
+        arrays = ArrayRecord(means)
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         return arrays, metrics
 
@@ -278,11 +285,16 @@ class _FusedFedOpt(_FusedAggregation):
                 if k not in moments:
                     raise KeyError(k)
         step = self._step_size(server_round)
+        scratch: dict[np.dtype, Tensor] = {}  # the chunked step's temporaries, per dtype
         m_new, v_new, arrays = {}, {}, {}
         for k, x in current.items():  # array by array: one model of temporaries at most
             mean = means.pop(k)
             if k in resolved:
                 m_new[k], v_new[k], out = m_prev[k], v_prev[k], mean
+            elif (fused := self._fused_step(x, mean, m_prev[k], v_prev[k], step, scratch)
+                  ) is not None:
+                m_new[k], v_new[k], arrays[k] = fused
+                continue
             else:
                 delta = mean - x
                 m_new[k] = self.beta_1 * m_prev[k] + (1 - self.beta_1) * delta
@@ -296,6 +308,79 @@ class _FusedFedOpt(_FusedAggregation):
         return record, metrics
 
 
+    def _second_moment_chunk(self, v: Tensor, delta: Tensor, out: Tensor, tmp: Tensor,
+                             tmp2: Tensor) -> None:
+        """:meth:`_second_moment` on one chunk of tensors, into ``out`` (``tmp`` and ``tmp2``
+        are scratch of the chunk's size)."""
+        raise NotImplementedError
+
+    def _fused_step(self, x: np.ndarray, mean: np.ndarray, m: np.ndarray, v: np.ndarray,
+                    step: Any, scratch: dict[np.dtype, Tensor]
+                    ) -> tuple[np.ndarray, np.ndarray, Array] | None:
+        """Flower's moment updates and step for one array in one pass over memory: the
+        formulas run on cache-sized chunks (each chunk's delta, moments and step while it is
+        in cache, temporaries in ``scratch``), the new point written straight into the
+        outgoing ``Array``'s bytes and the new second moment into the mean's memory. None
+        where this would not give Flower's dtypes (the caller then runs Flower's NumPy
+        formulas). Values equal Flower's to rounding (the step divides before it scales)."""
+        if x.ndim == 0 or x.size == 0 or x.dtype not in _STEP_DTYPES:
+            return None
+        if any(a.shape != x.shape or a.dtype != x.dtype for a in (mean, m, v)):
+            return None
+        params = (self.beta_1, self.tau) + self._moment_params()
+        if not all(type(p) in (float, int) for p in params) \
+                or not isinstance(step, (float, int, np.floating)):
+            return None
+        # Flower's formulas on empty slices: the dtypes NumPy gives its results.
+        ex, emean, em, ev = (a.reshape(-1)[:0] for a in (x, mean, m, v))
+        d0 = emean - ex
+        m0 = self.beta_1 * em + (1 - self.beta_1) * d0
+        v0 = self._second_moment(ev, d0)
+        o0 = ex + step * m0 / (np.sqrt(v0) + self.tau)
+        if m0.dtype != x.dtype or v0.dtype != x.dtype or o0.dtype not in _STEP_DTYPES:
+            return None
+        # The mean is this call's own result: the new second moment may take its place.
+        reuse = mean.flags.writeable and mean.flags.c_contiguous and not any(
+            np.may_share_memory(mean, a) for a in (x, m, v))
+        m_out = np.empty(x.shape, x.dtype)
+        v_out = mean if reuse else np.empty(x.shape, x.dtype)
+        target = array_with_buffer(o0.dtype, x.shape)
+        if target is None:
+            point = np.empty(x.shape, o0.dtype)
+            t_out = torch.from_numpy(point).reshape(-1)
+        else:
+            t_out = target[1].reshape(-1)
+        tx, tmean, tm, tv = (t.reshape(-1) for t in as_tensors([x, mean, m, v], [x.dtype] * 4))
+        t_m, t_v = torch.from_numpy(m_out).reshape(-1), torch.from_numpy(v_out).reshape(-1)
+        if x.dtype not in scratch:  # pages are touched only as far as chunks reach
+            scratch[x.dtype] = torch.empty(3, _STEP_CHUNK, dtype=tx.dtype)
+        work = scratch[x.dtype]
+        beta_1, tau, step = float(self.beta_1), float(self.tau), float(step)
+        for start in range(0, x.size, _STEP_CHUNK):
+            part = slice(start, start + _STEP_CHUNK)
+            n = min(_STEP_CHUNK, x.size - start)
+            delta, tmp, tmp2 = work[0, :n], work[1, :n], work[2, :n]
+            torch.sub(tmean[part], tx[part], out=delta)  # before the mean's memory is reused
+            mc, vc = t_m[part], t_v[part]
+            torch.mul(tm[part], beta_1, out=mc).add_(torch.mul(delta, 1 - beta_1, out=tmp))
+            self._second_moment_chunk(tv[part], delta, vc, tmp, tmp2)
+            # x + step * (m / (sqrt(v) + tau)), in the output's dtype
+            quotient = torch.div(mc, torch.sqrt(vc, out=tmp2).add_(tau), out=tmp2)
+            t_out[part].copy_(tx[part]).add_(quotient, alpha=step)
+        if target is None:
+            return m_out, v_out, ndarray_to_array(point)
+        return m_out, v_out, target[0]
+
+    def _moment_params(self) -> tuple[Any, ...]:
+        return ()
+
+
+# What the chunked server step takes, and its chunk: 256 Ki values, a few MB of operands,
+# large enough that torch's per-call cost is small and its threads split each chunk.
+_STEP_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_STEP_CHUNK = 1 << 18
+
+
 @_drop_in(_flwr.FedAdam)
 class FedAdam(_FusedFedOpt, _flwr.FedAdam):
     __doc__ = (r"""Flower's ``FedAdam``: :math:`v \leftarrow \beta_2 v + (1-\beta_2)\Delta^2`
@@ -305,6 +390,13 @@ class FedAdam(_FusedFedOpt, _flwr.FedAdam):
 
     def _second_moment(self, v, delta):
         return self.beta_2 * v + (1 - self.beta_2) * (delta ** 2)
+
+    def _second_moment_chunk(self, v, delta, out, tmp, tmp2):
+        torch.mul(delta, delta, out=tmp).mul_(1 - self.beta_2)
+        torch.mul(v, self.beta_2, out=out).add_(tmp)
+
+    def _moment_params(self):
+        return (self.beta_2,)
 
     def _step_size(self, server_round):
         return (self.eta * np.sqrt(1 - np.power(self.beta_2, server_round + 1.0))
@@ -320,6 +412,14 @@ class FedYogi(_FusedFedOpt, _flwr.FedYogi):
         sq = delta ** 2
         return v - (1.0 - self.beta_2) * sq * np.sign(v - sq)
 
+    def _second_moment_chunk(self, v, delta, out, tmp, tmp2):
+        sq = torch.mul(delta, delta, out=tmp)
+        direction = torch.sub(v, sq, out=tmp2).sign_()
+        torch.sub(v, sq.mul_(1.0 - self.beta_2).mul_(direction), out=out)
+
+    def _moment_params(self):
+        return (self.beta_2,)
+
 
 @_drop_in(_flwr.FedAdagrad)
 class FedAdagrad(_FusedFedOpt, _flwr.FedAdagrad):
@@ -328,6 +428,9 @@ class FedAdagrad(_FusedFedOpt, _flwr.FedAdagrad):
 
     def _second_moment(self, v, delta):
         return v + delta ** 2
+
+    def _second_moment_chunk(self, v, delta, out, tmp, tmp2):
+        torch.add(v, torch.mul(delta, delta, out=tmp), out=out)
 
 
 @_drop_in(_flwr.QFedAvg)

@@ -4,9 +4,11 @@ the state_dict conversions. Shared by every strategy of :mod:`fedkernels.integra
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import math
+import platform
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -67,34 +69,40 @@ def _array_view_from_metadata(array: Array, data: bytes) -> np.ndarray | None:
     been checked to say the same (C order, that descr, that shape): no header parsing
     (``np.lib.format`` evaluates it as a Python literal, slow next to a small array's copy).
     None where anything differs; the caller then parses the header."""
-    if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
-        return None
-    start = 10 if data[6] == 1 else 12
-    end = start + int.from_bytes(data[8:start], "little")
     try:
         expected = _expected_header(array.dtype, array.shape)
     except (TypeError, ValueError):
         return None
     if expected is None:
         return None
-    dtype, shape, count, (order, descr, dims) = expected
-    if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
-            or data.find(dims, start, end) < 0 or end + count * dtype.itemsize > len(data):
+    dtype, shape, count, (order, descr, dims), saved = expected
+    if saved is not None and data.startswith(saved):  # np.save's own header, byte for byte
+        end = len(saved)
+    else:
+        if data[:6] != _NPY_MAGIC or len(data) < 12 or data[6] not in (1, 2, 3):
+            return None
+        start = 10 if data[6] == 1 else 12
+        end = start + int.from_bytes(data[8:start], "little")
+        if data.find(order, start, end) < 0 or data.find(descr, start, end) < 0 \
+                or data.find(dims, start, end) < 0:
+            return None
+    if end + count * dtype.itemsize > len(data):
         return None
-    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
+    return np.ndarray(shape, dtype=dtype, buffer=data, offset=end)
 
 
 @functools.lru_cache(maxsize=4096)
 def _expected_header(dtype_name: str, shape: tuple[int, ...]):
-    """What the ``.npy`` header of a C-ordered array of this dtype and shape says (cached:
-    a model has few distinct layer shapes, its replies many arrays)."""
+    """What the ``.npy`` header of a C-ordered array of this dtype and shape says, and the
+    header ``np.save`` writes for it, which most replies carry byte for byte (cached: a model
+    has few distinct layer shapes, its replies many arrays)."""
     dtype = np.dtype(dtype_name)
     shape = tuple(int(s) for s in shape)
     if dtype.hasobject:
         return None
     markers = (b"'fortran_order': False", f"'descr': {dtype.str!r}".encode(),
                f"'shape': {shape!r}".encode())
-    return dtype, shape, math.prod(shape), markers
+    return dtype, shape, math.prod(shape), markers, _npy_header(dtype.str, shape)
 
 
 def ndarray_to_array(a: np.ndarray) -> Array:
@@ -112,6 +120,69 @@ def ndarray_to_array(a: np.ndarray) -> Array:
     data = b"".join((header.getvalue(), memoryview(a.reshape(-1).view(np.uint8))))
     return Array(dtype=str(a.dtype), shape=tuple(int(s) for s in a.shape),
                  stype=_NUMPY_STYPE, data=data)
+
+
+def _bytes_allocator():
+    """CPython's ``PyBytes_FromStringAndSize(NULL, n)``: a bytes object of n bytes, not yet
+    written. The C API lets its creator fill such an object before anyone else sees it, which
+    is how the result is written where the outgoing ``Array`` keeps it (no copy into a second
+    buffer). None on other interpreters: the caller then copies, as before."""
+    if platform.python_implementation() != "CPython":
+        return None
+    try:
+        make = ctypes.pythonapi.PyBytes_FromStringAndSize
+    except AttributeError:  # pragma: no cover - a CPython without the symbol exported
+        return None
+    make.restype = ctypes.py_object
+    make.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+    return make
+
+
+_NEW_BYTES = _bytes_allocator()
+
+
+@functools.lru_cache(maxsize=4096)
+def _npy_header(dtype_str: str, shape: tuple[int, ...]) -> bytes | None:
+    """The ``.npy`` header ``np.save`` writes for a C-ordered array of this dtype and shape
+    (format 1.0), or None where format 1.0 cannot hold it."""
+    fields = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype_str)),
+              "fortran_order": False, "shape": shape}
+    stream = io.BytesIO()
+    try:
+        np.lib.format.write_array_header_1_0(stream, fields)
+    except ValueError:
+        return None
+    return stream.getvalue()
+
+
+def array_with_buffer(dtype: np.dtype, shape: Sequence[int]) -> tuple[Array, Tensor] | None:
+    """A NumPy-serialized ``Array`` of ``dtype`` and ``shape`` whose values are not written
+    yet, and a writable CPU tensor over them (its own fresh bytes, aliasing nothing else).
+    The caller must write every value before handing the ``Array`` on; the ``Array`` then
+    equals ``Array(ndarray)`` of those values. None where this cannot be done (another
+    interpreter, an empty array, a dtype torch lacks): the caller copies as before."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in shape)
+    count = math.prod(shape)
+    if _NEW_BYTES is None or count == 0 or dtype not in FUSED_FLOAT_DTYPES \
+            or not dtype.isnative:
+        return None
+    header = _npy_header(dtype.str, shape)
+    if header is None:
+        return None
+    nbytes = count * dtype.itemsize
+    data = _NEW_BYTES(None, len(header) + nbytes)
+    with warnings.catch_warnings():  # the buffer is a new bytes object only this code sees
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+    raw[:len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    values = raw[len(header):].view(_TORCH_DTYPES[dtype]).view(shape)
+    array = Array(dtype=str(dtype), shape=shape, stype=_NUMPY_STYPE, data=data)
+    return array, values
+
+
+_TORCH_DTYPES = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32,
+                 np.dtype(np.float64): torch.float64}
 
 
 def arrayrecord_to_state_dict(record: ArrayRecord, *, copy: bool = False) -> StateDict:
@@ -151,10 +222,13 @@ def as_tensors(arrays: Sequence[np.ndarray], dtypes: Iterable[np.dtype]) -> list
         for a, dtype in zip(arrays, dtypes):
             if a.dtype != dtype:
                 a = a.astype(dtype)
-            if a.dtype.isnative and all(s >= 0 for s in a.strides):
-                out.append(torch.from_numpy(a))
-            else:
-                out.append(ndarrays_to_tensors([a])[0])
+            if a.dtype.isnative:
+                try:
+                    out.append(torch.from_numpy(a))
+                    continue
+                except ValueError:  # negative strides, which torch cannot view
+                    pass
+            out.append(ndarrays_to_tensors([a])[0])
     return out
 
 

@@ -16,7 +16,9 @@ from flwr.app import ArrayRecord, RecordDict
 from fedkernels.aggregate import aggregate
 from fedkernels.integrations.flower.records import (
     FUSED_FLOAT_DTYPES,
+    array_with_buffer,
     as_tensors,
+    ndarray_to_array,
     ndarray_view,
     to_arrayrecord,
 )
@@ -86,7 +88,8 @@ def weights_from_records(contents: Sequence[Any], key: str) -> list[float]:
 def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float], *,
                         int_policy: str = "mean", check_finite: bool = False,
                         base: Mapping[str, np.ndarray] | None = None,
-                        ) -> tuple[dict[str, np.ndarray], set[str]]:
+                        as_arrays: bool = False,
+                        ) -> tuple[dict[str, Any], set[str]]:
     r""":math:`\sum_k w_k x_k` over the replies' ArrayRecords, entry by entry, with the
     dtypes of Flower's ``aggregate_arrayrecords`` (keys in the first record's order).
 
@@ -97,6 +100,10 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
     and the names of the entries an integer policy other than ``"mean"`` resolved (a server
     optimizer leaves those alone). Non-finite weights, shapes that differ between replies and
     dtypes the op lacks take Flower's NumPy arithmetic, so they give Flower's result or error.
+
+    With ``as_arrays`` the values are Flower ``Array`` objects, equal to ``Array(mean)``: the
+    fused op writes each mean straight into the bytes its ``Array`` keeps (no copy of the
+    result into a second buffer).
     """
     names = list(records[0].keys())
     views = {n: [ndarray_view(r[n]) for r in records] for n in names}
@@ -108,6 +115,7 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
     out: dict[str, np.ndarray] = {}
     resolved: set[str] = set()
     fused: dict[str, np.dtype] = {}
+    targets = None
     for n in names:
         arrays = views[n]
         if n in ints and int_policy != "mean":
@@ -129,9 +137,24 @@ def fused_weighted_mean(records: Sequence[ArrayRecord], factors: Sequence[float]
             for k in range(len(records))
         ]
         weights = torch.tensor([float(w) for w in factors], dtype=torch.float64, device="cpu")
-        result = aggregate(clients, weights, check_finite=check_finite)
-        for n in fused:
-            out[n] = result[n].numpy()
+        targets = None
+        if as_arrays:
+            targets = {n: array_with_buffer(dtype, views[n][0].shape)
+                       for n, dtype in fused.items()}
+            if any(t is None for t in targets.values()):
+                targets = None
+        if targets is None:
+            result = aggregate(clients, weights, check_finite=check_finite)
+            for n in fused:
+                out[n] = result[n].numpy()
+        else:
+            aggregate(clients, weights, check_finite=check_finite,
+                      out={n: values for n, (_, values) in targets.items()})
+            for n, (array, _) in targets.items():
+                out[n] = array
+    if as_arrays:
+        return {n: out[n] if n in fused and targets is not None else ndarray_to_array(out[n])
+                for n in names}, resolved
     return {n: out[n] for n in names}, resolved
 
 
@@ -156,8 +179,8 @@ def aggregate_arrayrecords(records: list[RecordDict], weighting_metric_name: str
         names = set(arrays[0].keys())
         if all(set(a.keys()) == names for a in arrays[1:]):
             means, _ = fused_weighted_mean(arrays, factors, int_policy=policy,
-                                           check_finite=check_finite)
-            return to_arrayrecord(means)
+                                           check_finite=check_finite, as_arrays=True)
+            return ArrayRecord(means)
     return to_arrayrecord(_flower_aggregate_arrayrecords(records, factors, policy,
                                                          check_finite))
 
