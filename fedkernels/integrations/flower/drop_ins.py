@@ -307,7 +307,6 @@ class _FusedFedOpt(_FusedAggregation):
         self.v_t = {k: v_new[k] for k in v_prev}
         return record, metrics
 
-
     def _second_moment_chunk(self, v: Tensor, delta: Tensor, out: Tensor, tmp: Tensor,
                              tmp2: Tensor) -> None:
         """:meth:`_second_moment` on one chunk of tensors, into ``out`` (``tmp`` and ``tmp2``
