@@ -1,34 +1,56 @@
-"""The Flower apps of fedkernels' algorithms on Flower's own machinery, in processes started
-and stopped by the tests (the harness of test_integrations_flower_deployment.py: free
-loopback ports, every wait bounded, a process that dies fails the wait with its log):
+"""The Flower apps of fedkernels' seed methods on Flower's own machinery, in processes started
+and stopped by the tests (the harness of test_integrations_flower_deployment.py: free loopback
+ports, every wait bounded, a process that dies fails the wait with its log). Each run's
+results.json equals that of the ``fedkernels run`` command with the same configuration and
+seed, bit for bit (``assert_same_metrics``: every metric of every round, the summary and the
+per-client table compare with ``==``; only the times differ):
 
-- ``test_example_app_on_a_local_deployment``: examples/flower_seed_method (SuPerFed-MM) with
-  ``flwr run`` against a SuperLink and three SuperNodes (``--insecure`` on 127.0.0.1): the
-  same metrics as ``fedkernels run``, bit for bit;
+- ``TestLocalDeployment``: SuPerFed-MM, SuPerFed-LM, AAggFF-S, AAggFF-D, FedAU, FedGO and
+  FedEvg, each a ``flwr run`` against ONE deployment started for all seven (a SuperLink and
+  two SuperNodes, ``--insecure`` on 127.0.0.1); the seven runs are submitted together, so
+  that one run's ClientApp start-ups overlap another's waits;
+- ``TestSimulationEngine``: the same seven runs, one after the other, against ONE SuperLink
+  in simulation mode (Flower's simulation engine, Ray: two simulated SuperNodes); skipped
+  where Ray is not installed (``pip install "flwr[simulation]"``);
 - ``test_a_supernode_killed_mid_round``: FedAU on three SuperNodes, one killed while its
-  ClientApp trains in round 2: that round and the next aggregate the two others, record
-  the lost client, and end as fedkernels run's rounds without it;
-- ``test_flwr_run_on_the_simulation_engine``: the example on a SuperLink in simulation mode
-  (Flower's simulation engine, Ray), skipped where Ray is not installed (it is not part of
-  the test requirements: ``pip install "flwr[simulation]"``).
+  ClientApp trains in round 2: that round and the next aggregate the two others, record the
+  lost client, and end as fedkernels run's rounds without it (``Simulation`` in this
+  process, which can drop a client's reply where the command cannot).
 
-Every ClientApp is a process of its own in a deployment (per message), which imports torch
-and loads the data: each test takes one to three minutes on two busy cores.
+The Apps: SuPerFed-MM and AAggFF-S run examples/flower_seed_method as it is; the others a
+copy whose pyproject.toml also lists their keys (``flwr run --run-config`` overrides only
+listed keys). Every run has two rounds on two clients. The reference is ``fedkernels run``
+(its ``main``, in this process) with the App's whole run config as flags: the run config's
+translation is checked against the command line's. Ray starts each ClientApp's worker with
+one torch thread; the deployment's processes and the reference get one thread too, so that
+their sums round alike (on two threads a personalized ECE came out 3e-11 apart).
+
+Every ClientApp of a deployment is a process of its own (per message, one message at a time
+per SuperNode) that imports torch and loads the data: on two busy cores the seven deployment
+runs take two to three minutes together, the seven simulation-engine runs about 12-15 s
+each, the killed SuperNode about a minute and a half.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import signal
 import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from local_ports import free_ports, listening
 
 pytest.importorskip("flwr")
 
+import tomli  # noqa: E402  (Flower's dependencies, as Flower reads and writes the App's TOML)
+import tomli_w  # noqa: E402
 from app_parity_helpers import assert_same_metrics, simulate  # noqa: E402
 from test_integrations_flower_deployment import (  # noqa: E402
     Deployment,
@@ -42,20 +64,88 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 )]
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "flower_seed_method"
+NODES = 2
 
-# The example's pyproject.toml, as the run config the ServerApp sees (with the overrides).
-EXAMPLE_CONFIG = {
-    "algorithm": "superfed-mm", "rounds": 10, "seed": 0, "device": "cpu", "eval_every": 1,
-    "data.name": "digits", "partition.num_clients": 5, "partition.kind": "dirichlet",
-    "partition.alpha": 0.5, "model.hidden": "64", "client.epochs": 1, "client.batch_size": 16,
-    "client.lr": 0.1, "superfed-mm.start_fraction": 0.4, "superfed-mm.nu": 1.0,
-    "superfed-mm.mu": 0.01,
+# Every run: two rounds on two clients (one SuperNode each), a 16-unit MLP, the personalized
+# evaluation (SuPerFed's evaluate messages) after round 2 only; the example's other settings.
+COMMON = {"rounds": 2, "eval_every": 2, "partition.num_clients": NODES, "model.hidden": "16"}
+# What each method changes besides (FedGO needs server data; the participation patterns that
+# AAggFF-D and FedAU are about).
+METHODS: dict[str, dict[str, Any]] = {
+    "superfed-mm": {},
+    "superfed-lm": {"superfed-lm.start_fraction": 0.5, "superfed-lm.local_init": "copy_global"},
+    "aaggff-s": {},
+    "aaggff-d": {"participation.kind": "uniform", "participation.fraction": 0.67},
+    "fedau": {"participation.kind": "bernoulli", "participation.fraction": 0.5},
+    "fedgo": {"data.server_fraction": 0.3, "fedgo.disc_epochs": 1, "fedgo.server_epochs": 1},
+    "fedevg": {"fedevg.spc": 3},
 }
+# Keys the example's pyproject.toml does not list, with fedkernels' defaults: the copy lists them
+# so that --run-config may set them.
+ADDED_KEYS = {"participation.kind": "full", "participation.fraction": 0.1,
+              "data.server_fraction": 0.0, "superfed-lm.start_fraction": 0.4,
+              "superfed-lm.local_init": "independent", "fedgo.disc_epochs": 10,
+              "fedgo.server_epochs": 2, "fedevg.spc": 10}
+DEADLINE_S = 900
 
 
 def _run_config(values: dict) -> str:
     """``--run-config`` text (TOML values)."""
     return " ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in values.items())
+
+
+def _overrides(name: str) -> dict[str, Any]:
+    return {"algorithm": name, **COMMON, **METHODS[name]}
+
+
+def _app_config(app: Path) -> dict[str, Any]:
+    """The App's run config as Flower flattens it (``section.field`` keys)."""
+    def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    project = tomli.loads((app / "pyproject.toml").read_text())
+    return flat(project["tool"]["flwr"]["app"]["config"])
+
+
+def _apps(folder: Path) -> dict[str, Path]:
+    """Each method's App: the example itself where its pyproject.toml lists every key the
+    method's run sets, else a copy that lists the added keys too."""
+    copy = folder / "seed-method-app-all-keys"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    project = tomli.loads((EXAMPLE / "pyproject.toml").read_text())
+    config = project["tool"]["flwr"]["app"]["config"]
+    for key, value in ADDED_KEYS.items():
+        head, field = key.split(".")
+        assert field not in config.get(head, {}), f"the example lists {key} now"
+        config.setdefault(head, {})[field] = value
+    (copy / "pyproject.toml").write_text(tomli_w.dumps(project))
+    listed = set(_app_config(EXAMPLE))
+    return {name: EXAMPLE if set(_overrides(name)) <= listed else copy for name in METHODS}
+
+
+def _fedkernels_run(app: Path, overrides: dict[str, Any], out: Path) -> dict[str, Any]:
+    """``fedkernels run`` (its command line, in this process, one thread) of the App's run
+    config with the overrides: every experiment key as a flag, the app's own keys and other
+    algorithms' parameters left out (the ServerApp ignores those)."""
+    from fedkernels.algorithms import available
+    from fedkernels.apps.flower import APP_KEYS
+    from fedkernels.cli import main
+
+    config = {**_app_config(app), **overrides}
+    others = set(available()) - {config["algorithm"]}
+    flags = [f for k, v in config.items() if k not in APP_KEYS and k.split(".")[0] not in others
+             for f in (f"--{k}", str(v))]
+    threads = torch.get_num_threads()
+    try:
+        code = main(["run", *flags, "--threads", "1", "--out", str(out), "--no-progress",
+                     "--no-plots"])
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, f"fedkernels run {' '.join(flags)} exited with {code}"
+    return json.loads((out / "results.json").read_text())
 
 
 class AppDeployment(Deployment):
@@ -69,23 +159,115 @@ class AppDeployment(Deployment):
             [str(EXAMPLE.parent.parent), self.env.get("PYTHONPATH", "")])
         self.env["FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION"] = "1"
 
+    def submit(self, name: str, app: Path, overrides: dict[str, Any], *extra: str) -> Path:
+        """``flwr run`` of ``app`` (process ``run-NAME``); returns its result path."""
+        result = self.tmp_path / f"{name}-results.json"
+        self.start(f"run-{name}", [
+            _tool("flwr"), "run", str(app), "loopback", "--stream",
+            "--run-config", _run_config({**overrides, "result-path": str(result)}), *extra])
+        self.expected_exits.add(f"run-{name}")
+        return result
 
-def test_example_app_on_a_local_deployment(tmp_path):
-    result_path = tmp_path / "results.json"
-    # the personalized evaluation (evaluate messages) after round 2 only: fewer processes
-    overrides = {"rounds": 2, "eval_every": 2, "partition.num_clients": 3,
-                 "model.hidden": "16", "result-path": str(result_path)}
-    deployment = AppDeployment(tmp_path, nodes=3, deadline_s=600, app=EXAMPLE)
-    try:
-        deployment.start_superlink_and_nodes()
-        deployment.run_app(_run_config(overrides))
-        result = _wait_for_result(deployment, result_path)
-    finally:
-        deployment.stop()
-    overrides.pop("result-path")
-    assert result["summary"]["rounds_completed"] == 2
-    assert "personalized_accuracy" in result["rounds"][-1]
-    assert_same_metrics(result, simulate({**EXAMPLE_CONFIG, **overrides}))
+    def result(self, name: str, path: Path) -> dict[str, Any]:
+        """The run's results.json, once written; fails at once where its ``flwr run`` did."""
+        run = self.processes[f"run-{name}"]
+
+        def done() -> bool:
+            if run.poll() not in (None, 0):
+                pytest.fail(f"flwr run of {name} exited with status {run.returncode}:\n"
+                            + self.log_tail(f"run-{name}") + "\n" + self.all_logs())
+            return path.exists() and path.stat().st_size > 0
+
+        self.wait_for(done, f"the result of {name}")
+        time.sleep(0.2)  # written in one json.dump; let it finish
+        return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict[str, tuple[Path, dict[str, Any]]]:
+    """Each method's App and run config."""
+    apps = _apps(tmp_path_factory.mktemp("apps"))
+    return {name: (apps[name], _overrides(name)) for name in METHODS}
+
+
+@pytest.fixture(scope="module")
+def reference(cases, tmp_path_factory):
+    """``fedkernels run``'s results.json of a method, computed once for both engines."""
+    results: dict[str, dict[str, Any]] = {}
+
+    def get(name: str) -> dict[str, Any]:
+        if name not in results:
+            app, overrides = cases[name]
+            results[name] = _fedkernels_run(app, overrides, tmp_path_factory.mktemp(name))
+        return results[name]
+
+    return get
+
+
+class TestLocalDeployment:
+    """Seven ``flwr run`` against one SuperLink and two SuperNodes."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def deployment(cls, cases, tmp_path_factory):
+        tmp_path = tmp_path_factory.mktemp("deployment")
+        deployment = AppDeployment(tmp_path, nodes=NODES, deadline_s=DEADLINE_S, app=EXAMPLE)
+        deployment.env["OMP_NUM_THREADS"] = "1"  # the nodes' ClientApps and the ServerApps
+        try:
+            deployment.start_superlink_and_nodes()
+            paths = {name: deployment.submit(name, app, overrides)
+                     for name, (app, overrides) in cases.items()}
+            yield deployment, paths
+        finally:
+            deployment.stop()
+
+    @pytest.mark.parametrize("name", list(METHODS))
+    def test_matches_fedkernels_run(self, deployment, reference, name):
+        runs, paths = deployment
+        result = runs.result(name, paths[name])
+        assert result["summary"]["rounds_completed"] == COMMON["rounds"]
+        if name.startswith("superfed"):
+            assert "personalized_accuracy" in result["rounds"][-1]
+        assert_same_metrics(result, reference(name))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                    reason="Flower's simulation engine needs Ray: pip install 'flwr[simulation]'")
+class TestSimulationEngine:
+    """Seven ``flwr run`` against one SuperLink in simulation mode: two simulated SuperNodes
+    (Ray actors), the ClientApps' kept state (SuPerFed's local models) in the nodes' contexts
+    between rounds."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def superlink(cls, tmp_path_factory):
+        tmp_path = tmp_path_factory.mktemp("simulation")
+        deployment = AppDeployment(tmp_path, nodes=0, deadline_s=DEADLINE_S, app=EXAMPLE)
+        deployment.env["OMP_NUM_THREADS"] = "1"  # the ServerApps; Ray sets it for the workers
+        link_port, control_port = free_ports(2)
+        (Path(deployment.env["FLWR_HOME"]) / "config.toml").write_text(
+            f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
+            f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
+        try:
+            deployment.start("superlink", [
+                _tool("flower-superlink"), "--insecure", "--simulation", "--isolation",
+                "subprocess", "--host", "127.0.0.1", "--port", str(link_port),
+                "--control-api-address", f"127.0.0.1:{control_port}",
+                "--disable-runtime-dependency-installation"])
+            deployment.wait_for(lambda: listening(link_port), "the SuperLink's port")
+            yield deployment
+        finally:
+            deployment.stop()
+
+    @pytest.mark.parametrize("name", list(METHODS))
+    def test_matches_fedkernels_run(self, superlink, cases, reference, name):
+        app, overrides = cases[name]
+        superlink.deadline = time.monotonic() + 300
+        path = superlink.submit(name, app, overrides, "--federation-config",
+                                f"num-supernodes={NODES} client-resources-num-cpus=1")
+        result = superlink.result(name, path)
+        assert result["summary"]["rounds_completed"] == COMMON["rounds"]
+        assert_same_metrics(result, reference(name))
 
 
 KILL_APP_PYPROJECT = """
@@ -179,38 +361,3 @@ def test_a_supernode_killed_mid_round(tmp_path):
     config = {"algorithm": "fedau", "rounds": 3, "partition.num_clients": 3,
               "participation.kind": "full", "model.hidden": "16"}
     assert_same_metrics(result, simulate(config, lost={1: {2}, 2: {2}}))
-
-
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                    reason="Flower's simulation engine needs Ray: pip install 'flwr[simulation]'")
-# Ray starts each ClientApp's worker with OMP_NUM_THREADS=1: the reference runs on one thread
-# too, so that its sums round as the workers' do (2 threads gave an ECE 3e-11 apart)
-@pytest.mark.usefixtures("one_thread")
-def test_flwr_run_on_the_simulation_engine(tmp_path):
-    """``flwr run`` of the example against a SuperLink in simulation mode: five simulated
-    SuperNodes (Ray actors), the ClientApps' kept state (SuPerFed's local models) in the
-    nodes' contexts between rounds."""
-    result_path = tmp_path / "results.json"
-    deployment = AppDeployment(tmp_path, nodes=0, deadline_s=600, app=EXAMPLE)
-    link_port, control_port = free_ports(2)
-    (Path(deployment.env["FLWR_HOME"]) / "config.toml").write_text(
-        f'[superlink]\ndefault = "loopback"\n\n[superlink.loopback]\n'
-        f'address = "127.0.0.1:{link_port}"\ninsecure = true\n')
-    overrides = {"rounds": 2, "model.hidden": "16", "result-path": str(result_path)}
-    try:
-        deployment.start("superlink", [
-            _tool("flower-superlink"), "--insecure", "--simulation", "--isolation", "subprocess",
-            "--host", "127.0.0.1", "--port", str(link_port),
-            "--control-api-address", f"127.0.0.1:{control_port}",
-            "--disable-runtime-dependency-installation"])
-        deployment.wait_for(lambda: listening(link_port), "the SuperLink's port")
-        deployment.start("flwr-run", [
-            _tool("flwr"), "run", str(EXAMPLE), "loopback", "--stream",
-            "--run-config", _run_config(overrides),
-            "--federation-config", "num-supernodes=5 client-resources-num-cpus=1"])
-        deployment.expected_exits.add("flwr-run")
-        result = _wait_for_result(deployment, result_path)
-    finally:
-        deployment.stop()
-    overrides.pop("result-path")
-    assert_same_metrics(result, simulate({**EXAMPLE_CONFIG, **overrides}))
