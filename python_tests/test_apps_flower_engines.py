@@ -179,8 +179,7 @@ class AppDeployment(Deployment):
             return path.exists() and path.stat().st_size > 0
 
         self.wait_for(done, f"the result of {name}")
-        time.sleep(0.2)  # written in one json.dump; let it finish
-        return json.loads(path.read_text())
+        return json.loads(path.read_text())  # written whole: a temporary renamed into place
 
 
 @pytest.fixture(scope="module")

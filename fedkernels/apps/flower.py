@@ -55,7 +55,6 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -310,9 +309,7 @@ class FlowerServer:
                 log.info("fedkernels round %d: %s", t + 1, _summary_line(record))
             result = sim.result(self.last_strategy_metrics)
         if self.settings.result_path:
-            path = Path(self.settings.result_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            result.write_json(path)
+            result.write_json(self.settings.result_path)
         return result
 
     def play_round(self, t: int) -> dict[str, Any]:
