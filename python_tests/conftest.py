@@ -22,6 +22,9 @@ import torch
 
 import fedkernels  # noqa: F401  (registers the ops)
 
+# every phase of every test has a time limit (time_limit.py)
+pytest_plugins = ["time_limit"]
+
 HAS_CUDA = torch.cuda.is_available()
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -19,13 +19,12 @@ import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from local_ports import free_ports
+from process_tree import kill_tree, processes_naming, run_bounded
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -62,20 +61,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _run(command: list[str], folder: Path, env: dict[str, str], timeout: float) -> str:
     """Runs the command in ``folder`` as a shell would (found on PATH); returns its output, or
-    fails with it. Killed with its process group if it outlives ``timeout``."""
+    fails with it. Killed with every process it started if it outlives ``timeout``."""
     executable = shutil.which(command[0], path=env["PATH"])
     assert executable, f"{command[0]} is not on PATH"
-    process = subprocess.Popen([executable, *command[1:]], cwd=folder, env=env, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+    status, output = run_bounded([executable, *command[1:]], folder.parent / f"{folder.name}.log",
+                                 timeout, cwd=folder, env=env)
+    if status is None:
         pytest.fail(f"{' '.join(command)} did not finish in {timeout} s:\n{output[-4000:]}")
-    assert process.returncode == 0, f"{' '.join(command)} exited with " \
-        f"{process.returncode}:\n{output[-4000:]}"
+    assert status == 0, f"{' '.join(command)} exited with {status}:\n{output[-4000:]}"
     return output
 
 
@@ -121,12 +114,35 @@ def test_fedlab(tmp_path, reference):
     assert _accuracies(output) == pytest.approx(reference, abs=TOLERANCE)
 
 
+# NVFlare's simulator takes its ports by binding port 0 and closing the socket before its
+# server binds them, so another process can take one first; the run then loses a client
+# ("target_unreachable", "Communication error") and waits for it, or ends without that
+# client's update. Such a run (its whole process tree killed) is started afresh, up to
+# NVFLARE_STARTS times; any other failure fails at once. test_nvflare_simulator.py does the same.
+NVFLARE_LOST_CONNECTION = ("target_unreachable", "Communication error with client",
+                           "Failed to get_task from server")
+NVFLARE_STARTS = 3
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _has("nvflare"), reason="NVIDIA FLARE is not installed")
 def test_nvflare_job(tmp_path, reference):
     folder = _copy("nvflare_job", tmp_path)
-    output = _run(["python", "job.py", "--rounds", "2", "--workspace", str(tmp_path / "ws")],
-                  folder, _env(), 400)
+    env = _env()
+    executable = shutil.which("python", path=env["PATH"])
+    for start in range(1, NVFLARE_STARTS + 1):
+        workspace = tmp_path / f"ws{start}"
+        status, output = run_bounded(
+            [executable, "job.py", "--rounds", "2", "--workspace", str(workspace)],
+            tmp_path / f"nvflare.{start}.log", 180, cwd=folder, env=env)
+        logs = output + "".join(p.read_text(errors="replace") for p in workspace.rglob("log.txt"))
+        if not any(sign in logs for sign in NVFLARE_LOST_CONNECTION):
+            break
+    else:
+        pytest.fail(f"NVFlare's simulator lost a client in each of {NVFLARE_STARTS} starts:\n"
+                    f"{output[-3000:]}")
+    assert status is not None, f"job.py did not finish in 180 s:\n{output[-4000:]}"
+    assert status == 0, f"job.py exited with {status}:\n{output[-4000:]}"
     final = re.search(r"final global model: test accuracy ([\d.]+)", output)
     assert final, output[-3000:]
     assert float(final.group(1)) == pytest.approx(reference[2], abs=TOLERANCE)
@@ -151,37 +167,6 @@ def test_flower_deployment(tmp_path, reference):
     assert _flower_result(folder) == pytest.approx({1: reference[1]}, abs=TOLERANCE)
 
 
-def _processes_naming(text: str) -> list[int]:
-    """The pids whose command line contains ``text``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
-
-
-def _with_descendants(pids: list[int]) -> list[int]:
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                # the field after the parenthesised name: state, then the parent's pid
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    result, frontier = list(pids), list(pids)
-    while frontier:
-        children = [p for p, parent in parents.items() if parent in frontier]
-        result += children
-        frontier = children
-    return result
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not _has("ray"), reason="Flower's simulation needs Ray: flwr[simulation]")
 def test_flower_simulation(tmp_path, reference):
@@ -198,9 +183,5 @@ def test_flower_simulation(tmp_path, reference):
         _run(["flwr", "run", ".", "--stream", "--run-config",
               f'num-server-rounds=2 result-path="{result}"'], folder, env, 400)
     finally:
-        for pid in reversed(_with_descendants(_processes_naming(str(home)))):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(processes_naming(str(home)))
     assert _flower_result(folder) == pytest.approx(reference, abs=TOLERANCE)

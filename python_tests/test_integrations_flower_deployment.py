@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 from local_ports import free_ports, listening
+from process_tree import with_descendants
 
 pytest.importorskip("flwr")
 
@@ -189,19 +190,22 @@ def main(grid: Grid, context: Context) -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Ends a process the test started, with the children in its process group."""
+    """Ends a process the test started: SIGTERM to its process group, then SIGKILL to all it
+    started, found through /proc (a child in a session of its own is not in the group)."""
     if process.poll() is not None:
         return
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+    tree = with_descendants([process.pid])
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in reversed(tree):
         try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait(timeout=10)
 
 
 class Deployment:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from nvflare_sim_components import initial_model, site_update  # noqa: E402
 from nvflare_sim_job import ROUNDS, aggregation_weights  # noqa: E402
+from process_tree import kill_tree  # noqa: E402
 
 N_CLIENTS = 3
 TIMEOUT_S = 240
@@ -91,7 +91,7 @@ def simulator_runs(tmp_path_factory):
         shutil.rmtree(workspace, ignore_errors=True)  # a stopped start's
         cmd = [sys.executable, str(HERE / "nvflare_sim_job.py"), kind, which, str(workspace),
                str(root / f"{name}.npz"), str(N_CLIENTS)]
-        # a session of its own, so that stopping it stops the simulator's client processes too
+        # a session of its own: nothing it starts can take the test's terminal signals
         proc = subprocess.Popen(cmd, cwd=root, env=_child_env(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         runs[name] = [proc, log, path, starts]
@@ -99,7 +99,9 @@ def simulator_runs(tmp_path_factory):
     def stop(name: str) -> None:
         proc, log, _, _ = runs[name]
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            # the simulator's clients run in sessions of their own: kill the whole tree, or they
+            # outlive the run and poll whichever server takes their port next
+            kill_tree([proc.pid])
             proc.wait(timeout=30)
         log.close()
 
@@ -209,7 +211,7 @@ def test_a_client_that_goes_silent_mid_round(tmp_path):
         try:
             proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree([proc.pid])
             proc.wait(30)
             pytest.fail(f"the run did not end within {TIMEOUT_S} s:\n"
                         f"{log_path.read_text(errors='replace')[-6000:]}")
