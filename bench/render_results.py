@@ -202,6 +202,17 @@ def vmap_block(root: Path, name: str, key: str = "vmap") -> str:
     return source_line(name, key, run["environment"]) + "\n\n" + table(header, rows)
 
 
+def personalized_eval_block(root: Path, name: str, key: str = "personalized_eval") -> str:
+    """bench_personalized_eval.py: every client's own model, one at a time against batched."""
+    run = section(root, name, key)
+    rows = [[model, f"{r['clients']:,}", f"{r['test_rows']:,}", sig(r["sequential_s"] * 1e3),
+             sig(r["batched_s"] * 1e3), ratio(r["speedup"]), f"{r['max_abs_diff']:.1e}"]
+            for model, r in run["rows"].items()]
+    header = ["model", "clients", "test rows", "one at a time ms", "batched ms", "speed-up",
+              "max abs difference"]
+    return source_line(name, key, run["environment"]) + "\n\n" + table(header, rows)
+
+
 SIMULATION_METHODS = {"sequential": "fedkernels run", "vmap": "fedkernels run --vmap",
                       "flower": "Flower (Ray)", "pfl": "pfl-research", "plain": "plain PyTorch loop"}
 
@@ -290,14 +301,26 @@ def energy_block(root: Path, name: str, key: str = "energy_from_logits") -> str:
 
 
 def sgld_block(root: Path, name: str, key: str = "sgld_compose_step") -> str:
+    """bench_sgld.py; on a CPU also the page faults an out-of-place call takes on its fresh
+    output, interleaved with the composition and back to back (they explain the dips)."""
     run = section(root, name, key)
-    rows = [[str(r["K"]), str(r["M"]), str(r["D"]), sig(r["fused_ms"]),
-             sig(r["fused_inplace_ms"]), sig(r["fused_back_to_back_ms"]), sig(r["torch_ms"]),
-             ratio(r["speedup_median_of_ratios"]), pct(r["fused_fraction_of_read_probe"]),
-             pct(r["inplace_fraction_of_read_probe"]),
-             pct(r["back_to_back_fraction_of_read_probe"])] for r in run["rows"]]
+    faults = not run["environment"].get("cuda") and all(
+        "fused_faults_per_call" in r for r in run["rows"])
+    rows = []
+    for r in run["rows"]:
+        row = [str(r["K"]), str(r["M"]), str(r["D"]), sig(r["fused_ms"]),
+               sig(r["fused_inplace_ms"]), sig(r["fused_back_to_back_ms"]), sig(r["torch_ms"]),
+               ratio(r["speedup_median_of_ratios"]), pct(r["fused_fraction_of_read_probe"]),
+               pct(r["inplace_fraction_of_read_probe"]),
+               pct(r["back_to_back_fraction_of_read_probe"])]
+        if faults:
+            row.append(f"{r['fused_faults_per_call']:,.0f} / "
+                       f"{r.get('back_to_back_faults_per_call', 0):,.0f}")
+        rows.append(row)
     header = ["K", "M", "D", "fused ms", "in place ms", "back to back ms", "PyTorch ms",
               "speed-up", "fused % read", "in place % read", "back to back % read"]
+    if faults:
+        header.append("page faults per call: fused / back to back")
     return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
 
 
@@ -440,6 +463,65 @@ def subnormals_block(root: Path, name: str, key: str = "subnormals") -> str:
 # ---------------------------------------------------------------- GPU profiles
 
 
+def gpu_runs_block(root: Path, name: str, key: str = "runs") -> str:
+    """The GPU sessions whose results the file keeps: what ran, what it found, which keys."""
+    data = load(root, name)
+    if key not in data:
+        raise RenderError(f"bench/results/{name} has no key {key!r}")
+    rows = [[r["date"], f"`{r['commit']}`", r["what"],
+             "; ".join(f"{check}: {result}" for check, result in r["results"].items()),
+             ", ".join(f"`{k}`" for k in r.get("kept here", []))] for r in data[key]]
+    header = ["date", "commit", "what ran", "results", "keys from this run"]
+    return f"*Source: `bench/results/{name}`, key `{key}`.*\n\n" + table(header, rows)
+
+
+def gpu_call_block(root: Path, name: str, key: str = "aggregate") -> str:
+    """The op alone (`weighted_sum` into a preallocated model) at the call level, against
+    `_foreach` and against `fedkernels.aggregate`, which adds its layout checks."""
+    run = section(root, name, key)
+    by_case: dict[tuple, dict[str, dict]] = {}
+    for row in run["rows"]:
+        by_case.setdefault((row["model"], row["dtype"], row["K"]), {})[row["method"]] = row
+    rows = []
+    for (model, dtype, k), methods in by_case.items():
+        op = methods.get("op out=")
+        if op is None:
+            continue
+        ms = op["median_ms"]
+        rows.append([model, dtype, str(k), sig(ms), f"{op['pct_copy_probe']:.0f}",
+                     ratio(methods["foreach"]["median_ms"] / ms),
+                     sig(methods["fused out="]["median_ms"]), sig(methods["fused"]["median_ms"])])
+    header = ["model", "dtype", "K", "`weighted_sum` out= ms", "% of copy probe",
+              "`_foreach` time ÷ op's", "`aggregate` out= ms", "`aggregate` ms (new result)"]
+    return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
+
+
+ROBUST_BASELINES = [  # (case, the PyTorch variant to compare with, label)
+    ("median", "stack+median", "coordinate median (× `torch.stack` + `median`)"),
+    ("trimmed", "stack+sort", "trimmed mean (× `torch.stack` + `sort`)"),
+    ("distances", "gram fp32", "pairwise distances (× float32 Gram matrix)"),
+    ("private", "foreach", "DP sum with noise (× `_foreach`)"),
+]
+
+
+def robust_summary_block(root: Path, name: str, key: str = "robust_ops") -> str:
+    """One line per robust op: fedkernels' ms at each K, and how many times slower the
+    PyTorch variant a user would write is."""
+    run = section(root, name, key)
+    found = {(r["case"], r["K"], r["variant"]): r for r in run["rows"]}
+    ks = sorted({r["K"] for r in run["rows"]})
+    rows = []
+    for case, baseline, label in ROBUST_BASELINES:
+        cells = []
+        for k in ks:
+            ours, theirs = found.get((case, k, "fedkernels")), found.get((case, k, baseline))
+            cells.append("—" if ours is None else sig(ours["seconds"] * 1e3) + (
+                f" ({ratio(theirs['speedup_of_fedkernels'])}×)" if theirs else ""))
+        rows.append([label, *cells])
+    header = ["op: fedkernels ms (PyTorch's time over it)", *(f"K = {k}" for k in ks)]
+    return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
+
+
 def ncu_block(root: Path, name: str, key: str = "ncu") -> str:
     """Nsight Compute: one launch of every kernel (time, DRAM traffic, occupancy)."""
     data = load(root, name)
@@ -537,8 +619,11 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "distributed/amd-epyc-avx512": lambda r: distributed_block(r, ZEN4),
     "distributed/amd-epyc-avx2": lambda r: distributed_block(r, ZEN3),
     "vmap/intel-xeon-avx512": lambda r: vmap_block(r, INTEL),
+    "personalized-eval/intel-xeon-avx512": lambda r: personalized_eval_block(r, INTEL),
     "simulation/amd-epyc-avx512": lambda r: simulation_block(
         r, "simulation-cpu-amd-epyc-avx512.json"),
+    "simulation-sequential/amd-epyc-avx512": lambda r: simulation_block(
+        r, "simulation-sequential-cpu-amd-epyc-avx512.json"),
     "pseudo-labels/intel-xeon-avx512": lambda r: pseudo_labels_block(r, INTEL),
     "pseudo-labels/amd-epyc-avx512": lambda r: pseudo_labels_block(r, ZEN4),
     "distill-kl/intel-xeon-avx512": lambda r: distill_kl_block(r, INTEL),
@@ -548,6 +633,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "energy/amd-epyc-avx512": lambda r: energy_block(r, ZEN4),
     "sgld/intel-xeon-avx512": lambda r: sgld_block(r, INTEL),
     "sgld/amd-epyc-avx512": lambda r: sgld_block(r, ZEN4),
+    "sgld/amd-epyc-avx2": lambda r: sgld_block(r, ZEN3),
     "superfed/intel-xeon-avx512": lambda r: superfed_block(r, INTEL),
     "superfed/intel-xeon-avx512-fused-sgd": lambda r: superfed_block(r, INTEL,
                                                                      "superfed_fused_sgd"),
@@ -580,6 +666,9 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "gpu/superfed": lambda r: superfed_block(r, H200),
     "gpu/robust-ops": lambda r: robust_ops_block(r, H200),
     "gpu/ncu": lambda r: ncu_block(r, H200),
+    "gpu/runs": lambda r: gpu_runs_block(r, H200),
+    "gpu/call-level": lambda r: gpu_call_block(r, H200),
+    "gpu/robust-summary": lambda r: robust_summary_block(r, H200),
     "readme/headline": headline_block,
 }
 

@@ -113,3 +113,14 @@ def test_a_missing_results_file_is_named(render, copy_root):
                                          (1234.56, "1,235"), (0, "0"), (None, "—")])
 def test_three_significant_figures(render, value, text):
     assert render.sig(value) == text
+
+
+def test_the_gpu_robust_summary_finds_every_baseline(render):
+    """Each op of the summary is compared with a PyTorch variant the bench names; a renamed
+    variant would leave its cells without a ratio."""
+    text = render.robust_summary_block(ROOT, render.H200)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "K = " not in line]
+    assert len(rows) == len(render.ROBUST_BASELINES)
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert cells and all(c.endswith("×)") for c in cells), row
