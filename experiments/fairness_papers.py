@@ -13,6 +13,9 @@ docs/results/fairness.md:
   Dirichlet(0.3), 10% sampled per round;
 - ``aaggff-silo-heart``: AAggFF-S against the same baselines and FedMGDA+ on four sites of a
   heart-disease-like table (AUROC, as the paper's Heart experiment);
+- ``aaggff-silo-uci-heart``: the same line-up on the UCI Heart Disease data itself, one client
+  per hospital (``--heart-root DIR``: the folder with the repository's four
+  ``processed.*.data`` files or the merged ``heart_disease_uci.csv``);
 - ``aaggff-silo-digits``: the same on digits split among 7 clients;
 - ``semivred``: VRed and Semi-VRed against FedAvg, 30 synthetic(1,1) users, full
   participation, with the paper's count of improved / degraded clients against FedAvg;
@@ -22,7 +25,8 @@ docs/results/fairness.md:
 Hyperparameters are never chosen on test data. ``--tune`` selects them on a validation split
 carved out of each client's training rows (20% of them; the test rows are not loaded into the
 tuning runs) for seed 0, the same way for every method: first the client learning rate, from
-``lr_grid``, with the experiment's first method (the baseline); then each method's own
+``lr_grid``, with the experiment's first method (the baseline), the grid extended a step at a
+time (up to three) while the best value is at its edge; then each method's own
 parameters from its grid (the papers' grids) at that learning rate. The criterion is the
 experiment's ``criterion``: validation pooled accuracy for the participation tables (the
 FedAU paper's metric), the mean of average and worst-10% client accuracy for the fairness
@@ -58,14 +62,16 @@ import torch
 from fedkernels.algorithms.registry import build_strategy
 from fedkernels.cli.compare import compare, markdown_table
 from fedkernels.sim.config import ExperimentConfig, from_dict
-from fedkernels.sim.data import load_dataset
+from fedkernels.sim.data import load_dataset, stratified_split
 from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.federation import build_federation
+from fedkernels.sim.paired_stats import paired_difference
 from fedkernels.sim.run import Simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 HEART_CSV = Path("runs") / "fairness_papers" / "heart_like.csv"  # relative to ROOT
 TUNING_DIR = ROOT / "experiments" / "tuning"
+LR_EXTENSIONS = 3
 
 # --------------------------------------------------------------------------- the experiments
 
@@ -138,6 +144,13 @@ HEART_TREE = {
     "participation": {"kind": "full"},
     "model": {"name": "logreg"},
     "client": {"epochs": 1, "batch_size": 20, "lr": 0.01},
+}
+# The UCI Heart Disease data itself (four hospitals, 920 patients), read from the folder that
+# --heart-root names: the repository's four processed.*.data files or the merged
+# heart_disease_uci.csv. Each hospital is a client; each client's test split is stratified.
+UCI_HEART_TREE = {
+    **HEART_TREE,
+    "data": {"name": "heart", "root": None},
 }
 SILO_DIGITS_TREE = {
     "rounds": 100,
@@ -235,6 +248,12 @@ EXPERIMENTS: dict[str, dict[str, Any]] = {
         "tree": HEART_TREE, "methods": SILO_METHODS, "long": [],
         "criterion": "auroc", "lr_grid": [0.01, 0.03, 0.1],
     },
+    "aaggff-silo-uci-heart": {
+        "title": "UCI Heart Disease, 4 hospitals (natural split), full participation, "
+        "logistic regression, 200 rounds x 1 local epoch (batch 20)",
+        "tree": UCI_HEART_TREE, "methods": SILO_METHODS, "long": [],
+        "criterion": "auroc", "lr_grid": [0.01, 0.03, 0.1, 0.3, 1.0],
+    },
     "aaggff-silo-digits": {
         "title": "digits, Dirichlet(0.3) over 7 clients, full participation, MLP 64-32-10, "
         "100 rounds x 1 local epoch (batch 20)",
@@ -299,8 +318,13 @@ def validation_dataset(tree: dict[str, Any], seed: int) -> Dataset:
     client with a single training row cannot be split and is left out of the tuning runs."""
     config = from_dict(ExperimentConfig, {**tree, "seed": seed})
     data = load_dataset(config.data, config.partition.num_clients, seed)
+    # the same split as the real run's (run.py): the tuning never sees a row it tests on
     federation = build_federation(data, config.partition, config.data.test_fraction, seed,
-                                  config.data.server_fraction)
+                                  config.data.server_fraction,
+                                  label_noise=config.data.label_noise,
+                                  noise_rate=config.data.noise_rate,
+                                  use_official_split=config.data.official_split,
+                                  stratify=stratified_split(config.data))
     kept = [c for c in federation.clients if c.num_train >= 2]
     groups = np.repeat(np.arange(len(kept)), [c.num_train for c in kept])
     dataset = Dataset.from_tensors(torch.cat([c.train_x for c in kept]),
@@ -349,7 +373,22 @@ def tune(name: str, spec: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         return value
 
     base_label, base_algo, base_fixed, _ = methods[0]
-    lr = max(spec["lr_grid"], key=lambda v: score(base_label, base_algo, base_fixed, v))
+    lr_values = sorted(spec["lr_grid"])
+    scores = {v: score(base_label, base_algo, base_fixed, v) for v in lr_values}
+    # a choice at the grid's edge says the best value may lie beyond it: extend the grid by
+    # the factor of its last step until the best value is inside it (at most LR_EXTENSIONS)
+    for _ in range(LR_EXTENSIONS):
+        best = max(scores, key=scores.get)
+        if best == lr_values[-1]:
+            new = lr_values[-1] * lr_values[-1] / lr_values[-2]
+        elif best == lr_values[0]:
+            new = lr_values[0] * lr_values[0] / lr_values[1]
+        else:
+            break
+        new = float(f"{new:.3g}")
+        lr_values = sorted([*lr_values, new])
+        scores[new] = score(base_label, base_algo, base_fixed, new)
+    lr = max(scores, key=scores.get)
     chosen: dict[str, dict[str, Any]] = {}
     for label, algo, fixed, grid in methods:
         if not grid:
@@ -358,7 +397,7 @@ def tune(name: str, spec: dict[str, Any], seed: int = 0) -> dict[str, Any]:
         best = max(values, key=lambda v: score(label, algo, {**fixed, key: v}, lr))
         chosen[label] = {key: best}
     result = {"experiment": name, "seed": seed, "criterion": criterion,
-              "validation": "20% of each client's training rows", "lr": lr,
+              "validation": "20% of each client's training rows", "lr_grid": lr_values, "lr": lr,
               "params": chosen, "runs": log}
     TUNING_DIR.mkdir(parents=True, exist_ok=True)
     (TUNING_DIR / f"tuning_{name}.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -392,31 +431,38 @@ PAIRED_KEYS = {  # the statistics the paired table compares, by the experiment's
 
 def paired_differences(entries: list[dict[str, Any]], criterion: str, base: int = 0) -> str:
     """Every other method minus ``entries[base]`` (by default the first, the baseline), seed by
-    seed: mean ± std of the differences in points and on how many seeds the method is ahead.
-    The methods share the clients of a seed, so this separates a real gain from the
-    seed-to-seed spread that the mean ± std columns mix in."""
+    seed: the differences' mean ± sample std in points, the 95 % t-interval of the mean (bold
+    when it excludes 0) and on how many seeds the method is ahead/behind. The methods share the
+    clients of a seed, so this separates a real gain from the seed-to-seed spread that the
+    mean ± std columns mix in."""
     keys = PAIRED_KEYS[criterion]
     base_entry = entries[base]
     by_seed = {run["seed"]: run["summary"] for run in base_entry["runs"]}
     header = " | ".join(name for _, name in keys)
     label = base_entry["label"]
-    lines = [f"Paired against {label}, seed by seed (method minus {label}, "
-             "points, mean ± std over seeds; [seeds ahead/behind]):", "",
+    lines = [f"Paired against {label}, seed by seed (method minus {label}, points: mean ± std "
+             "[95 % t-interval] (seeds ahead/behind); **bold**: the interval excludes 0):", "",
              f"| method | {header} |", "|---|" + "---|" * len(keys)]
     for entry in entries:
         if entry is base_entry:
             continue
         cells = []
         for key, _ in keys:
-            diff = np.array([100 * (run["summary"][key] - by_seed[run["seed"]][key])
-                             for run in entry["runs"]
-                             if run["summary"].get(key) is not None
-                             and by_seed[run["seed"]].get(key) is not None])
-            if diff.size == 0:
+            pairs = [(100 * run["summary"][key], 100 * by_seed[run["seed"]][key])
+                     for run in entry["runs"]
+                     if run["summary"].get(key) is not None
+                     and by_seed[run["seed"]].get(key) is not None]
+            if not pairs:
                 cells.append("—")
                 continue
-            cells.append(f"{diff.mean():+.1f} ± {diff.std():.1f} "
-                         f"[{int((diff > 1e-9).sum())}/{int((diff < -1e-9).sum())}]")
+            d = paired_difference([a for a, _ in pairs], [b for _, b in pairs])
+            if d.low is None:
+                cells.append(f"{d.mean:+.1f} (one seed) ({d.ahead}/{d.behind})")
+                continue
+            text = f"{d.mean:+.1f} ± {d.std:.1f} [{d.low:+.1f}, {d.high:+.1f}]"
+            if d.low > 0 or d.high < 0:
+                text = f"**{text}**"
+            cells.append(f"{text} ({d.ahead}/{d.behind})")
         lines.append(f"| {entry['label']} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
@@ -440,6 +486,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="semivred: count improved/degraded clients below/above FedAvg's "
                         "median (default) or mean accuracy (the paper's split)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--heart-root", metavar="DIR",
+                        help="aaggff-silo-uci-heart: the folder with the UCI Heart Disease data "
+                        "(processed.{cleveland,hungarian,switzerland,va}.data, or "
+                        "heart_disease_uci.csv); from the UCI Machine Learning Repository, "
+                        "'Heart Disease', CC BY 4.0")
     args = parser.parse_args(argv)
     if args.out and args.save:
         parser.error("--out and --save name two different folders; give one")
@@ -450,12 +501,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.chdir(ROOT)  # the configurations name the heart table relative to the repository
     names = list(EXPERIMENTS) if "all" in args.which else list(dict.fromkeys(args.which))
+    if not args.heart_root and "aaggff-silo-uci-heart" in names:
+        if "all" not in args.which:
+            parser.error("aaggff-silo-uci-heart reads the UCI Heart Disease data: give the "
+                         "folder that holds it with --heart-root DIR")
+        print("skipping aaggff-silo-uci-heart: no --heart-root", file=sys.stderr)
+        names.remove("aaggff-silo-uci-heart")
+    heart_root = str(Path(args.heart_root).resolve()) if args.heart_root else None
     root = Path(args.out) if args.out else (
         ROOT / "bench" / "results" if args.save else ROOT / "runs" / "fairness_papers")
     for name in names:
         spec = copy.deepcopy(EXPERIMENTS[name])
         if args.rounds:
             spec["tree"]["rounds"] = args.rounds
+        if spec["tree"]["data"]["name"] == "heart":
+            spec["tree"]["data"]["root"] = heart_root
         if spec["tree"]["data"]["name"] == "csv":
             ensure_heart_csv()
         if args.tune:

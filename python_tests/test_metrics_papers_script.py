@@ -77,9 +77,50 @@ def test_paired_differences_seed_by_seed(papers):
     other = entry("B", {1: (0.85, 0.40), 0: (0.89, 0.60)})
     text = papers.paired_differences([base, other], "pooled")
     row = next(line for line in text.splitlines() if line.startswith("| B |"))
-    # pooled: +5 and -1 points -> mean +2.0, population std 3.0, ahead on 1 seed, behind on 1
-    assert "+2.0 ± 3.0 [1/1]" in row
-    # worst-10%: +10 and 0 -> +5.0 ± 5.0, ahead on 1, behind on none
-    assert row.endswith("+5.0 ± 5.0 [1/0] |")
+    # pooled: +5 and -1 points -> mean +2.0, sample std 4.24, t(1) = 12.706: half-width
+    # 12.706 * 4.243 / sqrt(2) = 38.1; ahead on 1 seed, behind on 1
+    assert "+2.0 ± 4.2 [-36.1, +40.1] (1/1)" in row
+    # worst-10%: +10 and 0 -> +5.0 ± 7.1 [-58.5, +68.5], ahead on 1, behind on none
+    assert row.endswith("+5.0 ± 7.1 [-58.5, +68.5] (1/0) |")
     flipped = papers.paired_differences([base, other], "pooled", base=1)
-    assert "| A | -2.0 ± 3.0 [1/1]" in flipped
+    assert "| A | -2.0 ± 4.2 [-40.1, +36.1] (1/1)" in flipped
+    # an interval that excludes 0 is bold; one that holds it is not
+    base = entry("A", {0: (0.90, 0.50), 1: (0.80, 0.40), 2: (0.70, 0.30)})
+    third = entry("C", {0: (0.95, 0.55), 1: (0.85, 0.35), 2: (0.751, 0.35)})
+    row = next(line for line in papers.paired_differences([base, third], "pooled").splitlines()
+               if line.startswith("| C |"))
+    assert "| **+5.0 ± 0.1 [+4.9, +5.2]** (3/0) |" in row
+    assert row.endswith("| +1.7 ± 5.8 [-12.7, +16.0] (2/1) |")
+
+
+def test_validation_rows_follow_a_stratified_split(papers):
+    # a stratified run (heart's default) holds out other test rows than a plain split: the
+    # tuning must carve its validation rows out of the run's own training rows
+    tree = {"data": {"name": "digits", "stratify": True}, "model": {"name": "logreg"},
+            "partition": {"kind": "dirichlet", "alpha": 0.3, "num_clients": 12}}
+    dataset = papers.validation_dataset(tree, seed=2)
+    config = from_dict(ExperimentConfig, {**tree, "seed": 2})
+    federation = build_federation(load_dataset(config.data, 12, 2), config.partition,
+                                  config.data.test_fraction, 2, stratify=True)
+    test = _rows(torch.cat([c.test_x for c in federation.clients]))
+    train = _rows(torch.cat([c.train_x for c in federation.clients]))
+    assert _rows(dataset.x) <= train and not _rows(dataset.x) & (test - train)
+
+
+def test_a_learning_rate_at_the_grid_edge_extends_the_grid(papers, monkeypatch, tmp_path):
+    # validation score peaks at lr = 1: the grid {0.01, 0.03, 0.1} must grow upwards
+    import math
+
+    monkeypatch.setattr(papers, "validation_dataset", lambda tree, seed: None)
+    monkeypatch.setattr(papers, "validation_score",
+                        lambda tree, dataset, name, params, criterion, seed:
+                        -abs(math.log(tree["client"]["lr"])))
+    monkeypatch.setattr(papers, "TUNING_DIR", tmp_path)
+    spec = {"tree": {"client": {"lr": 0.1}}, "criterion": "fair", "lr_grid": [0.03, 0.01, 0.1],
+            "methods": [("FedAvg", "fedavg", {}, {})]}
+    result = papers.tune("edge", spec)
+    assert result["lr_grid"] == [0.01, 0.03, 0.1, 0.333, 1.11, 3.7]
+    assert result["lr"] == 1.11
+    # an interior best leaves the grid as written
+    spec["lr_grid"] = [0.3, 1.0, 3.0]
+    assert papers.tune("inside", spec)["lr_grid"] == [0.3, 1.0, 3.0]
