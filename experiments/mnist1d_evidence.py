@@ -3,7 +3,8 @@ each method's learning rate chosen on a validation split (docs/results/*.md repo
 
 MNIST-1D (Greydanus and Kobak 2020) is generated offline and is hard for small models (the
 published CNN reaches 94 %, an MLP 68 %), so unlike the 8x8 digits it leaves room between the
-methods. Every client holds at least 50 test samples. The tables, in order of importance:
+methods. Every client holds at least 50 test samples (``--test-sizes`` counts them, seed by
+seed, without training). The tables, in order of importance:
 
 - ``superfed-clean``: SuPerFed's pathological split (2 classes per client, 50 clients, 5 per
   round) against training alone, FedAvg, FedAvg + fine-tuning, Ditto and APFL;
@@ -37,6 +38,7 @@ stopped::
     python experiments/mnist1d_evidence.py --tables superfed-clean,superfed-noise # some tables
     python experiments/mnist1d_evidence.py --report superfed-clean                # print a table
     python experiments/mnist1d_evidence.py --plot                                 # the figures
+    python experiments/mnist1d_evidence.py --test-sizes    # test samples per client, no training
 
 Writes ``experiments/mnist1d_evidence.json`` and ``experiments/mnist1d_evidence_<family>.png``.
 """
@@ -50,6 +52,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +67,8 @@ from fedkernels.sim.data import load_dataset
 from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.federation import build_federation
 from fedkernels.sim.paired_stats import paired_difference
+from fedkernels.sim.run import prepare_data
+from fedkernels.sim.tabular import DataWarning
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "mnist1d_evidence.json"
@@ -407,14 +412,66 @@ def chosen_lr(results: dict[str, Any], table: str, label: str) -> float | None:
     return results["tables"].get(table, {}).get("lr", {}).get(label)
 
 
+def grid_of(name: str) -> list[float]:
+    """The grid a table's rates were chosen from: its own, or that of the table it reuses."""
+    spec = TABLES[name]
+    return grid_of(spec["lrs_from"]) if spec.get("lrs_from") else spec.get("lr_grid", LR_GRID)
+
+
+def grid_edges(results: dict[str, Any], table: str) -> dict[str, str]:
+    """The methods whose chosen rate is the smallest or largest of its grid ("bottom"/"top"):
+    there the best rate may lie outside what was tried."""
+    grid = grid_of(table)
+    edges = {}
+    for label, lr in results["tables"].get(table, {}).get("lr", {}).items():
+        if math.isclose(lr, max(grid)):
+            edges[label] = "top"
+        elif math.isclose(lr, min(grid)):
+            edges[label] = "bottom"
+    return edges
+
+
+def client_test_sizes(name: str, seeds: list[int] = SEEDS) -> list[dict[str, Any]]:
+    """Test samples per client of a table's federation, seed by seed, built as the test phase
+    builds it (the same data set and :func:`prepare_data` call as the simulation) without
+    training anything."""
+    tree = TABLES[name]["tree"]
+    rows = []
+    for seed in seeds:
+        cfg = config_of({**tree, "seed": seed})
+        with warnings.catch_warnings():  # a single-class test split's AUROC: not asked here
+            warnings.simplefilter("ignore", DataWarning)
+            fed = prepare_data(cfg, torch.device("cpu"), dataset_for(tree)).federation
+        sizes = np.array([c.num_test for c in fed.clients])
+        rows.append({"seed": seed, "clients": len(sizes), "min": int(sizes.min()),
+                     "median": float(np.median(sizes)), "max": int(sizes.max()),
+                     "under_50": int((sizes < 50).sum())})
+    return rows
+
+
+def client_test_sizes_report(names: list[str], seeds: list[int] = SEEDS) -> str:
+    """One row per table: test samples per client, min / median / max, seed by seed."""
+    lines = ["Test samples per client, min / median / max, by seed:", "",
+             "| table | clients | " + " | ".join(f"seed {s}" for s in seeds)
+             + " | clients under 50 (all seeds) |", "|---|---|" + "---|" * (len(seeds) + 1)]
+    for name in names:
+        rows = client_test_sizes(name, seeds)
+        lines.append(f"| {name} | {rows[0]['clients']} | " + " | ".join(
+            f"{r['min']} / {r['median']:g} / {r['max']}" for r in rows)
+            + f" | {sum(r['under_50'] for r in rows)} |")
+    return "\n".join(lines) + "\n"
+
+
 def run_table(name: str, results: dict[str, Any], path: Path) -> None:
     spec = TABLES[name]
-    grid = spec.get("lr_grid", LR_GRID)
+    grid = grid_of(name)
     entry = results["tables"].setdefault(name, {"title": spec["title"], "lr": {},
                                                 "validation": {}})
     entry.update(title=spec["title"], tree=spec["tree"], criterion=spec["criterion"],
                  grid=grid, methods={label: [algo, params]
                                      for label, algo, params in spec["methods"]})
+    if spec.get("lrs_from"):
+        entry["lrs_from"] = spec["lrs_from"]
     cells = results["cells"]
 
     def cell(label, algo, params, phase, seed, lr):
@@ -517,6 +574,11 @@ def report(results: dict[str, Any], table: str) -> str:
                       for label, v in val.items())]
     elif spec.get("lrs_from"):
         lines += ["", f"Learning rates: those chosen for {spec['lrs_from']}."]
+    edges = grid_edges(results, table)
+    if edges:
+        lines += ["", "Chosen at an end of the grid " + ", ".join(f"{v:g}" for v in grid_of(table))
+                  + " (a rate outside it might do better; not tried): " + "; ".join(
+                      f"{label} ({where})" for label, where in edges.items())]
     seconds = sum(c["seconds"] for k, c in results["cells"].items() if k.startswith(table + "|"))
     lines += ["", f"Run time of the table's cells: {seconds / 60:.1f} min (one thread)."]
     return "\n".join(lines) + "\n"
@@ -589,12 +651,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", help="--compare-json: the baseline's label")
     parser.add_argument("--metrics", default="client_accuracy_mean,client_accuracy_worst10",
                         help="--compare-json: comma-separated summary keys")
+    parser.add_argument("--test-sizes", metavar="TABLE", nargs="*",
+                        help="print the test samples per client of these tables' federations "
+                             "(all when none named), seeds 0-4; builds the clients, no training")
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     if args.compare_json:
         print(paired_from_compare(Path(args.compare_json), args.base, args.metrics.split(",")))
         return 0
     torch.set_num_threads(1)
+    if args.test_sizes is not None:
+        unknown = [t for t in args.test_sizes if t not in TABLES]
+        if unknown:
+            parser.error(f"unknown tables {unknown}; choose from {list(TABLES)}")
+        print(client_test_sizes_report(args.test_sizes or list(TABLES)))
+        return 0
     path = Path(args.out)
     results = load(path)
     if args.report is not None:
