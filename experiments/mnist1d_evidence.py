@@ -63,7 +63,7 @@ from fedkernels.algorithms import build_strategy
 from fedkernels.sim import ExperimentConfig, Simulation
 from fedkernels.sim.atomic_files import replacing
 from fedkernels.sim.config import ConfigError, from_dict
-from fedkernels.sim.data import load_dataset
+from fedkernels.sim.data import load_dataset, stratified_split
 from fedkernels.sim.dataset import Dataset
 from fedkernels.sim.federation import build_federation
 from fedkernels.sim.paired_stats import paired_difference
@@ -320,7 +320,8 @@ def validation_dataset(name: str, tree: dict[str, Any], seed: int) -> Dataset:
         cfg = config_of({**tree, "seed": seed})
         fed = build_federation(dataset_for(tree), cfg.partition, cfg.data.test_fraction, seed,
                                0.0, label_noise=cfg.data.label_noise,
-                               noise_rate=cfg.data.noise_rate)
+                               noise_rate=cfg.data.noise_rate,
+                               stratify=stratified_split(cfg.data))
         kept = [c for c in fed.clients if c.num_train >= 2]
         groups = np.repeat(np.arange(len(kept)), [c.num_train for c in kept])
         _VALIDATION[key] = Dataset.from_tensors(
