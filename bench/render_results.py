@@ -122,12 +122,18 @@ def source_line(name: str, key: str | None, env: dict, probes: dict | None = Non
 # ---------------------------------------------------------------- weighted sum
 
 
-def aggregate_block(root: Path, name: str, key: str = "aggregate") -> str:
-    """bench_aggregate.py: every model, dtype and K, the fused call against the alternatives."""
-    run = section(root, name, key)
+def _methods_by_case(run: dict) -> dict[tuple, dict[str, dict]]:
+    """{(model, dtype, K): {method: row}} of a bench_aggregate run."""
     by_case: dict[tuple, dict[str, dict]] = {}
     for row in run["rows"]:
         by_case.setdefault((row["model"], row["dtype"], row["K"]), {})[row["method"]] = row
+    return by_case
+
+
+def aggregate_block(root: Path, name: str, key: str = "aggregate") -> str:
+    """bench_aggregate.py: every model, dtype and K, the fused call against the alternatives."""
+    run = section(root, name, key)
+    by_case = _methods_by_case(run)
     rows = []
     for (model, dtype, k), methods in by_case.items():
         fused, out = methods["fused"], methods.get("fused out=", {})
@@ -479,9 +485,7 @@ def gpu_call_block(root: Path, name: str, key: str = "aggregate") -> str:
     """The op alone (`weighted_sum` into a preallocated model) at the call level, against
     `_foreach` and against `fedkernels.aggregate`, which adds its layout checks."""
     run = section(root, name, key)
-    by_case: dict[tuple, dict[str, dict]] = {}
-    for row in run["rows"]:
-        by_case.setdefault((row["model"], row["dtype"], row["K"]), {})[row["method"]] = row
+    by_case = _methods_by_case(run)
     rows = []
     for (model, dtype, k), methods in by_case.items():
         op = methods.get("op out=")
