@@ -510,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
                          "folder that holds it with --heart-root DIR")
         print("skipping aaggff-silo-uci-heart: no --heart-root", file=sys.stderr)
         names.remove("aaggff-silo-uci-heart")
+    if args.heart_root and not Path(args.heart_root).is_dir():
+        parser.error(f"--heart-root: {args.heart_root} is not a folder")
     heart_root = str(Path(args.heart_root).resolve()) if args.heart_root else None
     root = Path(args.out) if args.out else (
         ROOT / "bench" / "results" if args.save else ROOT / "runs" / "fairness_papers")
