@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 # Loaded on first use: the self-check is large and rarely needed, and fedkernels.private is the
-# former path of fedkernels.privacy.mechanism.
+# deprecated former path of fedkernels.privacy.mechanism (left out of dir(): it warns).
 _LAZY_MODULES = ("selfcheck", "private")
 
 
@@ -105,4 +105,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | {"check", *_LAZY_MODULES})
+    return sorted(set(globals()) | {"check", "selfcheck"})

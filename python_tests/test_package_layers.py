@@ -139,11 +139,17 @@ def test_import_fedkernels_stays_light():
 
 def test_former_module_paths_still_import():
     """The paths the modules had before the privacy/ and integrations/flower/ packages: the
-    same objects, not copies."""
+    same objects, not copies, and a DeprecationWarning naming the new home."""
+    import sys
+
     import fedkernels
     from fedkernels.privacy import mechanism
 
-    assert fedkernels.private.private_aggregate is mechanism.private_aggregate
+    sys.modules.pop("fedkernels.private", None)
+    with pytest.warns(DeprecationWarning, match="fedkernels.privacy.mechanism"):
+        private = importlib.import_module("fedkernels.private")
+    assert private.private_aggregate is mechanism.private_aggregate
+    assert fedkernels.private is private
     assert fedkernels.check is importlib.import_module("fedkernels.selfcheck").check
     pytest.importorskip("flwr")
     pairs = {
@@ -153,7 +159,9 @@ def test_former_module_paths_still_import():
             "DifferentialPrivacyServerSideFixedClipping", "legacy_central_dp"),
     }
     for old, (name, new) in pairs.items():
-        module = importlib.import_module(old)
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} is deprecated"):
+            module = importlib.import_module(old)
         home = importlib.import_module(f"fedkernels.integrations.flower.{new}")
         assert getattr(module, name) is getattr(home, name)
         assert set(module.__all__) <= set(dir(module))
