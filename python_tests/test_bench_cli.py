@@ -7,7 +7,6 @@ repository's bench/results/ is never touched."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import copy_bench
+from script_modules import load_script
 
 from harness.machine import device_name
 
@@ -388,10 +388,7 @@ def test_tests_needing_flwr_or_expecttest_skip_without_them():
 
 
 def _gpu_profile():
-    spec = importlib.util.spec_from_file_location("gpu_profile", BENCH / "gpu_profile.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / "gpu_profile.py")
 
 
 def test_gpu_profile_reads_ncu_raw_csv():

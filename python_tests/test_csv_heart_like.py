@@ -5,7 +5,6 @@ the user, and results.json says what the loader did."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -13,17 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 300
 
 
 def generator():
-    spec = importlib.util.spec_from_file_location("make_heart_like_csv",
-                                                  ROOT / "experiments" / "make_heart_like_csv.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "experiments" / "make_heart_like_csv.py")
 
 
 def read_rows(path):

@@ -3,12 +3,12 @@ training splits only, and the script's method specs are what ``fedkernels compar
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script
 
 from fedkernels.cli.compare import parse_algorithm
 from fedkernels.sim.config import ExperimentConfig, from_dict
@@ -20,11 +20,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "experiments" / "fairness_pape
 
 @pytest.fixture(scope="module")
 def papers():
-    spec = importlib.util.spec_from_file_location("fairness_papers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fairness_papers"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script(SCRIPT, register=True)
     sys.modules.pop("fairness_papers", None)
 
 

@@ -4,12 +4,12 @@ samples per client, which builds the clients without training."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from script_modules import load_script
 
 from fedkernels.sim.dataset import Dataset
 
@@ -19,10 +19,7 @@ SCRIPT = ROOT / "experiments" / "mnist1d_evidence.py"
 
 @pytest.fixture(scope="module")
 def evidence():
-    spec = importlib.util.spec_from_file_location("mnist1d_evidence", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_a_table_that_reuses_rates_records_the_grid_they_came_from(evidence):

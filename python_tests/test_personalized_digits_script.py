@@ -3,18 +3,16 @@ values, SuPerFed-only columns left empty for the others, seed and method filters
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from script_modules import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "personalized_digits.py"
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("personalized_digits", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def run(seed, personal, **summary):

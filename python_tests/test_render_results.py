@@ -3,7 +3,6 @@ the committed bench/results/*.json give, and the check catches a number edited b
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import shutil
 import subprocess
@@ -11,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "render_results.py"
@@ -18,10 +18,7 @@ SCRIPT = ROOT / "bench" / "render_results.py"
 
 @pytest.fixture(scope="module")
 def render():
-    spec = importlib.util.spec_from_file_location("render_results", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 @pytest.fixture
