@@ -5,11 +5,12 @@ results.json equals that of the ``fedkernels run`` command with the same configu
 seed, bit for bit (``assert_same_metrics``: every metric of every round, the summary and the
 per-client table compare with ``==``; only the times differ):
 
-- ``TestLocalDeployment``: SuPerFed-MM, SuPerFed-LM, AAggFF-S, AAggFF-D, FedAU, FedGO and
-  FedEvg, each a ``flwr run`` against ONE deployment started for all seven (a SuperLink and
-  two SuperNodes, ``--insecure`` on 127.0.0.1); the seven runs are submitted together, so
-  that one run's ClientApp start-ups overlap another's waits;
-- ``TestSimulationEngine``: the same seven runs, one after the other, against ONE SuperLink
+- ``TestLocalDeployment``: SuPerFed-MM, SuPerFed-LM and AAggFF-D, each a ``flwr run`` against
+  ONE deployment started for the three (a SuperLink and two SuperNodes, ``--insecure`` on
+  127.0.0.1); the runs are submitted together, so that one run's ClientApp start-ups overlap
+  another's waits;
+- ``TestSimulationEngine``: all seven seed methods (AAggFF-S, FedAU, FedGO and FedEvg too),
+  one after the other, against ONE SuperLink
   in simulation mode (Flower's simulation engine, Ray: two simulated SuperNodes); skipped
   where Ray is not installed (``pip install "flwr[simulation]"``);
 - ``test_a_supernode_killed_mid_round``: FedAU on three SuperNodes, one killed while its
@@ -26,8 +27,8 @@ one torch thread; the deployment's processes and the reference get one thread to
 their sums round alike (on two threads a personalized ECE came out 3e-11 apart).
 
 Every ClientApp of a deployment is a process of its own (per message, one message at a time
-per SuperNode) that imports torch and loads the data: on two busy cores the seven deployment
-runs take two to three minutes together, the seven simulation-engine runs about 12-15 s
+per SuperNode) that imports torch and loads the data: on two busy cores the three deployment
+runs take about a minute and a half together, the seven simulation-engine runs about 12-15 s
 each, the killed SuperNode about a minute and a half.
 """
 
@@ -87,6 +88,11 @@ ADDED_KEYS = {"participation.kind": "full", "participation.fraction": 0.1,
               "superfed-lm.local_init": "independent", "fedgo.disc_epochs": 10,
               "fedgo.server_epochs": 2, "fedevg.spc": 10}
 DEADLINE_S = 900
+# A deployment starts a process per ClientApp message (a torch import each), so it runs the
+# methods whose deployment path differs from the simulation engine's: client state kept in
+# the SuperNode's context between rounds (SuPerFed) and nodes left out of a round (AAggFF-D);
+# FedAU runs on a deployment in test_a_supernode_killed_mid_round.
+DEPLOYMENT_METHODS = ("superfed-mm", "superfed-lm", "aaggff-d")
 
 
 def _run_config(values: dict) -> str:
@@ -204,7 +210,7 @@ def reference(cases, tmp_path_factory):
 
 
 class TestLocalDeployment:
-    """Seven ``flwr run`` against one SuperLink and two SuperNodes."""
+    """``flwr run`` of each of DEPLOYMENT_METHODS against one SuperLink and two SuperNodes."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -214,13 +220,12 @@ class TestLocalDeployment:
         deployment.env["OMP_NUM_THREADS"] = "1"  # the nodes' ClientApps and the ServerApps
         try:
             deployment.start_superlink_and_nodes()
-            paths = {name: deployment.submit(name, app, overrides)
-                     for name, (app, overrides) in cases.items()}
+            paths = {name: deployment.submit(name, *cases[name]) for name in DEPLOYMENT_METHODS}
             yield deployment, paths
         finally:
             deployment.stop()
 
-    @pytest.mark.parametrize("name", list(METHODS))
+    @pytest.mark.parametrize("name", DEPLOYMENT_METHODS)
     def test_matches_fedkernels_run(self, deployment, reference, name):
         runs, paths = deployment
         result = runs.result(name, paths[name])
