@@ -270,3 +270,60 @@ def test_torch_stream_restores_the_callers_generator():
         assert torch.equal(torch.rand(3), first)
         raise RuntimeError
     assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 0.0), (0.0, 1e-3), (0.5, 5e-4)])
+def test_local_sgd_is_torch_sgd_bit_for_bit(foreach, momentum, weight_decay):
+    """LocalSGD against torch.optim.SGD with the same path (per tensor, as on the CPU, or the
+    foreach kernels of other devices), over steps at two learning rates, a parameter without
+    a gradient and a buffer reset between two clients."""
+    from fedkernels.sim.client import LocalSGD
+
+    gen = torch.Generator().manual_seed(0)
+    start = [torch.randn(5, 3, generator=gen), torch.randn(3, generator=gen),
+             torch.randn(2, generator=gen, dtype=torch.float64)]
+    ours = [p.clone().requires_grad_() for p in start]
+    theirs = [p.clone().requires_grad_() for p in start]
+    sgd = LocalSGD(ours, momentum, weight_decay)
+    sgd.foreach = foreach
+    for client in range(2):
+        reference = torch.optim.SGD(theirs, lr=0.1, momentum=momentum, weight_decay=weight_decay,
+                                    foreach=foreach)
+        sgd.reset()
+        for step in range(4):
+            lr = 0.1 if step < 2 else 0.03
+            reference.param_groups[0]["lr"] = lr
+            grads = [torch.randn(p.shape, generator=gen, dtype=p.dtype) for p in start]
+            for params in (ours, theirs):
+                for i, (p, g) in enumerate(zip(params, grads)):
+                    p.grad = None if (i == 2 and step == 1) else g.clone()
+            sgd.step(lr)
+            reference.step()
+            for a, b in zip(ours, theirs):
+                assert torch.equal(a, b), (client, step)
+
+
+def test_sequential_training_does_not_import_dynamo():
+    """The first torch.optim optimizer of a process imports torch._dynamo (seconds on a small
+    machine); a sequential client's training builds none."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from fedkernels.algorithms import FedAvg\n"
+        "from fedkernels.sim import ClientConfig\n"
+        "from fedkernels.sim.client import LocalTrainer\n"
+        "from fedkernels.sim.federation import ClientData\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))\n"
+        "x, y = torch.randn(20, 4), torch.randint(0, 3, (20,))\n"
+        "import numpy as np\n"
+        "rows = np.arange(20)\n"
+        "data = ClientData(x, y, x, y, rows, rows)\n"
+        "trainer = LocalTrainer(model, ClientConfig(momentum=0.9, batch_size=8), FedAvg(), seed=0)\n"
+        "trainer.train(model.state_dict(), data, 0, 0)\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
