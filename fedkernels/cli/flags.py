@@ -140,6 +140,9 @@ class Parser(ArgumentParser):
         normalized, given = self.normalize(argv)
         self.given = given
         namespace = self.parse_args(normalized, namespace=namespace)
+        for dest, text in given.items():
+            if isinstance(namespace.get(dest), int):  # quoted as given when out of range
+                convert(text, self.field_types[dest], self.shown_key(dest))
         return namespace, {dest: namespace.get(dest) for dest in given}
 
     def explain(self, message: str, given: Mapping[str, Any] | None = None) -> str:
@@ -229,6 +232,11 @@ def _describe(parser: Parser, cls: type, prefix: str, hidden: bool) -> None:
             action.nargs, action.const, action.metavar = "?", True, "BOOL"
         elif _listed(tp):
             action.metavar = "A,B,..."
+            # jsonargparse's --FIELD+ (append to the list) still parses, but is not listed
+            action.option_strings = [o for o in action.option_strings if not o.endswith("+")]
+        elif get_origin(tp) is not Literal:  # INT, not --eval_every EVAL_EVERY: shorter help
+            inner = next((a for a in get_args(tp) if a is not type(None)), tp)
+            action.metavar = "BOOL" if inner is bool else getattr(inner, "__name__", "VALUE").upper()
 
 
 def add_config_flags(parser: Parser, *, skip: Sequence[str] = (), hidden: bool = False) -> None:
