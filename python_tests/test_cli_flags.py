@@ -76,6 +76,28 @@ def test_flag_errors_are_one_line(capsys, argv, message):
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--data.name", "digts"], "data.name: 'digts' is not one of: digits, "),
+    (["--participation.kind", "unifrom"], "; did you mean uniform?"),
+    (["--algorithm", "fedprx"], "did you mean fedprox?"),
+])
+def test_misspelled_values_name_the_closest_one(capsys, argv, message):
+    assert main(["run", *argv]) == 2
+    assert message in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, hidden, vmap", [
+    (["--model.hidden", "64,32", "--vmap"], [64, 32], True),
+    (["--model.hidden", "[64, 32]", "--vmap", "1"], [64, 32], True),
+    (["--model.hidden=48", "--vmap=no"], [48], False),
+])
+def test_lists_and_booleans_as_users_write_them(capsys, argv, hidden, vmap):
+    assert main(["run", *argv, "--print_config"]) == 0
+    text = capsys.readouterr().out
+    assert f"hidden: {hidden}" in text.replace("\n", " ")
+    assert ("vmap: true" in text) == vmap
+
+
 def test_compare_refuses_abbreviations_too(capsys):
     assert main(["compare", "--algorithms", "fedavg", "--seed", "0"]) == 2
     assert "did you mean --seeds?" in one_line_error(capsys, "compare")

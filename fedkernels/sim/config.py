@@ -3,9 +3,11 @@
 A YAML/JSON file and the CLI map onto them one to one: the file's top-level keys are the fields
 of :class:`ExperimentConfig`, each section (``data``, ``partition``, ``participation``, ``model``,
 ``client``, ``server``) is a nested mapping, and a CLI flag ``--section.field VALUE`` sets one
-field (``--rounds`` and the other top-level scalars have no section). Every value goes through
-:func:`from_dict`, which converts strings from the command line to the field's type and rejects
-unknown keys; every dataclass checks its ranges in ``__post_init__``. All problems raise
+field (``--rounds`` and the other top-level scalars have no section); jsonargparse derives the
+flags from these classes (:mod:`fedkernels.cli.flags`). Every tree goes through
+:func:`from_dict`, which converts values (strings too, as Python callers and sweeps give them)
+to the field's type and rejects unknown keys; every dataclass checks its ranges in
+``__post_init__``. All problems raise
 :class:`ConfigError`, which the CLI reports as a usage error (exit code 2).
 """
 
