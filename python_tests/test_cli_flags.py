@@ -86,6 +86,17 @@ def test_misspelled_values_name_the_closest_one(capsys, argv, message):
     assert message in one_line_error(capsys)
 
 
+def test_a_flag_given_twice_keeps_its_last_value(capsys):
+    """argparse's rule: the last value wins, and only that one is read (an earlier bad value is
+    not an error, and an error names the value it is about)."""
+    assert main(["run", "--rounds", "x", "--rounds", "3", "--vmap", "--vmap", "0",
+                 "--print_config"]) == 0
+    text = capsys.readouterr().out
+    assert "rounds: 3" in text and "vmap: false" in text
+    assert main(["run", "--rounds", "3", "--rounds", "x"]) == 2
+    assert "rounds: expected an integer, got 'x'" in one_line_error(capsys)
+
+
 @pytest.mark.parametrize("argv, hidden, vmap", [
     (["--model.hidden", "64,32", "--vmap"], [64, 32], True),
     (["--model.hidden", "[64, 32]", "--vmap", "1"], [64, 32], True),

@@ -79,8 +79,9 @@ class Parser(ArgumentParser):
     def normalize(self, argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
         """``argv`` in jsonargparse's spelling, and each configuration flag's value as given
         (dest -> text, for error messages). Users write lists as ``A,B`` (or one value) and
-        booleans as ``1``/``0`` too, where jsonargparse reads YAML (``[A, B]``, ``true``)."""
-        out: list[str] = []
+        booleans as ``1``/``0`` too, where jsonargparse reads YAML (``[A, B]``, ``true``).
+        A flag given twice keeps its last value, as argparse does, and only that one is parsed."""
+        out: list[str | tuple[str, list[str]]] = []  # tokens, and (dest, tokens) of a flag
         given: dict[str, str] = {}
         tokens = list(argv)
         i = 0
@@ -98,15 +99,22 @@ class Parser(ArgumentParser):
                                          and not _NEGATIVE_NUMBER.match(following)):
                     if action.nargs == "?":  # a bare boolean flag: true
                         given[action.dest] = "true"
-                    out.append(token)  # else the error of a missing value
+                    out.append((action.dest, [token]))  # else the error of a missing value
                     i += 1
                     continue
                 value = following
                 i += 1
             given[action.dest] = value
-            out += [flag, self._spelled(value, self.field_types[action.dest])]
+            out.append((action.dest, [flag, self._spelled(value, self.field_types[action.dest])]))
             i += 1
-        return out, given
+        last = {item[0]: n for n, item in enumerate(out) if isinstance(item, tuple)}
+        tokens_out: list[str] = []
+        for n, item in enumerate(out):
+            if isinstance(item, str):
+                tokens_out.append(item)
+            elif last[item[0]] == n:
+                tokens_out += item[1]
+        return tokens_out, given
 
     def file_value(self, dest: str, value: Any) -> Any:
         """A file's ``value`` for the flag ``dest`` as the flag would read it: one number, or
