@@ -21,11 +21,16 @@ import sys
 
 
 def _started_by_the_command() -> bool:
-    """Whether this process is the ``fedkernels`` console script. It imports what each command
+    """Whether this process is the ``fedkernels`` console script (or ``python -m
+    fedkernels.cli``). It imports what each command
     needs itself, so ``import fedkernels`` there leaves torch and the ops until first use:
     ``fedkernels --help`` and ``--version`` answer without torch's seconds of import."""
     script = getattr(sys.modules.get("__main__"), "__file__", None) or ""
-    return os.path.basename(script) in ("fedkernels", "fedkernels.exe", "fedkernels-script.py")
+    if os.path.basename(script) in ("fedkernels", "fedkernels.exe", "fedkernels-script.py"):
+        return True
+    argv = getattr(sys, "orig_argv", [])  # python -m fedkernels.cli, the same command
+    return any(a == "-m" and b in ("fedkernels.cli", "fedkernels.cli.__main__")
+               for a, b in zip(argv, argv[1:]))
 
 
 def _load() -> None:

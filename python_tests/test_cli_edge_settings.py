@@ -212,19 +212,21 @@ def test_simplex_projection_of_huge_values():
                                              ("-.5", -0.5), ("-2", -2.0)])
 def test_negative_numbers_with_exponents_are_values(value, expected):
     # argparse took "-1e-3" for a flag: "argument --term.tilt: expected one argument"
+    from fedkernels.cli.flags import parse_layers
     from fedkernels.cli.run import build_parser, resolve_config
 
-    args = build_parser("term").parse_strict(["--algorithm", "term", "--term.tilt", value])
-    config = resolve_config(args)
+    argv = ["--algorithm", "term", "--term.tilt", value]
+    config = resolve_config(parse_layers(build_parser("term"), argv, algorithm="term")[1])
     assert build_strategy("term", config.algorithm_params).config.tilt == expected
 
 
 def test_negative_infinity_gets_the_finite_number_message():
-    from fedkernels.cli.run import build_parser, resolve_config
+    from fedkernels.cli.flags import parse_layers
+    from fedkernels.cli.run import build_parser
 
-    args = build_parser("term").parse_strict(["--algorithm", "term", "--term.tilt", "-inf"])
+    argv = ["--algorithm", "term", "--term.tilt", "-inf"]
     with pytest.raises(ConfigError, match="term.tilt: expected a finite number"):
-        build_strategy("term", resolve_config(args).algorithm_params)
+        parse_layers(build_parser("term"), argv, algorithm="term")
 
 
 def test_large_q_gives_finite_weights():

@@ -76,6 +76,39 @@ def test_flag_errors_are_one_line(capsys, argv, message):
     assert message in one_line_error(capsys)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--data.name", "digts"], "data.name: 'digts' is not one of: digits, "),
+    (["--participation.kind", "unifrom"], "; did you mean uniform?"),
+    (["--algorithm", "fedprx"], "did you mean fedprox?"),
+])
+def test_misspelled_values_name_the_closest_one(capsys, argv, message):
+    assert main(["run", *argv]) == 2
+    assert message in one_line_error(capsys)
+
+
+def test_a_flag_given_twice_keeps_its_last_value(capsys):
+    """argparse's rule: the last value wins, and only that one is read (an earlier bad value is
+    not an error, and an error names the value it is about)."""
+    assert main(["run", "--rounds", "x", "--rounds", "3", "--vmap", "--vmap", "0",
+                 "--print_config"]) == 0
+    text = capsys.readouterr().out
+    assert "rounds: 3" in text and "vmap: false" in text
+    assert main(["run", "--rounds", "3", "--rounds", "x"]) == 2
+    assert "rounds: expected an integer, got 'x'" in one_line_error(capsys)
+
+
+@pytest.mark.parametrize("argv, hidden, vmap", [
+    (["--model.hidden", "64,32", "--vmap"], [64, 32], True),
+    (["--model.hidden", "[64, 32]", "--vmap", "1"], [64, 32], True),
+    (["--model.hidden=48", "--vmap=no"], [48], False),
+])
+def test_lists_and_booleans_as_users_write_them(capsys, argv, hidden, vmap):
+    assert main(["run", *argv, "--print_config"]) == 0
+    text = capsys.readouterr().out
+    assert f"hidden: {hidden}" in text.replace("\n", " ")
+    assert ("vmap: true" in text) == vmap
+
+
 def test_compare_refuses_abbreviations_too(capsys):
     assert main(["compare", "--algorithms", "fedavg", "--seed", "0"]) == 2
     assert "did you mean --seeds?" in one_line_error(capsys, "compare")
@@ -93,7 +126,7 @@ def test_help_shows_the_chosen_algorithm_only_with_one_default_each():
     assert "--partition.alpha" in text and "--client.lr" in text and "--rounds" in text
     assert "fedkernels run --algorithm NAME --help" in text
     assert "--fedprox.mu" not in default.stdout and "--fedevg." not in default.stdout
-    assert len(default.stdout.splitlines()) < 270  # a dozen of them list the models' sizes
+    assert len(default.stdout.splitlines()) < 271  # a dozen list the models' sizes; --version
 
     chosen = fedkernels("run", "--algorithm", "fedevg", "--help")
     assert_success(chosen)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from cli_process import assert_success, fedkernels
@@ -53,6 +56,23 @@ def test_help_and_version_answer_without_torch(tmp_path):
         assert "Traceback" not in done.stderr
     assert "--fedprox.mu" in fedkernels("run", "--algorithm", "fedprox", "--help",
                                         PYTHONPATH=str(blocker)).stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["run", "--help"], ["run", "--algorithm", "fedprox", "--help"],
+                                  ["compare", "--help"], ["run", "--version"]])
+def test_help_imports_neither_torch_nor_numpy(argv):
+    # python -m fedkernels.cli as the console script: the modules it imported, from importtime
+    # (compare's tables import numpy; torch is what costs seconds)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "fedkernels.cli", *argv],
+                          cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "fedkernels.cli.flags" in imported or argv[-1] == "--version"
+    heavy = ("torch",) if argv[0] == "compare" else ("torch", "numpy")
+    assert not {m for m in imported if m.split(".")[0] in heavy}
 
 
 def test_version(capsys):

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from .parsing import one_line
+from .parsing import missing_extra, one_line
 
 # command -> (one line of help, the module whose main takes the arguments after the command's
 # name); a command's module is imported only when it is chosen, so that --help and --version
@@ -51,11 +51,18 @@ def _usage() -> str:
 def _run_command(command: str, rest: list[str]) -> int:
     """Runs a command; what its own checks did not foresee from the system (a folder it may
     not enter, a size that does not fit in memory) is still a one-line error, exit status 2."""
-    if not any(flag in rest for flag in HELP_FLAGS):
+    if not any(flag in rest for flag in (*HELP_FLAGS, "--version")):
         import fedkernels
 
         fedkernels._ensure_loaded()  # a command that computes: the package as an import gives it
-    module = importlib.import_module(f".{COMMANDS[command][1]}", __name__)
+    try:
+        module = importlib.import_module(f".{COMMANDS[command][1]}", __name__)
+    except ModuleNotFoundError as err:  # jsonargparse, of the sim extra
+        problem = missing_extra(err)
+        if problem is None:
+            raise
+        print(f"fedkernels {command}: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return module.main(rest)
     except MemoryError as err:  # NumPy's allocation errors too

@@ -1,41 +1,28 @@
 """The built-in algorithms' command-line options, saved so that ``fedkernels run --help``
 lists them without importing the algorithms (and with them torch, seconds of start-up).
 
-``algorithm_options.json`` beside this module holds, per built-in algorithm, each parameter's
-flag options as :func:`~fedkernels.cli.parsing.field_options` makes them from the algorithm's
-``config_class`` (``null``: no parameters). Only help reads it; a run parses its flags from
-the algorithms themselves. ``python_tests/test_cli_startup.py`` checks it against them;
-after changing an algorithm's parameters, write it again::
+``algorithm_options.json`` beside this module holds, per built-in algorithm, each parameter of
+its ``config_class`` as ``[name, type, default, help]`` (``null``: no parameters), from which
+:func:`~fedkernels.cli.flags.saved_class` rebuilds the class for jsonargparse. Only help reads
+it; a run parses its flags from the algorithms themselves. ``python_tests/test_cli_startup.py``
+checks it against them; after changing an algorithm's parameters, write it again::
 
     python -m fedkernels.cli.algorithm_options
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from .parsing import field_options
-
 SAVED = Path(__file__).with_name("algorithm_options.json")
 # fedkernels.algorithms.registry.ENTRY_POINT_GROUP, which cannot be imported without torch
 ENTRY_POINT_GROUP = "fedkernels.algorithms"
 
-# name -> [[field, add_argument options], ...], or None for an algorithm without parameters
+# name -> [[field, type, default, help], ...], or None for an algorithm without parameters
 Options = dict[str, "list[list[Any]] | None"]
-
-
-def describe(config_class: type | None) -> list[list[Any]] | None:
-    """The flag options of each field of an algorithm's ``config_class``."""
-    if config_class is None:
-        return None
-    from fedkernels.sim.config import field_types
-
-    types = field_types(config_class)
-    return [[f.name, field_options(f, types[f.name])] for f in dataclasses.fields(config_class)]
 
 
 def live(names: list[str] | None = None) -> Options:
@@ -43,6 +30,8 @@ def live(names: list[str] | None = None) -> Options:
     from their classes (imports them, and torch)."""
     import fedkernels.algorithms  # noqa: F401  (registers the built-in algorithms)
     from fedkernels.algorithms.registry import registered, strategy_class
+
+    from .flags import describe
 
     if names is None:
         names = [n for n in registered()

@@ -58,8 +58,8 @@ from .compare_tables import (
     seed_statistics,
 )
 from .config_file import load_config_file
+from .flags import HelpFormatter, Parser, add_algorithm_flags, add_config_flags
 from .parsing import (
-    Parser,
     algorithm_name,
     check_writable,
     data_warnings,
@@ -411,9 +411,10 @@ def plan_algorithms(algorithms: list[str], seeds: list[int],
 
 
 def plan_sweep(base: dict[str, Any], sweeps: list[tuple[str, list[str]]],
-               seeds: list[int]) -> list[Planned]:
+               seeds: list[int], file_tree: dict[str, Any] | None = None) -> list[Planned]:
     """Every combination of the swept values for every seed, on the base flags ``base``
-    (argparse destinations of ``fedkernels run``'s configuration flags)."""
+    (``fedkernels run``'s configuration flags, ``{"partition.alpha": 0.3}``) over the
+    ``--config`` file's tree ``file_tree``."""
     from fedkernels.algorithms.registry import strategy_class
 
     from .run import resolve_config
@@ -423,13 +424,18 @@ def plan_sweep(base: dict[str, Any], sweeps: list[tuple[str, list[str]]],
     plans = []
     for combo in combos:
         flags = {**base, **{key: value for (key, _), value in zip(sweeps, combo)}}
-        algorithm = strategy_class(algorithm_name(flags.get("algorithm", "fedavg"))).name
+        tree = json.loads(json.dumps(file_tree or {}))
+        chosen = flags.get("algorithm", tree.get("algorithm", "fedavg"))
+        algorithm = strategy_class(algorithm_name(str(chosen))).name
         algorithms_used.add(algorithm)
-        # an algorithm's flags apply to that algorithm's runs only
-        own = {k: v for k, v in flags.items()
-               if "." not in k or k.split(".", 1)[0] in SECTIONS
-               or k.split(".", 1)[0] == algorithm}
-        config = resolve_config(argparse.Namespace(**{"config": None, **own}))
+        for key, value in flags.items():
+            head, _, param = key.partition(".")
+            if param and head not in SECTIONS:
+                if head == algorithm:  # an algorithm's flags apply to its runs only
+                    tree.setdefault("algorithm_params", {})[param] = value
+                continue
+            set_dotted(tree, key, value)
+        config = resolve_config(tree)
         label = ", ".join((_text(value) if key == "algorithm" else f"{key}={value}")
                           for (key, _), value in zip(sweeps, combo)) or algorithm
         plans += [Planned(label, seed, dataclasses.replace(config, seed=seed), "")
@@ -628,16 +634,9 @@ def compare(
 
 # ---------------------------------------------------------------- the command line
 
-_COMPARE_OPTIONS = {"runs", "algorithms", "set", "sweep", "seeds", "config", "out", "resume",
-                    "overwrite", "title", "threads", "reference", "reference_split", "no_plots",
-                    "no_progress"}
-
-
 def build_parser(help_only: bool = False) -> Parser:
     """``fedkernels compare``'s parser: its own options, and every configuration flag of
     ``fedkernels run`` (not listed; ``help_only``: from the saved algorithm options)."""
-    from .algorithm_options import live, saved
-
     parser = Parser(
         prog="fedkernels compare",
         usage="%(prog)s RUN_DIR... [--out DIR]\n"
@@ -650,11 +649,12 @@ def build_parser(help_only: bool = False) -> Parser:
         "--fedprox.mu, ...; see fedkernels run --help) sets the base of a sweep's runs; an "
         "algorithm's flag applies to its runs. The older spelling --algorithms "
         "NAME[:key=value;...][@label],... with --set KEY=VALUE still works.",
+        formatter_class=CompareHelpFormatter,
     )
     parser.add_argument("runs", nargs="*", metavar="RUN_DIR",
                         help="finished runs: folders holding results.json, or folders and globs "
                         "searched for them")
-    parser.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+    parser.add_argument("--sweep", action="append", metavar="KEY=V1,V2",
                         help="run every value of KEY (any configuration key: algorithm, "
                         "client.lr, fedprox.mu, ...; a list value in brackets, [64,64]); "
                         "repeat for a grid")
@@ -680,13 +680,24 @@ def build_parser(help_only: bool = False) -> Parser:
                         "accuracy (the Semi-VRed paper's 'suffering' clients are below the mean)")
     parser.add_argument("--config", metavar="FILE", help="YAML/JSON base configuration")
     parser.add_argument("--algorithms", help=argparse.SUPPRESS)
-    parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
-    from .run import add_config_arguments
-
-    options = saved() if help_only else live()
+    parser.add_argument("--set", action="append", help=argparse.SUPPRESS)
     # --seed is --seeds here; a misspelled --seed gets that hint
-    add_config_arguments(parser, "", options, hidden=True, skip=("seed",))
+    add_config_flags(parser, skip=("seed",), hidden=True)
+    if help_only:  # the help lists none of them
+        return parser
+    import fedkernels.algorithms  # noqa: F401  (registers the built-in algorithms)
+    from fedkernels.algorithms.registry import registered, strategy_class
+
+    for name in registered():
+        add_algorithm_flags(parser, name, strategy_class(name).config_class, hidden=True)
     return parser
+
+
+class CompareHelpFormatter(HelpFormatter):
+    """The epilog wrapped (the run's help lays its own out)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
 def _fail(message: object) -> int:
@@ -702,12 +713,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser(help_only=any(f in argv for f in ("-h", "--help")))
         try:
-            args = parser.parse_strict(argv)
+            args, given = parser.parse_given(argv)
         except SystemExit as done:  # --help
             return done.code if isinstance(done.code, int) else 0
+        args.sweep, args.set = args.sweep or [], args.set or []
         if args.threads is not None:
             set_threads(args.threads)
-        base = {k: v for k, v in vars(args).items() if k not in _COMPARE_OPTIONS}
+        base = {parser.shown_key(dest): value for dest, value in given.items()}
         sweep_mode = bool(args.sweep or args.algorithms or base or args.set or args.config
                           or args.seeds)
         if not args.runs and not sweep_mode:
@@ -737,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         seeds = parse_seeds(args.seeds or DEFAULT_SEEDS)
         sweeps = parse_sweep(args.sweep)
-        keys = [a.dest for a in parser._actions if a.dest not in _COMPARE_OPTIONS | {"help"}]
+        keys = [parser.shown_key(dest) for dest in parser.field_types]
         for key, _ in sweeps:
             if key not in keys:
                 close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
@@ -754,9 +766,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.set:
                 raise ConfigError("--set goes with --algorithms (the older spelling); with "
                                   "--sweep, give run's flags: --partition.alpha 0.3")
-            if args.config:
-                base["config"] = args.config
-            plans = plan_sweep(base, sweeps, seeds)
+            file_tree = load_config_file(args.config) if args.config else None
+            plans = plan_sweep(base, sweeps, seeds, file_tree)
         if args.reference is not None:
             labels = list(dict.fromkeys(p.label for p in plans))
             names = {p.label: p.tree["algorithm"] for p in plans}

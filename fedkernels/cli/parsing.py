@@ -1,26 +1,23 @@
-"""What the commands share about their command lines: argparse errors as one line with a hint,
-one-line error reports, and the check that the optional ``sim`` extra is installed."""
+"""What the commands share about their command lines: one-line error reports, the check that
+the optional ``sim`` extra is installed, algorithm names, writable folders. (The configuration's
+flags are :mod:`.flags`, which imports jsonargparse: only ``run`` and ``compare`` need it.)"""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
 import difflib
 import importlib
-import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
 
 from fedkernels.sim.config import ConfigError
 
 SIM_EXTRA_INSTALL = 'pip install "fedkernels[sim]"'
 # import names of the packages of the ``sim`` extra (pyproject.toml)
-SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "pandas", "matplotlib", "yaml"})
+SIM_EXTRA_MODULES = frozenset({"tqdm", "sklearn", "pandas", "matplotlib", "yaml", "jsonargparse"})
 MAX_THREADS = 1024  # --threads: torch's thread pool size, far above any CPU's core count
 
 
@@ -35,62 +32,6 @@ def set_threads(threads: int) -> None:
 
 class UsageError(ConfigError):
     """A malformed command line (unknown flag, missing value), reported like a bad value."""
-
-
-_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
-                              re.IGNORECASE)
-
-
-class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` without abbreviated flags whose errors are exceptions, so that the
-    command prints them as its own one-line message."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-        # argparse takes only -1 and -1.5 for negative numbers, so "--term.tilt -1e-3" was
-        # "expected one argument"; exponents and -inf/-nan (refused by the value check, with
-        # its own message) are values too
-        self._negative_number_matcher = _NEGATIVE_NUMBER
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        raise UsageError(message)
-
-    def parse_strict(self, argv: Sequence[str]) -> argparse.Namespace:
-        """``parse_args`` whose leftover arguments name the closest known flag."""
-        args, extras = self.parse_known_args(list(argv))
-        if extras:
-            raise UsageError(self.unrecognized(extras[0]))
-        return args
-
-    def unrecognized(self, token: str) -> str:
-        if not token.startswith("-"):
-            return f"unexpected argument {token!r} (a flag takes one value; lists are A,B,...)"
-        flag = token.split("=", 1)[0]
-        known = [s for action in self._actions for s in action.option_strings]
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        return f"unrecognized argument {flag}{hint}"
-
-
-def field_options(f: dataclasses.Field, tp: Any) -> dict[str, Any]:
-    """``add_argument``'s help, metavar (and, for a boolean, its optional value) for a config
-    field whose type is ``tp``: values stay strings until :func:`from_dict` converts them."""
-    help_text = f.metadata.get("help", "")
-    if "(default:" not in help_text:  # some fields describe their default in words
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        help_text = f"{help_text} (default: {default})"
-    options: dict[str, Any] = {"help": help_text}
-    inner = [a for a in get_args(tp) if a is not type(None)] or [tp]
-    if get_origin(tp) is Literal:
-        options["metavar"] = "{" + ",".join(map(str, get_args(tp))) + "}"
-    elif tp is bool:
-        options.update(nargs="?", const="true", metavar="BOOL")
-    elif get_origin(tp) is list or get_origin(inner[0]) is list:
-        options["metavar"] = "A,B,..."
-    else:
-        options["metavar"] = getattr(inner[0], "__name__", "VALUE").upper()
-    return options
 
 
 def one_line(message: object) -> str:

@@ -1,11 +1,12 @@
 """``fedkernels run``: one federated experiment.
 
-Its flags map one to one onto :class:`fedkernels.sim.config.ExperimentConfig`: top-level fields
-are ``--rounds``, ``--seed``, ...; section fields are ``--section.field``
-(``--partition.alpha 0.3``); the chosen algorithm's parameters are ``--<algorithm>.<field>``
-(``--fedprox.mu 0.01``). ``--config FILE`` reads the same tree from YAML or JSON first; flags
-override it. The output folder receives ``config.json``, ``checkpoint.pt`` (after every
-``checkpoint_every`` rounds), ``results.json`` and two PNG plots; ``--resume`` continues from the
+Its flags map one to one onto :class:`fedkernels.sim.config.ExperimentConfig` (jsonargparse
+derives them, :mod:`.flags`): top-level fields are ``--rounds``, ``--seed``, ...; section fields
+are ``--section.field`` (``--partition.alpha 0.3``); the chosen algorithm's parameters are
+``--<algorithm>.<field>`` (``--fedprox.mu 0.01``). ``--config FILE`` reads the same tree from
+YAML or JSON first; flags override it; ``--print_config`` prints the tree they resolve to.
+The output folder receives ``config.json``, ``checkpoint.pt`` (after every ``checkpoint_every``
+rounds), ``results.json`` and two PNG plots; ``--resume`` continues from the
 checkpoint there, and a folder that already holds a run is replaced only with ``--overwrite``.
 
 ``--algorithm`` also takes ``package.module:Class`` and the names of installed plugins (entry
@@ -38,27 +39,21 @@ from typing import Any
 
 from fedkernels.sim.atomic_files import remove_leftovers, write_text
 from fedkernels.sim.config import (
-    SECTIONS,
     ConfigError,
     ExperimentConfig,
     applicable_dict,
-    field_types,
     from_dict,
-    set_dotted,
     unread_settings,
 )
 
-from .algorithm_options import ENTRY_POINT_GROUP, describe, known_names
-from .algorithm_options import live as live_options
+from .algorithm_options import ENTRY_POINT_GROUP, known_names
 from .algorithm_options import saved as saved_options
 from .config_file import load_config_file
+from .flags import Parser, add_algorithm_flags, add_config_flags, parse_layers, saved_class
 from .parsing import (
-    Parser,
-    UsageError,
     algorithm_name,
     check_writable,
     data_warnings,
-    field_options,
     missing_extra,
     one_line,
     require_extra,
@@ -92,13 +87,6 @@ RUN_MARKERS = (RESULTS_NAME, CHECKPOINT_NAME)
 DEFAULT_ALGORITHM = "fedavg"
 
 
-def _add_field(group: argparse._ActionsContainer, flag: str, options: dict[str, Any],
-               hidden: bool = False) -> None:
-    """One ``--flag VALUE`` for a config field (:func:`~.parsing.field_options`)."""
-    options = {**options, "help": argparse.SUPPRESS if hidden else options["help"]}
-    group.add_argument(f"--{flag}", dest=flag, default=argparse.SUPPRESS, **options)
-
-
 def _epilog(chosen: str, names: list[str]) -> str:
     listed = textwrap.fill(", ".join(names), width=76, initial_indent="  ",
                            subsequent_indent="  ")
@@ -111,26 +99,38 @@ def _epilog(chosen: str, names: list[str]) -> str:
     )
 
 
+class _Version(argparse.Action):
+    """``--version``: the line of ``fedkernels --version`` (git is asked only when given)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from . import version_line
+
+        print(version_line())
+        parser.exit()
+
+
 def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) -> Parser:
-    """The parser of ``fedkernels run`` whose help shows ``algorithm``'s options (a name or
-    import path; the other algorithms' options are parsed but not listed). ``help_only``: the
-    built-in algorithms' options come from their saved copy (:mod:`.algorithm_options`), so
-    that the help needs neither the algorithms nor torch."""
-    if help_only:
-        options = saved_options()
+    """The parser of ``fedkernels run`` with ``algorithm``'s options (a name or import path;
+    ``parser.algorithm`` is its registered name). ``help_only``: a built-in algorithm's options
+    come from their saved copy (:mod:`.algorithm_options`), so that the help needs neither the
+    algorithms nor torch."""
+    options = saved_options()
+    if help_only and algorithm in options:
+        config_class = saved_class(algorithm, options[algorithm])
         names = known_names()
-        if algorithm not in options:  # a plugin or an import path: its class tells
-            from fedkernels.algorithms.registry import strategy_class
-
-            chosen_class = strategy_class(algorithm)
-            options[chosen_class.name] = describe(chosen_class.config_class)
-            algorithm = chosen_class.name
     else:
-        from fedkernels.algorithms.registry import available, registered, strategy_class
+        from fedkernels.algorithms.registry import available, strategy_class
 
-        algorithm = strategy_class(algorithm).name
-        options = live_options(registered())
-        names = available()
+        chosen_class = strategy_class(algorithm)
+        algorithm, config_class = chosen_class.name, chosen_class.config_class
+        names = known_names() if help_only else available()
+    # a misspelled flag may be close to another algorithm's option
+    others = [f"--{name}.{field[0]}" for name, fields in options.items() if name != algorithm
+              for field in fields or []]
     parser = Parser(
         prog="fedkernels run",
         usage="%(prog)s [--config FILE] [--out DIR] [--resume | --overwrite] [--print_config] "
@@ -138,8 +138,9 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
         description="Run a federated experiment; writes results.json, metrics.csv, plots and "
         "a resumable checkpoint into --out.",
         epilog=_epilog(algorithm, names),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        suggest=others,
     )
+    parser.algorithm = algorithm
     parser.add_argument(
         "--config", metavar="FILE", help="YAML or JSON file with the configuration tree"
     )
@@ -164,98 +165,45 @@ def build_parser(algorithm: str = DEFAULT_ALGORITHM, help_only: bool = False) ->
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="skip the plots")
-    parser.add_argument("--log", action="append", choices=LOGGERS, default=[], metavar="NAME",
+    # choices are checked after the parse: jsonargparse checks the appended list against them
+    parser.add_argument("--log", action="append", metavar="NAME",
                         help=f"log the rounds to tensorboard too (--out/{TENSORBOARD_DIR})")
     parser.add_argument("--smoke", action="store_true",
                         help="shrink the run to seconds (fedkernels.sim.smoke)")
-
-    add_config_arguments(parser, algorithm, options)
+    parser.add_argument("--version", action=_Version)
+    add_config_flags(parser)
+    action = parser.flag_action("--algorithm")
+    action.metavar = "NAME"
+    action.help = ("the algorithm: a name listed below, package.module:Class, or an installed "
+                   f"plugin (default: {DEFAULT_ALGORITHM})")
+    add_algorithm_flags(parser, algorithm, config_class)
     return parser
 
 
-def add_config_arguments(parser: Parser, algorithm: str, options: dict[str, Any],
-                         hidden: bool = False, skip: tuple[str, ...] = ()) -> None:
-    """The configuration's flags: ``--FIELD``, ``--SECTION.FIELD`` and each algorithm's
-    ``--ALGORITHM.FIELD`` (``options``: :mod:`.algorithm_options`); only ``algorithm``'s are
-    listed in the help, and none with ``hidden``. ``skip``: top-level fields left out."""
-    top = parser if hidden else parser.add_argument_group("experiment")
-    types = field_types(ExperimentConfig)
-    for f in dataclasses.fields(ExperimentConfig):
-        if f.name in SECTIONS or f.name == "algorithm_params" or f.name in skip:
-            continue
-        if f.name == "algorithm":
-            top.add_argument(
-                "--algorithm",
-                dest="algorithm",
-                default=argparse.SUPPRESS,
-                metavar="NAME",
-                help=argparse.SUPPRESS if hidden else "the algorithm: a name listed below, "
-                f"package.module:Class, or an installed plugin (default: {DEFAULT_ALGORITHM})",
-            )
-            continue
-        _add_field(top, f.name, field_options(f, types[f.name]), hidden)
-    for section in SECTIONS:
-        cls = types[section]
-        group = parser if hidden else parser.add_argument_group(section)
-        section_types = field_types(cls)
-        for f in dataclasses.fields(cls):
-            _add_field(group, f"{section}.{f.name}", field_options(f, section_types[f.name]),
-                       hidden)
-    for name, fields in sorted(options.items()):
-        shown = name == algorithm and not hidden
-        if fields is None:
-            if shown:
-                parser.add_argument_group(
-                    f"algorithm {name}", f"{name} has no options of its own"
-                )
-            continue
-        group = parser.add_argument_group(f"algorithm {name}") if shown else parser
-        for field_name, field_opts in fields:
-            _add_field(group, f"{name}.{field_name}", field_opts, hidden=not shown)
+def refuse_other_algorithms_flags(argv: list[str], algorithm: str, running: str) -> None:
+    """Refuses a flag of another algorithm than ``algorithm`` (as given: ``running``), which
+    the run would not read, naming both."""
+    for name, fields in saved_options().items():
+        flags = {f"--{name}.{field[0]}" for field in fields or []}
+        for token in argv:
+            flag = token.split("=", 1)[0]
+            if name != algorithm and flag in flags:
+                raise ConfigError(f"{flag} is a parameter of {name}, but the algorithm is "
+                                  f"{running}")
 
 
-# argparse destinations that are options of the command, not configuration fields
-_RUN_OPTIONS = {"config", "out", "resume", "overwrite", "print_config", "threads", "no_progress",
-                "no_plots", "log", "smoke"}
-
-
-def resolve_config(
-    args: argparse.Namespace, base: dict[str, Any] | None = None,
-    unread: list[str] | None = None,
-) -> ExperimentConfig:
-    """``base`` (a saved config), then ``--config``, then the flags, as one checked config.
-    ``unread`` receives a sentence for each setting of the file or the flags that the
-    configuration leaves unread (:func:`~fedkernels.sim.config.unread_settings`)."""
-    from fedkernels.algorithms.registry import strategy_class
-
-    tree: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
-    from_file = load_config_file(args.config) if args.config else {}
-    for key, value in from_file.items():
-        tree[key] = value
-    asked = json.loads(json.dumps(from_file, default=str))  # what the user wrote, not base
-    given = {k: v for k, v in vars(args).items() if k not in _RUN_OPTIONS}
-    for flag, value in given.items():
-        head = flag.split(".", 1)[0]
-        if "." in flag and head not in SECTIONS:
-            continue  # algorithm parameters, below
-        set_dotted(tree, flag, value)
-        set_dotted(asked, flag, value)
+def resolve_config(tree: dict[str, Any], asked: dict[str, Any] | None = None,
+                   unread: list[str] | None = None) -> ExperimentConfig:
+    """The configuration ``tree`` (what the layers set, :func:`~.flags.parse_layers`) as one
+    checked config. ``unread`` receives a sentence for each setting of ``asked`` (the file's
+    and the flags') that the configuration leaves unread
+    (:func:`~fedkernels.sim.config.unread_settings`)."""
     algorithm = tree.get("algorithm", DEFAULT_ALGORITHM)
     if not isinstance(algorithm, str):
         raise ConfigError(f"algorithm: expected a name, got {algorithm!r}")
-    algorithm = tree["algorithm"] = algorithm_name(algorithm)
-    name = strategy_class(algorithm).name
-    _check_file_algorithm(args, from_file, algorithm, name)
-    for flag, value in given.items():
-        head, _, param = flag.partition(".")
-        if param and head not in SECTIONS:
-            if head != name:
-                raise ConfigError(
-                    f"--{flag} is a parameter of {head}, but the algorithm is {algorithm}"
-                )
-            tree.setdefault("algorithm_params", {})[param] = value
+    tree["algorithm"] = algorithm_name(algorithm)
     config = from_dict(ExperimentConfig, tree)
-    if unread is not None:
+    if unread is not None and asked:
         unread += unread_settings(config, asked)
     if config.data.path is not None:
         # absolute, so that --resume from another working folder reads the same file; '~' as
@@ -266,26 +214,24 @@ def resolve_config(
     return config
 
 
-def _check_file_algorithm(args: argparse.Namespace, from_file: dict[str, Any], algorithm: str,
-                          name: str) -> None:
+def check_file_algorithm(config_file: str, from_file: dict[str, Any], flag: str | None,
+                         algorithm: str) -> None:
     """Two ways a configuration file's algorithm settings go astray, each named: parameters
     written as a section of their own, as the flags spell them (``fedprox: {mu: 0.01}``), and
-    parameters of the file's algorithm that --algorithm replaced."""
-    from fedkernels.algorithms.registry import available
-
+    parameters of the file's algorithm that --algorithm (``flag``) replaced."""
     fields = {f.name for f in dataclasses.fields(ExperimentConfig)}
     for key in from_file:
-        if key not in fields and key in available():
-            raise ConfigError(f"{args.config}: unknown key {key}; an algorithm's parameters go "
+        if key not in fields and key in known_names():
+            raise ConfigError(f"{config_file}: unknown key {key}; an algorithm's parameters go "
                               f"under algorithm_params (algorithm: {key}, algorithm_params: "
                               "{FIELD: VALUE})")
     in_file, params = from_file.get("algorithm"), from_file.get("algorithm_params")
-    if hasattr(args, "algorithm") and isinstance(in_file, str) and isinstance(params, dict) \
-            and params and in_file.lower() not in (algorithm.lower(), name.lower()):
+    if flag is not None and isinstance(in_file, str) and isinstance(params, dict) \
+            and params and in_file.lower() not in (flag.lower(), algorithm.lower()):
         raise ConfigError(
-            f"--algorithm {algorithm} replaces the algorithm of {args.config} ({in_file}), "
+            f"--algorithm {flag} replaces the algorithm of {config_file} ({in_file}), "
             f"whose algorithm_params ({', '.join(map(str, params))}) belong to it; remove them "
-            f"from the file, or give {name}'s own as --{name}.FIELD")
+            f"from the file, or give {algorithm}'s own as --{algorithm}.FIELD")
 
 
 @contextlib.contextmanager
@@ -441,34 +387,35 @@ def _claim_default_out(base: Path) -> Path:
 
 
 
-def _chosen_algorithm(argv: list[str], help_only: bool = False) -> str:
-    """The algorithm the command line asks for, found before the full parse (whose flags
-    depend on it): ``--algorithm``, else the ``--config`` file's, else, with ``--resume``, the
-    saved run's. Problems are left for the full parse to report. ``help_only``: matched
-    against the saved names, without importing the algorithms."""
-    names = known_names() if help_only else None
-    pre = Parser(add_help=False)
+class _Prescan(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise ConfigError(message)
+
+
+def _prescan(argv: list[str]) -> argparse.Namespace:
+    """``--algorithm``, ``--config``, ``--out`` and ``--resume``, read before the parse whose
+    flags depend on the algorithm; a malformed command line is left for that parse to report
+    (jsonargparse parses no command line partly, so this is plain argparse)."""
+    pre = _Prescan(add_help=False, allow_abbrev=False)
     for flag in ("--algorithm", "--config", "--out"):
         pre.add_argument(flag)
     pre.add_argument("--resume", action="store_true")
     try:
-        known, _ = pre.parse_known_args(argv)
-    except UsageError:
-        return DEFAULT_ALGORITHM
-    if known.algorithm:
-        return algorithm_name(known.algorithm, names)
-    trees = []
-    if known.config:
-        trees.append(lambda: load_config_file(known.config))
-    if known.resume and known.out:
-        trees.append(lambda: json.loads((Path(known.out) / CONFIG_NAME).read_text()))
-    for read in trees:
-        try:
-            tree = read()
-        except (ConfigError, OSError, ValueError):
-            continue
-        if isinstance(tree, dict) and isinstance(tree.get("algorithm"), str):
-            return algorithm_name(tree["algorithm"], names)
+        return pre.parse_known_args(argv)[0]
+    except ConfigError:
+        return argparse.Namespace(algorithm=None, config=None, out=None, resume=False)
+
+
+def _chosen_algorithm(pre: argparse.Namespace, file_tree: dict[str, Any] | None,
+                      saved: dict[str, Any] | None, help_only: bool = False) -> str:
+    """The algorithm the command line asks for: ``--algorithm``, else the ``--config`` file's,
+    else the resumed run's. ``help_only``: matched against the saved names, without importing
+    the algorithms."""
+    names = known_names() if help_only else None
+    for source in (pre.algorithm, (file_tree or {}).get("algorithm"),
+                   (saved or {}).get("algorithm")):
+        if isinstance(source, str):
+            return algorithm_name(source, names)
     return DEFAULT_ALGORITHM
 
 
@@ -612,25 +559,42 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    args: argparse.Namespace | None = None
+    args: Any = None
     out: Path | None = None
     try:
-        # the help needs neither the algorithms nor torch: it answers at once
-        help_only = any(flag in argv for flag in ("-h", "--help"))
-        parser = build_parser(_chosen_algorithm(argv, help_only), help_only=help_only)
+        # the help and the version need neither the algorithms nor torch: they answer at once
+        help_only = any(flag in argv for flag in ("-h", "--help", "--version"))
+        pre = _prescan(argv)
+        file_tree = saved = None
+        if pre.config:
+            try:
+                file_tree = load_config_file(pre.config)
+            except ConfigError:
+                if not help_only:  # the help does not depend on the file
+                    raise
+        if pre.resume and not help_only:
+            if not pre.out:
+                raise ConfigError("--resume needs --out, the folder of the run to continue")
+            saved = _saved_config(Path(pre.out))
+        algorithm = _chosen_algorithm(pre, file_tree, saved, help_only)
+        parser = build_parser(algorithm, help_only=help_only)
+        refuse_other_algorithms_flags(argv, parser.algorithm, algorithm)
+        if file_tree is not None and not help_only:
+            check_file_algorithm(pre.config, file_tree, pre.algorithm, parser.algorithm)
         try:
-            args = parser.parse_strict(argv)
-        except SystemExit as done:  # --help
+            args, tree, asked = parse_layers(
+                parser, argv, file_tree=None if help_only else file_tree, saved_tree=saved,
+                algorithm=parser.algorithm)
+        except SystemExit as done:  # --help, --version
             return done.code if isinstance(done.code, int) else 0
+        args.log = args.log or []
+        for name in args.log:
+            if name not in LOGGERS:
+                raise ConfigError(f"--log {name}: not a logger (choose from {', '.join(LOGGERS)})")
         if args.threads is not None:
             set_threads(args.threads)
-        saved = None
-        if args.resume:
-            if not args.out:
-                raise ConfigError("--resume needs --out, the folder of the run to continue")
-            saved = _saved_config(Path(args.out))
         unread: list[str] = []
-        config = resolve_config(args, saved, unread)
+        config = resolve_config(tree, asked, unread)
         for sentence in unread:
             print(f"fedkernels run: warning: {sentence}", file=sys.stderr)
         if saved is not None:

@@ -3,9 +3,11 @@
 A YAML/JSON file and the CLI map onto them one to one: the file's top-level keys are the fields
 of :class:`ExperimentConfig`, each section (``data``, ``partition``, ``participation``, ``model``,
 ``client``, ``server``) is a nested mapping, and a CLI flag ``--section.field VALUE`` sets one
-field (``--rounds`` and the other top-level scalars have no section). Every value goes through
-:func:`from_dict`, which converts strings from the command line to the field's type and rejects
-unknown keys; every dataclass checks its ranges in ``__post_init__``. All problems raise
+field (``--rounds`` and the other top-level scalars have no section); jsonargparse derives the
+flags from these classes (:mod:`fedkernels.cli.flags`). Every tree goes through
+:func:`from_dict`, which converts values (strings too, as Python callers and sweeps give them)
+to the field's type and rejects unknown keys; every dataclass checks its ranges in
+``__post_init__``. All problems raise
 :class:`ConfigError`, which the CLI reports as a usage error (exit code 2).
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import difflib
 import math
 import re
 import reprlib
@@ -681,23 +684,26 @@ _FALSE = {"false", "no", "off", "0"}
 _NONE = {"none", "null", "~", ""}
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Converts ``value`` (a YAML/JSON value or a command-line string) to the type ``tp``."""
+def convert(value: Any, tp: Any, where: str) -> Any:
+    """Converts ``value`` (a YAML/JSON value or a string, as Python callers and sweeps give
+    them) to the type ``tp``; ``where`` names the key in the error."""
     origin = get_origin(tp)
     if tp is Any:
         return value
     if origin is Literal:
         choices = get_args(tp)
-        _require(
-            value in choices, f"{where}: {show(value)} is not one of: {', '.join(map(str, choices))}"
-        )
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), list(map(str, choices)), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(f"{where}: {show(value)} is not one of: "
+                              f"{', '.join(map(str, choices))}{hint}")
         return value
     if origin in (Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in _NONE):
             _require(len(args) < len(get_args(tp)), f"{where}: a value is required")
             return None
-        return _coerce(value, args[0], where)
+        return convert(value, args[0], where)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -745,7 +751,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]  # YAML's 'hidden: 64', as the flag's '--model.hidden 64'
         _require(isinstance(value, (list, tuple)), f"{where}: expected a list, got {show(value)}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [convert(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         _require(isinstance(value, Mapping), f"{where}: expected a mapping, got {show(value)}")
         return dict(value)
@@ -771,7 +777,7 @@ def from_dict(cls: type[T], data: Any, where: str = "") -> T:
     unknown = [k for k in data if k not in names]
     if unknown:
         raise ConfigError(f"unknown key {prefix}{show_key(unknown[0])} (valid: {', '.join(names)})")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
+    kwargs = {k: convert(v, hints[k], f"{prefix}{k}") for k, v in data.items()}
     return cls(**kwargs)
 
 
