@@ -282,7 +282,8 @@ SITECUSTOMIZE = "import sys\nsys.modules[{name!r}] = None  # as if the package w
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, extra_args", [("tqdm", []), ("yaml", ["--config", "exp.yaml"])])
+@pytest.mark.parametrize("module, extra_args", [("tqdm", []), ("yaml", ["--config", "exp.yaml"]),
+                                                ("jsonargparse", [])])
 def test_missing_sim_extra_names_the_install_command(tmp_path, module, extra_args):
     blocker = tmp_path / "blocker"
     blocker.mkdir()
