@@ -52,7 +52,6 @@ from fedkernels.integrations.flower.records import (
     as_tensors,
     ndarray_to_array,
     ndarray_view,
-    to_arrayrecord,
     to_tensor,
 )
 from fedkernels.integrations.flower.weighted_mean import (
@@ -199,12 +198,14 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
         if self.server_opt and self.current_arrays is not None:
             current = [ndarray_view(v) for v in self.current_arrays.values()]
         base = None if current is None else dict(zip(self.current_arrays.keys(), current))
-        contents, means, resolved = self._fused_mean(replies, base=base)
+        # Without the server step the mean is the result: written into the outgoing bytes.
+        contents, means, resolved = self._fused_mean(replies, base=base,
+                                                     as_arrays=not self.server_opt)
         if contents is None:
             return None, None
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         if not self.server_opt:
-            return to_arrayrecord(means), metrics
+            return ArrayRecord(means), metrics
         if current is None:
             raise AggregationError(  # Flower's words: the exit reason a ServerApp reports
                 "No initial parameters set for FedAvgM. "
@@ -223,11 +224,19 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
                 raise ValueError("zip() argument 2 is "
                                  f"{'shorter' if second < first else 'longer'} than argument 1")
         momentum, arrays = [], {}
+        scratch: dict[np.dtype, Tensor] = {}
         for i, (name, old) in enumerate(zip(names, current)):
             new = means.pop(name)  # array by array: one model of temporaries at most
+            prev = None if not use_momentum or previous is None else previous[i]
+            if name not in resolved and (fused := self._fused_step(
+                    old, new, prev, use_momentum, scratch)) is not None:
+                m, arrays[name] = fused
+                if use_momentum:
+                    momentum.append(m)
+                continue
             g = np.zeros(new.shape) if name in resolved else old - new
             if use_momentum:
-                g = g if previous is None else self.server_momentum * previous[i] + g
+                g = g if prev is None else self.server_momentum * prev + g
                 momentum.append(g)
             arrays[name] = ndarray_to_array(
                 new if name in resolved else old - self.server_learning_rate * g)
@@ -237,6 +246,51 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
             self.momentum_vector = momentum
         self.current_arrays = record
         return record, metrics
+
+    def _fused_step(self, old: np.ndarray, mean: np.ndarray, prev: np.ndarray | None,
+                    use_momentum: bool, scratch: dict[np.dtype, Tensor]
+                    ) -> tuple[np.ndarray | None, Array] | None:
+        r"""Flower's step for one array in one pass over memory, chunk by chunk:
+        :math:`g = x_t - \bar x`, :math:`m = \mu m + g`, :math:`x_t - \eta m`, the new point
+        written straight into the outgoing ``Array``'s bytes and the new momentum into the
+        mean's memory (this call's own result). Returns (momentum or None, Array); None where
+        NumPy's dtypes would differ (the caller runs Flower's formulas)."""
+        mu, lr = self.server_momentum, self.server_learning_rate
+        if old.ndim == 0 or old.size == 0 or old.dtype not in _STEP_DTYPES:
+            return None
+        operands = (mean,) if prev is None else (mean, prev)
+        if any(a.shape != old.shape or a.dtype != old.dtype for a in operands):
+            return None
+        if not all(type(p) in (float, int) for p in (mu, lr)):
+            return None
+        # Flower's formulas on empty slices: the dtypes NumPy gives its results.
+        e_old, e_mean = old.reshape(-1)[:0], mean.reshape(-1)[:0]
+        g0 = e_old - e_mean
+        m0 = g0 if prev is None else mu * prev.reshape(-1)[:0] + g0
+        o0 = e_old - lr * m0
+        if m0.dtype != old.dtype or o0.dtype != old.dtype:
+            return None
+        target = array_with_buffer(old.dtype, old.shape)
+        reuse = mean.flags.writeable and mean.flags.c_contiguous and not any(
+            np.may_share_memory(mean, a) for a in (old, prev) if a is not None)
+        if target is None or (use_momentum and not reuse):
+            return None
+        t_out = target[1].reshape(-1)
+        t_old, t_mean = (t.reshape(-1) for t in as_tensors([old, mean], [old.dtype] * 2))
+        t_prev = None if prev is None else as_tensors([prev], [old.dtype])[0].reshape(-1)
+        if old.dtype not in scratch:  # pages are touched only as far as chunks reach
+            scratch[old.dtype] = torch.empty(2, _STEP_CHUNK, dtype=t_old.dtype)
+        work = scratch[old.dtype]
+        mu, lr = float(mu), float(lr)
+        for start in range(0, old.size, _STEP_CHUNK):
+            part = slice(start, start + _STEP_CHUNK)
+            n = min(_STEP_CHUNK, old.size - start)
+            g = t_mean[part] if use_momentum else work[0, :n]  # the momentum takes the mean's place
+            torch.sub(t_old[part], t_mean[part], out=g)
+            if t_prev is not None:
+                g.add_(torch.mul(t_prev[part], mu, out=work[1, :n]))
+            torch.sub(t_old[part], torch.mul(g, lr, out=work[1, :n]), out=t_out[part])
+        return (mean if use_momentum else None), target[0]
 
 
 class _FusedFedOpt(_FusedAggregation):
@@ -500,7 +554,14 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                 out = int_policy_entry(name, [x[t] for x in local], global_arrays[t], policy)
             else:
                 dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
-                out = result.pop(name).numpy().astype(dtype, copy=False)
+                value = result.pop(name)
+                # Flower's float64 result, converted straight into the outgoing bytes
+                target = array_with_buffer(dtype, tuple(value.shape))
+                if target is not None:
+                    target[1].copy_(value)
+                    arrays[name] = target[0]
+                    continue
+                out = value.numpy().astype(dtype, copy=False)
             arrays[name] = ndarray_to_array(out)
         record = ArrayRecord(arrays)
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
