@@ -60,6 +60,7 @@ from fedkernels.integrations.flower.weighted_mean import (
     int_policy_entry,
     weights_from_records,
 )
+from fedkernels.ops import summation
 from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.privacy.mechanism import update_norms
 
@@ -224,19 +225,19 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
                 raise ValueError("zip() argument 2 is "
                                  f"{'shorter' if second < first else 'longer'} than argument 1")
         momentum, arrays = [], {}
-        scratch: dict[np.dtype, Tensor] = {}
+        prevs = [None if not use_momentum or previous is None else previous[i]
+                 for i in range(len(names))]
+        fused = self._fused_steps(names, current, means, prevs, resolved, use_momentum)
         for i, (name, old) in enumerate(zip(names, current)):
             new = means.pop(name)  # array by array: one model of temporaries at most
-            prev = None if not use_momentum or previous is None else previous[i]
-            if name not in resolved and (fused := self._fused_step(
-                    old, new, prev, use_momentum, scratch)) is not None:
-                m, arrays[name] = fused
+            if name in fused:
+                m, arrays[name] = fused.pop(name)
                 if use_momentum:
                     momentum.append(m)
                 continue
             g = np.zeros(new.shape) if name in resolved else old - new
             if use_momentum:
-                g = g if prev is None else self.server_momentum * prev + g
+                g = g if prevs[i] is None else self.server_momentum * prevs[i] + g
                 momentum.append(g)
             arrays[name] = ndarray_to_array(
                 new if name in resolved else old - self.server_learning_rate * g)
@@ -247,50 +248,55 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
         self.current_arrays = record
         return record, metrics
 
-    def _fused_step(self, old: np.ndarray, mean: np.ndarray, prev: np.ndarray | None,
-                    use_momentum: bool, scratch: dict[np.dtype, Tensor]
-                    ) -> tuple[np.ndarray | None, Array] | None:
-        r"""Flower's step for one array in one pass over memory, chunk by chunk:
-        :math:`g = x_t - \bar x`, :math:`m = \mu m + g`, :math:`x_t - \eta m`, the new point
-        written straight into the outgoing ``Array``'s bytes and the new momentum into the
-        mean's memory (this call's own result). Returns (momentum or None, Array); None where
-        NumPy's dtypes would differ (the caller runs Flower's formulas)."""
+    def _fused_steps(self, names: list[str], current: list[np.ndarray],
+                     means: dict[str, np.ndarray], prevs: list[np.ndarray | None],
+                     resolved: set[str], use_momentum: bool
+                     ) -> dict[str, tuple[np.ndarray | None, Array]]:
+        r"""Flower's step for every array it can take, as two fused passes over the whole
+        model: :math:`g = (x_t - \bar x) + \mu m` (Flower's ``mu * m + g``, the same
+        roundings), then :math:`x_t - \eta g` written straight into the outgoing ``Array``'s
+        bytes. Returns name -> (momentum or None, Array); arrays where NumPy's dtypes would
+        differ (NumPy-float hyperparameters, float16, 0-d, mixed dtypes) are left out, and the
+        caller runs Flower's formulas on them."""
         mu, lr = self.server_momentum, self.server_learning_rate
-        if old.ndim == 0 or old.size == 0 or old.dtype not in _STEP_DTYPES:
-            return None
-        operands = (mean,) if prev is None else (mean, prev)
-        if any(a.shape != old.shape or a.dtype != old.dtype for a in operands):
-            return None
         if not all(type(p) in (float, int) for p in (mu, lr)):
-            return None
-        # Flower's formulas on empty slices: the dtypes NumPy gives its results.
-        e_old, e_mean = old.reshape(-1)[:0], mean.reshape(-1)[:0]
-        g0 = e_old - e_mean
-        m0 = g0 if prev is None else mu * prev.reshape(-1)[:0] + g0
-        o0 = e_old - lr * m0
-        if m0.dtype != old.dtype or o0.dtype != old.dtype:
-            return None
-        target = array_with_buffer(old.dtype, old.shape)
-        reuse = mean.flags.writeable and mean.flags.c_contiguous and not any(
-            np.may_share_memory(mean, a) for a in (old, prev) if a is not None)
-        if target is None or (use_momentum and not reuse):
-            return None
-        t_out = target[1].reshape(-1)
-        t_old, t_mean = (t.reshape(-1) for t in as_tensors([old, mean], [old.dtype] * 2))
-        t_prev = None if prev is None else as_tensors([prev], [old.dtype])[0].reshape(-1)
-        if old.dtype not in scratch:  # pages are touched only as far as chunks reach
-            scratch[old.dtype] = torch.empty(2, _STEP_CHUNK, dtype=t_old.dtype)
-        work = scratch[old.dtype]
-        mu, lr = float(mu), float(lr)
-        for start in range(0, old.size, _STEP_CHUNK):
-            part = slice(start, start + _STEP_CHUNK)
-            n = min(_STEP_CHUNK, old.size - start)
-            g = t_mean[part] if use_momentum else work[0, :n]  # the momentum takes the mean's place
-            torch.sub(t_old[part], t_mean[part], out=g)
-            if t_prev is not None:
-                g.add_(torch.mul(t_prev[part], mu, out=work[1, :n]))
-            torch.sub(t_old[part], torch.mul(g, lr, out=work[1, :n]), out=t_out[part])
-        return (mean if use_momentum else None), target[0]
+            return {}
+        chosen = []
+        for name, old, prev in zip(names, current, prevs):
+            mean = means[name]
+            if name in resolved or old.ndim == 0 or old.size == 0 \
+                    or old.dtype not in _STEP_DTYPES:
+                continue
+            operands = (mean,) if prev is None else (mean, prev)
+            if any(a.shape != old.shape or a.dtype != old.dtype for a in operands):
+                continue
+            # Flower's formulas on empty slices: the dtypes NumPy gives its results.
+            e_old = old.reshape(-1)[:0]
+            g0 = e_old - mean.reshape(-1)[:0]
+            m0 = g0 if prev is None else mu * prev.reshape(-1)[:0] + g0
+            if m0.dtype != old.dtype or (e_old - lr * m0).dtype != old.dtype:
+                continue
+            target = array_with_buffer(old.dtype, old.shape)
+            if target is not None:
+                chosen.append((name, old, mean, prev, target))
+        out = {}
+        for with_prev in (False, True):  # the first round's momentum has no previous term
+            group = [c for c in chosen if (c[3] is not None) == with_prev]
+            if not group:
+                continue
+            olds = as_tensors([c[1] for c in group], [c[1].dtype for c in group])
+            terms = olds + as_tensors([c[2] for c in group], [c[1].dtype for c in group])
+            coefficients = [1.0, -1.0]
+            if with_prev:
+                terms += as_tensors([c[3] for c in group], [c[1].dtype for c in group])
+                coefficients.append(float(mu))
+            g = summation.weighted_sum(terms, torch.tensor(coefficients, dtype=torch.float64))
+            summation.weighted_sum_out(olds + g, torch.tensor([1.0, -float(lr)],
+                                                              dtype=torch.float64),
+                                       (), 1.0, False, [c[4][1] for c in group])
+            for c, m in zip(group, g):
+                out[c[0]] = (m.numpy() if use_momentum else None, c[4][0])
+        return out
 
 
 class _FusedFedOpt(_FusedAggregation):
