@@ -561,10 +561,12 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
             else:
                 dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
                 value = result.pop(name)
-                # Flower's float64 result, converted straight into the outgoing bytes
+                # Flower's float64 result, converted straight into the outgoing bytes (by
+                # NumPy, one thread: PyTorch's copy_ is a parallel region per tensor, many
+                # times slower on a machine busy with other work)
                 target = array_with_buffer(dtype, tuple(value.shape))
                 if target is not None:
-                    target[1].copy_(value)
+                    np.copyto(target[1].numpy(), value.numpy())
                     arrays[name] = target[0]
                     continue
                 out = value.numpy().astype(dtype, copy=False)
