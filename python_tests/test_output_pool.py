@@ -146,6 +146,15 @@ def test_release_frees_idle_blocks_and_leaves_live_results_alone():
     assert output_pool_stats()["idle_bytes"] == 0
 
 
+def test_a_result_resized_below_the_pools_size_is_freed_not_kept():
+    t = run(clients())[0]
+    storage = t.untyped_storage()
+    storage.resize_(40)  # a 40-byte block from the pool's allocator; the old one goes idle
+    assert output_pool_stats()["idle_bytes"] == BLOCK
+    del t, storage
+    assert output_pool_stats()["idle_blocks"] == 1
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
 def test_bad_limits_are_refused(bad):
     with pytest.raises(ValueError, match="whole number of bytes"):

@@ -48,7 +48,7 @@ class OutputPool final : public c10::Allocator {
   OutputPool() : limit_(default_limit()) {}
 
   c10::DataPtr allocate(size_t bytes) override {
-    Block* block = take(bytes);
+    Block* block = pooled(bytes) ? take(bytes) : nullptr;
     if (block == nullptr) block = new Block{c10::alloc_cpu(bytes), bytes};
     return {block->ptr, block, &OutputPool::give_back_deleter, c10::Device(c10::kCPU)};
   }
@@ -93,6 +93,9 @@ class OutputPool final : public c10::Allocator {
  private:
   using Idle = std::list<Block*>;  // most recently idle first
 
+  // A pooled result resized below the pool's size (resize_) is freed, not kept.
+  static bool pooled(size_t bytes) { return bytes >= static_cast<size_t>(kPooledMinBytes); }
+
   Block* take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto found = by_size_.find(bytes);
@@ -114,7 +117,7 @@ class OutputPool final : public c10::Allocator {
     std::vector<Block*> evicted;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (block->bytes <= limit_) {
+      if (pooled(block->bytes) && block->bytes <= limit_) {
         evict_to_fit(block->bytes, limit_, evicted);
         idle_.push_front(block);
         by_size_.emplace(block->bytes, idle_.begin());
