@@ -450,7 +450,7 @@ class WeightedAggregationHelper:
             groups.setdefault((float(scale), v.dtype, v.device), []).append(k)
         out = {}
         for (scale, _, _), keys in groups.items():
-            weight = torch.tensor([scale], dtype=torch.float64)
+            weight = torch.tensor([scale], dtype=torch.float64, device="cpu")
             batch, batch_bytes = [], 0
             for i, k in enumerate(keys):
                 batch.append(k)

@@ -290,9 +290,10 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
             if with_prev:
                 terms += as_tensors([c[3] for c in group], [c[1].dtype for c in group])
                 coefficients.append(float(mu))
-            g = summation.weighted_sum(terms, torch.tensor(coefficients, dtype=torch.float64))
+            g = summation.weighted_sum(terms, torch.tensor(coefficients, dtype=torch.float64,
+                                                           device="cpu"))
             summation.weighted_sum_out(olds + g, torch.tensor([1.0, -float(lr)],
-                                                              dtype=torch.float64),
+                                                              dtype=torch.float64, device="cpu"),
                                        (), 1.0, False, [c[4][1] for c in group])
             for c, m in zip(group, g):
                 out[c[0]] = (m.numpy() if use_momentum else None, c[4][0])
