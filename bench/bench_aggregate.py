@@ -15,11 +15,18 @@ probe) with the committed run for this device, never absolute times.
 
 Each row is one way of computing sum_k w_k x_k over K client models:
 
-  fused        fedkernels.aggregate(clients, w)               (allocates the result)
+  fused        fedkernels.aggregate(clients, w)               (allocates the result; on the
+               CPU from the output pool, fedkernels.ops.output_pool, which reuses the blocks
+               of dropped results)
   fused out=   fedkernels.aggregate(clients, w, out=result)   (into a preallocated model)
+  no pool      the op's out= overload into results from torch.empty: the allocating call as
+               it was before the pool, first-touch page faults and all
   huge pages   the op's out= overload into fresh results, those of 2 MiB or more each in its
                own anonymous mapping advised MADV_HUGEPAGE (one page fault per 2 MiB rather
-               than per 4 KiB): an alternative to the allocating call, measured, not adopted
+               than per 4 KiB): an alternative to the pool, measured, not adopted
+
+  The three allocating calls above run as a server's rounds do: the previous result (the
+  global model) is still alive while the next one is computed, and is dropped after it.
   op out=      fedkernels.ops.weighted_sum_out on the clients' tensors already in one list,
                into a preallocated model: the op alone, without aggregate's layout checks
   loop         per tensor: sum(w_k * x_k), the Python loop of most FL frameworks
@@ -60,15 +67,15 @@ from harness.cli import (
     resolve_device,
 )
 from harness.machine import environment
-from harness.memory import exact_cpu_memory_accounting, peak_extra_memory
-from harness.model_shapes import lora_shapes, resnet18_shapes, transformer_shapes
+from harness.memory import exact_cpu_memory_accounting, minor_faults, peak_extra_memory
+from harness.model_shapes import cnn_shapes, lora_shapes, resnet18_shapes, transformer_shapes
 from harness.probes import MIN_PROBE_BYTES, ReadProbe, bandwidth_probes, print_probes
 from harness.regression_check import check_against_committed, require_committed
 from harness.results import write_results
 from harness.timing import interleaved_medians, use_cpu_clock
 
 MODELS = {"resnet18": resnet18_shapes, "transformer": transformer_shapes,
-          "lora": lambda: list(lora_shapes().values())}
+          "lora": lambda: list(lora_shapes().values()), "cnn": cnn_shapes}
 # --tiny: a few small, odd-sized tensors (a smoke test of the script, not a measurement)
 TINY_SHAPES = [(64, 33), (33,), (7, 3, 3), ()]
 
@@ -103,6 +110,24 @@ def huge_pages(listed, weights, like, device):
     return results
 
 
+def no_pool(listed, weights, like):
+    results = [torch.empty_like(t) for t in like]
+    fedkernels.ops.weighted_sum_out(listed, weights, (), 1.0, False, out=results)
+    return results
+
+
+def keeping_previous(fn):
+    """fn as a server calls it every round: its previous result stays alive until the next
+    one is computed. The previous result is returned, so the timing frees it after the clock."""
+    held = []
+
+    def call():
+        held.append(fn())
+        return held.pop(0) if len(held) > 1 else None
+
+    return call
+
+
 def methods(clients, weights, device):
     w_list = weights.tolist()
     w_dev = weights.to(device=device, dtype=torch.float32)
@@ -133,9 +158,10 @@ def methods(clients, weights, device):
     w_flat = w_dev.to(dtype)
 
     return {
-        "fused": lambda: fedkernels.aggregate(clients, weights),
+        "fused": keeping_previous(lambda: fedkernels.aggregate(clients, weights)),
         "fused out=": lambda: fedkernels.aggregate(clients, weights, out=out),
-        "huge pages": lambda: huge_pages(listed, weights, clients[0], device),
+        "no pool": keeping_previous(lambda: no_pool(listed, weights, clients[0])),
+        "huge pages": keeping_previous(lambda: huge_pages(listed, weights, clients[0], device)),
         "op out=": lambda: fedkernels.ops.weighted_sum_out(listed, weights, (), 1.0, False, out=out),
         "loop": loop,
         "foreach": foreach,
@@ -146,7 +172,8 @@ def methods(clients, weights, device):
 
 
 # The methods of every block, in the order methods() builds them.
-METHODS = ("fused", "fused out=", "huge pages", "op out=", "loop", "foreach", "stack", "flat mv", "reference")
+METHODS = ("fused", "fused out=", "no pool", "huge pages", "op out=", "loop", "foreach", "stack",
+           "flat mv", "reference")
 
 
 def configs(args):
@@ -167,12 +194,33 @@ def configs(args):
                 del clients, fns
 
 
+class FaultCounter:
+    """A method that counts the minor page faults of its calls (the first touches of fresh
+    result pages, which the timing cannot separate from the work) over the interleaved rounds,
+    where the other methods' allocations shape what the allocator hands out."""
+
+    def __init__(self, fn):
+        self.fn, self.calls, self.faults = fn, 0, 0
+
+    def __call__(self):
+        start = minor_faults()
+        result = self.fn()
+        self.faults += minor_faults() - start
+        self.calls += 1
+        return result
+
+    def per_call(self) -> float:
+        return self.faults / max(self.calls, 1)
+
+
 def measure_memory(args) -> dict[str, int | None]:
     device = torch.device(args.device)
     memory = {}
     for model, dtype_name, num_clients, _, _, _, fns in configs(args):
         for name, fn in fns.items():
             fn()  # first touch of preallocated outputs is not the call's own memory
+            # the pool's idle blocks are resident already: count the result as a first call does
+            fedkernels.release_output_pool()
             memory[f"{model}/{dtype_name}/{num_clients}/{name}"] = peak_extra_memory(fn, device)
     return memory
 
@@ -243,6 +291,7 @@ def run(args, argv: list[str]) -> dict:
     probe = ReadProbe(device, args.probe_bytes)
     env = environment(device)
     memory = memory_in_child(argv) if device.type == "cpu" else measure_memory(args)
+    load_at_start = os.getloadavg()
     header = (f"{'model':<12}{'dtype':<10}{'K':>4}  {'method':<12}{'ms':>9}{'GB/s':>8}"
               f"{'% read':>8}{'% copy':>8}{'extra MB':>10}{'x out':>7}{'vs fused':>9}")
     print(header)
@@ -253,7 +302,13 @@ def run(args, argv: list[str]) -> dict:
         out_bytes = numel * esize
         read = probe.read_gbps()
         print(f"# read probe {read:.1f} GB/s", flush=True)
-        times = interleaved_medians(fns, device, repeats=args.repeats, warmup=2)
+        counted = {name: FaultCounter(fn) for name, fn in fns.items()}
+        for fn in counted.values():  # warm-up: first-use faults are not a round's
+            for _ in range(2):
+                fn()
+            fn.calls = fn.faults = 0
+        times = interleaved_medians(counted, device, repeats=args.repeats, warmup=0)
+        faults = {name: c.per_call() for name, c in counted.items()} if device.type == "cpu" else {}
         for name in fns:
             t = times[name]
             mem = memory.get(f"{model}/{dtype_name}/{num_clients}/{name}")
@@ -268,6 +323,7 @@ def run(args, argv: list[str]) -> dict:
                 "extra_MB": None if mem is None else mem / 1e6,
                 "extra_in_outputs": None if mem is None else mem / out_bytes,
                 "time_vs_fused": t / times["fused"] if "fused" in times else None,
+                "minor_faults_per_call": faults.get(name),
             }
             rows.append(row)
             mem_mb = "" if mem is None else f"{mem / 1e6:.0f}"
@@ -277,6 +333,8 @@ def run(args, argv: list[str]) -> dict:
                   f"{t * 1e3:>9.2f}{gbps:>8.1f}{row['pct_read_probe']:>8.0f}"
                   f"{row['pct_copy_probe']:>8.0f}{mem_mb:>10}{mem_x:>7}{speed:>9}",
                   flush=True)
+    env["load_average"] = {"start": [round(x, 2) for x in load_at_start],
+                           "end": [round(x, 2) for x in os.getloadavg()]}
     payload = {"environment": env, "probes": probes, "rows": rows,
                "command": "python bench/bench_aggregate.py " + " ".join(argv)}
     path = write_results("aggregate", device, payload, save=args.save, out=args.out)

@@ -47,7 +47,7 @@ from harness.model_shapes import resnet18_shapes
 from harness.probes import bandwidth_probes
 from harness.results import RESULTS_DIR
 
-STRATEGIES = ("FedAvg", "FedAdam", "FedYogi", "FedAdagrad", "QFedAvg")
+STRATEGIES = ("FedAvg", "FedAvgM", "FedAdam", "FedYogi", "FedAdagrad", "QFedAvg")
 FEDOPT = ("FedAdam", "FedYogi", "FedAdagrad")
 
 
@@ -107,11 +107,15 @@ def make_strategy(impl: str, name: str, global_record):
         from flwr.serverapp import strategy as module
     else:
         from fedkernels.integrations import flower as module
-    strategy = module.QFedAvg(client_learning_rate=0.1) if name == "QFedAvg" else \
-        getattr(module, name)()
+    if name == "QFedAvg":
+        strategy = module.QFedAvg(client_learning_rate=0.1)
+    elif name == "FedAvgM":  # with server momentum: the server step runs (else it is FedAvg)
+        strategy = module.FedAvgM(server_momentum=0.9)
+    else:
+        strategy = getattr(module, name)()
     if name in FEDOPT:
         strategy.current_arrays = {k: v.numpy() for k, v in global_record.items()}
-    elif name == "QFedAvg":
+    elif name in ("QFedAvg", "FedAvgM"):
         strategy.current_arrays = global_record.copy()
     return strategy
 
@@ -221,6 +225,7 @@ def main() -> None:
         cases = [(m, k) for m, k in cases if k <= 10]
     device = torch.device("cpu")
     probe = bandwidth_probes(device)
+    load_at_start = os.getloadavg()
     rows = []
     for model, k in cases:
         for name in names:
@@ -244,6 +249,8 @@ def main() -> None:
     env.update({"flwr": flwr.__version__, "numpy": np.__version__,
                 "python": platform.python_version(), "cpu_count": os.cpu_count(),
                 "repeats": repeats, "probe": probe,
+                "load_average": {"start": [round(x, 2) for x in load_at_start],
+                                 "end": [round(x, 2) for x in os.getloadavg()]},
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                     timespec="seconds")})
     path = args.out or os.path.join(RESULTS_DIR, f"flower-{device_name(device)}.json")

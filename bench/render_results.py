@@ -150,6 +150,35 @@ def aggregate_block(root: Path, name: str, key: str = "aggregate") -> str:
     return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
 
 
+def allocation_block(root: Path, name: str, key: str = "aggregate") -> str:
+    """bench_aggregate.py's allocating calls (the output pool, torch's allocator, huge pages)
+    and `_foreach`, each as a multiple of the in-place call's time in the same run."""
+    run = section(root, name, key)
+    rows = []
+    for (model, dtype, k), methods in _methods_by_case(run).items():
+        inplace = methods["fused out="]
+        cells = []
+        for m in ("fused", "no pool", "huge pages", "foreach"):
+            t = methods[m]["median_ms"] if m in methods else None
+            cells += [sig(t), ratio(None if t is None else t / inplace["median_ms"])]
+        faults = [methods[m].get("minor_faults_per_call") if m in methods else None
+                  for m in ("fused", "no pool")]
+        rows.append([model, dtype, str(k), sig(inplace["median_ms"]), *cells,
+                     f"{inplace['pct_read_probe']:.0f}",
+                     *("—" if f is None else f"{f:,.0f}" for f in faults)])
+    header = ["model", "dtype", "K", "in place (`out=`) ms", "allocating, pool ms", "÷ in place",
+              "allocating, no pool ms", "÷ in place", "huge pages ms", "÷ in place",
+              "`_foreach` ms", "÷ in place", "in place % read probe", "page faults per call, pool",
+              "page faults per call, no pool"]
+    env = run["environment"]
+    load_average = env.get("load_average")
+    text = source_line(name, key, env, run["probes"])
+    if load_average:
+        text += (f" Load average (1, 5, 15 min) {', '.join(map(str, load_average['start']))} "
+                 f"at the start, {', '.join(map(str, load_average['end']))} at the end.")
+    return text + "\n\n" + table(header, rows)
+
+
 def cost_curve_block(root: Path, name: str, key: str = "cost_curve") -> str:
     """bench_cost_curve.py's sweep over K and P: time split into the op and the Python layer."""
     run = section(root, name, key)
@@ -612,6 +641,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "aggregate/intel-xeon-avx512": lambda r: aggregate_block(r, INTEL),
     "aggregate/amd-epyc-avx512": lambda r: aggregate_block(r, ZEN4),
     "aggregate/amd-epyc-avx2": lambda r: aggregate_block(r, ZEN3),
+    "aggregate-allocation/amd-epyc-avx512": lambda r: allocation_block(
+        r, "alloc-pool-cpu-amd-epyc-avx512.json"),
     "cost-curve/intel-xeon-avx512": lambda r: cost_curve_block(r, INTEL),
     "cost-curve/amd-epyc-avx512": lambda r: cost_curve_block(r, ZEN4),
     "cost-curve/amd-epyc-avx2": lambda r: cost_curve_block(r, ZEN3),

@@ -29,6 +29,12 @@ TORCH_LIBRARY(fedkernels, m) {
   m.def(
       "weighted_sum_(Tensor(a!)[] base, Tensor[] updates, Tensor weights, float scale, "
       "bool delta) -> ()");
+  // The CPU output pool of the allocating weighted_sum (csrc/cpu/output_pool.h): the most idle
+  // bytes it keeps (0: no pool), freeing its idle blocks (returns the bytes freed), and
+  // [limit, idle bytes, idle blocks, hits, misses].
+  m.def("output_pool_set_limit(int limit_bytes) -> ()");
+  m.def("output_pool_release() -> int");
+  m.def("output_pool_stats() -> int[]");
 }
 
 // ---------------------------------------------------------------- SuPerFed

@@ -202,15 +202,22 @@ inline void run_weighted_sum(
   dense.finish();
 }
 
+// How a backend allocates the functional op's results (the CPU's come from its output pool).
+using EmptyFn = at::Tensor (*)(at::IntArrayRef, const at::TensorOptions&);
+
+inline at::Tensor plain_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::empty(sizes, options);
+}
+
 inline std::vector<at::Tensor> weighted_sum_functional(
     at::TensorList updates, const at::Tensor& weights,
-    at::TensorList base, double scale, bool delta, WeightedSumRunner runner) {
+    at::TensorList base, double scale, bool delta, WeightedSumRunner runner, EmptyFn empty) {
   const auto shape = check_inputs(updates, weights, base);
   check_scale(scale, shape);
   std::vector<at::Tensor> out;
   out.reserve(shape.num_tensors);
   for (const auto t : c10::irange(shape.num_tensors)) {
-    out.push_back(at::empty(
+    out.push_back(empty(
         updates[t].sizes(), updates[t].options().dtype(result_dtype(updates, base, t))));
   }
   run_weighted_sum(updates, weights, base, scale, delta, out, shape, runner);
@@ -255,6 +262,16 @@ void run_weighted_sum_plan(const WeightedSumPlan& p) {
   });
 }
 
+// The backend's allocation of fresh results: Kernels::empty where it has one, else at::empty.
+template <typename Kernels>
+constexpr EmptyFn empty_of() {
+  if constexpr (requires { Kernels::empty; }) {
+    return &Kernels::empty;
+  } else {
+    return &plain_empty;
+  }
+}
+
 // Registers the three weighted_sum overloads of one backend (CPU, CUDA), whose kernel is the
 // template Kernels::run<T, U>(const WeightedSumPlan&).
 template <typename Kernels>
@@ -264,7 +281,8 @@ void register_weighted_sum(torch::Library& m) {
       [](at::TensorList updates, const at::Tensor& weights, at::TensorList base, double scale,
          bool delta) {
         return weighted_sum_functional(
-            updates, weights, base, scale, delta, &run_weighted_sum_plan<Kernels>);
+            updates, weights, base, scale, delta, &run_weighted_sum_plan<Kernels>,
+            empty_of<Kernels>());
       });
   m.impl(
       "weighted_sum.out",

@@ -47,6 +47,7 @@ def _load() -> None:
         superfed_regularizer,
     )
     from .ops.mixing_sgd import SuPerFedSGD
+    from .ops.output_pool import output_pool_stats, release_output_pool, set_output_pool_limit
     from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
     from .privacy.mechanism import (
         adaptive_clip_norm,
@@ -73,6 +74,7 @@ __all__ = [
     "sgld_step", "sgld_step_", "sgld_compose_step", "check",
     "coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum", "bulyan",
     "nearest_to_median_mean",
+    "set_output_pool_limit", "release_output_pool", "output_pool_stats",
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
 ]
 

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("flwr")
 
 from flower_message_helpers import assert_arrays_equal, real_reply  # noqa: E402
-from flwr.app import Array  # noqa: E402
+from flwr.app import Array, ArrayRecord  # noqa: E402
 from flwr.serverapp import strategy as flower  # noqa: E402
 
 from fedkernels.integrations import flower as ours  # noqa: E402
@@ -114,3 +114,68 @@ def test_numpy_hyperparameters_keep_flowers_dtypes(name):
     assert_arrays_equal(b, a, 2e-5, 2e-5)
     assert_arrays_equal(mine.m_t, theirs.m_t, 2e-5, 2e-5, what="m_t")
     assert_arrays_equal(mine.v_t, theirs.v_t, 2e-5, 2e-5, what="v_t")
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"server_learning_rate": 0.7},
+                                    {"server_learning_rate": 0.5, "server_momentum": 0.9}],
+                         ids=["mean only", "step", "momentum"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_fedavgm_rounds_equal_flowers(kwargs, dtype):
+    theirs, mine = flower.FedAvgM(**kwargs), ours.FedAvgM(**kwargs)
+    start = _models(1, dtype, seed=9)[0]
+    theirs.current_arrays = ArrayRecord({n: Array(a) for n, a in start.items()})
+    mine.current_arrays = ArrayRecord({n: Array(a) for n, a in start.items()})
+    for server_round in (1, 2, 3):
+        models = _models(5, dtype, seed=server_round)
+        sizes = [10, 20, 5, 7, 1]
+        a, _ = theirs.aggregate_train(server_round, _replies(models, sizes))
+        replies = _replies(models, sizes)
+        saved = [{n: bytes(x.data) for n, x in r.content["arrays"].items()} for r in replies]
+        b, _ = mine.aggregate_train(server_round, replies)
+        assert [{n: x.data for n, x in r.content["arrays"].items()} for r in replies] == saved
+        rtol, atol = (1e-9, 1e-12) if dtype == np.float64 else (2e-5, 2e-5)
+        assert_arrays_equal(b, a, rtol, atol, what=f"FedAvgM round {server_round}")
+        assert all(x.data == Array(x.numpy()).data for x in b.values())
+        if theirs.momentum_vector is None:
+            assert mine.momentum_vector is None
+        else:
+            for m, t in zip(mine.momentum_vector, theirs.momentum_vector, strict=True):
+                assert m.dtype == t.dtype
+                np.testing.assert_allclose(m, t, rtol=rtol, atol=atol)
+        if not kwargs:  # no server step: Flower keeps current_arrays as it was
+            continue
+        assert_arrays_equal(mine.current_arrays, theirs.current_arrays, rtol, atol)
+
+
+def test_fedavgm_steps_every_float_array_in_the_fused_passes(monkeypatch):
+    """The fused step takes every float array (Flower's NumPy formulas run on none)."""
+    taken = []
+    real = drop_ins.FedAvgM._fused_steps
+
+    def counting(self, names, *args):
+        out = real(self, names, *args)
+        taken.append(set(out) == set(names))
+        return out
+
+    monkeypatch.setattr(drop_ins.FedAvgM, "_fused_steps", counting)
+    mine = ours.FedAvgM(server_learning_rate=0.5, server_momentum=0.9)
+    mine.current_arrays = ArrayRecord({n: Array(a) for n, a in
+                                       _models(1, np.float32, seed=3)[0].items()})
+    for server_round in (1, 2):
+        mine.aggregate_train(server_round, _replies(_models(3, np.float32), [1, 2, 3]))
+    assert taken == [True, True]
+
+
+def test_qfedavg_writes_flowers_float64_result_into_the_outgoing_bytes():
+    theirs, mine = flower.QFedAvg(client_learning_rate=0.1), ours.QFedAvg(client_learning_rate=0.1)
+    start = _models(1, np.float32, seed=2)[0]
+    models = _models(4, np.float32, seed=6)
+    result = []
+    for s in (theirs, mine):
+        s.current_arrays = ArrayRecord({n: Array(a) for n, a in start.items()})
+        replies = [real_reply(i + 1, m, {"num-examples": 1.0, "train_loss": 0.5 + i})
+                   for i, m in enumerate(models)]
+        result.append(s.aggregate_train(1, replies)[0])
+    a, b = result
+    assert all(x.dtype == "float64" and x.data == Array(x.numpy()).data for x in b.values())
+    assert_arrays_equal(b, a, 2e-5, 2e-5, what="QFedAvg")

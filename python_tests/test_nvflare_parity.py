@@ -942,3 +942,34 @@ def test_first_contribution_under_inference_mode_then_outside(kind):
     got, want = ours.get_result()["w"], theirs.get_result()["w"]
     got = got.numpy() if kind == "torch" else got
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_final_scaling_by_the_op_gives_nvflares_bits(dtype, monkeypatch):
+    """The last step, total * (1.0 / W), runs in the fused op in batches of accumulators
+    (a small batch size here: every batch boundary), grouped by W (partial keys give other
+    sums), with NVFlare's bits and dtypes; the op runs on every NumPy float key."""
+    monkeypatch.setattr(fk, "_SCALE_BATCH_BYTES", 3000)
+    calls = []
+    real = fk.summation.weighted_sum
+
+    def counting(updates, weights, *args):
+        calls.append(len(updates))
+        return real(updates, weights, *args)
+
+    rng = np.random.default_rng(3)
+    shapes = {f"w{i}": (rng.integers(1, 40), rng.integers(1, 30)) for i in range(12)}
+    datas = [{k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()
+              if not (i == 2 and k in ("w3", "w7"))} for i in range(4)]
+    theirs = flare_helper.WeightedAggregationHelper()
+    ours = fk.WeightedAggregationHelper()
+    for i, d in enumerate(datas):
+        theirs.add(d, 0.5 + i, f"site-{i}", 0)
+        ours.add(d, 0.5 + i, f"site-{i}", 0)
+    monkeypatch.setattr(fk.summation, "weighted_sum", counting)
+    got, want = ours.get_result(), theirs.get_result()
+    assert list(got) == list(want)
+    for k in want:
+        assert got[k].dtype == want[k].dtype
+        np.testing.assert_array_equal(got[k], want[k])
+    assert sum(calls) == len(shapes) and len(calls) > 2

@@ -1,5 +1,6 @@
 """The parameter shapes of the models the benchmarks aggregate: ResNet-18, a transformer
-encoder, a LoRA adapter. Shapes only: each benchmark makes its own clients of them."""
+encoder, a LoRA adapter, the small CNN of FedAvg's paper. Shapes only: each benchmark makes
+its own clients of them."""
 
 from __future__ import annotations
 
@@ -37,3 +38,10 @@ def lora_shapes(pairs: int = 128, rank: int = 16, width: int = 4096) -> dict[str
         shapes[f"layers.{i}.lora_A.weight"] = (rank, width)
         shapes[f"layers.{i}.lora_B.weight"] = (width, rank)
     return shapes
+
+
+def cnn_shapes() -> list[tuple[int, ...]]:
+    """The two-convolution CNN of McMahan et al. (2017) on 28x28 images, 10 classes
+    (8 tensors, 1.66 M parameters): a small model, the size many FL experiments train."""
+    return [(32, 1, 5, 5), (32,), (64, 32, 5, 5), (64,), (512, 64 * 7 * 7), (512,),
+            (10, 512), (10,)]

@@ -17,6 +17,7 @@
 #include "../weighted_sum_host.h"
 #include "chunk_loop.h"
 #include "client_tiles.h"
+#include "output_pool.h"
 #include "vec_io.h"
 
 namespace fedkernels {
@@ -71,6 +72,12 @@ void weighted_sum_tile(const TileArgs<T, U>& a, const WeightedSumMath& math, acc
 }
 
 struct WeightedSumCpu {
+  // Fresh results from the output pool: a server's next round reuses the faulted-in pages of
+  // the global model it dropped.
+  static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return pooled_empty(sizes, options);
+  }
+
   template <typename T, typename U>
   static void run(const WeightedSumPlan& p) {
     using A = acc_type<T>;

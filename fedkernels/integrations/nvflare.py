@@ -401,7 +401,11 @@ class WeightedAggregationHelper:
                         f"contribution(s) sum to {self.counts[k]!r}; the weighted mean "
                         "divides by that sum (1.0 / sum in NVFlare)") from None
             result = {}
+            scaled = self._scaled_by_the_op(reciprocals)
             for k, v in self.total.items():
+                if k in scaled:
+                    result[k] = scaled[k]
+                    continue
                 known = self._array_keys.get(k)
                 if known is None:
                     if k in reciprocals:
@@ -426,6 +430,40 @@ class WeightedAggregationHelper:
             self.last_aggregation_stats = self._compute_aggregation_stats()
             self.reset_stats()
             return result
+
+    def _scaled_by_the_op(self, reciprocals: dict) -> dict:
+        """NVFlare's final ``total * (1.0 / W)`` of the NumPy keys whose running total keeps
+        its dtype, by the fused op (one fp32 or fp64 multiply per value, NumPy's rounding), a
+        few MiB of accumulators a call, each accumulator dropped as soon as it is scaled (the
+        peak stays one model): PyTorch's per-tensor ``mul_`` is one parallel region per tensor,
+        which a busy machine's other work slows many times over."""
+        groups: dict[tuple, list[str]] = {}
+        for k, v in self.total.items():
+            known = self._array_keys.get(k)
+            if known is None or known[0] != "numpy" or k not in reciprocals:
+                continue
+            scale = reciprocals[k]
+            if v.dtype != _torch_dtype(known[1]) or not math.isfinite(scale) \
+                    or (v.dtype != torch.float64 and abs(float(scale)) > FLOAT32_MAX) \
+                    or (np.empty(0, known[1]) * scale).dtype != np.dtype(known[1]):
+                continue
+            groups.setdefault((float(scale), v.dtype, v.device), []).append(k)
+        out = {}
+        for (scale, _, _), keys in groups.items():
+            weight = torch.tensor([scale], dtype=torch.float64, device="cpu")
+            batch, batch_bytes = [], 0
+            for i, k in enumerate(keys):
+                batch.append(k)
+                batch_bytes += self.total[k].numel() * self.total[k].element_size()
+                if batch_bytes < _SCALE_BATCH_BYTES and i + 1 < len(keys):
+                    continue
+                with torch.no_grad():
+                    results = summation.weighted_sum([self.total[b] for b in batch], weight)
+                for b, r in zip(batch, results):
+                    out[b] = r.numpy()
+                    self.total[b] = r  # the accumulator goes now
+                batch, batch_bytes = [], 0
+        return out
 
     def _compute_aggregation_stats(self) -> dict:
         n = len(self.history)
@@ -452,6 +490,9 @@ class WeightedAggregationHelper:
     def get_len(self) -> int:
         return len(self.get_history())
 
+
+# How many bytes of accumulators one call of the final scaling takes.
+_SCALE_BATCH_BYTES = 8 << 20
 
 _FLARE_INTIME_LOGGER = f"{_FlareInTimeAggregator.__module__}.{_FlareInTimeAggregator.__qualname__}"
 

@@ -12,7 +12,17 @@ from . import native
 native.load()
 
 # The modules below register fake and autograd implementations, so the schemas must exist first.
-from . import distill, mixing, mixing_sgd, private, reference, robust, sgld, summation  # noqa: E402
+from . import (  # noqa: E402
+    distill,
+    mixing,
+    mixing_sgd,
+    output_pool,
+    private,
+    reference,
+    robust,
+    sgld,
+    summation,
+)
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
 from .mixing import (  # noqa: E402
     cosine_orthogonality,
@@ -24,6 +34,7 @@ from .mixing import (  # noqa: E402
     superfed_stats,
 )
 from .mixing_sgd import SuPerFedSGD, superfed_sgd_step_  # noqa: E402
+from .output_pool import output_pool_stats, release_output_pool, set_output_pool_limit  # noqa: E402
 from .private import private_sum, private_sum_, update_norms  # noqa: E402
 from .robust import (  # noqa: E402
     coordinate_median,
@@ -44,4 +55,5 @@ __all__ = [
     "energy_from_logits", "sgld_step", "sgld_step_", "sgld_compose_step",
     "robust", "private", "coordinate_median", "trimmed_mean", "median_window_mean",
     "pairwise_sq_distances", "update_norms", "private_sum", "private_sum_",
+    "output_pool", "set_output_pool_limit", "release_output_pool", "output_pool_stats",
 ]

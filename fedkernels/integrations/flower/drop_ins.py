@@ -52,7 +52,6 @@ from fedkernels.integrations.flower.records import (
     as_tensors,
     ndarray_to_array,
     ndarray_view,
-    to_arrayrecord,
     to_tensor,
 )
 from fedkernels.integrations.flower.weighted_mean import (
@@ -61,6 +60,7 @@ from fedkernels.integrations.flower.weighted_mean import (
     int_policy_entry,
     weights_from_records,
 )
+from fedkernels.ops import summation
 from fedkernels.ops.concurrency import one_call_at_a_time
 from fedkernels.privacy.mechanism import update_norms
 
@@ -199,12 +199,14 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
         if self.server_opt and self.current_arrays is not None:
             current = [ndarray_view(v) for v in self.current_arrays.values()]
         base = None if current is None else dict(zip(self.current_arrays.keys(), current))
-        contents, means, resolved = self._fused_mean(replies, base=base)
+        # Without the server step the mean is the result: written into the outgoing bytes.
+        contents, means, resolved = self._fused_mean(replies, base=base,
+                                                     as_arrays=not self.server_opt)
         if contents is None:
             return None, None
         metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
         if not self.server_opt:
-            return to_arrayrecord(means), metrics
+            return ArrayRecord(means), metrics
         if current is None:
             raise AggregationError(  # Flower's words: the exit reason a ServerApp reports
                 "No initial parameters set for FedAvgM. "
@@ -223,11 +225,19 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
                 raise ValueError("zip() argument 2 is "
                                  f"{'shorter' if second < first else 'longer'} than argument 1")
         momentum, arrays = [], {}
+        prevs = [None if not use_momentum or previous is None else previous[i]
+                 for i in range(len(names))]
+        fused = self._fused_steps(names, current, means, prevs, resolved, use_momentum)
         for i, (name, old) in enumerate(zip(names, current)):
             new = means.pop(name)  # array by array: one model of temporaries at most
+            if name in fused:
+                m, arrays[name] = fused.pop(name)
+                if use_momentum:
+                    momentum.append(m)
+                continue
             g = np.zeros(new.shape) if name in resolved else old - new
             if use_momentum:
-                g = g if previous is None else self.server_momentum * previous[i] + g
+                g = g if prevs[i] is None else self.server_momentum * prevs[i] + g
                 momentum.append(g)
             arrays[name] = ndarray_to_array(
                 new if name in resolved else old - self.server_learning_rate * g)
@@ -237,6 +247,57 @@ class FedAvgM(_FusedAggregation, _flwr.FedAvgM):
             self.momentum_vector = momentum
         self.current_arrays = record
         return record, metrics
+
+    def _fused_steps(self, names: list[str], current: list[np.ndarray],
+                     means: dict[str, np.ndarray], prevs: list[np.ndarray | None],
+                     resolved: set[str], use_momentum: bool
+                     ) -> dict[str, tuple[np.ndarray | None, Array]]:
+        r"""Flower's step for every array it can take, as two fused passes over the whole
+        model: :math:`g = (x_t - \bar x) + \mu m` (Flower's ``mu * m + g``, the same
+        roundings), then :math:`x_t - \eta g` written straight into the outgoing ``Array``'s
+        bytes. Returns name -> (momentum or None, Array); arrays where NumPy's dtypes would
+        differ (NumPy-float hyperparameters, float16, 0-d, mixed dtypes) are left out, and the
+        caller runs Flower's formulas on them."""
+        mu, lr = self.server_momentum, self.server_learning_rate
+        if not all(type(p) in (float, int) for p in (mu, lr)):
+            return {}
+        chosen = []
+        for name, old, prev in zip(names, current, prevs):
+            mean = means[name]
+            if name in resolved or old.ndim == 0 or old.size == 0 \
+                    or old.dtype not in _STEP_DTYPES:
+                continue
+            operands = (mean,) if prev is None else (mean, prev)
+            if any(a.shape != old.shape or a.dtype != old.dtype for a in operands):
+                continue
+            # Flower's formulas on empty slices: the dtypes NumPy gives its results.
+            e_old = old.reshape(-1)[:0]
+            g0 = e_old - mean.reshape(-1)[:0]
+            m0 = g0 if prev is None else mu * prev.reshape(-1)[:0] + g0
+            if m0.dtype != old.dtype or (e_old - lr * m0).dtype != old.dtype:
+                continue
+            target = array_with_buffer(old.dtype, old.shape)
+            if target is not None:
+                chosen.append((name, old, mean, prev, target))
+        out = {}
+        for with_prev in (False, True):  # the first round's momentum has no previous term
+            group = [c for c in chosen if (c[3] is not None) == with_prev]
+            if not group:
+                continue
+            olds = as_tensors([c[1] for c in group], [c[1].dtype for c in group])
+            terms = olds + as_tensors([c[2] for c in group], [c[1].dtype for c in group])
+            coefficients = [1.0, -1.0]
+            if with_prev:
+                terms += as_tensors([c[3] for c in group], [c[1].dtype for c in group])
+                coefficients.append(float(mu))
+            g = summation.weighted_sum(terms, torch.tensor(coefficients, dtype=torch.float64,
+                                                           device="cpu"))
+            summation.weighted_sum_out(olds + g, torch.tensor([1.0, -float(lr)],
+                                                              dtype=torch.float64, device="cpu"),
+                                       (), 1.0, False, [c[4][1] for c in group])
+            for c, m in zip(group, g):
+                out[c[0]] = (m.numpy() if use_momentum else None, c[4][0])
+        return out
 
 
 class _FusedFedOpt(_FusedAggregation):
@@ -500,7 +561,16 @@ class QFedAvg(_FusedAggregation, _flwr.QFedAvg):
                 out = int_policy_entry(name, [x[t] for x in local], global_arrays[t], policy)
             else:
                 dtype = np.result_type(global_arrays[t].dtype, dtypes[t], np.float64)
-                out = result.pop(name).numpy().astype(dtype, copy=False)
+                value = result.pop(name)
+                # Flower's float64 result, converted straight into the outgoing bytes (by
+                # NumPy, one thread: PyTorch's copy_ is a parallel region per tensor, many
+                # times slower on a machine busy with other work)
+                target = array_with_buffer(dtype, tuple(value.shape))
+                if target is not None:
+                    np.copyto(target[1].numpy(), value.numpy())
+                    arrays[name] = target[0]
+                    continue
+                out = value.numpy().astype(dtype, copy=False)
             arrays[name] = ndarray_to_array(out)
         record = ArrayRecord(arrays)
         metrics = self.train_metrics_aggr_fn([m.content for m in valid], self.weighted_by_key)
