@@ -42,6 +42,7 @@ def _load() -> None:
         superfed_regularizer,
     )
     from .ops.mixing_sgd import SuPerFedSGD
+    from .ops.quantize import QuantizedTensors, aggregate_quantized, quantize_int8
     from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
     from .privacy.mechanism import (
         adaptive_clip_norm,
@@ -69,6 +70,7 @@ __all__ = [
     "coordinate_median", "trimmed_mean", "pairwise_sq_distances", "krum", "bulyan",
     "nearest_to_median_mean",
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
+    "quantize_int8", "aggregate_quantized", "QuantizedTensors",
 ]
 
 # Loaded on first use: the self-check is large and rarely needed, and fedkernels.private is the

@@ -149,6 +149,18 @@ def _private_sum_inplace_args():
     return {"base": args.pop("base"), **args}
 
 
+def _quantize_args():
+    return dict(x=[_randn(4, 3), _randn(5)], residual=[_randn(4, 3), _randn(5)], block_size=4,
+                stochastic=True, seed=3, offset=0)
+
+
+def _dequantize_args():
+    q = fedkernels.quantize_int8([_randn(4, 3), _randn(5)] * 2, 4)
+    return dict(values=q.values, scales=q.scales,
+                weights=torch.tensor([0.5, 0.5], dtype=torch.float64), block_size=4,
+                dtype=torch.float32)
+
+
 def _norms_args():
     args = _robust_args()
     args["base"] = [_randn(4, 3), _randn(5)]
@@ -274,6 +286,15 @@ CASES = [
         (("base", 1), ["base tensor 1", "meta"]),
         (("clients", 0), ["client 1, tensor 0", "meta"]),
         ("coefficients", ["coefficients", "meta"]),
+    ]),
+    (OPS.quantize_int8.default, _quantize_args, [
+        (("x", 1), ["x tensor 1", "meta"]),
+        (("residual", 0), ["residual tensor 0", "meta"]),
+    ]),
+    (OPS.dequantize_weighted_sum.default, _dequantize_args, [
+        (("values", 3), ["values tensor 3", "meta"]),
+        (("scales", 2), ["scales tensor 2", "meta"]),
+        ("weights", ["weights", "meta"]),
     ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
@@ -413,6 +434,7 @@ def _assert_same_structure(got, expected):
     (OPS.sgld_compose_step.default, _compose_args, "log_weights"),
     (OPS.ensemble_pseudo_labels.default, _pseudo_labels_args, "log_prior"),
     (OPS.private_sum.default, _private_sum_args, "coefficients"),
+    (OPS.dequantize_weighted_sum.default, _dequantize_args, "weights"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

@@ -12,7 +12,17 @@ from . import native
 native.load()
 
 # The modules below register fake and autograd implementations, so the schemas must exist first.
-from . import distill, mixing, mixing_sgd, private, reference, robust, sgld, summation  # noqa: E402
+from . import (  # noqa: E402
+    distill,
+    mixing,
+    mixing_sgd,
+    private,
+    quantize,
+    reference,
+    robust,
+    sgld,
+    summation,
+)
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
 from .mixing import (  # noqa: E402
     cosine_orthogonality,
@@ -25,6 +35,12 @@ from .mixing import (  # noqa: E402
 )
 from .mixing_sgd import SuPerFedSGD, superfed_sgd_step_  # noqa: E402
 from .private import private_sum, private_sum_, update_norms  # noqa: E402
+from .quantize import (  # noqa: E402
+    QuantizedTensors,
+    aggregate_quantized,
+    dequantize_weighted_sum,
+    quantize_int8,
+)
 from .robust import (  # noqa: E402
     coordinate_median,
     median_window_mean,
@@ -44,4 +60,6 @@ __all__ = [
     "energy_from_logits", "sgld_step", "sgld_step_", "sgld_compose_step",
     "robust", "private", "coordinate_median", "trimmed_mean", "median_window_mean",
     "pairwise_sq_distances", "update_norms", "private_sum", "private_sum_",
+    "quantize", "QuantizedTensors", "quantize_int8", "dequantize_weighted_sum",
+    "aggregate_quantized",
 ]
