@@ -202,6 +202,11 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
   m.def(
       "dequantize_weighted_sum(Tensor[] values, Tensor[] scales, Tensor weights, int block_size, "
       "ScalarType dtype) -> Tensor[]");
+  // The same into out (T tensors of dtype shaped as values[t]): a server that keeps its
+  // output buffers pays no page faults for fresh ones.
+  m.def(
+      "dequantize_weighted_sum.out(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "int block_size, ScalarType dtype, *, Tensor(a!)[] out) -> ()");
 }
 
 // ---------------------------------------------------------------- autograd of the mutating ops
@@ -217,7 +222,7 @@ namespace {
 constexpr const char* kMutatingOps[] = {
     "weighted_sum.out", "weighted_sum_", "sgld_step_", "sgld_compose_step_",
     "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
-    "private_sum_", "superfed_sgd_step_",
+    "private_sum_", "superfed_sgd_step_", "dequantize_weighted_sum.out",
 };
 
 // Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the

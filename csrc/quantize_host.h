@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <map>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -150,10 +151,12 @@ inline std::vector<float> checked_quantized_weights(
   return out;
 }
 
+// The sum into fresh tensors, or (check_out) into out after checking it: T tensors shaped as
+// client 0's values, of dtype, on their device, each sharing no memory with another tensor.
 inline std::vector<at::Tensor> dequantize_weighted_sum_host(
     at::TensorList values, at::TensorList scales, const at::Tensor& weights, int64_t block_size,
-    at::ScalarType dtype, DequantizeRunner runner) {
-  const char* op = "dequantize_weighted_sum";
+    at::ScalarType dtype, at::TensorList out_given, bool check_out, DequantizeRunner runner) {
+  const char* op = check_out ? "dequantize_weighted_sum.out" : "dequantize_weighted_sum";
   check_block_size(op, block_size);
   check_supported_float(op, dtype, "dtype");
   TORCH_CHECK_VALUE(
@@ -190,6 +193,32 @@ inline std::vector<at::Tensor> dequantize_weighted_sum_host(
         i, " (client ", k, ", tensor ", t, ") has shape ", scales[i].sizes(), ", expected [",
         want, "] (one per block of ", block_size, ")");
   }
+  if (check_out) {
+    TORCH_CHECK_VALUE(
+        static_cast<int64_t>(out_given.size()) == T, "fedkernels.", op, ": out has ",
+        out_given.size(), " tensors, expected ", T);
+    for (const auto t : c10::irange(T)) {
+      check_device(op, out_given[t], values[0].device(), false, "out tensor ", t);
+      TORCH_CHECK_TYPE(
+          out_given[t].scalar_type() == dtype, "fedkernels.", op, ": out tensor ", t,
+          " has dtype ", out_given[t].scalar_type(), ", expected ", dtype);
+      TORCH_CHECK_VALUE(
+          out_given[t].sizes() == values[t].sizes(), "fedkernels.", op, ": out tensor ", t,
+          " has shape ", out_given[t].sizes(), ", expected ", values[t].sizes());
+    }
+    std::vector<const at::Tensor*> tensors;
+    for (const auto& o : out_given) tensors.push_back(&o);
+    for (const auto& v : values) tensors.push_back(&v);
+    for (const auto& sc : scales) tensors.push_back(&sc);
+    check_written_apart(
+        op, tensors, T,
+        [&](int64_t i) {
+          if (i < T) return "out tensor " + std::to_string(i);
+          if (i < T + n_values) return "values tensor " + std::to_string(i - T);
+          return "scales tensor " + std::to_string(i - T - n_values);
+        },
+        "", "");
+  }
   DequantizeList l;
   l.dtype = dtype;
   l.K = K;
@@ -206,12 +235,17 @@ inline std::vector<at::Tensor> dequantize_weighted_sum_host(
   }
   int64_t total = 0;
   for (const auto t : c10::irange(T)) {
-    out.push_back(at::empty(values[t].sizes(), values[t].options().dtype(dtype)));
-    l.outs.push_back(out.back().data_ptr());
+    if (check_out) {
+      l.outs.push_back(dense.out(out_given[t]));
+    } else {
+      out.push_back(at::empty(values[t].sizes(), values[t].options().dtype(dtype)));
+      l.outs.push_back(out.back().data_ptr());
+    }
     l.numels.push_back(values[t].numel());
     total += values[t].numel();
   }
   if (total > 0) runner(l);
+  dense.finish();
   return out;
 }
 
@@ -246,7 +280,14 @@ void register_quantize(torch::Library& m) {
       [](at::TensorList values, at::TensorList scales, const at::Tensor& weights,
          int64_t block_size, at::ScalarType dtype) {
         return dequantize_weighted_sum_host(
-            values, scales, weights, block_size, dtype, &run_dequantize_list<Kernels>);
+            values, scales, weights, block_size, dtype, {}, false, &run_dequantize_list<Kernels>);
+      });
+  m.impl(
+      "dequantize_weighted_sum.out",
+      [](at::TensorList values, at::TensorList scales, const at::Tensor& weights,
+         int64_t block_size, at::ScalarType dtype, at::TensorList out) {
+        dequantize_weighted_sum_host(
+            values, scales, weights, block_size, dtype, out, true, &run_dequantize_list<Kernels>);
       });
 }
 

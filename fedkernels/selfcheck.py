@@ -567,6 +567,18 @@ def check_dequantize_weighted_sum(op, device, dtype):
                        _tol(dtype, REDUCTION_TOL))]
 
 
+def check_dequantize_weighted_sum_out(op, device, dtype):
+    clients = [R.quantize_int8_reference(_tensors(torch.float32, device, 30 + k), 8)
+               for k in range(NUM_CLIENTS)]
+    values = [v for c in clients for v in c[0]]
+    scales = [s for c in clients for s in c[1]]
+    w = _weights()
+    result = [torch.full(v.shape, float("nan"), dtype=dtype, device=device) for v in clients[0][0]]
+    op(values, scales, w, 8, dtype, out=result)
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype)
+    return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
+
+
 _median = _order_stat_check("coordinate_median", None)
 _trimmed = _order_stat_check("trimmed_mean", 1)
 _window = _order_stat_check("median_window_mean", 3)
@@ -603,6 +615,7 @@ CHECKS: dict[str, OpCheck] = {
     "private_sum_": check_private_sum_inplace,
     "quantize_int8": check_quantize_int8,
     "dequantize_weighted_sum": check_dequantize_weighted_sum,
+    "dequantize_weighted_sum.out": check_dequantize_weighted_sum_out,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

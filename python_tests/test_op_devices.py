@@ -352,7 +352,7 @@ def test_every_op_is_covered():
     # The .out overloads are covered by their own tests below.
     covered |= {f"fedkernels::{name}.out" for name in (
         "weighted_sum", "coordinate_median", "trimmed_mean", "median_window_mean",
-        "private_sum")}
+        "private_sum", "dequantize_weighted_sum")}
     schemas = {s.name + ("." + s.overload_name if s.overload_name else "")
                for s in torch._C._jit_get_all_schemas() if s.name.startswith("fedkernels::")}
     assert schemas == covered
@@ -403,6 +403,17 @@ def test_robust_and_private_out_on_meta_raises(op, build):
     clients[4] = _meta(clients[4])
     with pytest.raises(ValueError, match="client 2, tensor 0 is on meta"):
         op(*{**args, "clients": clients}.values(), out=out)
+
+
+def test_dequantize_weighted_sum_out_on_meta_raises():
+    args = _dequantize_args()
+    out = [torch.empty(4, 3), torch.empty(5)]
+    with pytest.raises(ValueError, match="out tensor 1 is on meta, expected cpu"):
+        OPS.dequantize_weighted_sum.out(*args.values(), out=[out[0], _meta(out[1])])
+    values = list(args["values"])
+    values[2] = _meta(values[2])
+    with pytest.raises(ValueError, match="values tensor 2 is on meta"):
+        OPS.dequantize_weighted_sum.out(*{**args, "values": values}.values(), out=out)
 
 
 @pytest.mark.parametrize("op, build", [(op, build) for op, build, _ in CASES],

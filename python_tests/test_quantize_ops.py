@@ -244,6 +244,34 @@ def test_quantized_round_tracks_the_float_round():
     assert torch.all((got - exact_sum).abs() <= bound * (1 + 1e-4) + 1e-7)
 
 
+def test_out_writes_the_functional_result_and_refuses_bad_buffers():
+    clients = [fedkernels.quantize_int8(tensors(seed=k, shapes=[(5, 7), (300,)]), 32)
+               for k in range(3)]
+    w = [0.2, 0.3, 0.5]
+    want = fedkernels.aggregate_quantized(clients, w, dtype=torch.bfloat16)
+    out = [torch.full((7, 5), float("nan"), dtype=torch.bfloat16).t(),  # strided
+           torch.full((300,), float("nan"), dtype=torch.bfloat16)]
+    got = fedkernels.aggregate_quantized(clients, w, dtype=torch.bfloat16, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    for a, b in zip(out, want):
+        exact(a, b)
+    values = [v for c in clients for v in c.values]
+    scales = [s for c in clients for s in c.scales]
+    wt = torch.tensor(w, dtype=torch.float64)
+    f32 = [torch.empty(5, 7), torch.empty(300)]
+    _err(TypeError, lambda: qops.dequantize_weighted_sum(values, scales, wt, 32, torch.bfloat16,
+                                                         out=f32), "out tensor 0", "dtype")
+    _err(ValueError, lambda: qops.dequantize_weighted_sum(values, scales, wt, 32, out=f32[:1]),
+         "out has 1 tensors")
+    _err(ValueError, lambda: qops.dequantize_weighted_sum(
+        values, scales, wt, 32, out=[torch.empty(35), torch.empty(300)]), "out tensor 0", "shape")
+    _err(ValueError, lambda: qops.dequantize_weighted_sum(
+        values, scales, wt, 32, out=[f32[0], torch.empty(1).expand(300)]), "out tensor 1")
+    big = torch.empty(400)
+    _err(ValueError, lambda: qops.dequantize_weighted_sum(
+        values, scales, wt, 32, out=[big[:35].view(5, 7), big[30:330]]), "overlaps")
+
+
 # ---------------------------------------------------------------- bad inputs: one-line errors
 
 
@@ -311,6 +339,10 @@ def test_opcheck():
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+    out = [torch.empty(5, 7), torch.empty(33)]
+    torch.library.opcheck(OPS.dequantize_weighted_sum.out,
+                          (q.values + q.values, q.scales + q.scales, w, 8, torch.float32),
+                          {"out": out})
 
 
 def test_compile_fullgraph():

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .devices import check_device
+from .native import refuse_jit_trace
 
 _ops = torch.ops.fedkernels
 
@@ -115,10 +116,16 @@ def quantize_int8(
 
 
 def dequantize_weighted_sum(values: Sequence[Tensor], scales: Sequence[Tensor], weights: Tensor,
-                            block_size: int, dtype: torch.dtype = torch.float32) -> list[Tensor]:
+                            block_size: int, dtype: torch.dtype = torch.float32,
+                            out: Sequence[Tensor] | None = None) -> list[Tensor]:
     r""":math:`\sum_k w_k s_{kb} q_k` per tensor over K = ``weights.numel()`` clients given
-    client-major (``values[k * T + t]``, ``scales[k * T + t]``), in ``dtype``."""
-    return _ops.dequantize_weighted_sum(values, scales, weights, int(block_size), dtype)
+    client-major (``values[k * T + t]``, ``scales[k * T + t]``), in ``dtype``; into ``out``
+    when given (T tensors of ``dtype``, shaped as the values)."""
+    if out is None:
+        return _ops.dequantize_weighted_sum(values, scales, weights, int(block_size), dtype)
+    refuse_jit_trace("dequantize_weighted_sum.out")
+    _ops.dequantize_weighted_sum.out(values, scales, weights, int(block_size), dtype, out=out)
+    return list(out)
 
 
 def aggregate_quantized(
@@ -127,6 +134,7 @@ def aggregate_quantized(
     *,
     normalize: bool = False,
     dtype: torch.dtype = torch.float32,
+    out: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
     r"""Weighted sum of K clients' quantized updates, :math:`\sum_k w_k \hat x_k`, in one fused
     pass that reads each client's int8 values and scales once (as :func:`fedkernels.aggregate`
@@ -137,6 +145,8 @@ def aggregate_quantized(
             and block size.
         weights: K real numbers (tensor, list or array); divided by their sum with ``normalize``.
         dtype: of the result (float32, float16, bfloat16 or float64; accumulation is float32).
+        out: where to write the result (one tensor per client tensor, of ``dtype``); a server
+            that keeps these buffers between rounds saves the page faults of fresh memory.
     """
     clients = list(clients)
     if not clients:
@@ -166,7 +176,7 @@ def aggregate_quantized(
         w = w / total
     values = [v for c in clients for v in c.values]
     scales = [s for c in clients for s in c.scales]
-    return dequantize_weighted_sum(values, scales, w, blocks.pop(), dtype)
+    return dequantize_weighted_sum(values, scales, w, blocks.pop(), dtype, out=out)
 
 
 # ---------------------------------------------------------------- fake implementations
@@ -212,7 +222,26 @@ def _quantize_fake(x, residual, block_size, stochastic, seed, offset):
 
 @torch.library.register_fake("fedkernels::dequantize_weighted_sum")
 def _dequantize_fake(values, scales, weights, block_size, dtype):
-    op = "dequantize_weighted_sum"
+    T = _dequantize_checks("dequantize_weighted_sum", values, scales, weights, block_size, dtype)
+    return [torch.empty(values[t].shape, dtype=dtype, device=values[t].device) for t in range(T)]
+
+
+@torch.library.register_fake("fedkernels::dequantize_weighted_sum.out")
+def _dequantize_out_fake(values, scales, weights, block_size, dtype, *, out):
+    op = "dequantize_weighted_sum.out"
+    T = _dequantize_checks(op, values, scales, weights, block_size, dtype)
+    if len(out) != T:
+        raise ValueError(f"fedkernels.{op}: out has {len(out)} tensors, expected {T}")
+    for t, o in enumerate(out):
+        check_device(op, o, values[0].device, f"out tensor {t}")
+        if o.dtype != dtype:
+            raise TypeError(f"fedkernels.{op}: out tensor {t} has dtype {o.dtype}, expected {dtype}")
+        if o.shape != values[t].shape:
+            raise ValueError(f"fedkernels.{op}: out tensor {t} has shape {list(o.shape)}, "
+                             f"expected {list(values[t].shape)}")
+
+
+def _dequantize_checks(op, values, scales, weights, block_size, dtype) -> int:
     _check_block(op, block_size)
     if dtype not in _FLOATS:
         raise TypeError(f"fedkernels.{op}: dtype has dtype {dtype}; supported: float32, "
@@ -247,4 +276,4 @@ def _dequantize_fake(values, scales, weights, block_size, dtype):
                              f"shape {list(s.shape)}, expected [{want}]")
     if values:
         check_device(op, weights, values[0].device, "weights", allow_cpu=True)
-    return [torch.empty(values[t].shape, dtype=dtype, device=values[t].device) for t in range(T)]
+    return T
