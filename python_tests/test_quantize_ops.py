@@ -402,7 +402,10 @@ def test_every_cpu_build_equals_reference(capability):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_cuda_equals_cpu(dtype):
     x = tensors(dtype, seed=6)
+    x[1][40] = float("nan")  # block 1 of tensor 1 is NaN, block 3 all zero
+    x[1][96:128] = 0.0
     res = tensors(dtype, seed=7, scale=0.01)
+    res[1][96:128] = 0.0
     for stochastic in (False, True):
         cpu = fedkernels.quantize_int8(x, 32, stochastic=stochastic, seed=5, offset=2, residual=res)
         gpu = fedkernels.quantize_int8([t.cuda() for t in x], 32, stochastic=stochastic, seed=5,
