@@ -257,6 +257,8 @@ plan() {
     --out "$OUTDIR/bench_superfed.json"
   step "bench_robust_ops" 45 bench_robust_ops.log "$pyname" bench/bench_robust_ops.py \
     --device cuda --out "$OUTDIR/bench_robust_ops.json"
+  step "bench_quantized" 30 bench_quantized.log "$pyname" bench/bench_quantized.py \
+    --device cuda --out "$OUTDIR/bench_quantized.json"
   # Out-of-bounds and misaligned device accesses: every op on small inputs of every dtype
   # (the self-check's CUDA half) under compute-sanitizer's memcheck.
   local sanitizer
@@ -395,7 +397,8 @@ plan
     echo '```'
   fi
   sanitizer_summary
-  for log in bench_distill bench_distill_kl bench_energy bench_sgld bench_superfed bench_robust_ops; do
+  for log in bench_distill bench_distill_kl bench_energy bench_sgld bench_superfed bench_robust_ops \
+      bench_quantized; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
       echo "## $log (last lines of the log)"

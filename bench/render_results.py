@@ -408,6 +408,21 @@ def robust_ops_block(root: Path, name: str, key: str = "robust_ops") -> str:
     return source_line(name, key, env, run["probes"]) + shape + "\n\n" + table(header, rows)
 
 
+def quantized_block(root: Path, name: str, key: str = "quantized") -> str:
+    """bench_quantized.py: the int8 round against the fp32 round and the PyTorch int8 round."""
+    run = section(root, name, key)
+    rows = [[r["model"], str(r["K"]), str(r["block_size"]), sig(r["int8_fused_ms"]),
+             sig(r["fp32_fused_ms"]), ratio(r["fp32_over_int8"]), sig(r["int8_out_ms"]),
+             sig(r["fp32_out_ms"]), ratio(r["fp32_over_int8_out"]),
+             pct(r["int8_out_fraction_of_read_probe"]), pct(r["fp32_out_fraction_of_read_probe"]),
+             sig(r["int8_torch_ms"]), ratio(r["torch_over_int8"]), sig(r["quantize_us"] / 1e3),
+             sig(r["quantize_sr_ef_us"] / 1e3)] for r in run["rows"]]
+    header = ["model", "K", "block", "int8 ms", "fp32 ms", "fp32 / int8", "int8 out= ms",
+              "fp32 out= ms", "fp32 / int8, out=", "int8 out= % read", "fp32 out= % read",
+              "int8 PyTorch ms", "PyTorch / int8", "quantize ms", "stochastic + EF ms"]
+    return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
+
+
 def flower_robust_block(root: Path, name: str) -> str:
     """bench_robust.py: Flower's robust and DP strategies against the drop-ins."""
     data = load(root, name)
@@ -678,6 +693,9 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "robust-ops/amd-epyc-avx512-window": lambda r: robust_ops_block(
         r, "robust-ops-window-cpu-amd-epyc-avx512.json"),
     "robust-ops/amd-epyc-avx2": lambda r: robust_ops_block(r, "robust-ops-cpu-amd-epyc-avx2.json"),
+    "quantized/amd-epyc-avx512": lambda r: quantized_block(r, "quantized-cpu-amd-epyc-avx512.json"),
+    "quantized/amd-epyc-avx512-1thread": lambda r: quantized_block(
+        r, "quantized-1thread-cpu-amd-epyc-avx512.json"),
     "flower-robust/amd-epyc-avx2": lambda r: flower_robust_block(r, "robust-cpu-amd-epyc-avx2.json"),
     "flower-robust/amd-epyc-avx512-krum-ties": lambda r: flower_robust_block(
         r, "robust-krum-ties-cpu-amd-epyc-avx512.json"),

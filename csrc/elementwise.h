@@ -374,3 +374,54 @@ struct PhiloxNormal {
 };
 
 }  // namespace fedkernels
+
+// ---------------------------------------------------------------- Quantized updates
+// Schemas and formulas in csrc/ops.cpp; the method in docs/algorithms/quantized.md.
+#include <cmath>
+#include <limits>
+
+namespace fedkernels {
+
+struct QuantizeMath {
+  static constexpr int kLevels = 127;  // symmetric int8: -127..127, so that -q is a level too
+
+  // The block's float32 scale from max|v| (accumulate type A): NaN when the block holds a NaN
+  // or an infinity, so that its dequantized values are NaN, as an fp32 sum would be.
+  template <typename A>
+  FEDKERNELS_HD static float scale_of(A amax, bool finite) {
+    if (!finite) {
+#if defined(__CUDA_ARCH__)
+      return __int_as_float(0x7fc00000);
+#else
+      return std::numeric_limits<float>::quiet_NaN();
+#endif
+    }
+    return static_cast<float>(amax / A(kLevels));
+  }
+
+  // Uniform in [0, 1) from one Philox word: its top 24 bits, exact in float32.
+  FEDKERNELS_HD static float uniform24(uint32_t word) {
+    return static_cast<float>(word >> 8) * 5.9604644775390625e-08f;  // 2^-24
+  }
+
+  // q for v in a block of scale s: round to nearest (ties to even), or floor(v / s + u) for
+  // u uniform in [0, 1) (stochastic: E[q s] = v). q = 0 where s is 0 or NaN.
+  template <typename A>
+  FEDKERNELS_HD static int8_t quantize(A v, float s, bool stochastic, float u) {
+    if (!(s > 0.0f)) return 0;
+    const A w = v / static_cast<A>(s);
+#if defined(__CUDA_ARCH__)
+    A r = stochastic ? floor(w + static_cast<A>(u)) : rint(w);
+#else
+    A r = stochastic ? std::floor(w + static_cast<A>(u)) : std::nearbyint(w);
+#endif
+    r = r < A(-kLevels) ? A(-kLevels) : (r > A(kLevels) ? A(kLevels) : r);
+    return static_cast<int8_t>(r);
+  }
+
+  // What the server adds for one client: (w_k s_b) q, the product of the weight and the
+  // scale taken once per block.
+  FEDKERNELS_HD static float coefficient(float weight, float scale) { return weight * scale; }
+};
+
+}  // namespace fedkernels

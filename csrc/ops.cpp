@@ -187,6 +187,34 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "Generator? generator) -> ()");
 }
 
+// ---------------------------------------------------------------- Quantized updates
+// The method: docs/algorithms/quantized.md. Host side: csrc/quantize_host.h; kernels:
+// csrc/cpu/quantize.cpp, csrc/cuda/quantize.cu; per-element math: QuantizeMath in
+// csrc/elementwise.h.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Symmetric int8 with one float32 scale per block of block_size consecutive elements of each
+  // tensor (C order; the last block may be short): v = x (+ residual), s = max|v| / 127 (0 for
+  // an all-zero block, NaN for a block with a NaN or inf), q = round(v / s) clamped to
+  // [-127, 127] (q = 0 where s is 0 or NaN). Rounding to nearest (ties to even), or stochastic:
+  // q = floor(v / s + u), u = (word >> 8) 2^-24 with word = lane e % 4 of the Philox-4x32-10
+  // block (seed, subsequence e / 4, offset), e counted over the whole list. With residual
+  // given (error feedback): residual_out = v - q s, in x's dtype; else residual_out = [].
+  m.def(
+      "quantize_int8(Tensor[] x, Tensor[] residual, int block_size, bool stochastic, int seed, "
+      "int offset) -> (Tensor[], Tensor[], Tensor[])");
+  // out_t = sum_k w_k * s_kt[block] * q_kt over K = weights.numel() clients given client-major
+  // (values[k * T + t], scales[k * T + t], as quantize_int8 writes them), accumulated in
+  // float32 in client order (the product w_k s_kb first), stored as dtype.
+  m.def(
+      "dequantize_weighted_sum(Tensor[] values, Tensor[] scales, Tensor weights, int block_size, "
+      "ScalarType dtype) -> Tensor[]");
+  // The same into out (T tensors of dtype shaped as values[t]): a server that keeps its
+  // output buffers pays no page faults for fresh ones.
+  m.def(
+      "dequantize_weighted_sum.out(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "int block_size, ScalarType dtype, *, Tensor(a!)[] out) -> ()");
+}
+
 // ---------------------------------------------------------------- autograd of the mutating ops
 // The in-place and out= overloads have no derivative formula (the functional ops carry them,
 // registered from Python). The two kernels below give them what PyTorch's own in-place ops
@@ -200,7 +228,7 @@ namespace {
 constexpr const char* kMutatingOps[] = {
     "weighted_sum.out", "weighted_sum_", "sgld_step_", "sgld_compose_step_",
     "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
-    "private_sum_", "superfed_sgd_step_",
+    "private_sum_", "superfed_sgd_step_", "dequantize_weighted_sum.out",
 };
 
 // Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the

@@ -541,6 +541,44 @@ def check_private_sum_inplace(op, device, dtype):
     return [Comparison("no noise, in place", b, want, _private_tol(dtype))]
 
 
+def check_quantize_int8(op, device, dtype):
+    x = _tensors(dtype, device, 20)
+    res = _tensors(dtype, device, 21)
+    out = []
+    for stochastic in (False, True):
+        got = op(x, res, 8, stochastic, 12345, 1)
+        want = R.quantize_int8_reference(x, 8, stochastic, 12345, 1, res)
+        label = "stochastic" if stochastic else "nearest"
+        # the same arithmetic on both sides: int8 values and scales bit for bit
+        out += [Comparison(f"{label} values", got[0], want[0], EXACT),
+                Comparison(f"{label} scales", got[1], want[1], EXACT),
+                Comparison(f"{label} residual", got[2], want[2], _tol(dtype))]
+    return out
+
+
+def check_dequantize_weighted_sum(op, device, dtype):
+    clients = [R.quantize_int8_reference(_tensors(torch.float32, device, 30 + k), 8)
+               for k in range(NUM_CLIENTS)]
+    values = [v for c in clients for v in c[0]]
+    scales = [s for c in clients for s in c[1]]
+    w = _weights()
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype)
+    return [Comparison("weighted sum", op(values, scales, w, 8, dtype), want,
+                       _tol(dtype, REDUCTION_TOL))]
+
+
+def check_dequantize_weighted_sum_out(op, device, dtype):
+    clients = [R.quantize_int8_reference(_tensors(torch.float32, device, 30 + k), 8)
+               for k in range(NUM_CLIENTS)]
+    values = [v for c in clients for v in c[0]]
+    scales = [s for c in clients for s in c[1]]
+    w = _weights()
+    result = [torch.full(v.shape, float("nan"), dtype=dtype, device=device) for v in clients[0][0]]
+    op(values, scales, w, 8, dtype, out=result)
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype)
+    return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
+
+
 _median = _order_stat_check("coordinate_median", None)
 _trimmed = _order_stat_check("trimmed_mean", 1)
 _window = _order_stat_check("median_window_mean", 3)
@@ -575,6 +613,9 @@ CHECKS: dict[str, OpCheck] = {
     "private_sum": check_private_sum,
     "private_sum.out": check_private_sum_out,
     "private_sum_": check_private_sum_inplace,
+    "quantize_int8": check_quantize_int8,
+    "dequantize_weighted_sum": check_dequantize_weighted_sum,
+    "dequantize_weighted_sum.out": check_dequantize_weighted_sum_out,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

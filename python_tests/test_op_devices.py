@@ -149,6 +149,18 @@ def _private_sum_inplace_args():
     return {"base": args.pop("base"), **args}
 
 
+def _quantize_args():
+    return dict(x=[_randn(4, 3), _randn(5)], residual=[_randn(4, 3), _randn(5)], block_size=4,
+                stochastic=True, seed=3, offset=0)
+
+
+def _dequantize_args():
+    q = fedkernels.quantize_int8([_randn(4, 3), _randn(5)] * 2, 4)
+    return dict(values=q.values, scales=q.scales,
+                weights=torch.tensor([0.5, 0.5], dtype=torch.float64), block_size=4,
+                dtype=torch.float32)
+
+
 def _norms_args():
     args = _robust_args()
     args["base"] = [_randn(4, 3), _randn(5)]
@@ -275,6 +287,15 @@ CASES = [
         (("clients", 0), ["client 1, tensor 0", "meta"]),
         ("coefficients", ["coefficients", "meta"]),
     ]),
+    (OPS.quantize_int8.default, _quantize_args, [
+        (("x", 1), ["x tensor 1", "meta"]),
+        (("residual", 0), ["residual tensor 0", "meta"]),
+    ]),
+    (OPS.dequantize_weighted_sum.default, _dequantize_args, [
+        (("values", 3), ["values tensor 3", "meta"]),
+        (("scales", 2), ["scales tensor 2", "meta"]),
+        ("weights", ["weights", "meta"]),
+    ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
         ("grads", ["grads", "meta"]),
@@ -331,7 +352,7 @@ def test_every_op_is_covered():
     # The .out overloads are covered by their own tests below.
     covered |= {f"fedkernels::{name}.out" for name in (
         "weighted_sum", "coordinate_median", "trimmed_mean", "median_window_mean",
-        "private_sum")}
+        "private_sum", "dequantize_weighted_sum")}
     # The output pool's controls take no tensors: nothing to place on a device
     # (test_output_pool.py tests them).
     covered |= {f"fedkernels::output_pool_{name}" for name in ("set_limit", "release", "stats")}
@@ -387,6 +408,17 @@ def test_robust_and_private_out_on_meta_raises(op, build):
         op(*{**args, "clients": clients}.values(), out=out)
 
 
+def test_dequantize_weighted_sum_out_on_meta_raises():
+    args = _dequantize_args()
+    out = [torch.empty(4, 3), torch.empty(5)]
+    with pytest.raises(ValueError, match="out tensor 1 is on meta, expected cpu"):
+        OPS.dequantize_weighted_sum.out(*args.values(), out=[out[0], _meta(out[1])])
+    values = list(args["values"])
+    values[2] = _meta(values[2])
+    with pytest.raises(ValueError, match="values tensor 2 is on meta"):
+        OPS.dequantize_weighted_sum.out(*{**args, "values": values}.values(), out=out)
+
+
 @pytest.mark.parametrize("op, build", [(op, build) for op, build, _ in CASES],
                          ids=[op.name().split("::")[1] for op, _, _ in CASES])
 def test_all_meta_gives_shapes(op, build):
@@ -416,6 +448,7 @@ def _assert_same_structure(got, expected):
     (OPS.sgld_compose_step.default, _compose_args, "log_weights"),
     (OPS.ensemble_pseudo_labels.default, _pseudo_labels_args, "log_prior"),
     (OPS.private_sum.default, _private_sum_args, "coefficients"),
+    (OPS.dequantize_weighted_sum.default, _dequantize_args, "weights"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

@@ -18,6 +18,7 @@ from . import (  # noqa: E402
     mixing_sgd,
     output_pool,
     private,
+    quantize,
     reference,
     robust,
     sgld,
@@ -36,6 +37,12 @@ from .mixing import (  # noqa: E402
 from .mixing_sgd import SuPerFedSGD, superfed_sgd_step_  # noqa: E402
 from .output_pool import output_pool_stats, release_output_pool, set_output_pool_limit  # noqa: E402
 from .private import private_sum, private_sum_, update_norms  # noqa: E402
+from .quantize import (  # noqa: E402
+    QuantizedTensors,
+    aggregate_quantized,
+    dequantize_weighted_sum,
+    quantize_int8,
+)
 from .robust import (  # noqa: E402
     coordinate_median,
     median_window_mean,
@@ -56,4 +63,6 @@ __all__ = [
     "robust", "private", "coordinate_median", "trimmed_mean", "median_window_mean",
     "pairwise_sq_distances", "update_norms", "private_sum", "private_sum_",
     "output_pool", "set_output_pool_limit", "release_output_pool", "output_pool_stats",
+    "quantize", "QuantizedTensors", "quantize_int8", "dequantize_weighted_sum",
+    "aggregate_quantized",
 ]

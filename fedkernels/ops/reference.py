@@ -542,3 +542,103 @@ def private_sum_reference(clients: Sequence[Tensor], coefficients: Tensor,
             r = r + torch.tensor(noise_std, dtype=acc_type) * noise[t].to(acc_type)
         out.append(r.to(b.dtype))
     return out
+
+
+# ---------------------------------------------------------------- quantized updates
+
+_M32 = 0xFFFFFFFF
+
+
+def philox_words_reference(seed: int, offset: int, groups: Tensor) -> list[Tensor]:
+    """The four output words of ``at::philox_engine(seed, subsequence=g, offset)`` for each
+    group g (int64 tensor), as int64 tensors: Philox-4x32-10, products split in 16-bit halves
+    so that no int64 overflows."""
+    seed &= 2**64 - 1
+    offset &= 2**64 - 1
+
+    def mulhilo(m, x):
+        low, high = m * (x & 0xFFFF), m * (x >> 16)
+        return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _M32
+
+    x0 = torch.full_like(groups, offset & _M32)
+    x1 = torch.full_like(groups, offset >> 32)
+    x2, x3 = groups & _M32, groups >> 32
+    k0, k1 = seed & _M32, seed >> 32
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
+        hi0, lo0 = mulhilo(0xD2511F53, x0)
+        hi1, lo1 = mulhilo(0xCD9E8D57, x2)
+        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
+    return [x0, x1, x2, x3]
+
+
+def quantize_int8_reference(
+    x: Sequence[Tensor],
+    block_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """(values, scales, new residual) of ``fedkernels::quantize_int8``: per tensor, blocks of
+    ``block_size`` elements in C order, v = x (+ residual) in the accumulate type,
+    s = float32(max|v| / 127) (NaN for a block with a NaN or inf), q = round(v / s) (ties to
+    even) or floor(v / s + u) with u = (word >> 8) 2^-24, clamped to [-127, 127], 0 where s is
+    0 or NaN; residual' = v - q s."""
+    values, scales, new_res = [], [], []
+    first = 0
+    for t, xt in enumerate(x):
+        acc = _acc_dtype(xt.dtype)
+        v = xt.reshape(-1).to(acc)
+        if residual is not None:
+            v = v + residual[t].reshape(-1).to(acc)
+        n = v.numel()
+        nb = (n + block_size - 1) // block_size
+        pad = torch.zeros(nb * block_size, dtype=acc, device=v.device)
+        pad[:n] = v
+        blocks = pad.reshape(nb, block_size)
+        amax = blocks.abs().amax(dim=1) if nb else torch.zeros(0, dtype=acc, device=v.device)
+        finite = torch.isfinite(blocks).all(dim=1)
+        s = torch.where(finite, amax / 127, torch.full_like(amax, float("nan"))).to(torch.float32)
+        se = s.repeat_interleave(block_size)[:n].to(acc)
+        ok = se > 0
+        w = v / torch.where(ok, se, torch.ones_like(se))
+        if stochastic:
+            e = torch.arange(first, first + n, dtype=torch.int64)
+            words = torch.stack(philox_words_reference(seed, offset, e // 4), 1)
+            word = words.gather(1, (e % 4).unsqueeze(1)).squeeze(1)
+            u = ((word >> 8).to(torch.float32) * 2.0**-24).to(acc).to(v.device)
+            r = torch.floor(w + u)
+        else:
+            r = torch.round(w)
+        q = torch.where(ok, r.clamp(-127, 127), torch.zeros_like(r)).to(torch.int8)
+        values.append(q.reshape(xt.shape))
+        scales.append(s)
+        if residual is not None:
+            new_res.append((v - q.to(acc) * se).to(xt.dtype).reshape(xt.shape))
+        first += n
+    return values, scales, (new_res if residual is not None else None)
+
+
+def dequantize_weighted_sum_reference(
+    values: Sequence[Tensor],
+    scales: Sequence[Tensor],
+    weights: Sequence[float] | Tensor,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> list[Tensor]:
+    """``sum_k (w_k s_kb) q_k`` per tensor over clients given client-major
+    (``values[k * T + t]``), float32 in client order, stored as ``dtype``."""
+    w = torch.as_tensor(weights, dtype=torch.float64).to(torch.float32)
+    K = w.numel()
+    T = len(values) // K
+    out = []
+    for t in range(T):
+        n = values[t].numel()
+        acc = torch.zeros(n, dtype=torch.float32, device=values[t].device)
+        for k in range(K):
+            c = (w[k].to(scales[k * T + t].device) * scales[k * T + t])
+            acc = acc + c.repeat_interleave(block_size)[:n] * values[k * T + t].reshape(-1).float()
+        out.append(acc.to(dtype).reshape(values[t].shape))
+    return out
