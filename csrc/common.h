@@ -158,4 +158,21 @@ inline void check_finite_positive(const char* op, const char* name, double value
       " must be finite and > 0, got ", value);
 }
 
+// How a backend allocates an allocating op's results (the CPU's come from its output pool):
+// Kernels::empty where the backend has one, else at::empty.
+using EmptyFn = at::Tensor (*)(at::IntArrayRef, const at::TensorOptions&);
+
+inline at::Tensor plain_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::empty(sizes, options);
+}
+
+template <typename Kernels>
+constexpr EmptyFn empty_of() {
+  if constexpr (requires { Kernels::empty; }) {
+    return &Kernels::empty;
+  } else {
+    return &plain_empty;
+  }
+}
+
 }  // namespace fedkernels

@@ -155,7 +155,8 @@ inline std::vector<float> checked_quantized_weights(
 // client 0's values, of dtype, on their device, each sharing no memory with another tensor.
 inline std::vector<at::Tensor> dequantize_weighted_sum_host(
     at::TensorList values, at::TensorList scales, const at::Tensor& weights, int64_t block_size,
-    at::ScalarType dtype, at::TensorList out_given, bool check_out, DequantizeRunner runner) {
+    at::ScalarType dtype, at::TensorList out_given, bool check_out, DequantizeRunner runner,
+    EmptyFn empty = &plain_empty) {
   const char* op = check_out ? "dequantize_weighted_sum.out" : "dequantize_weighted_sum";
   check_block_size(op, block_size);
   check_supported_float(op, dtype, "dtype");
@@ -238,7 +239,7 @@ inline std::vector<at::Tensor> dequantize_weighted_sum_host(
     if (check_out) {
       l.outs.push_back(dense.out(out_given[t]));
     } else {
-      out.push_back(at::empty(values[t].sizes(), values[t].options().dtype(dtype)));
+      out.push_back(empty(values[t].sizes(), values[t].options().dtype(dtype)));
       l.outs.push_back(out.back().data_ptr());
     }
     l.numels.push_back(values[t].numel());
@@ -279,8 +280,8 @@ void register_quantize(torch::Library& m) {
       "dequantize_weighted_sum",
       [](at::TensorList values, at::TensorList scales, const at::Tensor& weights,
          int64_t block_size, at::ScalarType dtype) {
-        return dequantize_weighted_sum_host(
-            values, scales, weights, block_size, dtype, {}, false, &run_dequantize_list<Kernels>);
+        return dequantize_weighted_sum_host(values, scales, weights, block_size, dtype, {}, false,
+                                            &run_dequantize_list<Kernels>, empty_of<Kernels>());
       });
   m.impl(
       "dequantize_weighted_sum.out",

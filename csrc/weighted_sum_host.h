@@ -202,13 +202,6 @@ inline void run_weighted_sum(
   dense.finish();
 }
 
-// How a backend allocates the functional op's results (the CPU's come from its output pool).
-using EmptyFn = at::Tensor (*)(at::IntArrayRef, const at::TensorOptions&);
-
-inline at::Tensor plain_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  return at::empty(sizes, options);
-}
-
 inline std::vector<at::Tensor> weighted_sum_functional(
     at::TensorList updates, const at::Tensor& weights,
     at::TensorList base, double scale, bool delta, WeightedSumRunner runner, EmptyFn empty) {
@@ -260,16 +253,6 @@ void run_weighted_sum_plan(const WeightedSumPlan& p) {
     TORCH_CHECK(
         false, "fedkernels.weighted_sum: unsupported dtypes ", p.in_dtype, " -> ", p.out_dtype);
   });
-}
-
-// The backend's allocation of fresh results: Kernels::empty where it has one, else at::empty.
-template <typename Kernels>
-constexpr EmptyFn empty_of() {
-  if constexpr (requires { Kernels::empty; }) {
-    return &Kernels::empty;
-  } else {
-    return &plain_empty;
-  }
 }
 
 // Registers the three weighted_sum overloads of one backend (CPU, CUDA), whose kernel is the

@@ -1,6 +1,7 @@
-"""The CPU output pool of the allocating weighted_sum (fedkernels.ops.output_pool): the same
-values as PyTorch's allocator, no memory shared by two live results, the limit, release, and
-results that outlive the pool's settings or the interpreter."""
+"""The CPU output pool of the allocating weighted_sum and quantized sum
+(fedkernels.ops.output_pool): the same values as PyTorch's allocator, no memory shared by two
+live results, the limit, release, and results that outlive the pool's settings or the
+interpreter."""
 
 from __future__ import annotations
 
@@ -210,6 +211,19 @@ def test_aggregate_uses_the_pool():
     del first
     again = fedkernels.aggregate(sds, [1, 2, 3], normalize=True)
     assert again["w"].data_ptr() == address
+
+
+def test_the_quantized_sum_uses_the_pool():
+    """aggregate_quantized's fresh sums come from the same pool: the next round's sum is written
+    into the block the dropped one gave back, with the same bits."""
+    qs = [fedkernels.quantize_int8([c[0]]) for c in clients()]
+    first = fedkernels.aggregate_quantized(qs, [1, 2, 3], normalize=True)
+    address, expected = first[0].data_ptr(), first[0].clone()
+    del first
+    hits = output_pool_stats()["hits"]
+    again = fedkernels.aggregate_quantized(qs, [1, 2, 3], normalize=True)
+    assert again[0].data_ptr() == address and output_pool_stats()["hits"] == hits + 1
+    assert torch.equal(again[0], expected)
 
 
 def test_threads_never_get_a_live_block():

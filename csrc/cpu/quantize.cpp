@@ -23,6 +23,7 @@
 #include "../elementwise.h"
 #include "../quantize_host.h"
 #include "chunk_loop.h"
+#include "output_pool.h"
 #include "vec_io.h"
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -82,6 +83,12 @@ inline V splat(S x) {
 }
 
 struct QuantizeCpu {
+  // Fresh sums from the output pool, as weighted_sum's: a server's next round reuses the
+  // faulted-in pages of the model it dropped.
+  static at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+    return pooled_empty(sizes, options);
+  }
+
   // max|v| over the block, and whether every v is finite (a sum of v * 0 is NaN otherwise).
   template <typename A>
   static void block_max(const A* v, int64_t len, A& amax, bool& finite) {
