@@ -304,6 +304,7 @@ def test_local_sgd_is_torch_sgd_bit_for_bit(foreach, momentum, weight_decay):
                 assert torch.equal(a, b), (client, step)
 
 
+@pytest.mark.slow
 def test_sequential_training_does_not_import_dynamo():
     """The first torch.optim optimizer of a process imports torch._dynamo (seconds on a small
     machine); a sequential client's training builds none."""

@@ -10,11 +10,13 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
 from process_tree import processes_naming, run_bounded
 
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_a_hung_test_fails_with_its_stack_and_the_next_one_runs(tmp_path):
     (tmp_path / "test_hang.py").write_text(textwrap.dedent("""
         import time
@@ -40,6 +42,7 @@ def test_a_hung_test_fails_with_its_stack_and_the_next_one_runs(tmp_path):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_run_bounded_kills_workers_in_their_own_sessions(tmp_path):
     # the launcher's worker starts a new session (as torchrun's and NVFlare's do) and keeps the
     # launcher's stdout: a pipe would never close, and killing the process group misses it
