@@ -376,25 +376,6 @@ def test_compose_deterministic_and_large_exact_energies():
 _M32 = 0xFFFFFFFF
 
 
-def _philox_words(seed: int, groups: torch.Tensor) -> list[torch.Tensor]:
-    """The four output words of at::philox_engine(seed, subsequence=group, offset=0), as int64
-    tensors (products split in 16-bit halves, so no int64 overflows)."""
-
-    def mulhilo(m, x):
-        low, high = m * (x & 0xFFFF), m * (x >> 16)
-        return (high + (low >> 16)) >> 16, (((high & 0xFFFF) << 16) + low) & _M32
-
-    x0, x1, x2, x3 = torch.zeros_like(groups), torch.zeros_like(groups), groups & _M32, groups >> 32
-    k0, k1 = seed & _M32, (seed >> 32) & _M32
-    for r in range(10):
-        if r:
-            k0, k1 = (k0 + 0x9E3779B9) & _M32, (k1 + 0xBB67AE85) & _M32
-        hi0, lo0 = mulhilo(0xD2511F53, x0)
-        hi1, lo1 = mulhilo(0xCD9E8D57, x2)
-        x0, x1, x2, x3 = hi1 ^ x1 ^ k0, lo1, hi0 ^ x3 ^ k1, lo0
-    return [x0, x1, x2, x3]
-
-
 def _f(v: float) -> Tensor:
     return torch.tensor(v, dtype=torch.float32)
 
@@ -441,7 +422,7 @@ def _box_muller_f32(r1: Tensor, r2: Tensor) -> tuple[Tensor, Tensor]:
 def _noise_reference(seed: int, n: int) -> tuple[Tensor, Tensor]:
     """(fp32 noise as the kernels draw it, the same Box-Muller in float64 with libm's functions
     from the same uniforms)."""
-    w = _philox_words(seed, torch.arange((n + 3) // 4, dtype=torch.int64))
+    w = ref.philox_words_reference(seed, 0, torch.arange((n + 3) // 4, dtype=torch.int64))
     pairs = [_box_muller_f32(w[0], w[1]), _box_muller_f32(w[2], w[3])]
     ours = torch.stack([pairs[0][0], pairs[0][1], pairs[1][0], pairs[1][1]], 1).reshape(-1)[:n]
     exact = []
