@@ -556,11 +556,17 @@ def check_quantize_int8(op, device, dtype):
     return out
 
 
-def check_dequantize_weighted_sum(op, device, dtype):
+def _quantized_clients(device):
+    """NUM_CLIENTS clients quantized by the reference (block 8): their values and scales, and
+    client 0's values (the results' shapes)."""
     clients = [R.quantize_int8_reference(_tensors(torch.float32, device, 30 + k), 8)
                for k in range(NUM_CLIENTS)]
-    values = [v for c in clients for v in c[0]]
-    scales = [s for c in clients for s in c[1]]
+    return ([v for c in clients for v in c[0]], [s for c in clients for s in c[1]],
+            clients[0][0])
+
+
+def check_dequantize_weighted_sum(op, device, dtype):
+    values, scales, _ = _quantized_clients(device)
     w = _weights()
     want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype)
     return [Comparison("weighted sum", op(values, scales, w, 8, dtype), want,
@@ -568,12 +574,9 @@ def check_dequantize_weighted_sum(op, device, dtype):
 
 
 def check_dequantize_weighted_sum_out(op, device, dtype):
-    clients = [R.quantize_int8_reference(_tensors(torch.float32, device, 30 + k), 8)
-               for k in range(NUM_CLIENTS)]
-    values = [v for c in clients for v in c[0]]
-    scales = [s for c in clients for s in c[1]]
+    values, scales, first = _quantized_clients(device)
     w = _weights()
-    result = [torch.full(v.shape, float("nan"), dtype=dtype, device=device) for v in clients[0][0]]
+    result = [torch.full(v.shape, float("nan"), dtype=dtype, device=device) for v in first]
     op(values, scales, w, 8, dtype, out=result)
     want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype)
     return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
