@@ -20,7 +20,7 @@ weights 1/K. Timed interleaved, one call per timing:
   ``q.float() * s.repeat_interleave(B)[:n]`` then ``acc.add_(deq, alpha=w_k)``.
 
 The ratios are medians over rounds of the per-round ratios: ``fp32_over_int8`` and
-``fp32_over_int8_out`` (the issue's target: >= 2.5) and ``torch_over_int8``. Bandwidth counts
+``fp32_over_int8_out`` (the goal: >= 2.5) and ``torch_over_int8``. Bandwidth counts
 each case's minimum traffic (its inputs read once, the fp32 output written once) against the
 read probe measured right before.
 The client side is timed too (``quantize_us``: one client, to nearest; ``quantize_sr_ef_us``:
