@@ -9,6 +9,7 @@
 #   TORCH_CUDA_ARCH_LIST  architectures to compile for (default 9.0: there is no GPU to detect)
 #   MAX_JOBS              parallel compile jobs (default 2)
 #   FK_KEEP_BUILD=1       keep the temporary build folder
+#   FK_CUDA_VENV_ONLY=1   only create (or check) the virtualenv, then stop
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -65,6 +66,9 @@ else
 fi
 "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
 step_done
+if [[ "${FK_CUDA_VENV_ONLY:-0}" == 1 ]]; then
+  exit 0
+fi
 
 step "copy of the repository"
 build=$(mktemp -d "${TMPDIR:-/tmp}/fedkernels-cuda.XXXXXX")

@@ -112,7 +112,21 @@ def pytest_runtest_teardown(item, nextitem):
     return result
 
 
+# Files whose tests start Flower's simulation engine (Ray), Flower deployments, NVFlare's
+# simulator or the examples: with pytest-xdist's `-n N --dist loadgroup` they run one at a
+# time on one worker, as these frameworks take machine-wide resources (Ray's session folder,
+# ports NVFlare picks by closing a bound socket) and each keeps two cores busy on its own.
+FRAMEWORK_ENGINE_FILES = frozenset({
+    "test_apps_flower_engines.py", "test_examples.py", "test_integrations_flower_deployment.py",
+    "test_nvflare_simulator.py", "test_apps_flower.py", "test_integrations_flower.py",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    engines = pytest.mark.xdist_group("framework_engines")
+    for item in items:
+        if item.path.name in FRAMEWORK_ENGINE_FILES:
+            item.add_marker(engines)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="no CUDA GPU visible (torch.cuda.is_available() is False)")
