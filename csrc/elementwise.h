@@ -378,6 +378,7 @@ struct PhiloxNormal {
 // ---------------------------------------------------------------- Quantized updates
 // Schemas and formulas in csrc/ops.cpp; the method in docs/algorithms/quantized.md.
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace fedkernels {
@@ -388,7 +389,7 @@ struct QuantizeMath {
   // The block's float32 scale from max|v| (accumulate type A): NaN when the block holds a NaN
   // or an infinity, so that its dequantized values are NaN, as an fp32 sum would be.
   template <typename A>
-  FEDKERNELS_HD static float scale_of(A amax, bool finite) {
+  FEDKERNELS_HD static float scale_of(A amax, bool finite, A top = A(kLevels)) {
     if (!finite) {
 #if defined(__CUDA_ARCH__)
       return __int_as_float(0x7fc00000);
@@ -396,7 +397,7 @@ struct QuantizeMath {
       return std::numeric_limits<float>::quiet_NaN();
 #endif
     }
-    return static_cast<float>(amax / A(kLevels));
+    return static_cast<float>(amax / top);
   }
 
   // Uniform in [0, 1) from one Philox word: its top 24 bits, exact in float32.
@@ -405,9 +406,11 @@ struct QuantizeMath {
   }
 
   // q for v in a block of scale s: round to nearest (ties to even), or floor(v / s + u) for
-  // u uniform in [0, 1) (stochastic: E[q s] = v). q = 0 where s is 0 or NaN.
+  // u uniform in [0, 1) (stochastic: E[q s] = v), clamped to [-levels, levels]. q = 0 where s
+  // is 0 or NaN.
   template <typename A>
-  FEDKERNELS_HD static int8_t quantize(A v, float s, bool stochastic, float u) {
+  FEDKERNELS_HD static int8_t quantize(A v, float s, bool stochastic, float u,
+                                       int levels = kLevels) {
     if (!(s > 0.0f)) return 0;
     const A w = v / static_cast<A>(s);
 #if defined(__CUDA_ARCH__)
@@ -415,13 +418,128 @@ struct QuantizeMath {
 #else
     A r = stochastic ? std::floor(w + static_cast<A>(u)) : std::nearbyint(w);
 #endif
-    r = r < A(-kLevels) ? A(-kLevels) : (r > A(kLevels) ? A(kLevels) : r);
+    r = r < A(-levels) ? A(-levels) : (r > A(levels) ? A(levels) : r);
     return static_cast<int8_t>(r);
   }
 
   // What the server adds for one client: (w_k s_b) q, the product of the weight and the
   // scale taken once per block.
   FEDKERNELS_HD static float coefficient(float weight, float scale) { return weight * scale; }
+
+  // ---- packed 4-bit: levels -7..7 in two's complement nibbles, element 2j in the low
+  // nibble of byte j, element 2j + 1 in the high one.
+  static constexpr int kLevels4 = 7;
+
+  FEDKERNELS_HD static uint8_t pack4(int8_t lo, int8_t hi) {
+    return static_cast<uint8_t>((static_cast<uint8_t>(lo) & 0x0F) | (static_cast<uint8_t>(hi) << 4));
+  }
+
+  // The signed level of element e of a packed tensor.
+  FEDKERNELS_HD static int nibble(const uint8_t* p, int64_t e) {
+    const int n = (p[e >> 1] >> ((e & 1) * 4)) & 0x0F;
+    return (n ^ 8) - 8;
+  }
+
+  // ---- fp8 e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities,
+  // 0x7F/0xFF are NaN): the largest finite value, which the per-tensor scale maps max|v| to.
+  static constexpr float kFp8Max = 448.0f;
+
+  // The spacing of the e4m3 values around a >= 0 (a <= 448): 2^(e-3) for a in [2^e, 2^(e+1)),
+  // 2^-9 below 2^-6 (subnormals): a power of two, from the exponent bits of a.
+  FEDKERNELS_HD static float fp8_step(float a) {
+    if (a < 0.015625f) return 0.001953125f;
+    uint32_t bits = float_bits(a) & 0x7F800000u;
+    return bits_float(bits - (3u << 23));
+  }
+  FEDKERNELS_HD static double fp8_step(double a) {
+    if (a < 0.015625) return 0.001953125;
+    uint64_t bits;
+#if defined(__CUDA_ARCH__)
+    bits = static_cast<uint64_t>(__double_as_longlong(a));
+#else
+    std::memcpy(&bits, &a, sizeof bits);
+#endif
+    bits = (bits & 0x7FF0000000000000ull) - (uint64_t(3) << 52);
+    double step;
+#if defined(__CUDA_ARCH__)
+    step = __longlong_as_double(static_cast<long long>(bits));
+#else
+    std::memcpy(&step, &bits, sizeof step);
+#endif
+    return step;
+  }
+
+  // The e4m3fn value that w (= v / s, finite) rounds to, as A: |w| saturated to 448 first (so
+  // no NaN from finite input), then to nearest on the e4m3 grid (ties to even), or
+  // stochastically to one of the two neighbouring values, up iff u < the fractional distance
+  // (exact: the grid step is a power of two, so a / step and its fraction are exact).
+  // The sign is w's sign bit (-0 stays -0, as a cast to e4m3fn keeps it).
+  template <typename A>
+  FEDKERNELS_HD static A fp8_round(A w, bool stochastic, float u) {
+#if defined(__CUDA_ARCH__)
+    A a = fabs(w);
+#else
+    A a = std::fabs(w);
+#endif
+    a = a < A(kFp8Max) ? a : A(kFp8Max);
+    const A step = fp8_step(a);
+    const A m = a / step;
+#if defined(__CUDA_ARCH__)
+    const A fl = floor(m);
+    const A r = stochastic ? fl + (static_cast<A>(u) < m - fl ? A(1) : A(0)) : rint(m);
+    const bool negative = signbit(w);
+#else
+    const A fl = std::floor(m);
+    const A r = stochastic ? fl + (static_cast<A>(u) < m - fl ? A(1) : A(0)) : std::nearbyint(m);
+    const bool negative = std::signbit(w);
+#endif
+    const A q = r * step;
+    return negative ? -q : q;
+  }
+
+  // The e4m3fn bits of a value of the grid (what fp8_round returns, -0 included): exact.
+  FEDKERNELS_HD static uint8_t fp8_bits(float q) {
+    const uint32_t bits = float_bits(q);
+    const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+    const float a = bits_float(bits & 0x7FFFFFFFu);
+    if (a < 0.015625f) return sign | static_cast<uint8_t>(a * 512.0f);  // subnormal: m 2^-9
+    // exponent e + 127 -> e + 7, the top 3 mantissa bits kept
+    return sign | static_cast<uint8_t>(((bits & 0x7FFFFFFFu) >> 20) - (120u << 3));
+  }
+
+  // The float32 value of e4m3fn bits b (NaN for 0x7F/0xFF): exact.
+  FEDKERNELS_HD static float fp8_value(uint8_t b) {
+    const uint32_t m7 = b & 0x7Fu;
+    float a;
+    if (m7 == 0x7Fu) {
+      a = bits_float(0x7fc00000u);
+    } else if (m7 < 8) {
+      a = static_cast<float>(m7) * 0.001953125f;  // subnormal: m 2^-9
+    } else {
+      a = bits_float((m7 << 20) + (120u << 23));
+    }
+    return (b & 0x80) ? -a : a;
+  }
+
+ private:
+  FEDKERNELS_HD static uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+    return __float_as_uint(x);
+#else
+    uint32_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+#endif
+  }
+  FEDKERNELS_HD static float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+    return __uint_as_float(b);
+#else
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
+#endif
+  }
 };
 
 }  // namespace fedkernels

@@ -215,6 +215,40 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "int block_size, ScalarType dtype, *, Tensor(a!)[] out) -> ()");
 }
 
+// ---------------------------------------------------------------- Quantized updates: 4-bit, fp8
+// The same method in the two smaller formats (docs/algorithms/quantized.md), same host side
+// and kernel files.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // quantize_int8 with levels [-7, 7] (s = max|v| / 7; block_size even) packed two a byte:
+  // values[t] is uint8 [ceil(n / 2)], element 2j in the low nibble of byte j and 2j + 1 in the
+  // high one, each a 4-bit two's complement level (a padding nibble 0 after an odd n).
+  m.def(
+      "quantize_int4(Tensor[] x, Tensor[] residual, int block_size, bool stochastic, int seed, "
+      "int offset) -> (Tensor[], Tensor[], Tensor[])");
+  // dequantize_weighted_sum of packed 4-bit values; numels[t]: tensor t's element count.
+  // Results are 1-D [numels[t]] (out tensors: any shape of numels[t] elements, C order).
+  m.def(
+      "dequantize_int4_weighted_sum(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "int block_size, int[] numels, ScalarType dtype) -> Tensor[]");
+  m.def(
+      "dequantize_int4_weighted_sum.out(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "int block_size, int[] numels, ScalarType dtype, *, Tensor(a!)[] out) -> ()");
+  // fp8 e4m3fn with one float32 scale per tensor: s = max|v| / 448 over the tensor (0 for an
+  // all-zero or empty tensor, NaN with a NaN or inf: values 0), q = v / s saturated to
+  // [-448, 448], rounded to the e4m3 grid to nearest (ties to even) or stochastically (up iff
+  // u < the fractional distance between the two neighbouring values; u as quantize_int8's).
+  m.def(
+      "quantize_fp8(Tensor[] x, Tensor[] residual, bool stochastic, int seed, int offset) -> "
+      "(Tensor[], Tensor[], Tensor[])");
+  // out_t = sum_k (w_k s_kt) float(q_kt), float32 in client order, scales[i] of shape [1].
+  m.def(
+      "dequantize_fp8_weighted_sum(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "ScalarType dtype) -> Tensor[]");
+  m.def(
+      "dequantize_fp8_weighted_sum.out(Tensor[] values, Tensor[] scales, Tensor weights, "
+      "ScalarType dtype, *, Tensor(a!)[] out) -> ()");
+}
+
 // ---------------------------------------------------------------- autograd of the mutating ops
 // The in-place and out= overloads have no derivative formula (the functional ops carry them,
 // registered from Python). The two kernels below give them what PyTorch's own in-place ops
@@ -229,6 +263,7 @@ constexpr const char* kMutatingOps[] = {
     "weighted_sum.out", "weighted_sum_", "sgld_step_", "sgld_compose_step_",
     "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
     "private_sum_", "superfed_sgd_step_", "dequantize_weighted_sum.out",
+    "dequantize_int4_weighted_sum.out", "dequantize_fp8_weighted_sum.out",
 };
 
 // Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the

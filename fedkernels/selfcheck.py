@@ -582,6 +582,81 @@ def check_dequantize_weighted_sum_out(op, device, dtype):
     return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
 
 
+def check_quantize_int4(op, device, dtype):
+    x = _tensors(dtype, device, 22)
+    res = _tensors(dtype, device, 23)
+    out = []
+    for stochastic in (False, True):
+        got = op(x, res, 8, stochastic, 12345, 1)
+        want = R.quantize_int4_reference(x, 8, stochastic, 12345, 1, res)
+        label = "stochastic" if stochastic else "nearest"
+        out += [Comparison(f"{label} packed values", got[0], want[0], EXACT),
+                Comparison(f"{label} scales", got[1], want[1], EXACT),
+                Comparison(f"{label} residual", got[2], want[2], _tol(dtype))]
+    return out
+
+
+def check_quantize_fp8(op, device, dtype):
+    x = _tensors(dtype, device, 24)
+    res = _tensors(dtype, device, 25)
+    out = []
+    for stochastic in (False, True):
+        got = op(x, res, stochastic, 12345, 1)
+        want = R.quantize_fp8_reference(x, stochastic, 12345, 1, res)
+        label = "stochastic" if stochastic else "nearest"
+        # e4m3fn compared through its bytes: exact, -0 and all
+        out += [Comparison(f"{label} values", [v.view(torch.uint8) for v in got[0]],
+                           [v.view(torch.uint8) for v in want[0]], EXACT),
+                Comparison(f"{label} scales", got[1], want[1], EXACT),
+                Comparison(f"{label} residual", got[2], want[2], _tol(dtype))]
+    return out
+
+
+def _quantized_clients_as(fmt, device):
+    """NUM_CLIENTS clients quantized by the reference in 4-bit (block 8) or fp8: values,
+    scales, and the tensors' element counts."""
+    xs = [_tensors(torch.float32, device, 40 + k) for k in range(NUM_CLIENTS)]
+    clients = [R.quantize_int4_reference(x, 8) if fmt == "int4" else R.quantize_fp8_reference(x)
+               for x in xs]
+    return ([v for c in clients for v in c[0]], [s for c in clients for s in c[1]],
+            [t.numel() for t in xs[0]])
+
+
+def check_dequantize_int4_weighted_sum(op, device, dtype):
+    values, scales, numels = _quantized_clients_as("int4", device)
+    w = _weights()
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype, numels)
+    return [Comparison("weighted sum", op(values, scales, w, 8, numels, dtype), want,
+                       _tol(dtype, REDUCTION_TOL))]
+
+
+def check_dequantize_int4_weighted_sum_out(op, device, dtype):
+    values, scales, numels = _quantized_clients_as("int4", device)
+    w = _weights()
+    result = [torch.full((n,), float("nan"), dtype=dtype, device=device) for n in numels]
+    op(values, scales, w, 8, numels, dtype, out=result)
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 8, dtype, numels)
+    return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
+
+
+def check_dequantize_fp8_weighted_sum(op, device, dtype):
+    values, scales, _ = _quantized_clients_as("fp8", device)
+    w = _weights()
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 0, dtype)
+    return [Comparison("weighted sum", op(values, scales, w, dtype), want,
+                       _tol(dtype, REDUCTION_TOL))]
+
+
+def check_dequantize_fp8_weighted_sum_out(op, device, dtype):
+    values, scales, _ = _quantized_clients_as("fp8", device)
+    w = _weights()
+    T = len(values) // NUM_CLIENTS
+    result = [torch.full(v.shape, float("nan"), dtype=dtype, device=device) for v in values[:T]]
+    op(values, scales, w, dtype, out=result)
+    want = R.dequantize_weighted_sum_reference(values, scales, w, 0, dtype)
+    return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
+
+
 _median = _order_stat_check("coordinate_median", None)
 _trimmed = _order_stat_check("trimmed_mean", 1)
 _window = _order_stat_check("median_window_mean", 3)
@@ -619,6 +694,12 @@ CHECKS: dict[str, OpCheck] = {
     "quantize_int8": check_quantize_int8,
     "dequantize_weighted_sum": check_dequantize_weighted_sum,
     "dequantize_weighted_sum.out": check_dequantize_weighted_sum_out,
+    "quantize_int4": check_quantize_int4,
+    "quantize_fp8": check_quantize_fp8,
+    "dequantize_int4_weighted_sum": check_dequantize_int4_weighted_sum,
+    "dequantize_int4_weighted_sum.out": check_dequantize_int4_weighted_sum_out,
+    "dequantize_fp8_weighted_sum": check_dequantize_fp8_weighted_sum,
+    "dequantize_fp8_weighted_sum.out": check_dequantize_fp8_weighted_sum_out,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

@@ -161,6 +161,25 @@ def _dequantize_args():
                 dtype=torch.float32)
 
 
+def _quantize_fp8_args():
+    args = _quantize_args()
+    del args["block_size"]
+    return args
+
+
+def _dequantize_int4_args():
+    q = fedkernels.quantize_int4([_randn(4, 3), _randn(5)] * 2, 4)
+    return dict(values=q.values, scales=q.scales,
+                weights=torch.tensor([0.5, 0.5], dtype=torch.float64), block_size=4,
+                numels=[12, 5], dtype=torch.float32)
+
+
+def _dequantize_fp8_args():
+    q = fedkernels.quantize_fp8([_randn(4, 3), _randn(5)] * 2)
+    return dict(values=q.values, scales=q.scales,
+                weights=torch.tensor([0.5, 0.5], dtype=torch.float64), dtype=torch.float32)
+
+
 def _norms_args():
     args = _robust_args()
     args["base"] = [_randn(4, 3), _randn(5)]
@@ -296,6 +315,25 @@ CASES = [
         (("scales", 2), ["scales tensor 2", "meta"]),
         ("weights", ["weights", "meta"]),
     ]),
+    # quantized updates: 4-bit and fp8
+    (OPS.quantize_int4.default, _quantize_args, [
+        (("x", 1), ["x tensor 1", "meta"]),
+        (("residual", 0), ["residual tensor 0", "meta"]),
+    ]),
+    (OPS.quantize_fp8.default, _quantize_fp8_args, [
+        (("x", 1), ["x tensor 1", "meta"]),
+        (("residual", 0), ["residual tensor 0", "meta"]),
+    ]),
+    (OPS.dequantize_int4_weighted_sum.default, _dequantize_int4_args, [
+        (("values", 3), ["values tensor 3", "meta"]),
+        (("scales", 2), ["scales tensor 2", "meta"]),
+        ("weights", ["weights", "meta"]),
+    ]),
+    (OPS.dequantize_fp8_weighted_sum.default, _dequantize_fp8_args, [
+        (("values", 3), ["values tensor 3", "meta"]),
+        (("scales", 2), ["scales tensor 2", "meta"]),
+        ("weights", ["weights", "meta"]),
+    ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
         ("grads", ["grads", "meta"]),
@@ -352,7 +390,8 @@ def test_every_op_is_covered():
     # The .out overloads are covered by their own tests below.
     covered |= {f"fedkernels::{name}.out" for name in (
         "weighted_sum", "coordinate_median", "trimmed_mean", "median_window_mean",
-        "private_sum", "dequantize_weighted_sum")}
+        "private_sum", "dequantize_weighted_sum", "dequantize_int4_weighted_sum",
+        "dequantize_fp8_weighted_sum")}
     # The output pool's controls take no tensors: nothing to place on a device
     # (test_output_pool.py tests them).
     covered |= {f"fedkernels::output_pool_{name}" for name in ("set_limit", "release", "stats")}
@@ -419,6 +458,21 @@ def test_dequantize_weighted_sum_out_on_meta_raises():
         OPS.dequantize_weighted_sum.out(*{**args, "values": values}.values(), out=out)
 
 
+@pytest.mark.parametrize("op, build", [
+    (OPS.dequantize_int4_weighted_sum.out, _dequantize_int4_args),
+    (OPS.dequantize_fp8_weighted_sum.out, _dequantize_fp8_args),
+], ids=["int4", "fp8"])
+def test_dequantize_int4_and_fp8_out_on_meta_raises(op, build):
+    args = build()
+    out = [torch.empty(4, 3), torch.empty(5)]
+    with pytest.raises(ValueError, match="out tensor 1 is on meta, expected cpu"):
+        op(*args.values(), out=[out[0], _meta(out[1])])
+    values = list(args["values"])
+    values[2] = _meta(values[2])
+    with pytest.raises(ValueError, match="values tensor 2 is on meta"):
+        op(*{**args, "values": values}.values(), out=out)
+
+
 @pytest.mark.parametrize("op, build", [(op, build) for op, build, _ in CASES],
                          ids=[op.name().split("::")[1] for op, _, _ in CASES])
 def test_all_meta_gives_shapes(op, build):
@@ -449,6 +503,8 @@ def _assert_same_structure(got, expected):
     (OPS.ensemble_pseudo_labels.default, _pseudo_labels_args, "log_prior"),
     (OPS.private_sum.default, _private_sum_args, "coefficients"),
     (OPS.dequantize_weighted_sum.default, _dequantize_args, "weights"),
+    (OPS.dequantize_int4_weighted_sum.default, _dequantize_int4_args, "weights"),
+    (OPS.dequantize_fp8_weighted_sum.default, _dequantize_fp8_args, "weights"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

@@ -36,6 +36,13 @@ def _writers():
         ("private_aggregate out", lambda t: fk.private_aggregate(
             clients, base=torch.zeros(6), clip_norm=1.0, noise_std=0.0, out=t)),
         ("private_sum_", lambda t: _ops.private_sum_([t], flat, w.float(), 0.0, None)),
+        # quantized updates: the server's sum into out=, in each format
+        ("aggregate_quantized int8 out", lambda t: fk.aggregate_quantized(
+            [fk.quantize_int8(c, 2) for c in clients], w, out=[t])),
+        ("aggregate_quantized int4 out", lambda t: fk.aggregate_quantized(
+            [fk.quantize_int4(c, 2) for c in clients], w, out=[t])),
+        ("aggregate_quantized fp8 out", lambda t: fk.aggregate_quantized(
+            [fk.quantize_fp8(c) for c in clients], w, out=[t])),
     ]
 
 

@@ -40,7 +40,11 @@ from .private import private_sum, private_sum_, update_norms  # noqa: E402
 from .quantize import (  # noqa: E402
     QuantizedTensors,
     aggregate_quantized,
+    dequantize_fp8_weighted_sum,
+    dequantize_int4_weighted_sum,
     dequantize_weighted_sum,
+    quantize_fp8,
+    quantize_int4,
     quantize_int8,
 )
 from .robust import (  # noqa: E402
@@ -65,4 +69,5 @@ __all__ = [
     "output_pool", "set_output_pool_limit", "release_output_pool", "output_pool_stats",
     "quantize", "QuantizedTensors", "quantize_int8", "dequantize_weighted_sum",
     "aggregate_quantized",
+    "quantize_int4", "quantize_fp8", "dequantize_int4_weighted_sum", "dequantize_fp8_weighted_sum",
 ]

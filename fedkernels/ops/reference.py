@@ -573,20 +573,18 @@ def philox_words_reference(seed: int, offset: int, groups: Tensor) -> list[Tenso
     return [x0, x1, x2, x3]
 
 
-def quantize_int8_reference(
-    x: Sequence[Tensor],
-    block_size: int,
-    stochastic: bool = False,
-    seed: int = 0,
-    offset: int = 0,
-    residual: Sequence[Tensor] | None = None,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
-    """(values, scales, new residual) of ``fedkernels::quantize_int8``: per tensor, blocks of
-    ``block_size`` elements in C order, v = x (+ residual) in the accumulate type,
-    s = float32(max|v| / 127) (NaN for a block with a NaN or inf), q = round(v / s) (ties to
-    even) or floor(v / s + u) with u = (word >> 8) 2^-24, clamped to [-127, 127], 0 where s is
-    0 or NaN; residual' = v - q s."""
-    values, scales, new_res = [], [], []
+def _uniforms_reference(seed: int, offset: int, first: int, n: int, device) -> Tensor:
+    """The float32 uniforms (word >> 8) 2^-24 of elements first..first + n of a list: word
+    e % 4 of the Philox block (seed, subsequence e / 4, offset)."""
+    e = torch.arange(first, first + n, dtype=torch.int64)
+    words = torch.stack(philox_words_reference(seed, offset, e // 4), 1)
+    word = words.gather(1, (e % 4).unsqueeze(1)).squeeze(1)
+    return ((word >> 8).to(torch.float32) * 2.0**-24).to(device)
+
+
+def _quantize_blocks_reference(x, block_size, levels, stochastic, seed, offset, residual):
+    """Per tensor: (flat levels q as int8, scales, new residual) of the per-block quantizers."""
+    levels_out, scales, new_res = [], [], []
     first = 0
     for t, xt in enumerate(x):
         acc = _acc_dtype(xt.dtype)
@@ -600,23 +598,124 @@ def quantize_int8_reference(
         blocks = pad.reshape(nb, block_size)
         amax = blocks.abs().amax(dim=1) if nb else torch.zeros(0, dtype=acc, device=v.device)
         finite = torch.isfinite(blocks).all(dim=1)
-        s = torch.where(finite, amax / 127, torch.full_like(amax, float("nan"))).to(torch.float32)
+        s = torch.where(finite, amax / levels, torch.full_like(amax, float("nan"))).to(torch.float32)
         se = s.repeat_interleave(block_size)[:n].to(acc)
         ok = se > 0
         w = v / torch.where(ok, se, torch.ones_like(se))
         if stochastic:
-            e = torch.arange(first, first + n, dtype=torch.int64)
-            words = torch.stack(philox_words_reference(seed, offset, e // 4), 1)
-            word = words.gather(1, (e % 4).unsqueeze(1)).squeeze(1)
-            u = ((word >> 8).to(torch.float32) * 2.0**-24).to(acc).to(v.device)
-            r = torch.floor(w + u)
+            r = torch.floor(w + _uniforms_reference(seed, offset, first, n, v.device).to(acc))
         else:
             r = torch.round(w)
-        q = torch.where(ok, r.clamp(-127, 127), torch.zeros_like(r)).to(torch.int8)
-        values.append(q.reshape(xt.shape))
+        q = torch.where(ok, r.clamp(-levels, levels), torch.zeros_like(r)).to(torch.int8)
+        levels_out.append(q)
         scales.append(s)
         if residual is not None:
             new_res.append((v - q.to(acc) * se).to(xt.dtype).reshape(xt.shape))
+        first += n
+    return levels_out, scales, (new_res if residual is not None else None)
+
+
+def quantize_int8_reference(
+    x: Sequence[Tensor],
+    block_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """(values, scales, new residual) of ``fedkernels::quantize_int8``: per tensor, blocks of
+    ``block_size`` elements in C order, v = x (+ residual) in the accumulate type,
+    s = float32(max|v| / 127) (NaN for a block with a NaN or inf), q = round(v / s) (ties to
+    even) or floor(v / s + u) with u = (word >> 8) 2^-24, clamped to [-127, 127], 0 where s is
+    0 or NaN; residual' = v - q s."""
+    q, scales, new_res = _quantize_blocks_reference(x, block_size, 127, stochastic, seed, offset,
+                                                    residual)
+    return [qt.reshape(xt.shape) for qt, xt in zip(q, x)], scales, new_res
+
+
+def pack_int4_reference(q: Tensor) -> Tensor:
+    """Levels in [-8, 7] (flat) packed two a byte: element 2j in the low nibble of byte j,
+    2j + 1 in the high one (a 0 nibble after an odd count)."""
+    n = q.numel()
+    nib = torch.zeros(n + n % 2, dtype=torch.int16, device=q.device)
+    nib[:n] = q.to(torch.int16) & 0xF
+    return (nib[0::2] | (nib[1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4_reference(packed: Tensor, n: int) -> Tensor:
+    """The n signed levels (int8) of a packed tensor."""
+    b = packed.to(torch.int16)
+    nib = torch.stack([b & 0xF, (b >> 4) & 0xF], 1).reshape(-1)[:n]
+    return ((nib ^ 8) - 8).to(torch.int8)
+
+
+def quantize_int4_reference(
+    x: Sequence[Tensor],
+    block_size: int,
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """(packed values, scales, new residual) of ``fedkernels::quantize_int4``: as
+    :func:`quantize_int8_reference` with s = float32(max|v| / 7) and levels in [-7, 7], packed by
+    :func:`pack_int4_reference`."""
+    q, scales, new_res = _quantize_blocks_reference(x, block_size, 7, stochastic, seed, offset,
+                                                    residual)
+    return [pack_int4_reference(qt) for qt in q], scales, new_res
+
+
+FP8_MAX = 448.0
+
+
+def fp8_round_reference(w: Tensor, u: Tensor | None = None) -> Tensor:
+    """The e4m3fn grid value of w (same dtype): |w| saturated to 448, then to nearest (ties to
+    even), or with uniforms u up iff u < the fractional distance to the next grid value."""
+    a = w.abs().clamp(max=FP8_MAX)
+    _, e = torch.frexp(a)  # a in [2^(e-1), 2^e)
+    step = torch.where(a < 2.0**-6, torch.full_like(a, 2.0**-9),
+                       torch.ldexp(torch.ones_like(a), (e - 4).to(a.dtype)))
+    m = a / step
+    if u is None:
+        r = torch.round(m)
+    else:
+        fl = torch.floor(m)
+        r = fl + (u.to(a.dtype) < m - fl).to(a.dtype)
+    q = r * step
+    return torch.where(torch.signbit(w), -q, q)  # -0 stays -0, as in a cast to e4m3fn
+
+
+def quantize_fp8_reference(
+    x: Sequence[Tensor],
+    stochastic: bool = False,
+    seed: int = 0,
+    offset: int = 0,
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """(values, scales, new residual) of ``fedkernels::quantize_fp8``: per tensor,
+    v = x (+ residual) in the accumulate type, s = float32(max|v| / 448) (0 for an empty
+    tensor, NaN with a NaN or inf), q = :func:`fp8_round_reference` (v / s) as e4m3fn, 0 where
+    s is 0 or NaN; residual' = v - q s."""
+    values, scales, new_res = [], [], []
+    first = 0
+    for t, xt in enumerate(x):
+        acc = _acc_dtype(xt.dtype)
+        v = xt.reshape(-1).to(acc)
+        if residual is not None:
+            v = v + residual[t].reshape(-1).to(acc)
+        n = v.numel()
+        amax = v.abs().max() if n else torch.zeros((), dtype=acc, device=v.device)
+        finite = bool(torch.isfinite(v).all())
+        s = (amax / FP8_MAX if finite else torch.full_like(amax, float("nan"))).to(torch.float32)
+        sa = s.to(acc)
+        ok = bool(sa > 0)
+        w = v / (sa if ok else torch.ones_like(sa))
+        u = _uniforms_reference(seed, offset, first, n, v.device) if stochastic else None
+        q = fp8_round_reference(w, u) if ok else torch.zeros_like(v)
+        values.append(q.to(torch.float8_e4m3fn).reshape(xt.shape))
+        scales.append(s.reshape(1))
+        if residual is not None:
+            new_res.append((v - q * sa).to(xt.dtype).reshape(xt.shape))
         first += n
     return values, scales, (new_res if residual is not None else None)
 
@@ -627,18 +726,26 @@ def dequantize_weighted_sum_reference(
     weights: Sequence[float] | Tensor,
     block_size: int,
     dtype: torch.dtype = torch.float32,
+    numels: Sequence[int] | None = None,
 ) -> list[Tensor]:
     """``sum_k (w_k s_kb) q_k`` per tensor over clients given client-major
-    (``values[k * T + t]``), float32 in client order, stored as ``dtype``."""
+    (``values[k * T + t]``), float32 in client order, stored as ``dtype``. The format follows
+    the values' dtype: int8; uint8 packed 4-bit (``numels``: the element counts; results 1-D);
+    float8_e4m3fn with one scale per tensor (``block_size`` unused)."""
     w = torch.as_tensor(weights, dtype=torch.float64).to(torch.float32)
     K = w.numel()
     T = len(values) // K
     out = []
     for t in range(T):
-        n = values[t].numel()
+        packed = values[t].dtype == torch.uint8
+        n = numels[t] if packed else values[t].numel()
         acc = torch.zeros(n, dtype=torch.float32, device=values[t].device)
         for k in range(K):
-            c = (w[k].to(scales[k * T + t].device) * scales[k * T + t])
-            acc = acc + c.repeat_interleave(block_size)[:n] * values[k * T + t].reshape(-1).float()
-        out.append(acc.to(dtype).reshape(values[t].shape))
+            c = w[k].to(scales[k * T + t].device) * scales[k * T + t]
+            q = values[k * T + t]
+            q = unpack_int4_reference(q, n) if packed else q.reshape(-1)
+            ce = c.expand(n) if q.dtype == torch.float8_e4m3fn else \
+                c.repeat_interleave(block_size)[:n]
+            acc = acc + ce * q.float()
+        out.append(acc.to(dtype).reshape((n,) if packed else values[t].shape))
     return out
