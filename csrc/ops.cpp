@@ -249,6 +249,26 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "ScalarType dtype, *, Tensor(a!)[] out) -> ()");
 }
 
+// ---------------------------------------------------------------- Secure aggregation
+// The protocol: docs/algorithms/secagg.md. Host side: csrc/secagg_host.h; kernels:
+// csrc/cpu/secagg.cpp, csrc/cuda/secagg.cu; Philox and the fixed-point code:
+// csrc/ring_masks.h. Integers mod 2^32, stored as int32.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // Client: out_t = code(x_t) + sum_m s_m G_m  (mod 2^32), one pass. code(v) = round(clamp(v,
+  // -clip, clip) * scale) in float64 (NaN -> 0), to nearest (ties to even) or stochastically,
+  // floor(w + word 2^-32) with word e of the stream (seed, offset). G_m(e) = word e % 4 of the
+  // Philox-4x32-10 block (key_m, subsequence e / 4, offset_m), mask_seeds[m] = (key_m,
+  // offset_m) (int64 [M, 2]), s_m = mask_signs[m] (+1 or -1); e counts over the whole list.
+  m.def(
+      "secagg_mask(Tensor[] x, float clip, float scale, bool stochastic, int seed, int offset, "
+      "Tensor mask_seeds, int[] mask_signs) -> Tensor[]");
+  // Server: out_t = sum_k y_kt - sum_m s_m G_m  (mod 2^32) over K = num_clients clients given
+  // client-major (masked[k * T + t], int32), one pass; G_m as in secagg_mask.
+  m.def(
+      "secagg_unmask_sum(Tensor[] masked, int num_clients, Tensor mask_seeds, int[] mask_signs) "
+      "-> Tensor[]");
+}
+
 // ---------------------------------------------------------------- autograd of the mutating ops
 // The in-place and out= overloads have no derivative formula (the functional ops carry them,
 // registered from Python). The two kernels below give them what PyTorch's own in-place ops

@@ -657,6 +657,35 @@ def check_dequantize_fp8_weighted_sum_out(op, device, dtype):
     return [Comparison("weighted sum, out=", result, want, _tol(dtype, REDUCTION_TOL))]
 
 
+def _secagg_seeds():
+    return torch.tensor([[11, -5], [2**62 + 3, 7], [-9, 2**40]], dtype=torch.int64), [1, -1, 1]
+
+
+def check_secagg_mask(op, device, dtype):
+    x = _tensors(dtype, device, 40)
+    x[0][0, 0] = 9.0  # beyond the clip
+    seeds, signs = _secagg_seeds()
+    out = []
+    for stochastic in (False, True):
+        got = op(x, 4.0, 2.0**16, stochastic, 77, 5, seeds, signs)
+        want = R.secagg_mask_reference(x, 4.0, 2.0**16, stochastic, 77, 5, seeds, signs)
+        label = "stochastic" if stochastic else "nearest"
+        out.append(Comparison(f"{label} masked codes", got, want, EXACT))
+    return out
+
+
+def check_secagg_unmask_sum(op, device, dtype):
+    g = _gen(41)
+    masked = [torch.randint(-2**31, 2**31 - 1, s, generator=g, dtype=torch.int32).to(device)
+              for _ in range(NUM_CLIENTS) for s in SHAPES]
+    seeds, signs = _secagg_seeds()
+    got = op(masked, NUM_CLIENTS, seeds, signs)
+    T = len(SHAPES)
+    want = R.secagg_unmask_sum_reference(
+        [masked[k * T:(k + 1) * T] for k in range(NUM_CLIENTS)], seeds, signs)
+    return [Comparison("ring sum minus masks", got, want, EXACT)]
+
+
 _median = _order_stat_check("coordinate_median", None)
 _trimmed = _order_stat_check("trimmed_mean", 1)
 _window = _order_stat_check("median_window_mean", 3)
@@ -700,6 +729,9 @@ CHECKS: dict[str, OpCheck] = {
     "dequantize_int4_weighted_sum.out": check_dequantize_int4_weighted_sum_out,
     "dequantize_fp8_weighted_sum": check_dequantize_fp8_weighted_sum,
     "dequantize_fp8_weighted_sum.out": check_dequantize_fp8_weighted_sum_out,
+    # Secure aggregation
+    "secagg_mask": check_secagg_mask,
+    "secagg_unmask_sum": check_secagg_unmask_sum,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

@@ -180,6 +180,16 @@ def _dequantize_fp8_args():
                 weights=torch.tensor([0.5, 0.5], dtype=torch.float64), dtype=torch.float32)
 
 
+def _secagg_mask_args():
+    return dict(x=[_randn(4, 3), _randn(5)], clip=4.0, scale=1024.0, stochastic=True, seed=3,
+                offset=0, mask_seeds=torch.tensor([[1, 2], [3, 4]]), mask_signs=[1, -1])
+
+
+def _secagg_unmask_args():
+    y = [torch.randint(-2**31, 2**31 - 1, s, dtype=torch.int32) for s in [(4, 3), (5,)] * 2]
+    return dict(masked=y, num_clients=2, mask_seeds=torch.tensor([[1, 2]]), mask_signs=[1])
+
+
 def _norms_args():
     args = _robust_args()
     args["base"] = [_randn(4, 3), _randn(5)]
@@ -333,6 +343,12 @@ CASES = [
         (("values", 3), ["values tensor 3", "meta"]),
         (("scales", 2), ["scales tensor 2", "meta"]),
         ("weights", ["weights", "meta"]),
+    ]),
+    (OPS.secagg_mask.default, _secagg_mask_args, [
+        (("x", 1), ["x tensor 1", "meta"]),
+    ]),
+    (OPS.secagg_unmask_sum.default, _secagg_unmask_args, [
+        (("masked", 3), ["masked tensor 3", "meta"]),
     ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
@@ -505,6 +521,8 @@ def _assert_same_structure(got, expected):
     (OPS.dequantize_weighted_sum.default, _dequantize_args, "weights"),
     (OPS.dequantize_int4_weighted_sum.default, _dequantize_int4_args, "weights"),
     (OPS.dequantize_fp8_weighted_sum.default, _dequantize_fp8_args, "weights"),
+    (OPS.secagg_mask.default, _secagg_mask_args, "mask_seeds"),
+    (OPS.secagg_unmask_sum.default, _secagg_unmask_args, "mask_seeds"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

@@ -21,6 +21,7 @@ from . import (  # noqa: E402
     quantize,
     reference,
     robust,
+    secagg,
     sgld,
     summation,
 )
@@ -53,6 +54,7 @@ from .robust import (  # noqa: E402
     pairwise_sq_distances,
     trimmed_mean,
 )
+from .secagg import mask_seeds, secagg_decode, secagg_mask, secagg_unmask_sum  # noqa: E402
 from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402
 from .summation import weighted_sum, weighted_sum_, weighted_sum_out  # noqa: E402
 
@@ -71,3 +73,5 @@ __all__ = [
     "aggregate_quantized",
     "quantize_int4", "quantize_fp8", "dequantize_int4_weighted_sum", "dequantize_fp8_weighted_sum",
 ]
+# Secure aggregation (ring masks).
+__all__ += ["secagg", "secagg_mask", "secagg_unmask_sum", "secagg_decode", "mask_seeds"]

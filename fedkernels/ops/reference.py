@@ -749,3 +749,61 @@ def dequantize_weighted_sum_reference(
             acc = acc + ce * q.float()
         out.append(acc.to(dtype).reshape((n,) if packed else values[t].shape))
     return out
+
+
+# ---------------------------------------------------------------- secure aggregation
+
+
+def _ring32(v: Tensor) -> Tensor:
+    """int64 values mod 2^32, as the int32 of the same bits."""
+    return ((v & _M32) ^ 0x80000000).sub(0x80000000).to(torch.int32)
+
+
+def _mask_words(seeds: Tensor, signs: Sequence[int], first: int, n: int) -> Tensor:
+    """sum_m s_m G_m(e) mod 2^32 for e in [first, first + n), int64 in [0, 2^32)."""
+    e = torch.arange(first, first + n, dtype=torch.int64)
+    total = torch.zeros(n, dtype=torch.int64)
+    for (key, off), s in zip(seeds.tolist(), signs):
+        words = torch.stack(philox_words_reference(key, off, e // 4), 1)
+        word = words.gather(1, (e % 4).unsqueeze(1)).squeeze(1)
+        total = (total + (word if s > 0 else -word)) & _M32
+    return total
+
+
+def secagg_mask_reference(
+    x: Sequence[Tensor], clip: float, scale: float, stochastic: bool, seed: int, offset: int,
+    seeds: Tensor, signs: Sequence[int],
+) -> list[Tensor]:
+    """``fedkernels::secagg_mask``: code(x) = round(clamp(x, -clip, clip) * scale) in float64
+    (NaN as 0; to nearest, ties to even, or floor(w + word 2^-32) with word e of the stream
+    (seed, offset)), plus the signed mask words, mod 2^32, as int32."""
+    out, first = [], 0
+    for xt in x:
+        n = xt.numel()
+        v = xt.reshape(-1).to(torch.float64).cpu()
+        v = torch.where(torch.isnan(v), torch.zeros_like(v), v).clamp(-clip, clip)
+        w = v * scale
+        if stochastic:
+            u = _mask_words(torch.tensor([[seed, offset]]), [1], first, n).to(torch.float64)
+            r = torch.floor(w + u * 2.0**-32)
+        else:
+            r = torch.round(w)
+        code = r.to(torch.int64) + _mask_words(seeds, signs, first, n)
+        out.append(_ring32(code).reshape(xt.shape).to(xt.device))
+        first += n
+    return out
+
+
+def secagg_unmask_sum_reference(masked: Sequence[Sequence[Tensor]], seeds: Tensor,
+                                signs: Sequence[int]) -> list[Tensor]:
+    """``fedkernels::secagg_unmask_sum``: sum_k y_k - sum_m s_m G_m mod 2^32, as int32."""
+    out, first = [], 0
+    for t in range(len(masked[0])):
+        n = masked[0][t].numel()
+        acc = torch.zeros(n, dtype=torch.int64)
+        for client in masked:
+            acc = acc + client[t].reshape(-1).cpu().to(torch.int64)
+        acc = acc - _mask_words(seeds, signs, first, n)
+        out.append(_ring32(acc).reshape(masked[0][t].shape).to(masked[0][t].device))
+        first += n
+    return out

@@ -1,6 +1,8 @@
 """Central differential privacy: the mechanism (:mod:`.mechanism`: update norms, the clipped
 weighted sum plus Gaussian noise, the adaptive clip norm) and its accounting
-(:mod:`.accounting`: the ε a run spends, through the optional ``dp-accounting``)."""
+(:mod:`.accounting`: the ε a run spends, through the optional ``dp-accounting``); the keys and
+shares of secure aggregation (:mod:`.secure_aggregation`, imported from there: it needs
+`cryptography` and Flower's Shamir helpers)."""
 
 from .accounting import Accountant, dp_accounting_available, epsilon, epsilon_from_rates
 from .mechanism import (

@@ -8,6 +8,8 @@ Message API (``flwr.serverapp.strategy``):
 - :mod:`.central_dp`: the server-side clipping DP wrappers;
 - :mod:`.weighting_strategies`: fedkernels' own strategies (``FusedStrategy``, ``QFFL``,
   ``TERM``, ``VRed``, ``SemiVRed``, ``FedAU``, ``AAggFF``; re-exported here);
+- :mod:`.secagg`: SecAgg+ with fused ring arithmetic (``fused_secaggplus_mod``,
+  ``FusedSecAggPlusWorkflow``; import it from there);
 - :mod:`.weighted_mean`, :mod:`.records`: the fused mean of replies and the conversions
   between Flower's records and tensors (re-exported here).
 
