@@ -50,6 +50,7 @@ def _load() -> None:
     from .ops.output_pool import output_pool_stats, release_output_pool, set_output_pool_limit
     from .ops.quantize import QuantizedTensors, aggregate_quantized, quantize_int8
     from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
+    from .ops.sparse import SparseTensors, aggregate_sparse, aggregate_sparse_, sparsify_topk
     from .privacy.mechanism import (
         adaptive_clip_norm,
         adaptive_noise_params,
@@ -78,6 +79,8 @@ __all__ = [
     "set_output_pool_limit", "release_output_pool", "output_pool_stats",
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
     "quantize_int8", "aggregate_quantized", "QuantizedTensors",
+    # sparse updates
+    "sparsify_topk", "aggregate_sparse", "aggregate_sparse_", "SparseTensors",
 ]
 
 # Loaded on first use: the self-check is large and rarely needed, and fedkernels.private is the

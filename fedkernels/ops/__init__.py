@@ -22,6 +22,7 @@ from . import (  # noqa: E402
     reference,
     robust,
     sgld,
+    sparse,
     summation,
 )
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
@@ -50,6 +51,14 @@ from .robust import (  # noqa: E402
     trimmed_mean,
 )
 from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402
+from .sparse import (  # noqa: E402
+    SparseTensors,
+    aggregate_sparse,
+    aggregate_sparse_,
+    sparse_weighted_sum,
+    sparse_weighted_sum_,
+    sparsify_topk,
+)
 from .summation import weighted_sum, weighted_sum_, weighted_sum_out  # noqa: E402
 
 __all__ = [
@@ -65,4 +74,7 @@ __all__ = [
     "output_pool", "set_output_pool_limit", "release_output_pool", "output_pool_stats",
     "quantize", "QuantizedTensors", "quantize_int8", "dequantize_weighted_sum",
     "aggregate_quantized",
+    # sparse updates
+    "sparse", "SparseTensors", "sparsify_topk", "sparse_weighted_sum", "sparse_weighted_sum_",
+    "aggregate_sparse", "aggregate_sparse_",
 ]
