@@ -542,4 +542,26 @@ struct QuantizeMath {
   }
 };
 
+// ---------------------------------------------------------------- sparse updates
+
+// The server's sum of (index, value) lists: acc + w v in the accumulate type, rounded after the
+// product and after the sum (no fused multiply-add on either device), so the CPU builds and
+// the GPU give the reference's bits.
+struct SparseMath {
+  FEDKERNELS_HD static float add(float acc, float w, float v) {
+#if defined(__CUDA_ARCH__)
+    return __fadd_rn(acc, __fmul_rn(w, v));
+#else
+    return acc + w * v;
+#endif
+  }
+  FEDKERNELS_HD static double add(double acc, double w, double v) {
+#if defined(__CUDA_ARCH__)
+    return __dadd_rn(acc, __dmul_rn(w, v));
+#else
+    return acc + w * v;
+#endif
+  }
+};
+
 }  // namespace fedkernels

@@ -269,6 +269,28 @@ TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
       "-> Tensor[]");
 }
 
+// ---------------------------------------------------------------- Sparse updates
+// The method: docs/algorithms/sparse.md. Host side: csrc/sparse_host.h; kernels:
+// csrc/cpu/sparse.cpp, csrc/cuda/sparse.cu; per-element math: SparseMath in csrc/elementwise.h.
+TORCH_LIBRARY_FRAGMENT(fedkernels, m) {
+  // K = weights.numel() clients' (index, value) lists of T tensors, given client-major:
+  // indices[k * T + t] (int32 or int64, the same for all; flat C-order positions in tensor t,
+  // strictly increasing, in [0, numel)) and values[k * T + t] (1-D, as many, tensor t's dtype).
+  //   out_t[e] = base_t[e] + w_0 v_0t[e] + w_1 v_1t[e] + ...   (clients in order, absent = no
+  // term), accumulated in float32 (float64 for float64), no fused multiply-add, no atomics.
+  m.def(
+      "sparse_weighted_sum(Tensor[] base, Tensor[] indices, Tensor[] values, Tensor weights) "
+      "-> Tensor[]");
+  // The same into out (base = []: from zeros, out's shapes and dtypes).
+  m.def(
+      "sparse_weighted_sum.out(Tensor[] base, Tensor[] indices, Tensor[] values, "
+      "Tensor weights, *, Tensor(a!)[] out) -> ()");
+  // In place into base (the dense global model).
+  m.def(
+      "sparse_weighted_sum_(Tensor(a!)[] base, Tensor[] indices, Tensor[] values, "
+      "Tensor weights) -> ()");
+}
+
 // ---------------------------------------------------------------- autograd of the mutating ops
 // The in-place and out= overloads have no derivative formula (the functional ops carry them,
 // registered from Python). The two kernels below give them what PyTorch's own in-place ops
@@ -284,6 +306,8 @@ constexpr const char* kMutatingOps[] = {
     "coordinate_median.out", "trimmed_mean.out", "median_window_mean.out", "private_sum.out",
     "private_sum_", "superfed_sgd_step_", "dequantize_weighted_sum.out",
     "dequantize_int4_weighted_sum.out", "dequantize_fp8_weighted_sum.out",
+    // sparse updates
+    "sparse_weighted_sum.out", "sparse_weighted_sum_",
 };
 
 // Calls f(t, i, j) for every defined tensor of the arguments i for which keep(i) holds: i the

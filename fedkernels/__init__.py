@@ -56,6 +56,7 @@ def _load() -> None:
         quantize_int8,
     )
     from .ops.sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_
+    from .ops.sparse import SparseTensors, aggregate_sparse, aggregate_sparse_, sparsify_topk
     from .privacy.mechanism import (
         adaptive_clip_norm,
         adaptive_noise_params,
@@ -85,6 +86,8 @@ __all__ = [
     "update_norms", "private_aggregate", "adaptive_clip_norm", "adaptive_noise_params",
     "quantize_int8", "aggregate_quantized", "QuantizedTensors",
     "quantize_int4", "quantize_fp8",
+    # sparse updates
+    "sparsify_topk", "aggregate_sparse", "aggregate_sparse_", "SparseTensors",
 ]
 
 # Loaded on first use: the self-check is large and rarely needed, and fedkernels.private is the

@@ -686,6 +686,40 @@ def check_secagg_unmask_sum(op, device, dtype):
     return [Comparison("ring sum minus masks", got, want, EXACT)]
 
 
+def _sparse_clients(dtype, device):
+    """NUM_CLIENTS clients' top-8 lists per tensor, chosen by the reference (int32 indices),
+    client-major, and a base."""
+    idx, vals = [], []
+    for k in range(NUM_CLIENTS):
+        x = _tensors(dtype, device, 40 + k)
+        i, v, _ = R.sparsify_topk_reference(x, [min(8, t.numel()) for t in x])
+        idx += [t.to(torch.int32) for t in i]
+        vals += v
+    return idx, vals, _tensors(dtype, device, 39)
+
+
+def check_sparse_weighted_sum(op, device, dtype):
+    idx, vals, base = _sparse_clients(dtype, device)
+    want = R.sparse_weighted_sum_reference(base, idx, vals, _weights())
+    return [Comparison("scatter-add", op(base, idx, vals, _weights()), want, EXACT)]
+
+
+def check_sparse_weighted_sum_out(op, device, dtype):
+    idx, vals, base = _sparse_clients(dtype, device)
+    result = [torch.full_like(t, float("nan")) for t in base]
+    op(base, idx, vals, _weights(), out=result)
+    want = R.sparse_weighted_sum_reference(base, idx, vals, _weights())
+    return [Comparison("scatter-add, out=", result, want, EXACT)]
+
+
+def check_sparse_weighted_sum_inplace(op, device, dtype):
+    idx, vals, base = _sparse_clients(dtype, device)
+    b = [t.clone() for t in base]
+    op(b, idx, vals, _weights())
+    want = R.sparse_weighted_sum_reference(base, idx, vals, _weights())
+    return [Comparison("scatter-add, in place", b, want, EXACT)]
+
+
 _median = _order_stat_check("coordinate_median", None)
 _trimmed = _order_stat_check("trimmed_mean", 1)
 _window = _order_stat_check("median_window_mean", 3)
@@ -732,6 +766,10 @@ CHECKS: dict[str, OpCheck] = {
     # Secure aggregation
     "secagg_mask": check_secagg_mask,
     "secagg_unmask_sum": check_secagg_unmask_sum,
+    # sparse updates: the same arithmetic in the same order, bit for bit
+    "sparse_weighted_sum": check_sparse_weighted_sum,
+    "sparse_weighted_sum.out": check_sparse_weighted_sum_out,
+    "sparse_weighted_sum_": check_sparse_weighted_sum_inplace,
 }
 
 # The public API on top of the ops, checked the same way (a state_dict with an integer buffer).

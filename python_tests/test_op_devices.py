@@ -190,6 +190,14 @@ def _secagg_unmask_args():
     return dict(masked=y, num_clients=2, mask_seeds=torch.tensor([[1, 2]]), mask_signs=[1])
 
 
+def _sparse_args():
+    shapes = [(4, 3), (5,)]
+    cs = [fedkernels.sparsify_topk([_randn(*s) for s in shapes], 2) for _ in range(2)]
+    return dict(base=[_randn(*s) for s in shapes], indices=[i for c in cs for i in c.indices],
+                values=[v for c in cs for v in c.values],
+                weights=torch.tensor([0.5, 0.5], dtype=torch.float64))
+
+
 def _norms_args():
     args = _robust_args()
     args["base"] = [_randn(4, 3), _randn(5)]
@@ -350,6 +358,18 @@ CASES = [
     (OPS.secagg_unmask_sum.default, _secagg_unmask_args, [
         (("masked", 3), ["masked tensor 3", "meta"]),
     ]),
+    # sparse updates
+    (OPS.sparse_weighted_sum.default, _sparse_args, [
+        (("base", 1), ["base tensor 1", "meta"]),
+        (("indices", 2), ["indices tensor 2", "meta"]),
+        (("values", 3), ["values tensor 3", "meta"]),
+        ("weights", ["weights", "meta"]),
+    ]),
+    (OPS.sparse_weighted_sum_.default, _sparse_args, [
+        (("base", 1), ["base tensor 1", "meta"]),
+        (("indices", 1), ["indices tensor 1", "meta"]),
+        (("values", 2), ["values tensor 2", "meta"]),
+    ]),
     (OPS.sgld_compose_step_.default, _compose_args, [
         ("x", ["grads", "meta"]),
         ("grads", ["grads", "meta"]),
@@ -407,7 +427,7 @@ def test_every_op_is_covered():
     covered |= {f"fedkernels::{name}.out" for name in (
         "weighted_sum", "coordinate_median", "trimmed_mean", "median_window_mean",
         "private_sum", "dequantize_weighted_sum", "dequantize_int4_weighted_sum",
-        "dequantize_fp8_weighted_sum")}
+        "dequantize_fp8_weighted_sum", "sparse_weighted_sum")}
     # The output pool's controls take no tensors: nothing to place on a device
     # (test_output_pool.py tests them).
     covered |= {f"fedkernels::output_pool_{name}" for name in ("set_limit", "release", "stats")}
@@ -489,6 +509,17 @@ def test_dequantize_int4_and_fp8_out_on_meta_raises(op, build):
         op(*{**args, "values": values}.values(), out=out)
 
 
+def test_sparse_weighted_sum_out_on_meta_raises():
+    args = _sparse_args()
+    out = [torch.empty(4, 3), torch.empty(5)]
+    with pytest.raises(ValueError, match="out tensor 1 is on meta, expected cpu"):
+        OPS.sparse_weighted_sum.out(*args.values(), out=[out[0], _meta(out[1])])
+    values = list(args["values"])
+    values[2] = _meta(values[2])
+    with pytest.raises(ValueError, match="values tensor 2 is on meta"):
+        OPS.sparse_weighted_sum.out(*{**args, "values": values}.values(), out=out)
+
+
 @pytest.mark.parametrize("op, build", [(op, build) for op, build, _ in CASES],
                          ids=[op.name().split("::")[1] for op, _, _ in CASES])
 def test_all_meta_gives_shapes(op, build):
@@ -523,6 +554,7 @@ def _assert_same_structure(got, expected):
     (OPS.dequantize_fp8_weighted_sum.default, _dequantize_fp8_args, "weights"),
     (OPS.secagg_mask.default, _secagg_mask_args, "mask_seeds"),
     (OPS.secagg_unmask_sum.default, _secagg_unmask_args, "mask_seeds"),
+    (OPS.sparse_weighted_sum.default, _sparse_args, "weights"),
 ])
 def test_meta_parameters_with_host_side_argument_on_cpu(op, build, lam_name):
     """The small host-side argument may stay on the CPU when the rest is on meta (as on CUDA)."""

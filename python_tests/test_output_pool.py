@@ -1,4 +1,4 @@
-"""The CPU output pool of the allocating weighted_sum and quantized sum
+"""The CPU output pool of the allocating weighted_sum, quantized sum and sparse sum
 (fedkernels.ops.output_pool): the same values as PyTorch's allocator, no memory shared by two
 live results, the limit, release, and results that outlive the pool's settings or the
 interpreter."""
@@ -222,6 +222,20 @@ def test_the_quantized_sum_uses_the_pool():
     del first
     hits = output_pool_stats()["hits"]
     again = fedkernels.aggregate_quantized(qs, [1, 2, 3], normalize=True)
+    assert again[0].data_ptr() == address and output_pool_stats()["hits"] == hits + 1
+    assert torch.equal(again[0], expected)
+
+
+def test_the_sparse_sum_uses_the_pool():
+    """aggregate_sparse's fresh sums (with a base) come from the same pool, with the same bits."""
+    cs = clients()
+    ss = [fedkernels.sparsify_topk([c[0]], fraction=0.1) for c in cs]
+    base = [cs[0][0]]
+    first = fedkernels.aggregate_sparse(ss, [1, 2, 3], base, normalize=True)
+    address, expected = first[0].data_ptr(), first[0].clone()
+    del first
+    hits = output_pool_stats()["hits"]
+    again = fedkernels.aggregate_sparse(ss, [1, 2, 3], base, normalize=True)
     assert again[0].data_ptr() == address and output_pool_stats()["hits"] == hits + 1
     assert torch.equal(again[0], expected)
 

@@ -21,6 +21,7 @@ def _writers():
     clients = [torch.randn(6) for _ in range(3)]
     flat = [torch.randn(6) for _ in range(3)]
     w = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
+    sparse = [fk.sparsify_topk(c, 2) for c in clients[:2]]
     return [
         ("aggregate base=out", lambda t: fk.aggregate(clients, [1.0, 2.0, 3.0], base=t, out=t)),
         ("aggregate out", lambda t: fk.aggregate(clients, [1.0, 2.0, 3.0], out=t)),
@@ -43,6 +44,9 @@ def _writers():
             [fk.quantize_int4(c, 2) for c in clients], w, out=[t])),
         ("aggregate_quantized fp8 out", lambda t: fk.aggregate_quantized(
             [fk.quantize_fp8(c) for c in clients], w, out=[t])),
+        # sparse updates
+        ("aggregate_sparse_", lambda t: fk.aggregate_sparse_([t], sparse, [0.5, 0.5])),
+        ("aggregate_sparse out", lambda t: fk.aggregate_sparse(sparse, [0.5, 0.5], out=[t])),
     ]
 
 

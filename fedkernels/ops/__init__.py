@@ -23,6 +23,7 @@ from . import (  # noqa: E402
     robust,
     secagg,
     sgld,
+    sparse,
     summation,
 )
 from .distill import distill_kl, ensemble_pseudo_labels  # noqa: E402
@@ -56,6 +57,14 @@ from .robust import (  # noqa: E402
 )
 from .secagg import mask_seeds, secagg_decode, secagg_mask, secagg_unmask_sum  # noqa: E402
 from .sgld import energy_from_logits, sgld_compose_step, sgld_step, sgld_step_  # noqa: E402
+from .sparse import (  # noqa: E402
+    SparseTensors,
+    aggregate_sparse,
+    aggregate_sparse_,
+    sparse_weighted_sum,
+    sparse_weighted_sum_,
+    sparsify_topk,
+)
 from .summation import weighted_sum, weighted_sum_, weighted_sum_out  # noqa: E402
 
 __all__ = [
@@ -72,6 +81,9 @@ __all__ = [
     "quantize", "QuantizedTensors", "quantize_int8", "dequantize_weighted_sum",
     "aggregate_quantized",
     "quantize_int4", "quantize_fp8", "dequantize_int4_weighted_sum", "dequantize_fp8_weighted_sum",
+    # sparse updates
+    "sparse", "SparseTensors", "sparsify_topk", "sparse_weighted_sum", "sparse_weighted_sum_",
+    "aggregate_sparse", "aggregate_sparse_",
 ]
 # Secure aggregation (ring masks).
 __all__ += ["secagg", "secagg_mask", "secagg_unmask_sum", "secagg_decode", "mask_seeds"]

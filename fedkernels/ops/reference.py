@@ -807,3 +807,54 @@ def secagg_unmask_sum_reference(masked: Sequence[Sequence[Tensor]], seeds: Tenso
         out.append(_ring32(acc).reshape(masked[0][t].shape).to(masked[0][t].device))
         first += n
     return out
+
+
+def topk_indices_reference(v: Tensor, k: int) -> Tensor:
+    """The positions (int64, increasing) of the ``k`` largest ``|v|`` of a 1-D tensor, ties
+    to the lower position, NaN ranking above every number: a stable sort, the definition that
+    :func:`fedkernels.sparsify_topk` computes faster."""
+    a = v.abs().to(torch.float64)
+    a = torch.where(torch.isnan(a), torch.full_like(a, float("inf")), a)
+    order = torch.sort(-a, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def sparsify_topk_reference(
+    tensors: Sequence[Tensor],
+    counts: Sequence[int],
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[list[Tensor], list[Tensor], list[Tensor] | None]:
+    """Top-``counts[t]`` per tensor of ``v = x (+ residual)`` (in x's dtype): the positions
+    (int64), the values ``v`` there, and the new residual ``v`` with the sent entries zeroed."""
+    idx, vals, res = [], [], []
+    for t, x in enumerate(tensors):
+        v = x.reshape(-1) if residual is None else (x + residual[t]).reshape(-1)
+        i = topk_indices_reference(v, counts[t])
+        idx.append(i)
+        vals.append(v[i].clone())
+        r = v.clone()
+        r[i] = 0
+        res.append(r.reshape(x.shape))
+    return idx, vals, res if residual is not None else None
+
+
+def sparse_weighted_sum_reference(
+    base: Sequence[Tensor],
+    indices: Sequence[Tensor],
+    values: Sequence[Tensor],
+    weights: Sequence[float] | Tensor,
+) -> list[Tensor]:
+    """``base_t + sum_k w_k v_kt`` scattered at ``indices[k * T + t]``, client by client in the
+    accumulate type (float32; float64 for float64), each present entry ``acc + w_k v``."""
+    w = torch.as_tensor(weights, dtype=torch.float64).cpu()
+    K = w.numel()
+    out = []
+    for t, b in enumerate(base):
+        acc_dtype = _acc_dtype(b.dtype)
+        acc = b.reshape(-1).to(acc_dtype).clone()
+        for k in range(K):
+            i = indices[k * len(base) + t].long()
+            wk = w[k].to(acc_dtype).to(b.device)
+            acc[i] = acc[i] + wk * values[k * len(base) + t].to(acc_dtype)
+        out.append(acc.to(b.dtype).reshape(b.shape))
+    return out
