@@ -10,9 +10,10 @@
 
 namespace fedkernels {
 
-// One uint32 lane: the product halves of Philox's rounds.
+// One uint32 lane: the product halves of Philox's rounds, and a ^ b ^ k.
 struct ScalarU32Ops {
   using U = uint32_t;
+  FEDKERNELS_HD static U mix(U a, U b, uint32_t k) { return a ^ b ^ k; }
   FEDKERNELS_HD static void mulhilo(uint32_t m, U x, U& hi, U& lo) {
 #if defined(__CUDA_ARCH__)
     hi = __umulhi(m, x);
@@ -27,7 +28,7 @@ struct ScalarU32Ops {
 
 // Philox-4x32-10 as at::philox_engine computes it: counter (x0, x1, x2, x3) = (offset low,
 // offset high, subsequence low, subsequence high), key (k0, k1) = the seed's halves; the
-// block's four words come back in x. Ops: U (uint32 lanes) and mulhilo.
+// block's four words come back in x. Ops: U (uint32 lanes), mulhilo and mix.
 template <typename Ops>
 struct Philox10 {
   using U = typename Ops::U;
@@ -41,7 +42,7 @@ struct Philox10 {
       U hi0, lo0, hi1, lo1;
       Ops::mulhilo(0xD2511F53u, x0, hi0, lo0);
       Ops::mulhilo(0xCD9E8D57u, x2, hi1, lo1);
-      const U n0 = hi1 ^ x1 ^ k0, n2 = hi0 ^ x3 ^ k1;
+      const U n0 = Ops::mix(hi1, x1, k0), n2 = Ops::mix(hi0, x3, k1);
       x0 = n0;
       x1 = lo1;
       x2 = n2;
@@ -73,15 +74,19 @@ FEDKERNELS_HD uint32_t philox_word(uint64_t key, uint64_t offset, uint64_t e) {
 struct RingMath {
   FEDKERNELS_HD static uint32_t encode(double v, double clip, double scale, bool stochastic,
                                        uint32_t word) {
-    if (v != v) return 0u;
+    v = v != v ? 0.0 : v;
     v = v < -clip ? -clip : (v > clip ? clip : v);
 #if defined(__CUDA_ARCH__)
     const double w = __dmul_rn(v, scale);
     const double r = stochastic ? floor(__dadd_rn(w, static_cast<double>(word) * 0x1p-32)) : rint(w);
 #else
+    // Rounding by the magic constant 1.5 * 2^52 (exact for |t| < 2^51; |t| <= 2^31 + 1 here):
+    // to nearest with ties to even, as rint, inline and in vectors where libm would be a call.
+    constexpr double kMagic = 6755399441055744.0;
     const double w = v * scale;
-    const double r = stochastic ? __builtin_floor(w + static_cast<double>(word) * 0x1p-32)
-                                : __builtin_nearbyint(w);
+    const double t = stochastic ? w + static_cast<double>(word) * 0x1p-32 : w;
+    double r = (t + kMagic) - kMagic;
+    if (stochastic) r = r > t ? r - 1.0 : r;  // floor
 #endif
     return static_cast<uint32_t>(static_cast<int64_t>(r));
   }
