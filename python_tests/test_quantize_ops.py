@@ -405,6 +405,18 @@ def test_fp8_nearest_is_torchs_own_cast():
     exact8(q.values[0], want)
 
 
+def test_fp8_and_int4_servers_decode_every_byte():
+    """All 256 bytes (subnormals, -0, NaN included), twice over so that the vector loops see
+    them, summed with weight 1 and scale 1: each value as PyTorch decodes it."""
+    b = torch.arange(256, dtype=torch.uint8).repeat(2)
+    got = qops.dequantize_fp8_weighted_sum([b.view(torch.float8_e4m3fn)], [torch.ones(1)],
+                                           torch.ones(1, dtype=torch.float64))[0]
+    exact(got, b.view(torch.float8_e4m3fn).float())  # -0 sums to +0, as in the reference
+    got4 = qops.dequantize_int4_weighted_sum([b], [torch.ones(4)], torch.ones(1, dtype=torch.float64),
+                                             256, [1024])[0]
+    exact(got4, ref.unpack_int4_reference(b, 1024).float())
+
+
 def test_fp8_saturates_and_never_makes_nan_from_finite_input():
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         x = torch.tensor([3e38, -3e38, 1.0, -1e-38, 0.0, 2e38], dtype=dtype)

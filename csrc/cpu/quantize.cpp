@@ -152,20 +152,23 @@ struct Int4Values {
 struct Fp8Values {
   static constexpr bool kPairs = false;
   static float at(const uint8_t* p, int64_t e) { return QuantizeMath::fp8_value(p[e]); }
-  // e4m3fn by bit operations, as QuantizeMath::fp8_value: normal magnitudes m7 << 20 rebiased
-  // (+120 in the exponent), subnormals m7 2^-9, 0x7F NaN, then the sign bit.
+  // e4m3fn by bit operations, as QuantizeMath::fp8_value: the magnitude's bits m7 << 20
+  // rebiased (+120 in the exponent) are the value f of a normal e4m3; for exponent 0
+  // (subnormal, m 2^-9) f is 2^-7 + m 2^-10, so the value is 2 f - 2^-6 (exact: one fused
+  // multiply-subtract); 0x7F is NaN; then the sign bit.
 #if defined(CPU_CAPABILITY_AVX512)
   static __m512 load(const uint8_t* p, int64_t e) {
     const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + e)));
     const __m512i m7 = _mm512_and_si512(x, _mm512_set1_epi32(0x7F));
-    const __m512 normal = _mm512_castsi512_ps(
+    __m512 a = _mm512_castsi512_ps(
         _mm512_add_epi32(_mm512_slli_epi32(m7, 20), _mm512_set1_epi32(120 << 23)));
-    const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m7), _mm512_set1_ps(0.001953125f));
-    __m512 a = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(m7, _mm512_set1_epi32(8)), normal, sub);
-    a = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(m7, _mm512_set1_epi32(0x7F)), a,
-                             _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(a), sign));
+    a = _mm512_mask_fmsub_ps(a, _mm512_testn_epi32_mask(x, _mm512_set1_epi32(0x78)),
+                             _mm512_set1_ps(2.0f), _mm512_set1_ps(0.015625f));
+    a = _mm512_mask_mov_ps(a, _mm512_cmpeq_epi32_mask(m7, _mm512_set1_epi32(0x7F)),
+                           _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    // a | (x << 24 & sign bit): a's own sign bit is 0
+    return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(
+        _mm512_castps_si512(a), _mm512_slli_epi32(x, 24), _mm512_set1_epi32(INT32_MIN), 0xF8));
   }
 #elif defined(CPU_CAPABILITY_AVX2)
   static __m256 load(const uint8_t* p, int64_t e) {
@@ -173,7 +176,7 @@ struct Fp8Values {
     const __m256i m7 = _mm256_and_si256(x, _mm256_set1_epi32(0x7F));
     const __m256 normal = _mm256_castsi256_ps(
         _mm256_add_epi32(_mm256_slli_epi32(m7, 20), _mm256_set1_epi32(120 << 23)));
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(m7), _mm256_set1_ps(0.001953125f));
+    const __m256 sub = _mm256_fmsub_ps(normal, _mm256_set1_ps(2.0f), _mm256_set1_ps(0.015625f));
     const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), m7);
     __m256 a = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(small));
     const __m256i nan = _mm256_cmpeq_epi32(m7, _mm256_set1_epi32(0x7F));
