@@ -259,6 +259,8 @@ plan() {
     --device cuda --out "$OUTDIR/bench_robust_ops.json"
   step "bench_quantized" 30 bench_quantized.log "$pyname" bench/bench_quantized.py \
     --device cuda --out "$OUTDIR/bench_quantized.json"
+  step "bench_sparse" 30 bench_sparse.log "$pyname" bench/bench_sparse.py \
+    --device cuda --out "$OUTDIR/bench_sparse.json"
   # Out-of-bounds and misaligned device accesses: every op on small inputs of every dtype
   # (the self-check's CUDA half) under compute-sanitizer's memcheck.
   local sanitizer
@@ -398,7 +400,7 @@ plan
   fi
   sanitizer_summary
   for log in bench_distill bench_distill_kl bench_energy bench_sgld bench_superfed bench_robust_ops \
-      bench_quantized; do
+      bench_quantized bench_sparse; do
     if [[ -f "$OUTDIR/$log.log" ]]; then
       echo
       echo "## $log (last lines of the log)"

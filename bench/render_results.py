@@ -437,6 +437,21 @@ def quantized_block(root: Path, name: str, key: str = "quantized") -> str:
     return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
 
 
+def sparse_block(root: Path, name: str, key: str = "sparse") -> str:
+    """bench_sparse.py: the fused scatter-add of top-k lists against PyTorch's index_add_ and
+    dense materialisation, and the client's selection."""
+    run = section(root, name, key)
+    rows = [[r["model"], str(r["K"]), f"{100 * r['density']:g} %", sig(r["fused_inplace_ms"]),
+             sig(r["fused_out_ms"]), pct(r["fused_fraction_of_read_probe"]),
+             sig(r["torch_index_add_ms"]), ratio(r["index_add_over_fused"]),
+             sig(r["torch_dense_ms"]), ratio(r["dense_over_fused"]), sig(r["topk_ef_ms"]),
+             sig(r["torch_topk_ms"]), sig(r["stable_sort_ms"])] for r in run["rows"]]
+    header = ["model", "K", "density", "fused in place ms", "fused out= ms", "in place % read",
+              "`index_add_` ms", "`index_add_` / fused", "dense ms", "dense / fused",
+              "client top-k + EF ms", "bare `torch.topk` ms", "stable sort ms"]
+    return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
+
+
 def flower_robust_block(root: Path, name: str) -> str:
     """bench_robust.py: Flower's robust and DP strategies against the drop-ins."""
     data = load(root, name)
@@ -712,6 +727,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
         r, "quantized-1thread-cpu-amd-epyc-avx512.json"),
     "quantized/amd-epyc-avx512-int8-quiet": lambda r: quantized_block(
         r, "quantized-int8-quiet-cpu-amd-epyc-avx512.json"),
+    "sparse/amd-epyc-avx512": lambda r: sparse_block(r, "sparse-cpu-amd-epyc-avx512.json"),
     "flower-robust/amd-epyc-avx2": lambda r: flower_robust_block(r, "robust-cpu-amd-epyc-avx2.json"),
     "flower-robust/amd-epyc-avx512-krum-ties": lambda r: flower_robust_block(
         r, "robust-krum-ties-cpu-amd-epyc-avx512.json"),

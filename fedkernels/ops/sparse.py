@@ -67,9 +67,12 @@ def _top_positions(v: Tensor, k: int) -> Tensor:
     """Increasing positions (int64) of the k largest |v| of a 1-D tensor, ties to the lower
     position, NaN above every number (reference: ``topk_indices_reference``).
 
-    torch.topk gives the k-th largest magnitude t; its index set is the answer unless t is
-    tied with entries it left out, and which tied ones it keeps is unspecified: then the
-    entries above t and the first tied ones in position order are taken instead."""
+    torch.topk gives the k-th largest magnitude t (which tied entries it keeps is
+    unspecified). Where exactly k entries are >= t they are the answer, and nonzero lists
+    them in order; otherwise t is tied with entries topk left out, and the entries above t
+    plus the first tied ones in position order are taken. Listing a mask's positions is a pass
+    over n; sorting topk's k indices costs k log k, less only for small k (at 1 % density it
+    was 12 % faster, at 10 % 2.7x slower, on a 2.4 M-element tensor)."""
     n = v.numel()
     if k >= n:
         return torch.arange(n, device=v.device)
@@ -79,11 +82,15 @@ def _top_positions(v: Tensor, k: int) -> Tensor:
     a.masked_fill_(torch.isnan(a), float("inf"))
     top = torch.topk(a, k, sorted=False)
     t = top.values.min()
-    if bool((a == t).sum() == (top.values == t).sum()):
-        return torch.sort(top.indices).values
-    above = torch.nonzero(a > t).squeeze(1)
-    tied = torch.nonzero(a == t).squeeze(1)[: k - above.numel()]
-    return torch.sort(torch.cat([above, tied])).values
+    mask = a >= t
+    if int(mask.sum()) == k:
+        if 16 * k < n:  # few entries: sorting topk's own indices is cheaper than a mask pass
+            return torch.sort(top.indices).values
+    else:
+        torch.gt(a, t, out=mask)
+        tied = torch.nonzero(a == t).squeeze(1)[: k - int(mask.sum())]
+        mask[tied] = True
+    return torch.nonzero(mask).squeeze(1)
 
 
 def _count(n: int, k: int | None, fraction: float | None) -> int:
