@@ -1,7 +1,7 @@
 """Secure aggregation's arithmetic: fedkernels' fused ring ops against Flower's NumPy SecAgg+
 arithmetic (docs/algorithms/secagg.md), on the ResNet-18 shape (11.7 M parameters).
 
-    OMP_NUM_THREADS=2 python bench/bench_secagg.py [--clients 10 100] [--repeats 3]
+    OMP_NUM_THREADS=2 python bench/bench_secagg.py [--clients 10 100] [--repeats 3] --out FILE
 
 For K clients in the complete neighbour graph (Flower's default) with one client dropped
 after sharing its keys, timed interleaved (medians of the rounds):
@@ -25,16 +25,14 @@ fit a small machine; each is larger than the caches, so each read still comes fr
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
 
 import numpy as np
 import torch
 
 from fedkernels.ops.secagg import secagg_decode, secagg_mask, secagg_unmask_sum
 
+from harness.case_runs import add_case_arguments, finish_case_run, start_case_run
 from harness.model_shapes import resnet18_shapes
-from harness.results import write_results
 from harness.timing import interleaved_medians
 
 CLIP, QRANGE, MOD = 8.0, 2**22, 2**32
@@ -51,10 +49,16 @@ def _flower():
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    add_case_arguments(parser, "3 small tensors, K=3, 1 repeat, small probe: checks the script runs",
+                       cpu_only=True)
+    parser.set_defaults(repeats=3)
+    args, device, probes, _ = start_case_run(parser, "secagg")
+    if min(args.clients) < 2:
+        parser.error("--clients: each K must be at least 2 (one client drops out)")
     na, quantize, dequantize, prg = _flower()
-    shapes = resnet18_shapes()
+    shapes = [(8, 3), (5,), (4, 4)] if args.tiny else resnet18_shapes()
+    if args.tiny:
+        args.clients = [3]
     g = torch.Generator().manual_seed(0)
     update = [torch.randn(s, generator=g) * 0.1 for s in shapes]
     update_np = [t.numpy() for t in update]
@@ -110,8 +114,9 @@ def main() -> None:
 
         t = interleaved_medians({"ours_client": ours_client, "flower_client": flower_client,
                                  "ours_server": ours_server, "flower_server": flower_server},
-                                torch.device("cpu"), repeats=args.repeats, warmup=0)
-        row = {"K": K, **{f"{k}_s": v for k, v in t.items()},
+                                device, repeats=args.repeats, warmup=0)
+        row = {"K": K, "params": sum(t.numel() for t in update),
+               **{f"{k}_s": v for k, v in t.items()},
                "client_speedup": t["flower_client"] / t["ours_client"],
                "server_speedup": t["flower_server"] / t["ours_server"]}
         rows.append(row)
@@ -119,12 +124,16 @@ def main() -> None:
               f"{t['flower_client']:.3f} s ({row['client_speedup']:.1f}x)   server: ours "
               f"{t['ours_server']:.3f} s, Flower {t['flower_server']:.3f} s "
               f"({row['server_speedup']:.1f}x)", flush=True)
-    payload = {"rows": rows, "threads": torch.get_num_threads(),
-               "load_average": os.getloadavg(), "repeats": args.repeats,
-               "median_of": "interleaved rounds", "params": sum(t.numel() for t in update),
-               "median_speedup_client": statistics.median(r["client_speedup"] for r in rows)}
-    print("written to", write_results("secagg", torch.device("cpu"), payload))
+    finish_case_run("secagg", device, args, probes, rows, _ratios)
 
+
+def _ratios(payload: dict) -> dict[str, float]:
+    """--check's higher-is-better ratios: Flower's time over ours, per K and side."""
+    found = {}
+    for r in payload.get("rows", []):
+        found[f"K={r['K']}: Flower client time / ours"] = r.get("client_speedup")
+        found[f"K={r['K']}: Flower server time / ours"] = r.get("server_speedup")
+    return found
 
 if __name__ == "__main__":
     main()

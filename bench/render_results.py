@@ -452,6 +452,27 @@ def sparse_block(root: Path, name: str, key: str = "sparse") -> str:
     return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
 
 
+def secagg_block(root: Path, name: str, key: str = "secagg") -> str:
+    """bench_secagg.py: the fused ring ops against Flower's NumPy SecAgg+ arithmetic, and the
+    mask words each side of ours expands per second (the work that bounds them)."""
+    run = section(root, name, key)
+    rows = []
+    for r in run["rows"]:
+        k, p = r["K"], r["params"]
+        # client: K - 1 pair masks and the self-mask; server: K - 1 self-masks and the dropped
+        # client's K - 1 pair masks
+        rows.append([str(k), f"{p / 1e6:.2f} M", sig(r["ours_client_s"] * 1e3),
+                     sig(r["flower_client_s"] * 1e3), ratio(r["client_speedup"]),
+                     f"{k * p / r['ours_client_s'] / 1e9:.2f}",
+                     sig(r["ours_server_s"] * 1e3), sig(r["flower_server_s"] * 1e3),
+                     ratio(r["server_speedup"]),
+                     f"{2 * (k - 1) * p / r['ours_server_s'] / 1e9:.2f}"])
+    header = ["K", "parameters", "client ms", "Flower client ms", "client ×",
+              "client G mask words/s", "server ms", "Flower server ms", "server ×",
+              "server G mask words/s"]
+    return source_line(name, key, run["environment"], run["probes"]) + "\n\n" + table(header, rows)
+
+
 def flower_robust_block(root: Path, name: str) -> str:
     """bench_robust.py: Flower's robust and DP strategies against the drop-ins."""
     data = load(root, name)
@@ -728,6 +749,7 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "quantized/amd-epyc-avx512-int8-quiet": lambda r: quantized_block(
         r, "quantized-int8-quiet-cpu-amd-epyc-avx512.json"),
     "sparse/amd-epyc-avx512": lambda r: sparse_block(r, "sparse-cpu-amd-epyc-avx512.json"),
+    "secagg/amd-epyc-avx512": lambda r: secagg_block(r, "secagg-cpu-amd-epyc-avx512.json"),
     "flower-robust/amd-epyc-avx2": lambda r: flower_robust_block(r, "robust-cpu-amd-epyc-avx2.json"),
     "flower-robust/amd-epyc-avx512-krum-ties": lambda r: flower_robust_block(
         r, "robust-krum-ties-cpu-amd-epyc-avx512.json"),

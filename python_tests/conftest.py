@@ -118,7 +118,7 @@ def pytest_runtest_teardown(item, nextitem):
 # ports NVFlare picks by closing a bound socket) and each keeps two cores busy on its own.
 FRAMEWORK_ENGINE_FILES = frozenset({
     "test_apps_flower_engines.py", "test_examples.py", "test_integrations_flower_deployment.py",
-    "test_nvflare_simulator.py", "test_apps_flower.py", "test_integrations_flower.py",
+    "test_nvflare_simulator.py",
 })
 
 

@@ -127,7 +127,10 @@ def test_out_writes_exactly_there(bench_copy, tmp_path):
                                         ("bench_energy.py", "energy_from_logits"),
                                         ("bench_sgld.py", "sgld_compose_step"),
                                         ("bench_small_calls.py", "small_calls"),
-                                        ("bench_subnormals.py", "subnormals")])
+                                        ("bench_subnormals.py", "subnormals"),
+                                        ("bench_quantized.py", "quantized"),
+                                        ("bench_sparse.py", "sparse"),
+                                        ("bench_secagg.py", "secagg")])
 def test_other_benchmarks_write_runs_not_the_committed_file(bench_copy, script, key):
     committed = bench_copy / "results" / f"{_cpu_name()}.json"
     before = committed.read_text()
