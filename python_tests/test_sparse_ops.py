@@ -369,3 +369,19 @@ def test_cuda_equals_cpu(dtype):
     gpu[1].indices[0] = bad
     _err(ValueError, lambda: fedkernels.aggregate_sparse(gpu, w, [b.cuda() for b in base]),
          "indices tensor 3 (client 1, tensor 0)", "repeats")
+
+
+def test_a_dense_tensor_of_another_shape_than_the_clients_is_refused_before_writing():
+    x = [torch.randn(4, 3), torch.randn(5)]
+    c = fedkernels.sparsify_topk(x, 2)
+    base = [torch.zeros(4, 3), torch.zeros(4)]  # numel 4 may still cover the sent indices
+    before = [b.clone() for b in base]
+    with pytest.raises(ValueError, match=r"base tensor 1 has shape \[4\], the clients' tensor 1 has \[5\]"):
+        fedkernels.aggregate_sparse_(base, [c], [1.0])
+    with pytest.raises(ValueError, match="base tensor 1 has shape"):
+        fedkernels.aggregate_sparse([c], [1.0], base=base)
+    with pytest.raises(ValueError, match="out tensor 1 has shape"):
+        fedkernels.aggregate_sparse([c], [1.0], out=base)
+    with pytest.raises(ValueError, match="1 base tensors for the clients' 2"):
+        fedkernels.aggregate_sparse_(base[:1], [c], [1.0])
+    assert all(torch.equal(a, b) for a, b in zip(base, before))

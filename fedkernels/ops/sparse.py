@@ -251,6 +251,23 @@ def _client_lists(op: str, clients, weights, normalize: bool):
     return shapes, indices, values, w
 
 
+def _check_dense_shapes(op: str, what: str, tensors: Sequence[Tensor] | None,
+                        shapes: list[torch.Size]) -> None:
+    """Dense tensors (base, out) must have the shapes the clients were sparsified from: the op
+    sees only flat indices, so a smaller tensor whose numel covers the sent indices would
+    otherwise take the update silently."""
+    if tensors is None:
+        return
+    tensors = list(tensors)
+    if len(tensors) != len(shapes):
+        raise ValueError(f"fedkernels.{op}: {len(tensors)} {what} tensors for the clients' "
+                         f"{len(shapes)}")
+    for t, (x, s) in enumerate(zip(tensors, shapes)):
+        if x.shape != s:
+            raise ValueError(f"fedkernels.{op}: {what} tensor {t} has shape {list(x.shape)}, "
+                             f"the clients' tensor {t} has {list(s)}")
+
+
 def aggregate_sparse(
     clients: Sequence[SparseTensors],
     weights,
@@ -274,6 +291,8 @@ def aggregate_sparse(
     """
     op = "aggregate_sparse"
     shapes, indices, values, w = _client_lists(op, clients, weights, normalize)
+    _check_dense_shapes(op, "base", base, shapes)
+    _check_dense_shapes(op, "out", out, shapes)
     if base is not None:
         return sparse_weighted_sum(list(base), indices, values, w, out=out)
     if out is not None:
@@ -295,7 +314,8 @@ def aggregate_sparse_(
 ) -> list[Tensor]:
     """:func:`aggregate_sparse` in place into ``base`` (the dense global model), which it
     returns; the clients' values must have ``base``'s dtype."""
-    _, indices, values, w = _client_lists("aggregate_sparse_", clients, weights, normalize)
+    shapes, indices, values, w = _client_lists("aggregate_sparse_", clients, weights, normalize)
+    _check_dense_shapes("aggregate_sparse_", "base", base, shapes)
     base = list(base)
     sparse_weighted_sum_(base, indices, values, w)
     return base
