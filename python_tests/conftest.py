@@ -117,8 +117,8 @@ def pytest_runtest_teardown(item, nextitem):
 # time on one worker, as these frameworks take machine-wide resources (Ray's session folder,
 # ports NVFlare picks by closing a bound socket) and each keeps two cores busy on its own.
 FRAMEWORK_ENGINE_FILES = frozenset({
-    "test_apps_flower_engines.py", "test_examples.py", "test_integrations_flower_deployment.py",
-    "test_nvflare_simulator.py",
+    "test_apps_flower_engines.py", "test_examples.py", "test_flower_secagg_deployment.py",
+    "test_integrations_flower_deployment.py", "test_nvflare_simulator.py",
 })
 
 

@@ -4,7 +4,8 @@ FusedSecAggPlusWorkflow on the server and fused_secaggplus_mod on the clients, o
 in-process Grid whose messages cross as Flower's wire format. With every client, and with one
 dropped after sharing its keys (its masked vector lost), the aggregate is the survivors'
 weighted mean to the fixed-point precision; Flower's own SecAgg+ pair, run the same way, lands
-as close to the same mean."""
+as close to the same mean. Then the scenarios of Flower's own client-mod tests, run with
+both mods."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import pytest
 pytest.importorskip("flwr")
 pytest.importorskip("cryptography")
 
-from flwr.app import Context, Message, RecordDict  # noqa: E402
+from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
+from flwr.app.message_type import MessageType  # noqa: E402
 from flwr.client import ClientApp, NumPyClient  # noqa: E402
-from flwr.client.mod import secaggplus_mod  # noqa: E402
+from flwr.client.mod import make_ffn, secaggplus_mod  # noqa: E402
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState  # noqa: E402
 from flwr.common import ndarrays_to_parameters  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import (  # noqa: E402
     RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
     Key,
     Stage,
 )
@@ -149,3 +153,105 @@ def test_flowers_own_pair_lands_on_the_same_mean():
     want = weighted_mean([0, 1, 3, 4])
     _assert_close(flower, want, 2 * tolerance([0, 1, 3, 4]))  # Flower rounds w * x twice
     _assert_close(ours, want, tolerance([0, 1, 3, 4]))
+
+
+# ------------------------------------------- the scenarios of Flower's secaggplus_mod_test.py
+# Re-expressed and run with Flower's mod and ours: which exception a client raises for a stage
+# out of order, a missing config key or a value of the wrong type.
+
+BOTH_MODS = pytest.mark.parametrize("mod", [secaggplus_mod, fused_secaggplus_mod],
+                                    ids=["flower", "fedkernels"])
+
+
+class _Handler:
+    """A ClientApp made of the mod and an empty train function, on one node's Context."""
+
+    def __init__(self, mod) -> None:
+        self.context = Context(run_id=RUN_ID, node_id=7, node_config={},
+                               state=RecordDict({RECORD_KEY_STATE: ConfigRecord(
+                                   SecAggPlusState().to_dict())}), run_config={})
+        self.app = make_ffn(lambda msg, ctx: Message(RecordDict(), reply_to=msg), [mod])
+
+    def at(self, stage: str) -> _Handler:
+        state = SecAggPlusState(**self.context.state.config_records[RECORD_KEY_STATE])
+        state.current_stage = stage
+        self.context.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
+        return self
+
+    def __call__(self, configs: dict) -> None:
+        message = Message(RecordDict({RECORD_KEY_CONFIGS: ConfigRecord(configs)}),
+                          dst_node_id=7, message_type=MessageType.TRAIN)
+        self.app(message, self.context)
+
+
+@pytest.fixture
+def node_identity():
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, 7, 0
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+# the next stage, or back to setup from any stage but the last (Flower logs a warning)
+ALLOWED = {(a, b) for a, b in zip(STAGES, STAGES[1:] + STAGES[:1])} | \
+    {(a, Stage.SETUP) for a in STAGES[:-1]}
+
+
+@BOTH_MODS
+def test_stage_order(mod, node_identity):
+    """An allowed step goes on to the stage's work (which fails on the empty content with a
+    KeyError); any other step is refused with a ValueError."""
+    handler = _Handler(mod)
+    for current in STAGES:
+        for following in STAGES:
+            expected = KeyError if (current, following) in ALLOWED else ValueError
+            with pytest.raises(expected):
+                handler.at(current)({Key.STAGE: following})
+
+
+SETUP_KEYS = {Key.SAMPLE_NUMBER: 10, Key.SHARE_NUMBER: 10, Key.THRESHOLD: 10,
+              Key.CLIPPING_RANGE: 1.0, Key.TARGET_RANGE: 10, Key.MOD_RANGE: 10}
+WRONG_VALUES = (10, True, 1.0, "text", b"bytes")
+
+
+@BOTH_MODS
+def test_setup_config_checks(mod, node_identity):
+    handler = _Handler(mod)
+    for key, good in SETUP_KEYS.items():
+        for wrong in WRONG_VALUES:
+            if type(wrong) is type(good):
+                continue
+            with pytest.raises(TypeError):
+                handler.at(Stage.UNMASK)({**SETUP_KEYS, key: wrong, Key.STAGE: Stage.SETUP})
+        missing = {k: v for k, v in SETUP_KEYS.items() if k != key}
+        with pytest.raises(KeyError):
+            handler.at(Stage.UNMASK)({**missing, Key.STAGE: Stage.SETUP})
+
+
+@BOTH_MODS
+def test_share_keys_config_checks(mod, node_identity):
+    """Each entry must be a list of exactly two public keys."""
+    handler = _Handler(mod)
+    good = {str(n): [b"key one", b"key two"] for n in (1, 2, 3)}
+    for wrong in (b"key one", [b"key one"], [b"key one", b"key two", b"key three"]):
+        with pytest.raises(TypeError):
+            handler.at(Stage.SETUP)({**good, "1": wrong, Key.STAGE: Stage.SHARE_KEYS})
+
+
+@BOTH_MODS
+@pytest.mark.parametrize("stage, before, good", [
+    (Stage.COLLECT_MASKED_VECTORS, Stage.SHARE_KEYS,
+     {Key.CIPHERTEXT_LIST: [b"c1", b"c2", b"c3"], Key.SOURCE_LIST: [4, 90210, -3]}),
+    (Stage.UNMASK, Stage.COLLECT_MASKED_VECTORS,
+     {Key.ACTIVE_NODE_ID_LIST: [1, 2, 3], Key.DEAD_NODE_ID_LIST: [4, -5]}),
+], ids=["collect", "unmask"])
+def test_list_config_checks(mod, node_identity, stage, before, good):
+    """A missing list is a KeyError, a list of the wrong element type a TypeError."""
+    handler = _Handler(mod)
+    for key in good:
+        with pytest.raises(KeyError):
+            handler.at(before)({**{k: v for k, v in good.items() if k != key},
+                                Key.STAGE: stage})
+        with pytest.raises(TypeError):
+            handler.at(before)({**good, key: [2.5], Key.STAGE: stage})

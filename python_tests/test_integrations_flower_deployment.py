@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import straggler_grid
 from local_ports import free_ports, listening
 from process_tree import with_descendants
 
@@ -110,7 +111,6 @@ def train(msg: Message, context: Context) -> Message:
 
 SERVER_APP = '''
 import json
-import time
 
 import numpy as np
 import torch
@@ -119,6 +119,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from fedkernels.integrations.flower import FedAvg
+from fkdeploy.straggler_grid import StragglerTimeout
 
 app = ServerApp()
 
@@ -140,33 +141,6 @@ class CheckedFedAvg(FedAvg):
         self.partitions.append(sorted(int(m.content["metrics"]["partition"])
                                       for m in replies if not m.has_error()))
         return ours, metrics
-
-
-class StragglerTimeout:
-    """The Grid, with rounds that end ``patience`` seconds after their first reply (or at the
-    timeout start() passes): a node that dies mid-round costs ``patience``, not the whole
-    timeout, and slow ClientApp start-ups do not cut a round short."""
-
-    def __init__(self, grid, patience):
-        self.grid, self.patience = grid, patience
-
-    def get_node_ids(self):
-        return self.grid.get_node_ids()
-
-    def send_and_receive(self, messages, *, timeout=None):
-        pending = set(self.grid.push_messages(messages))
-        end = time.time() + (timeout if timeout is not None else 3600.0)
-        replies, first = [], None
-        while pending and time.time() < end:
-            new = list(self.grid.pull_messages(pending))
-            replies.extend(new)
-            pending -= {m.metadata.reply_to_message_id for m in new}
-            if new and first is None:
-                first = time.time()
-            if first is not None and time.time() - first > self.patience:
-                break
-            time.sleep(0.5)
-        return replies
 
 
 @app.main()
@@ -220,6 +194,7 @@ class Deployment:
         (self.app / "fkdeploy" / "__init__.py").write_text("")
         (self.app / "fkdeploy" / "client_app.py").write_text(textwrap.dedent(CLIENT_APP))
         (self.app / "fkdeploy" / "server_app.py").write_text(textwrap.dedent(SERVER_APP))
+        shutil.copy(straggler_grid.__file__, self.app / "fkdeploy" / "straggler_grid.py")
         home = tmp_path / "flwr-home"
         home.mkdir()
         self.link_port, *self.node_ports = free_ports(1 + nodes)

@@ -126,7 +126,9 @@ def _share_keys(state: SecAggPlusState, configs: ConfigRecord) -> dict:
     publics = [pk for pair in state.public_keys_dict.values() for pk in pair]
     if len(set(publics)) != len(publics):
         raise ValueError("two neighbours sent the same public key")
-    if state.public_keys_dict.get(state.nid) != (state.pk1, state.pk2):
+    if state.nid not in state.public_keys_dict:  # KeyError, as Flower's mod raises
+        raise KeyError(f"the server's public key list leaves out this client ({state.nid})")
+    if state.public_keys_dict[state.nid] != (state.pk1, state.pk2):
         raise ValueError("the server relayed this client's own public keys wrongly")
     state.rd_seed = sk.self_seed()
     n = len(state.public_keys_dict)
