@@ -5,10 +5,10 @@ results.json equals that of the ``fedkernels run`` command with the same configu
 seed, bit for bit (``assert_same_metrics``: every metric of every round, the summary and the
 per-client table compare with ``==``; only the times differ):
 
-- ``TestLocalDeployment``: SuPerFed-MM, SuPerFed-LM and AAggFF-D, each a ``flwr run`` against
-  ONE deployment started for the three (a SuperLink and two SuperNodes, ``--insecure`` on
-  127.0.0.1); the runs are submitted together, so that one run's ClientApp start-ups overlap
-  another's waits;
+- ``TestLocalDeployment``: SuPerFed-MM and AAggFF-D, each a ``flwr run`` against ONE
+  deployment started for both (a SuperLink and two SuperNodes, ``--insecure`` on 127.0.0.1);
+  the runs are submitted together, so that one run's ClientApp start-ups overlap the other's
+  waits;
 - ``TestSimulationEngine``: all seven seed methods (AAggFF-S, FedAU, FedGO and FedEvg too),
   one after the other, against ONE SuperLink
   in simulation mode (Flower's simulation engine, Ray: two simulated SuperNodes); skipped
@@ -27,8 +27,8 @@ one torch thread; the deployment's processes and the reference get one thread to
 their sums round alike (on two threads a personalized ECE came out 3e-11 apart).
 
 Every ClientApp of a deployment is a process of its own (per message, one message at a time
-per SuperNode) that imports torch and loads the data: on two busy cores the three deployment
-runs take about a minute and a half together, the seven simulation-engine runs about 12-15 s
+per SuperNode) that imports torch and loads the data: on two busy cores the two deployment
+runs take about a minute together, the seven simulation-engine runs about 12-15 s
 each, the killed SuperNode about a minute and a half.
 """
 
@@ -90,9 +90,10 @@ ADDED_KEYS = {"participation.kind": "full", "participation.fraction": 0.1,
 DEADLINE_S = 900
 # A deployment starts a process per ClientApp message (a torch import each), so it runs the
 # methods whose deployment path differs from the simulation engine's: client state kept in
-# the SuperNode's context between rounds (SuPerFed) and nodes left out of a round (AAggFF-D);
-# FedAU runs on a deployment in test_a_supernode_killed_mid_round.
-DEPLOYMENT_METHODS = ("superfed-mm", "superfed-lm", "aaggff-d")
+# the SuperNode's context between rounds (SuPerFed-MM; LM keeps it the same way) and nodes
+# left out of a round (AAggFF-D); FedAU runs on a deployment in
+# test_a_supernode_killed_mid_round.
+DEPLOYMENT_METHODS = ("superfed-mm", "aaggff-d")
 
 
 def _run_config(values: dict) -> str:
