@@ -16,7 +16,9 @@ compiler refuses is skipped with a note. FEDKERNELS_SANITIZE=address,undefined b
 CPU libraries under those compiler sanitizers, for tests only (.ci/sanitize.sh; no CUDA library,
 and the list of CPU variants may omit default; see docs/guide/sanitizers.md). Libraries build
 side by side (one thread each) when the machine has the cores for it: FEDKERNELS_BUILD_PARALLEL=N
-overrides the count.
+overrides the count. FEDKERNELS_BUILD_ONLY=_cuda (a comma-separated list of library names)
+compiles only those libraries and leaves the others in place, e.g. the CUDA library beside CPU
+libraries built from the same sources against the same torch version.
 """
 
 import glob
@@ -172,7 +174,19 @@ def extensions():
                 },
             )
         )
-    return exts
+    return only_requested(exts)
+
+
+def only_requested(exts):
+    wanted = os.environ.get("FEDKERNELS_BUILD_ONLY", "").strip()
+    if not wanted:
+        return exts
+    names = {name.strip() for name in wanted.split(",") if name.strip()}
+    known = {ext.name.split(".")[-1] for ext in exts}
+    if not names <= known:
+        sys.exit(f"FEDKERNELS_BUILD_ONLY lists {sorted(names - known)}, which this build would "
+                 f"not compile; it would compile {sorted(known)}")
+    return [ext for ext in exts if ext.name.split(".")[-1] in names]
 
 
 def parallel_libraries(count):

@@ -10,6 +10,10 @@
 #   MAX_JOBS              parallel compile jobs (default 2)
 #   FK_KEEP_BUILD=1       keep the temporary build folder
 #   FK_CUDA_VENV_ONLY=1   only create (or check) the virtualenv, then stop
+#   FK_CPU_LIBS_FROM      a folder with fedkernels' CPU libraries (_C and _cpu_default) built
+#                         from this checkout against torch 2.13.0: they are reused and only the
+#                         CUDA library is compiled (CI builds the CPU ones in its build stage;
+#                         the import step below checks that they load beside the CUDA torch)
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,9 +94,17 @@ else
     tar -xf - -C "$build"
 fi
 echo "$build"
+if [[ -n "${FK_CPU_LIBS_FROM:-}" ]]; then
+  # Copied after the sources, so newer than them: setuptools skips them as up to date.
+  for lib in _C _cpu_default; do
+    cp "$FK_CPU_LIBS_FROM"/"$lib".*.so "$build/fedkernels/"
+  done
+  echo "reusing the CPU libraries of $FK_CPU_LIBS_FROM"
+  export FEDKERNELS_BUILD_ONLY=_cuda
+fi
 step_done
 
-step "build (FEDKERNELS_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS, CPU: $FEDKERNELS_CPU_ISAS)"
+step "build (FEDKERNELS_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, MAX_JOBS=$MAX_JOBS, CPU: $FEDKERNELS_CPU_ISAS, only: ${FEDKERNELS_BUILD_ONLY:-all})"
 log="$build/build.log"
 if ! (cd "$build" && "$venv/bin/python" setup.py build_ext --inplace) >"$log" 2>&1; then
   echo "error: the build failed. Errors:" >&2

@@ -35,7 +35,7 @@ print("EXTENSIONS", " ".join(names))
 def _setup(gpus: int, **env: str) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items()
             if k not in ("FEDKERNELS_CUDA", "TORCH_CUDA_ARCH_LIST", "FEDKERNELS_SANITIZE",
-                         "FEDKERNELS_CPU_ISAS")}
+                         "FEDKERNELS_CPU_ISAS", "FEDKERNELS_BUILD_ONLY")}
     full.update(env)
     return subprocess.run([sys.executable, "-c", _DRIVER.format(gpus=gpus)], cwd=ROOT,
                           env=full, capture_output=True, text=True, timeout=120)
@@ -85,3 +85,16 @@ def test_a_normal_build_needs_the_default_cpu_library():
     proc = _setup(gpus=0, FEDKERNELS_CPU_ISAS="avx2")
     assert proc.returncode != 0
     assert "must list 'default'" in proc.stderr
+
+
+def test_build_only_compiles_the_libraries_it_lists():
+    """FEDKERNELS_BUILD_ONLY=_cuda (.ci/cuda_compile.sh in CI) leaves the CPU libraries be."""
+    assert _extensions(_setup(gpus=1, FEDKERNELS_BUILD_ONLY="_cuda")) == ["fedkernels._cuda"]
+    assert _extensions(_setup(gpus=0, FEDKERNELS_BUILD_ONLY="_C, _cpu_default")) == [
+        "fedkernels._C", "fedkernels._cpu_default"]
+
+
+def test_build_only_refuses_a_library_the_build_would_not_compile():
+    proc = _setup(gpus=0, FEDKERNELS_BUILD_ONLY="_cuda")
+    assert proc.returncode != 0
+    assert "FEDKERNELS_BUILD_ONLY lists ['_cuda']" in proc.stderr
