@@ -408,19 +408,6 @@ def robust_ops_block(root: Path, name: str, key: str = "robust_ops") -> str:
     return source_line(name, key, env, run["probes"]) + shape + "\n\n" + table(header, rows)
 
 
-def _quantized_row(r: dict) -> dict:
-    """A bench_quantized.py row; the int8-only runs before 4-bit and fp8 named their keys
-    after int8."""
-    if "format" in r:
-        return r
-    return {**r, "format": "int8", "bytes_per_value": r["int8_min_traffic_bytes"] / r["K"]
-            / r["parameters"] - 4 / r["K"], "fused_ms": r["int8_fused_ms"],
-            "fp32_over_fused": r["fp32_over_int8"], "out_ms": r["int8_out_ms"],
-            "fp32_over_out": r["fp32_over_int8_out"],
-            "out_fraction_of_read_probe": r["int8_out_fraction_of_read_probe"],
-            "torch_ms": r["int8_torch_ms"], "torch_over_fused": r["torch_over_int8"]}
-
-
 def quantized_block(root: Path, name: str, key: str = "quantized") -> str:
     """bench_quantized.py: each format's round against the fp32 round and the PyTorch round."""
     run = section(root, name, key)
@@ -430,7 +417,7 @@ def quantized_block(root: Path, name: str, key: str = "quantized") -> str:
              ratio(r["fp32_over_out"]), pct(r["out_fraction_of_read_probe"]),
              pct(r["fp32_out_fraction_of_read_probe"]), sig(r["torch_ms"]),
              ratio(r["torch_over_fused"]), sig(r["quantize_us"] / 1e3),
-             sig(r["quantize_sr_ef_us"] / 1e3)] for r in map(_quantized_row, run["rows"])]
+             sig(r["quantize_sr_ef_us"] / 1e3)] for r in run["rows"]]
     header = ["format", "model", "K", "block", "bytes / value", "ms", "fp32 ms", "fp32 / ms",
               "out= ms", "fp32 out= ms", "fp32 / out=", "out= % read", "fp32 out= % read",
               "PyTorch ms", "PyTorch / ms", "quantize ms", "stochastic + EF ms"]
@@ -746,8 +733,6 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "quantized/amd-epyc-avx512": lambda r: quantized_block(r, "quantized-cpu-amd-epyc-avx512.json"),
     "quantized/amd-epyc-avx512-1thread": lambda r: quantized_block(
         r, "quantized-1thread-cpu-amd-epyc-avx512.json"),
-    "quantized/amd-epyc-avx512-int8-quiet": lambda r: quantized_block(
-        r, "quantized-int8-quiet-cpu-amd-epyc-avx512.json"),
     "sparse/amd-epyc-avx512": lambda r: sparse_block(r, "sparse-cpu-amd-epyc-avx512.json"),
     "secagg/amd-epyc-avx512": lambda r: secagg_block(r, "secagg-cpu-amd-epyc-avx512.json"),
     "flower-robust/amd-epyc-avx2": lambda r: flower_robust_block(r, "robust-cpu-amd-epyc-avx2.json"),
