@@ -11,6 +11,8 @@
 #   FK_SANITIZE_DIR  build folder (default: a new temporary folder, removed at the end); a folder
 #                    given here is kept, and a rerun recompiles only the sources that changed
 #   MAX_JOBS         parallel compile jobs (default: the number of cores)
+#   FK_SANITIZE_BUILD_ONLY=1  build (into FK_SANITIZE_DIR) and check the instrumentation, then
+#                    stop; a later run with the same FK_SANITIZE_DIR finds the build done
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -73,6 +75,10 @@ for lib in "$build"/fedkernels/_C.*so "$build/fedkernels/_cpu_$capability".*so; 
     exit 1
   fi
 done
+if [[ "${FK_SANITIZE_BUILD_ONLY:-0}" == 1 ]]; then
+  step "built (FK_SANITIZE_BUILD_ONLY)"
+  exit 0
+fi
 
 # Python is not built with the sanitizers, so their runtimes are preloaded: ASan must come
 # first among the process's libraries to take over malloc and friends from the start.
@@ -127,6 +133,9 @@ tests=(
   python_tests/test_subnormals.py
   python_tests/test_multi_tensor_layout.py
   python_tests/test_sorted_keys.py
+  python_tests/test_quantize_ops.py
+  python_tests/test_sparse_ops.py
+  python_tests/test_secagg_ops.py
 )
 step "tests under the sanitizers"
 cd "$build"
