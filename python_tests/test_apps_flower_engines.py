@@ -38,7 +38,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import textwrap
 import time
 from pathlib import Path
@@ -57,6 +56,7 @@ from test_integrations_flower_deployment import (  # noqa: E402
     Deployment,
     _tool,
     _wait_for_result,
+    app_pyproject,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -275,47 +275,27 @@ class TestSimulationEngine:
         assert_same_metrics(result, reference(name))
 
 
-KILL_APP_PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
+KILL_APP_PYPROJECT = app_pyproject("fkkill", """
+    algorithm = "fedau"
+    rounds = 3
+    result-path = ""
+    round-timeout = 240.0
+    straggler-patience = 10.0
 
-[project]
-name = "fkkill"
-version = "1.0.0"
-dependencies = []
+    [tool.flwr.app.config.partition]
+    num_clients = 3
 
-[tool.hatch.build.targets.wheel]
-packages = ["fkkill"]
+    [tool.flwr.app.config.participation]
+    kind = "full"
 
-[tool.flwr.app]
-publisher = "fedkernels"
+    [tool.flwr.app.config.model]
+    hidden = "16"
 
-[tool.flwr.app.components]
-serverapp = "fkkill.server_app:app"
-clientapp = "fkkill.client_app:app"
-
-[tool.flwr.app.config]
-algorithm = "fedau"
-rounds = 3
-result-path = ""
-round-timeout = 240.0
-straggler-patience = 10.0
-
-[tool.flwr.app.config.partition]
-num_clients = 3
-
-[tool.flwr.app.config.participation]
-kind = "full"
-
-[tool.flwr.app.config.model]
-hidden = "16"
-
-[tool.flwr.app.config.app]
-victim-partition = 2
-victim-round = 1
-marker-path = ""
-"""
+    [tool.flwr.app.config.app]
+    victim-partition = 2
+    victim-round = 1
+    marker-path = ""
+""")
 
 KILL_CLIENT = '''
 import time
@@ -353,11 +333,7 @@ def test_a_supernode_killed_mid_round(tmp_path):
         deployment.start_superlink_and_nodes()
         deployment.run_app(_run_config({"result-path": str(result_path),
                                         "app.marker-path": str(marker)}))
-        deployment.wait_for(lambda: marker.exists() or deployment.flwr_run_failed(),
-                            "the victim's ClientApp to start round 2")
-        deployment.expected_exits.add("supernode2")
-        os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
-        deployment.processes["supernode2"].wait(timeout=10)
+        deployment.kill_node_when(marker, "supernode2", "the victim's ClientApp to start round 2")
         result = _wait_for_result(deployment, result_path)
     finally:
         deployment.stop()

@@ -11,9 +11,7 @@ saves what it sent) to the fixed-point precision."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import textwrap
 
 import numpy as np
@@ -26,43 +24,24 @@ pytest.importorskip("cryptography")
 from test_integrations_flower_deployment import (  # noqa: E402
     Deployment,
     _wait_for_result,
+    app_pyproject,
 )
 
 from fedkernels.integrations.flower.secagg import fixed_point_scale  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-PYPROJECT = """
-[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fksecagg"
-version = "1.0.0"
-dependencies = []
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "fedkernels"
-
-[tool.flwr.app.components]
-serverapp = "fksecagg.server_app:app"
-clientapp = "fksecagg.client_app:app"
-
-[tool.flwr.app.config]
-round-timeout = 180.0
-straggler-patience = 10.0
-clipping-range = 4.0
-quantization-range = 4194304
-max-weight = 100.0
-result-path = ""
-updates-dir = ""
-victim-partition = -1
-marker-path = ""
-"""
+PYPROJECT = app_pyproject("fksecagg", """
+    round-timeout = 180.0
+    straggler-patience = 10.0
+    clipping-range = 4.0
+    quantization-range = 4194304
+    max-weight = 100.0
+    result-path = ""
+    updates-dir = ""
+    victim-partition = -1
+    marker-path = ""
+""")
 
 CLIENT_APP = '''
 import time
@@ -163,11 +142,7 @@ def test_a_supernode_killed_after_sharing_its_keys(tmp_path):
         deployment.start_superlink_and_nodes()
         deployment.run_app(f'result-path="{result_path}" updates-dir="{updates}" '
                            f'victim-partition=2 marker-path="{marker}"')
-        deployment.wait_for(lambda: marker.exists() or deployment.flwr_run_failed(),
-                            "the victim's client to start training")
-        deployment.expected_exits.add("supernode2")
-        os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
-        deployment.processes["supernode2"].wait(timeout=10)
+        deployment.kill_node_when(marker, "supernode2", "the victim's client to start training")
         result = _wait_for_result(deployment, result_path)
     finally:
         deployment.stop()

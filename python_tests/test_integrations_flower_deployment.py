@@ -51,35 +51,43 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="Flower's command-line tools are not installed",
 )]
 
-PYPROJECT = """
+def app_pyproject(package: str, config: str) -> str:
+    """A Flower App's pyproject.toml: ``package``'s server_app and client_app modules, and
+    ``config`` (TOML lines of ``[tool.flwr.app.config]`` and its tables)."""
+    return f"""
 [build-system]
 requires = ["hatchling"]
 build-backend = "hatchling.build"
 
 [project]
-name = "fkdeploy"
+name = "{package}"
 version = "1.0.0"
 dependencies = []
 
 [tool.hatch.build.targets.wheel]
-packages = ["."]
+packages = ["{package}"]
 
 [tool.flwr.app]
 publisher = "fedkernels"
 
 [tool.flwr.app.components]
-serverapp = "fkdeploy.server_app:app"
-clientapp = "fkdeploy.client_app:app"
+serverapp = "{package}.server_app:app"
+clientapp = "{package}.client_app:app"
 
 [tool.flwr.app.config]
-num-server-rounds = 3
-round-timeout = 60.0
-straggler-patience = 0.0
-result-path = ""
-victim-partition = -1
-victim-round = 0
-marker-path = ""
+{textwrap.dedent(config).strip()}
 """
+
+
+PYPROJECT = app_pyproject("fkdeploy", """
+    num-server-rounds = 3
+    round-timeout = 60.0
+    straggler-patience = 0.0
+    result-path = ""
+    victim-partition = -1
+    victim-round = 0
+    marker-path = ""
+""")
 
 CLIENT_APP = '''
 import time
@@ -265,6 +273,14 @@ class Deployment:
             pytest.fail(f"flwr run exited with status {code}:\n" + self.all_logs())
         return False
 
+    def kill_node_when(self, marker: Path, node: str, what: str) -> None:
+        """SIGKILL to ``node``'s process group once ``marker`` exists (its ClientApp writes it
+        where it stalls), as a machine that dies would go."""
+        self.wait_for(lambda: marker.exists() or self.flwr_run_failed(), what)
+        self.expected_exits.add(node)
+        os.killpg(self.processes[node].pid, signal.SIGKILL)
+        self.processes[node].wait(timeout=10)
+
     def stop(self) -> None:
         for process in reversed(list(self.processes.values())):
             _stop(process)
@@ -319,11 +335,7 @@ def test_supernode_killed_mid_round_and_restarted(tmp_path):
         deployment.run_app(f'result-path="{result_path}" num-server-rounds=4 '
                            f'round-timeout=180.0 straggler-patience=10.0 victim-partition=2 '
                            f'victim-round=2 marker-path="{marker}"')
-        deployment.wait_for(lambda: marker.exists() or deployment.flwr_run_failed(),
-                            "the victim's ClientApp to start round 2")
-        deployment.expected_exits.add("supernode2")
-        os.killpg(deployment.processes["supernode2"].pid, signal.SIGKILL)
-        deployment.processes["supernode2"].wait(timeout=10)
+        deployment.kill_node_when(marker, "supernode2", "the victim's ClientApp to start round 2")
         port = free_ports(1)[0]
         deployment.start("supernode2-restarted", [
             _tool("flower-supernode"), "--insecure", "--superlink",
