@@ -142,6 +142,17 @@ def test_a_secaggplus_neighbourhood_smaller_than_all_clients():
     _assert_close(got, weighted_mean([0, 1, 2, 3]), tolerance([0, 1, 2, 3]))
 
 
+def test_the_workflow_takes_flowers_arguments_and_refuses_another_ring():
+    """Flower's keyword arguments pass through unchanged; only the 2^32 ring is possible."""
+    workflow = FusedSecAggPlusWorkflow(num_shares=K, reconstruction_threshold=3, max_weight=9.0,
+                                       clipping_range=2.0, quantization_range=2**20,
+                                       modulus_range=2**32, timeout=30.0)
+    assert (workflow.max_weight, workflow.clipping_range, workflow.quantization_range,
+            workflow.modulus_range, workflow.timeout) == (9.0, 2.0, 2**20, 2**32, 30.0)
+    with pytest.raises(ValueError, match="mod 2\\^32"):
+        FusedSecAggPlusWorkflow(num_shares=K, reconstruction_threshold=3, modulus_range=2**31)
+
+
 def test_flowers_own_pair_lands_on_the_same_mean():
     flower = run_round(SecAggPlusWorkflow(num_shares=K, reconstruction_threshold=3,
                                           clipping_range=CLIP, quantization_range=QRANGE,

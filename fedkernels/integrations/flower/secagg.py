@@ -194,11 +194,16 @@ def _unmask(state: SecAggPlusState, configs: ConfigRecord) -> dict:
 class FusedSecAggPlusWorkflow(SecAggPlusWorkflow):
     """Flower's ``SecAggPlusWorkflow`` (same arguments, and the same stages and messages) with
     the masked vectors kept as int32 tensors and unmasked in one fused pass (module
-    docstring); clients run :func:`fused_secaggplus_mod`. ``modulus_range`` is 2^32."""
+    docstring); clients run :func:`fused_secaggplus_mod`. ``modulus_range`` must be 2^32
+    (Flower's default), the ring the fused ops wrap in."""
 
     def __init__(self, num_shares: int | float, reconstruction_threshold: int | float, *,
                  max_weight: float = 1000.0, clipping_range: float = 8.0,
-                 quantization_range: int = 4194304, timeout: float | None = None) -> None:
+                 quantization_range: int = 4194304, modulus_range: int = RING,
+                 timeout: float | None = None) -> None:
+        if modulus_range != RING:
+            raise ValueError(f"FusedSecAggPlusWorkflow masks mod 2^32 (modulus_range="
+                             f"{RING}); got modulus_range={modulus_range}")
         super().__init__(num_shares, reconstruction_threshold, max_weight=max_weight,
                          clipping_range=clipping_range, quantization_range=quantization_range,
                          modulus_range=RING, timeout=timeout)
