@@ -741,8 +741,8 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "flower/amd-epyc-avx2": lambda r: flower_block(r, "flower-cpu-amd-epyc-avx2.json"),
     "flower/intel-xeon-avx512": lambda r: flower_block(
         r, "flower-cpu-intel-r-xeon-r-processor-avx512.json"),
-    "nvflare/amd-epyc-avx2": lambda r: framework_block(r, "nvflare-cpu-amd-epyc-avx2.json",
-                                                       "nvflare", "NVFlare"),
+    "nvflare/amd-epyc-avx512": lambda r: framework_block(r, "nvflare-cpu-amd-epyc-avx512.json",
+                                                         "nvflare", "NVFlare"),
     "fedlab/amd-epyc-avx2": lambda r: framework_block(r, "fedlab-cpu-amd-epyc-avx2.json",
                                                       "fedlab", "FedLab"),
     "fedml/amd-epyc-avx512": lambda r: framework_block(r, "fedml-cpu-amd-epyc-avx512.json",
