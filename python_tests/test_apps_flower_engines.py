@@ -9,8 +9,8 @@ per-client table compare with ``==``; only the times differ):
   deployment started for both (a SuperLink and two SuperNodes, ``--insecure`` on 127.0.0.1);
   the runs are submitted together, so that one run's ClientApp start-ups overlap the other's
   waits;
-- ``TestSimulationEngine``: all seven seed methods (AAggFF-S, FedAU, FedGO and FedEvg too),
-  one after the other, against ONE SuperLink
+- ``TestSimulationEngine``: SuPerFed-MM, AAggFF-D, FedAU and FedGO, one after the other,
+  against ONE SuperLink
   in simulation mode (Flower's simulation engine, Ray: two simulated SuperNodes); skipped
   where Ray is not installed (``pip install "flwr[simulation]"``);
 - ``test_a_supernode_killed_mid_round``: FedAU on three SuperNodes, one killed while its
@@ -28,7 +28,7 @@ their sums round alike (on two threads a personalized ECE came out 3e-11 apart).
 
 Every ClientApp of a deployment is a process of its own (per message, one message at a time
 per SuperNode) that imports torch and loads the data: on two busy cores the two deployment
-runs take about a minute together, the seven simulation-engine runs about 12-15 s
+runs take about a minute together, the four simulation-engine runs about 12-15 s
 each, the killed SuperNode about a minute and a half.
 """
 
@@ -94,6 +94,11 @@ DEADLINE_S = 900
 # left out of a round (AAggFF-D); FedAU runs on a deployment in
 # test_a_supernode_killed_mid_round.
 DEPLOYMENT_METHODS = ("superfed-mm", "aaggff-d")
+# Flower's simulation engine (Ray, a run about half a minute on two busy cores) runs the methods
+# whose path through it differs: node state between rounds (SuPerFed-MM), nodes left out of a
+# round (AAggFF-D), random participation (FedAU) and server-side data (FedGO). SuPerFed-LM,
+# AAggFF-S and FedEvg take those paths too; all seven run through Flower in test_apps_flower.py.
+SIMULATION_ENGINE_METHODS = ("superfed-mm", "aaggff-d", "fedau", "fedgo")
 
 
 def _run_config(values: dict) -> str:
@@ -239,7 +244,8 @@ class TestLocalDeployment:
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                     reason="Flower's simulation engine needs Ray: pip install 'flwr[simulation]'")
 class TestSimulationEngine:
-    """Seven ``flwr run`` against one SuperLink in simulation mode: two simulated SuperNodes
+    """``flwr run`` of each of SIMULATION_ENGINE_METHODS against one SuperLink in simulation
+    mode: two simulated SuperNodes
     (Ray actors), the ClientApps' kept state (SuPerFed's local models) in the nodes' contexts
     between rounds."""
 
@@ -264,7 +270,7 @@ class TestSimulationEngine:
         finally:
             deployment.stop()
 
-    @pytest.mark.parametrize("name", list(METHODS))
+    @pytest.mark.parametrize("name", SIMULATION_ENGINE_METHODS)
     def test_matches_fedkernels_run(self, superlink, cases, reference, name):
         app, overrides = cases[name]
         superlink.deadline = time.monotonic() + 300
