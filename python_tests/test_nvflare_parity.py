@@ -973,3 +973,134 @@ def test_final_scaling_by_the_op_gives_nvflares_bits(dtype, monkeypatch):
         assert got[k].dtype == want[k].dtype
         np.testing.assert_array_equal(got[k], want[k])
     assert sum(calls) == len(shapes) and len(calls) > 2
+
+
+# ---------------------------------------------------------------- held contributions
+
+
+def _torch_contributions(n, shapes, seed=0, dtypes=None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        dtype = dtypes[i] if dtypes else torch.float32
+        out.append({k: torch.randn(s, generator=g).to(dtype) for k, s in shapes.items()})
+    return out
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "1", None])
+def test_hold_bytes_is_checked(value):
+    for make_one in (lambda: fk.WeightedAggregationHelper(hold_bytes=value),
+                     lambda: Ours(hold_bytes=value),
+                     lambda: fk.WeightedModelAggregator(hold_bytes=value)):
+        with pytest.raises(ValueError, match="hold_bytes must be an int >= 0"):
+            make_one()
+
+
+def test_aggregators_hold_by_default_and_pass_it_to_their_helpers():
+    agg = make(Ours)
+    assert agg.hold_bytes == fk.AGGREGATOR_HOLD_BYTES > 0
+    assert {h.aggregation_helper.hold_bytes for h in agg.dxo_aggregators.values()} \
+        == {fk.AGGREGATOR_HOLD_BYTES}
+    assert make(Ours, hold_bytes=0).dxo_aggregators[""].aggregation_helper.hold_bytes == 0
+    assert fk.WeightedModelAggregator()._params_helper.hold_bytes == fk.AGGREGATOR_HOLD_BYTES
+    assert fk.WeightedAggregationHelper().hold_bytes == 0  # NVFlare's helper sums at once
+
+
+@pytest.mark.parametrize("hold_contributions", [0, 1, 2, 3, 100])
+def test_held_contributions_are_summed_together_with_nvflares_result(hold_contributions,
+                                                                     monkeypatch):
+    """Contributions wait until hold_bytes would be passed, then one pass of the op sums them;
+    the result is NVFlare's (to rounding) whatever the budget."""
+    shapes = {"a": (7, 5), "b": (33,), "c": (2, 3, 4)}
+    datas = _torch_contributions(10, shapes)
+    size = sum(t.numel() * t.element_size() for t in datas[0].values())
+    calls = []
+    real = fk.summation.weighted_sum_
+    monkeypatch.setattr(fk.summation, "weighted_sum_",
+                        lambda accs, xs, w, *a: (calls.append(w.numel()), real(accs, xs, w, *a)))
+    ours = fk.WeightedAggregationHelper(hold_bytes=hold_contributions * size)
+    theirs = flare_helper.WeightedAggregationHelper()
+    for i, d in enumerate(datas):
+        ours.add(d, 0.5 + i, f"site-{i}", 0)
+        theirs.add({k: v.clone() for k, v in d.items()}, 0.5 + i, f"site-{i}", 0)
+    got, want = ours.get_result(), theirs.get_result()
+    same_values(got, want, rtol=1e-5, atol=1e-6)
+    # the first contribution makes the sums; the other 9 go in batches of up to hold + 1
+    assert sum(calls) == 9
+    assert max(calls) == min(9, hold_contributions + 1)
+    assert len(calls) == -(-9 // min(9, hold_contributions + 1))
+
+
+def test_held_contributions_with_other_keys_or_dtypes_are_summed_apart():
+    """A contribution whose torch arrays differ (keys, dtypes) from those held sums the held
+    ones first; partial keys, half-precision and float64 arrays give NVFlare's result."""
+    shapes = {"a": (4, 3), "b": (5,), "c": (6,)}
+    dtypes = [torch.float32, torch.float32, torch.float16, torch.float64, torch.float32,
+              torch.bfloat16, torch.float32]
+    datas = _torch_contributions(7, shapes, seed=1, dtypes=dtypes)
+    del datas[4]["b"], datas[5]["c"]
+    ours = fk.WeightedAggregationHelper(hold_bytes=1 << 20)
+    theirs = flare_helper.WeightedAggregationHelper()
+    for i, d in enumerate(datas):
+        ours.add(d, 1.0 + i, f"site-{i}", 0)
+        theirs.add({k: v.float() for k, v in d.items()}, 1.0 + i, f"site-{i}", 0)
+    same_values(ours.get_result(), theirs.get_result(), rtol=2e-3, atol=2e-3)
+
+
+def test_reading_total_sums_the_held_contributions_in():
+    datas = _torch_contributions(4, {"w": (3, 2)}, seed=2)
+    helper = fk.WeightedAggregationHelper(hold_bytes=1 << 20)
+    for i, d in enumerate(datas):
+        helper.add(d, 2.0, f"site-{i}", 0)
+    torch.testing.assert_close(helper.total["w"], 2.0 * sum(d["w"] for d in datas))
+    assert helper.counts["w"] == 8.0
+    torch.testing.assert_close(helper.get_result()["w"], sum(d["w"] for d in datas) / 4)
+
+
+def test_a_held_tensor_changed_in_place_is_refused_not_summed():
+    """The held arrays are the caller's: one changed in place before it was summed would give
+    its new values, so the sum is refused, and stays refused (no silent result)."""
+    datas = _torch_contributions(3, {"w": (8,)}, seed=4)
+    helper = fk.WeightedAggregationHelper(hold_bytes=1 << 20)
+    for i, d in enumerate(datas):
+        helper.add(d, 1.0, f"site-{i}", 0)
+    datas[1]["w"].add_(1.0)
+    for _ in range(2):
+        with pytest.raises(fk.ContributionError,
+                           match=r"'site-1': a tensor of shape \(8,\) was changed in place"):
+            helper.get_result()
+    # with hold_bytes=0 each contribution is summed in add(), as NVFlare's helper does
+    helper = fk.WeightedAggregationHelper()
+    want = sum(d["w"] for d in datas) / 3
+    for i, d in enumerate(datas):
+        helper.add(d, 1.0, f"site-{i}", 0)
+        d["w"].zero_()
+    torch.testing.assert_close(helper.get_result()["w"], want)
+
+
+def test_inference_tensors_are_summed_at_once():
+    """Inference tensors keep no version counter, so they are not held."""
+    datas = _torch_contributions(3, {"w": (5,)}, seed=5)
+    helper = fk.WeightedAggregationHelper(hold_bytes=1 << 20)
+    helper.add(datas[0], 1.0, "site-0", 0)
+    with torch.inference_mode():
+        later = [{"w": d["w"].clone()} for d in datas[1:]]
+    for i, d in enumerate(later, start=1):
+        helper.add(d, 1.0, f"site-{i}", 0)
+    assert helper._held == []
+    torch.testing.assert_close(helper.get_result()["w"], sum(d["w"] for d in datas) / 3)
+
+
+def test_aggregate_fn_sums_every_result_in_one_pass(monkeypatch):
+    calls = []
+    real = fk.summation.weighted_sum_
+    monkeypatch.setattr(fk.summation, "weighted_sum_",
+                        lambda accs, xs, w, *a: (calls.append(w.numel()), real(accs, xs, w, *a)))
+    g = torch.Generator().manual_seed(6)
+    results = [FLModel(params={"w": torch.randn(4, 4, generator=g)}, current_round=0,
+                       meta={"NUM_STEPS_CURRENT_ROUND": 1 + i}) for i in range(5)]
+    got = fk.aggregate_fn(results).params["w"]
+    want = BaseFedAvg.aggregate_fn([FLModel(params={"w": r.params["w"].clone()}, current_round=0,
+                                            meta=dict(r.meta)) for r in results]).params["w"]
+    torch.testing.assert_close(got, want)
+    assert calls == [4]

@@ -11,10 +11,13 @@ a running weight, and divides at the end of the round:
 ``NUM_STEPS_CURRENT_ROUND`` of its result, default 1; the sums run over the contributions that
 carry key :math:`j`). With ``weigh_by_local_iter=False`` the numerator is :math:`\sum x_{k,j}`,
 the denominator unchanged. NVFlare computes this with one multiply and one add per array and
-contribution (``v * w`` then ``total + ...`` in NumPy); here each contribution is folded in as it
-arrives by one fused ``weighted_sum_`` pass over all of its arrays into fp32 accumulators
-(fp64 from where NumPy's running total turns float64, as with float64 arrays or
-``np.float64`` weights): O(model) memory whatever the number of clients.
+contribution (``v * w`` then ``total + ...`` in NumPy, ``add_`` in torch); here each NumPy
+contribution is folded in as it arrives by one fused ``weighted_sum_`` pass over all of its
+arrays into fp32 accumulators (fp64 from where NumPy's running total turns float64, as with
+float64 arrays or ``np.float64`` weights): one model of accumulators whatever the number of
+clients. Torch contributions may be held (``hold_bytes``, on by default in the aggregators) and
+summed several at a time, so that each pass reads and writes the running sums once for
+several contributions.
 
 Drop-ins (same names as NVFlare's, so a job config changes the module path only):
 
@@ -50,9 +53,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+import sys
 import threading
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -158,6 +162,60 @@ def _is_nd_array(v: Any) -> bool:
     return isinstance(v, np.ndarray) and v.ndim > 0
 
 
+def _check_hold_bytes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"hold_bytes must be an int >= 0 (bytes; 0 sums each contribution at "
+                         f"once), got {value!r}")
+    return value
+
+
+class _Plan(NamedTuple):
+    """What one ``add`` will do, decided before anything changes."""
+
+    fresh: dict  # device -> (keys, arrays): new keys, whose accumulator is step * x
+    fused: dict  # device -> (accumulators, arrays): summed now
+    held: dict  # device -> (accumulators, arrays): torch arrays that may be held back
+    new_arrays: dict  # key -> a new accumulator
+    new_types: dict  # key -> (kind, dtype)
+    new_values: dict  # key -> NVFlare's formula's new total
+    demoted: set  # keys leaving the op for NVFlare's formula
+    contributed: list
+    skipped: list
+    narrow: str | None  # a key with an fp32 accumulator (the weight must fit float32)
+
+
+class _HeldContribution:
+    """A contribution's torch arrays for keys with running sums, held to be summed later
+    (``hold_bytes``). ``versions``: the arrays' version counters when added, so that an array
+    changed in place since (the sum would take its new values) is refused, not summed."""
+
+    __slots__ = ("contributor", "arrays", "step", "nbytes", "signature", "versions",
+                 "versions_known")
+
+    def __init__(self, contributor: str, arrays: dict, step: float):
+        self.contributor, self.arrays, self.step = contributor, arrays, step
+        xs = [x for _, xs in arrays.values() for x in xs]
+        self.nbytes = sum(x.nbytes for x in xs)
+        self.signature = tuple(
+            (device, tuple(map(id, accs)), tuple(x.dtype for x in xs))
+            for device, (accs, xs) in arrays.items())
+        try:
+            self.versions = [x._version for x in xs]
+            self.versions_known = True
+        except RuntimeError:  # inference tensors keep no version counter: summed at once
+            self.versions, self.versions_known = [], False
+
+    def check_unchanged(self) -> None:
+        xs = [x for _, xs in self.arrays.values() for x in xs]
+        for x, version in zip(xs, self.versions):
+            if x._version != version:
+                raise ContributionError(
+                    f"contribution from {self.contributor!r}: a tensor of shape "
+                    f"{tuple(x.shape)} was changed in place after add(), before it was summed; "
+                    "the helper holds torch contributions back (hold_bytes) to sum several in "
+                    "one pass: do not change them until get_result(), or set hold_bytes=0")
+
+
 class WeightedAggregationHelper:
     r"""Streaming weighted mean per key, NVFlare's ``WeightedAggregationHelper`` on the fused op.
 
@@ -170,20 +228,49 @@ class WeightedAggregationHelper:
     and the weights; torch in, torch out on the same device). Integer and bool NumPy arrays
     take NVFlare's NumPy formula. Thread-safe like NVFlare's (one lock).
 
+    ``hold_bytes`` (default 0: each contribution is summed in :meth:`add`, as NVFlare does):
+    the torch arrays of later contributions, for keys that have running sums, are held (not
+    copied) until holding the next would pass ``hold_bytes`` bytes, then summed in one pass.
+    That reads and writes the running sums once per batch instead of once per contribution.
+    A held tensor changed in place before it is summed is refused (:class:`ContributionError`
+    from the call that sums it, and from :meth:`get_result`), not summed with its new values.
+
     Same public attributes as NVFlare's: ``lock``, ``exclude_vars`` (compiled regex or None),
-    ``weigh_by_local_iter``, ``total`` (key -> running sum), ``counts`` (key -> :math:`W_j`),
-    ``history``, ``key_contribution_counts``, ``skipped_keys``, ``last_aggregation_stats``.
+    ``weigh_by_local_iter``, ``total`` (key -> running sum; reading it sums the held
+    contributions in), ``counts`` (key -> :math:`W_j`), ``history``,
+    ``key_contribution_counts``, ``skipped_keys``, ``last_aggregation_stats``.
     """
 
-    def __init__(self, exclude_vars: str | None = None, weigh_by_local_iter: bool = True):
+    def __init__(self, exclude_vars: str | None = None, weigh_by_local_iter: bool = True, *,
+                 hold_bytes: int = 0):
+        self.hold_bytes = _check_hold_bytes(hold_bytes)
         self.lock = threading.Lock()
         self.exclude_vars = re.compile(exclude_vars) if exclude_vars else None
         self.weigh_by_local_iter = weigh_by_local_iter
         self.last_aggregation_stats = None
         self.reset_stats()
 
+    @property
+    def total(self) -> dict:
+        """key -> running weighted sum (contributions held back are summed in first)."""
+        with self.lock, torch.inference_mode(False), torch.no_grad():
+            self._sum_held()
+            return self._total
+
+    @total.setter
+    def total(self, value: dict) -> None:
+        with self.lock:
+            self._held = []
+            self._torch_layouts = {}
+            self._total = value
+
     def reset_stats(self) -> None:
-        self.total = {}
+        self._total = {}
+        # Torch contributions not yet summed into ``_total`` (``hold_bytes``), oldest first.
+        self._held: list[_HeldContribution] = []
+        # key -> (accumulator, dtype, shape, device) of the keys summed in torch, as seen by
+        # _plan_known_torch (a torch key keeps its accumulator until the reset).
+        self._torch_layouts: dict[str, tuple] = {}
         self.counts = {}
         self.history = []
         self.key_contribution_counts = {}
@@ -223,102 +310,29 @@ class WeightedAggregationHelper:
             if not math.isfinite(w):
                 raise ContributionError(f"{who}: weight is {w}; it must be finite")
 
-            # Plan everything first; state changes only after every check has passed.
-            fused: dict[torch.device, tuple[list, list]] = {}
-            fresh: dict[torch.device, tuple[list, list]] = {}
-            new_arrays: dict[str, torch.Tensor] = {}
-            new_types: dict[str, tuple[str, Any]] = {}
-            new_values: dict[str, Any] = {}
-            demoted: set[str] = set()
-            contributed, skipped = [], []
-            narrow = None
-            for k, v in data.items():
-                if self.exclude_vars is not None and self.exclude_vars.search(k):
-                    skipped.append(k)
-                    continue
-                contributed.append(k)
-                materialize = getattr(v, "materialize", None)
-                if callable(materialize):  # NVFlare's lazy references to tensors on disk
-                    v = materialize()
-                entry = _array_entry(v)
-                known = self._array_keys.get(k)
-                current = self.total.get(k)
-                if known is None:
-                    if current is not None:
-                        self._check_formula_key(who, k, v, entry, current)
-                    if entry is None or current is not None:
-                        new_values[k] = self._fallback_sum(current, v, weight)
-                        continue
-                    t = entry.tensor
-                    if entry.kind == "numpy":
-                        total_dtype = self._total_dtype(None, entry.dtype, weight)
-                        if total_dtype not in _NUMPY_FUSED:  # a long double weight
-                            new_values[k] = self._fallback_sum(None, v, weight)
-                            continue
-                        new_types[k] = ("numpy", total_dtype)
-                        if total_dtype == np.float64:  # also for float32 data with np.float64
-                            t = t.to(torch.float64)
-                    else:
-                        new_types[k] = ("torch", entry.dtype)
-                    if t.dtype in (torch.float32, torch.float64):
-                        # A new key: its accumulator is the op's output w·x (no zero fill).
-                        if narrow is None and t.dtype == torch.float32:
-                            narrow = k
-                        fresh_keys, fresh_xs = fresh.setdefault(t.device, ([], []))
-                        fresh_keys.append(k)
-                        fresh_xs.append(t)
-                        continue
-                    acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
-                    new_arrays[k] = acc
-                else:
-                    acc = current
-                    total_dtype = None
-                    if known[0] == "numpy" and entry is not None and entry.kind == "numpy":
-                        total_dtype = self._total_dtype(known[1], entry.dtype, weight)
-                    fusable = total_dtype is not None and total_dtype in _NUMPY_FUSED
-                    if known[0] == "numpy" and _is_nd_array(v) and not fusable \
-                            and tuple(v.shape) == tuple(acc.shape):
-                        # An integer array (or a long double weight) for a key summed so far by
-                        # the op: from here on NVFlare's formula, from the total in its dtype.
-                        numpy_total = acc.to(_torch_dtype(known[1])).numpy()
-                        new_values[k] = self._fallback_sum(numpy_total, v, weight)
-                        demoted.add(k)
-                        continue
-                    if entry is None:
-                        raise ContributionError(
-                            f"{who}, key {k!r}: got a {type(v).__name__}"
-                            + (f" of shape {tuple(np.shape(v))}" if hasattr(v, "shape") else "")
-                            + f"; earlier contributions sent a {known[0]} array of shape "
-                            f"{tuple(acc.shape)}")
-                    t = entry.tensor
-                    if entry.kind != known[0] or t.shape != acc.shape or t.device != acc.device:
-                        raise ContributionError(
-                            f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
-                            f"sent a {'NumPy array' if known[0] == 'numpy' else 'torch tensor'} "
-                            f"of shape {tuple(acc.shape)} on {acc.device}")
-                    if entry.kind == "numpy":
-                        new_types[k] = ("numpy", total_dtype)
-                        if total_dtype == np.float64 and acc.dtype != torch.float64:
-                            # NumPy's total turns float64 here (a float64 array or weight).
-                            acc = acc.to(torch.float64)
-                            new_arrays[k] = acc
-                if t.dtype != acc.dtype and not (acc.dtype == torch.float32 and t.dtype in _HALF):
-                    t = t.to(acc.dtype)
-                if acc.dtype == torch.float32 and narrow is None:
-                    narrow = k
-                accs, xs = fused.setdefault(t.device, ([], []))
-                accs.append(acc)
-                xs.append(t)
+            plan = self._plan_known_torch(data) or self._plan(data, weight, who)
+            (fresh, fused, held, new_arrays, new_types, new_values, demoted, contributed, skipped,
+             narrow) = plan
             step = w if self.weigh_by_local_iter else 1.0
             if narrow is not None and abs(step) > FLOAT32_MAX:
                 raise ContributionError(
                     f"{who}: weight {step:.4g} is beyond the float32 range of the accumulator "
                     f"of key {narrow!r}")
 
+            holding = None
+            if held:
+                holding = _HeldContribution(contributor_name, held, step)
+                if not holding.versions_known or holding.nbytes > self.hold_bytes:
+                    holding = None  # summed now, with the other arrays
+                    for device, (accs, xs) in held.items():
+                        fused_accs, fused_xs = fused.setdefault(device, ([], []))
+                        fused_accs += accs
+                        fused_xs += xs
+
             # One fused pass per device over the new keys (acc = step·x) and one over the
             # arrays of keys seen before (acc += step·x). The new keys first: their pass writes
             # only new tensors, so if it fails no running sum has been changed.
-            weights = torch.tensor([step], dtype=torch.float64, device="cpu")
+            weights = torch.tensor([step], dtype=torch.float64) if fresh or fused else None
             with torch.no_grad():
                 for keys, xs in fresh.values():
                     new_arrays.update(zip(keys, summation.weighted_sum(xs, weights)))
@@ -328,9 +342,9 @@ class WeightedAggregationHelper:
             for k in contributed:
                 self.key_contribution_counts[k] = self.key_contribution_counts.get(k, 0) + 1
                 if k in new_arrays:
-                    self.total[k] = new_arrays[k]
+                    self._total[k] = new_arrays[k]
                 elif k in new_values:
-                    self.total[k] = new_values[k]
+                    self._total[k] = new_values[k]
                 if k in new_types:
                     self._array_keys[k] = new_types[k]
                 elif k in demoted:
@@ -340,6 +354,154 @@ class WeightedAggregationHelper:
             self.history.append(
                 {"contributor_name": contributor_name, "round": contribution_round, "weight": weight}
             )
+            if holding is not None:  # last: it is counted whatever summing held ones raises
+                with torch.no_grad():
+                    self._hold(holding)
+
+    def _plan(self, data: dict, weight, who: str) -> _Plan:
+        """What ``add`` does with each value of ``data``, checked against the earlier
+        contributions; nothing is changed yet."""
+        fused: dict[torch.device, tuple[list, list]] = {}
+        held: dict[torch.device, tuple[list, list]] = {}  # torch arrays of known keys
+        fresh: dict[torch.device, tuple[list, list]] = {}
+        new_arrays: dict[str, torch.Tensor] = {}
+        new_types: dict[str, tuple[str, Any]] = {}
+        new_values: dict[str, Any] = {}
+        demoted: set[str] = set()
+        contributed, skipped = [], []
+        narrow = None
+        for k, v in data.items():
+            if self.exclude_vars is not None and self.exclude_vars.search(k):
+                skipped.append(k)
+                continue
+            contributed.append(k)
+            materialize = getattr(v, "materialize", None)
+            if callable(materialize):  # NVFlare's lazy references to tensors on disk
+                v = materialize()
+            entry = _array_entry(v)
+            known = self._array_keys.get(k)
+            current = self._total.get(k)
+            if known is None:
+                if current is not None:
+                    self._check_formula_key(who, k, v, entry, current)
+                if entry is None or current is not None:
+                    new_values[k] = self._fallback_sum(current, v, weight)
+                    continue
+                t = entry.tensor
+                if entry.kind == "numpy":
+                    total_dtype = self._total_dtype(None, entry.dtype, weight)
+                    if total_dtype not in _NUMPY_FUSED:  # a long double weight
+                        new_values[k] = self._fallback_sum(None, v, weight)
+                        continue
+                    new_types[k] = ("numpy", total_dtype)
+                    if total_dtype == np.float64:  # also for float32 data with np.float64
+                        t = t.to(torch.float64)
+                else:
+                    new_types[k] = ("torch", entry.dtype)
+                if t.dtype in (torch.float32, torch.float64):
+                    # A new key: its accumulator is the op's output w·x (no zero fill).
+                    if narrow is None and t.dtype == torch.float32:
+                        narrow = k
+                    fresh_keys, fresh_xs = fresh.setdefault(t.device, ([], []))
+                    fresh_keys.append(k)
+                    fresh_xs.append(t)
+                    continue
+                acc = torch.zeros(t.shape, dtype=torch.float32, device=t.device)
+                new_arrays[k] = acc
+            else:
+                acc = current
+                total_dtype = None
+                if known[0] == "numpy" and entry is not None and entry.kind == "numpy":
+                    total_dtype = self._total_dtype(known[1], entry.dtype, weight)
+                fusable = total_dtype is not None and total_dtype in _NUMPY_FUSED
+                if known[0] == "numpy" and _is_nd_array(v) and not fusable \
+                        and tuple(v.shape) == tuple(acc.shape):
+                    # An integer array (or a long double weight) for a key summed so far by
+                    # the op: from here on NVFlare's formula, from the total in its dtype.
+                    numpy_total = acc.to(_torch_dtype(known[1])).numpy()
+                    new_values[k] = self._fallback_sum(numpy_total, v, weight)
+                    demoted.add(k)
+                    continue
+                if entry is None:
+                    raise ContributionError(
+                        f"{who}, key {k!r}: got a {type(v).__name__}"
+                        + (f" of shape {tuple(np.shape(v))}" if hasattr(v, "shape") else "")
+                        + f"; earlier contributions sent a {known[0]} array of shape "
+                        f"{tuple(acc.shape)}")
+                t = entry.tensor
+                if entry.kind != known[0] or t.shape != acc.shape or t.device != acc.device:
+                    raise ContributionError(
+                        f"{who}, key {k!r}: got a {_describe(entry)}; earlier contributions "
+                        f"sent a {'NumPy array' if known[0] == 'numpy' else 'torch tensor'} "
+                        f"of shape {tuple(acc.shape)} on {acc.device}")
+                if entry.kind == "numpy":
+                    new_types[k] = ("numpy", total_dtype)
+                    if total_dtype == np.float64 and acc.dtype != torch.float64:
+                        # NumPy's total turns float64 here (a float64 array or weight).
+                        acc = acc.to(torch.float64)
+                        new_arrays[k] = acc
+            if t.dtype != acc.dtype and not (acc.dtype == torch.float32 and t.dtype in _HALF):
+                t = t.to(acc.dtype)
+            if acc.dtype == torch.float32 and narrow is None:
+                narrow = k
+            accs, xs = (held if known is not None and known[0] == "torch" and k not in
+                        new_arrays else fused).setdefault(t.device, ([], []))
+            accs.append(acc)
+            xs.append(t)
+        return _Plan(fresh, fused, held, new_arrays, new_types, new_values, demoted, contributed,
+                     skipped, narrow)
+
+    def _plan_known_torch(self, data: dict) -> _Plan | None:
+        """The plan of a contribution that sends, for keys all summed so far in torch, tensors
+        of their accumulators' dtypes, shapes and devices (every contribution after the first
+        in a PyTorch job), without the general checks' per-key cost; None otherwise."""
+        if self.exclude_vars is not None or not data:
+            return None
+        layouts = self._torch_layouts
+        arrays: dict[torch.device, tuple[list, list]] = {}
+        narrow = None
+        for k, v in data.items():
+            layout = layouts.get(k)
+            if layout is None:
+                acc = self._total.get(k)
+                if acc is None or self._array_keys.get(k, ("",))[0] != "torch":
+                    return None
+                layout = layouts[k] = (acc, acc.dtype, acc.shape, acc.device)
+            acc, dtype, shape, device = layout
+            if type(v) is not torch.Tensor or v.dtype != dtype or v.shape != shape \
+                    or v.device != device or v.layout != torch.strided:
+                return None
+            if narrow is None and dtype == torch.float32:
+                narrow = k
+            accs, xs = arrays.setdefault(device, ([], []))
+            accs.append(acc)
+            xs.append(v)  # read under no_grad: no detach needed
+        fused, held = ({}, arrays) if self.hold_bytes else (arrays, {})
+        return _Plan({}, fused, held, {}, {}, {}, set(), list(data), [], narrow)
+
+    def _hold(self, contribution: _HeldContribution) -> None:
+        """Holds a contribution's torch arrays back to sum several in one pass of the op, which
+        reads each running sum once per batch instead of once per contribution; sums now what
+        cannot wait (the held bytes would pass ``hold_bytes``, or the arrays differ in keys or
+        dtypes from those held)."""
+        if self._held and self._held[0].signature != contribution.signature:
+            self._sum_held()
+        self._held.append(contribution)
+        if sum(c.nbytes for c in self._held) > self.hold_bytes:
+            self._sum_held()
+
+    def _sum_held(self) -> None:
+        """Adds the held contributions into the running sums, one fused pass per device. The
+        caller holds the lock."""
+        if not self._held:
+            return
+        for c in self._held:  # kept held if this raises: get_result() refuses too
+            c.check_unchanged()
+        held, self._held = self._held, []
+        weights = torch.tensor([c.step for c in held], dtype=torch.float64, device="cpu")
+        for device, (accs, _) in held[0].arrays.items():
+            xs = [x for c in held for x in c.arrays[device][1]]
+            summation.weighted_sum_(accs, xs, weights, 1.0, False)
 
     @staticmethod
     def _check_formula_key(who: str, k: str, v: Any, entry: _ArrayEntry | None, current) -> None:
@@ -387,8 +549,10 @@ class WeightedAggregationHelper:
         tensors divide in place as in NVFlare, giving NaN/Inf for a zero sum.
         """
         with self.lock:
+            with torch.inference_mode(False), torch.no_grad():
+                self._sum_held()
             reciprocals = {}
-            for k, v in self.total.items():
+            for k, v in self._total.items():
                 known = self._array_keys.get(k)
                 torch_value = known[0] == "torch" if known else self._is_pytorch_tensor(v)
                 if torch_value:
@@ -402,7 +566,7 @@ class WeightedAggregationHelper:
                         "divides by that sum (1.0 / sum in NVFlare)") from None
             result = {}
             scaled = self._scaled_by_the_op(reciprocals)
-            for k, v in self.total.items():
+            for k, v in self._total.items():
                 if k in scaled:
                     result[k] = scaled[k]
                     continue
@@ -438,7 +602,7 @@ class WeightedAggregationHelper:
         peak stays one model): PyTorch's per-tensor ``mul_`` is one parallel region per tensor,
         which a busy machine's other work slows many times over."""
         groups: dict[tuple, list[str]] = {}
-        for k, v in self.total.items():
+        for k, v in self._total.items():
             known = self._array_keys.get(k)
             if known is None or known[0] != "numpy" or k not in reciprocals:
                 continue
@@ -454,20 +618,20 @@ class WeightedAggregationHelper:
             batch, batch_bytes = [], 0
             for i, k in enumerate(keys):
                 batch.append(k)
-                batch_bytes += self.total[k].numel() * self.total[k].element_size()
+                batch_bytes += self._total[k].numel() * self._total[k].element_size()
                 if batch_bytes < _SCALE_BATCH_BYTES and i + 1 < len(keys):
                     continue
                 with torch.no_grad():
-                    results = summation.weighted_sum([self.total[b] for b in batch], weight)
+                    results = summation.weighted_sum([self._total[b] for b in batch], weight)
                 for b, r in zip(batch, results):
                     out[b] = r.numpy()
-                    self.total[b] = r  # the accumulator goes now
+                    self._total[b] = r  # the accumulator goes now
                 batch, batch_bytes = [], 0
         return out
 
     def _compute_aggregation_stats(self) -> dict:
         n = len(self.history)
-        aggregated = len(self.total)
+        aggregated = len(self._total)
         full = sum(1 for c in self.key_contribution_counts.values() if c == n) if n else 0
         return {
             AggregationStatsKey.ACCEPTED_CONTRIBUTIONS: n,
@@ -491,6 +655,10 @@ class WeightedAggregationHelper:
         return len(self.get_history())
 
 
+# The aggregators' default ``hold_bytes``: the torch arrays of up to this many bytes of
+# contributions wait to be summed together (reading each running sum once per batch).
+AGGREGATOR_HOLD_BYTES = 256 << 20
+
 # How many bytes of accumulators one call of the final scaling takes.
 _SCALE_BATCH_BYTES = 8 << 20
 
@@ -509,6 +677,8 @@ class InTimeAccumulateWeightedAggregator(_FlareInTimeAggregator):
     ``weigh_by_local_iter``) and the same behaviour, which is NVFlare's own code: this class only
     replaces the :class:`WeightedAggregationHelper` of each per-DXO aggregator when NVFlare
     builds them (at ``START_RUN``, or when ``_initialize`` is called as NVFlare's tests do).
+    ``hold_bytes`` (keyword, default :data:`AGGREGATOR_HOLD_BYTES`) goes to those helpers:
+    torch contributions are summed several at a time; 0 sums each on arrival.
     One addition: a contribution refused by the helper (:class:`ContributionError`: another
     shape, device or kind than earlier contributions for a key, or a non-finite weight) is
     logged as an error naming the contributor and key, and :meth:`accept` returns False.
@@ -533,12 +703,16 @@ class InTimeAccumulateWeightedAggregator(_FlareInTimeAggregator):
             value = logging.getLogger(_FLARE_INTIME_LOGGER)
         self._logger = value
 
+    def __init__(self, *args, hold_bytes: int = AGGREGATOR_HOLD_BYTES, **kwargs):
+        self.hold_bytes = _check_hold_bytes(hold_bytes)
+        super().__init__(*args, **kwargs)
+
     def _initialize(self, aggregation_weights, exclude_vars, expected_data_kind):
         super()._initialize(aggregation_weights, exclude_vars, expected_data_kind)
         for key, dxo_aggregator in self.dxo_aggregators.items():
             dxo_aggregator.aggregation_helper = WeightedAggregationHelper(
-                exclude_vars=self.exclude_vars[key], weigh_by_local_iter=self._weigh_by_local_iter
-            )
+                exclude_vars=self.exclude_vars[key], weigh_by_local_iter=self._weigh_by_local_iter,
+                hold_bytes=self.hold_bytes)
 
     def accept(self, shareable: Shareable, fl_ctx: FLContext) -> bool:
         try:
@@ -581,13 +755,16 @@ class WeightedModelAggregator(ModelAggregator):
     controller does). The aggregated ``FLModel`` has the controller's params, params type,
     metrics, round and meta (``nr_aggregated``, ``current_round``, metrics aggregation info);
     the round's key-match stats go to ``AppConstants.AGGREGATION_STATS`` of the aggregator's
-    ``FLContext``. Thread-safe: :meth:`accept_model`, :meth:`aggregate_model` and
-    :meth:`reset_stats` hold one lock.
+    ``FLContext``. ``hold_bytes``: as for :class:`InTimeAccumulateWeightedAggregator`.
+    Thread-safe: :meth:`accept_model`, :meth:`aggregate_model` and :meth:`reset_stats` hold
+    one lock.
     """
 
     def __init__(self, exclude_vars: str | None = None,
-                 aggregation_weights: dict[str, float] | None = None):
+                 aggregation_weights: dict[str, float] | None = None, *,
+                 hold_bytes: int = AGGREGATOR_HOLD_BYTES):
         super().__init__()
+        self.hold_bytes = _check_hold_bytes(hold_bytes)
         if exclude_vars is not None and not isinstance(exclude_vars, str):
             raise TypeError(f"WeightedModelAggregator: exclude_vars must be a regex string or "
                             f"None, got {type(exclude_vars).__name__}")
@@ -608,7 +785,8 @@ class WeightedModelAggregator(ModelAggregator):
             self._reset_stats()
 
     def _reset_stats(self) -> None:
-        self._params_helper = WeightedAggregationHelper(exclude_vars=self.exclude_vars)
+        self._params_helper = WeightedAggregationHelper(exclude_vars=self.exclude_vars,
+                                                        hold_bytes=self.hold_bytes)
         self._metrics_helper = WeightedAggregationHelper()
         self._all_metrics = True
         self._params_type = None
@@ -686,7 +864,8 @@ def aggregate_fn(results: list[FLModel]) -> FLModel:
     metrics are None when any result has none."""
     if not results:
         raise ValueError("received empty results for aggregation.")
-    params = WeightedAggregationHelper()
+    # Every result is in memory already: all of them are summed in one pass.
+    params = WeightedAggregationHelper(hold_bytes=sys.maxsize)
     for r in results:
         params.add(r.params, _num_steps_weight(r), _client_name(r), r.current_round)
     metrics = WeightedAggregationHelper()
