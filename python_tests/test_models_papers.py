@@ -331,11 +331,44 @@ def test_vmap_path_trains_the_lstm_on_tokens():
     x = torch.randint(0, 9, (21, 6), generator=gen)
     y = torch.randint(0, 9, (21,), generator=gen)
     client = ClientConfig(steps=2, batch_size=4, lr=0.1)
-    with pytest.warns(UserWarning, match="batching rule"):  # PyTorch loops over the clients
+    # aten::lstm has no batching rule: the trainer leaves its autograd pass for
+    # torch.func.grad, under which PyTorch loops over the clients
+    with pytest.warns(UserWarning, match="batching rule"):
         batched, sequential = vmap_and_sequential(model, x, y, client)
     for b, s in zip(batched, sequential):
         for key, value in s.state.items():
             torch.testing.assert_close(b.state[key], value, rtol=1e-4, atol=1e-5)
+
+
+def test_vmap_path_takes_one_autograd_pass_unless_an_op_has_no_batching_rule():
+    """Gradients come from one autograd pass over the vmapped losses; a model with an op that
+    has no batching rule (the LSTM) moves to torch.func.grad at its first step, with the same
+    result as a trainer that starts there."""
+    x, y = image_rows(21, (30,), 4)
+    mlp = build_model(ModelConfig(name="twonn"), 30, 4, None, seed=0)
+    client = ClientConfig(steps=2, batch_size=4, lr=0.05)
+    clients = client_data(x, y, [7, 5, 9])
+    state = {k: v.clone() for k, v in mlp.state_dict().items()}
+    trainer = BatchedTrainer(mlp, client, FedAvg(), seed=3)
+    trainer.train(state, clients, 2, [0, 1, 2])
+    assert trainer.autograd_batches
+
+    torch.manual_seed(0)
+    lstm = CharLSTM(vocab_size=9, num_classes=9, embedding_dim=4, hidden=8)
+    gen = torch.Generator().manual_seed(0)
+    tokens = client_data(torch.randint(0, 9, (21, 6), generator=gen),
+                         torch.randint(0, 9, (21,), generator=gen), [7, 5, 9])
+    state = {k: v.clone() for k, v in lstm.state_dict().items()}
+    runs = []
+    for start_with_autograd in (True, False):
+        trainer = BatchedTrainer(lstm, client, FedAvg(), seed=3)
+        trainer.autograd_batches = start_with_autograd
+        with pytest.warns(UserWarning, match="batching rule"):
+            runs.append(trainer.train(state, tokens, 2, [0, 1, 2]))
+        assert not trainer.autograd_batches
+    for a, b in zip(*runs):
+        for key in a.state:
+            assert torch.equal(a.state[key], b.state[key])
 
 
 def test_vmap_path_with_dropout_and_augmentation_runs_and_repeats():

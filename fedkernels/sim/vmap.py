@@ -1,8 +1,9 @@
 r"""Training all of a round's clients at once with ``torch.func``.
 
 The K participants' parameters are stacked into ``[K, ...]`` tensors and every local step runs
-``vmap(grad(loss))`` over them: one batched forward and backward instead of K small ones, which
-is where the time of CPU simulations with small models goes.
+the clients' losses with ``vmap`` and one autograd pass over their sum (``vmap(grad(loss))``
+for models with an op that has no batching rule): one batched forward and backward instead of
+K small ones, which is where the time of CPU simulations with small models goes.
 
 Clients whose minibatch plans differ (different data sizes) are padded: step s of client k
 uses the rows of its own plan (the same :func:`~fedkernels.sim.client.batch_plan` the
@@ -110,6 +111,9 @@ class BatchedTrainer:
         self.strategy = strategy
         self.seed = seed
         self.parameter_names = [n for n, _ in self.model.named_parameters()]
+        # Gradients by one autograd pass over the vmapped losses, until an op without a
+        # batching rule makes torch.func.grad necessary (see train).
+        self.autograd_batches = True
         self.augment = build_augmentation(
             config.augment, image_shape or getattr(model, "image_shape", None)
         )
@@ -143,12 +147,43 @@ class BatchedTrainer:
 
         def losses(p: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
             logits = functional_call(model, (p, buffers), (x,))
-            data = (F.cross_entropy(logits, y, reduction="none") * m).sum() / m.sum().clamp_min(1.0)
+            # cross_entropy(reduction="none") as its parts: under vmap the fused op runs a
+            # decomposition whose first call imports sympy (about 0.4 s); the values are equal.
+            nll = -F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+            data = (nll * m).sum() / m.sum().clamp_min(1.0)
             objective = strategy.transform_local_loss(data)
             penalty = strategy.local_penalty(p, global_params)
             return (objective if penalty is None else objective + penalty), data
 
-        step = vmap(grad_and_value(losses, has_aux=True), randomness="different")
+        batched_losses = vmap(losses, randomness="different")
+        per_client_grads = vmap(grad_and_value(losses, has_aux=True), randomness="different")
+
+        def autograd_step(p: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor):
+            # The clients' losses are independent, so the gradient of their sum with respect to
+            # the stacked parameters is every client's own gradient: one plain autograd pass
+            # instead of torch.func.grad, whose first call imports torch._dynamo (about 1 s).
+            leaves = [p[n].detach().requires_grad_() for n in names]
+            with torch.enable_grad():
+                objective, data = batched_losses(dict(zip(names, leaves)), x, y, m)
+                found = torch.autograd.grad(objective.sum(), leaves, allow_unused=True)
+            return {n: torch.zeros_like(leaf) if g is None else g
+                    for n, leaf, g in zip(names, leaves, found)}, data.detach()
+
+        def step(p: dict[str, Tensor], x: Tensor, y: Tensor, m: Tensor):
+            if self.autograd_batches:
+                rng = _rng_state(self.device)
+                try:
+                    return autograd_step(p, x, y, m)
+                except RuntimeError as err:
+                    # An op without a batching rule (the LSTM's): vmap cannot loop over the
+                    # clients for it while autograd records, torch.func.grad can.
+                    if "Batching rule not implemented" not in str(err):
+                        raise
+                    _set_rng_state(self.device, rng)
+                    self.autograd_batches = False
+            grads, (_, data) = per_client_grads(p, x, y, m)
+            return grads, data
+
         lr = local_lr(config, round_index)
         rows = torch.arange(k_count, device=self.device).unsqueeze(1)
         momentum: dict[str, Tensor] = {}
@@ -160,7 +195,7 @@ class BatchedTrainer:
                 x = x_all[rows, index[s]]
                 if self.augment is not None:  # padding rows too: the mask drops them anyway
                     x = self.augment(x.flatten(0, 1)).view_as(x)
-                grads, (_, data_loss) = step(params, x, y_all[rows, index[s]], mask[s])
+                grads, data_loss = step(params, x, y_all[rows, index[s]], mask[s])
                 on = active[s]
                 for n in names:
                     p, g = params[n], grads[n]
@@ -182,6 +217,17 @@ class BatchedTrainer:
             )
             for k in range(k_count)
         ]
+
+
+def _rng_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.default_generator.get_state(), cuda
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    torch.default_generator.set_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def _where(on: Tensor, new: Tensor, old: Tensor) -> Tensor:
