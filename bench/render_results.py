@@ -281,7 +281,7 @@ def simulation_block(root: Path, name: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v)
     loads = [env["load_average_before"][0], env["load_average_after"][0]]
     loads += [x for r in data["rows"] for x in r.get("load_average", [])]
-    line = (f"*{env['cpu_count']} CPUs shared with other jobs (1-minute load average "
+    line = (f"*{env['cpu_count']} CPUs (1-minute load average "
             f"{min(loads):.1f} to {max(loads):.1f} at the cells' starts and ends), "
             f"{env['threads']} thread{'s' if env['threads'] != 1 else ''} a run, "
             f"{versions}, {env['date'][:10]}; {task['rounds']} rounds, medians of "
@@ -648,6 +648,9 @@ def headline_block(root: Path) -> str:
                  weighting="fedgo")
     superfed = section(root, INTEL, "superfed")["models"]["resnet18"]["median_ms"]
     vmap = section(root, INTEL, "vmap")["rows"]["5 epochs, batch 10"]
+    sim = _one(load(root, "simulation-cpu-amd-epyc-avx512.json")["rows"], model="mlp",
+               per_round=100, epochs=1)["methods"]
+    sim_cpu = {m: sim[m]["round_cpu_s"] for m in ("vmap", "flower", "pfl")}
     rows = [
         ["`aggregate`: 10 ResNet-18-sized clients, fp32, into a preallocated model",
          f"{fused_out['pct_read_probe']:.0f} % of the read probe; the per-tensor loop takes "
@@ -678,6 +681,10 @@ def headline_block(root: Path) -> str:
         ["`--vmap`: one round of 100 clients, 5 local epochs",
          f"{ratio(vmap['speedup'])}× faster than training them one by one", "2-core Xeon",
          f"[simulation]({page}simulation.md)"],
+        ["`fedkernels run --vmap`: an FL round of 100 MNIST-1D clients (MLP, 1 epoch)",
+         f"{ratio(sim_cpu['flower'] / sim_cpu['vmap'])}× less CPU than Flower's simulation "
+         f"engine, {ratio(sim_cpu['pfl'] / sim_cpu['vmap'])}× less than pfl-research",
+         "EPYC, one thread", f"[simulation]({page}simulation.md)"],
     ]
     return table(["what", "measured", "machine", "page"], rows)
 
@@ -709,8 +716,6 @@ BLOCKS: dict[str, Callable[[Path], str]] = {
     "personalized-eval/intel-xeon-avx512": lambda r: personalized_eval_block(r, INTEL),
     "simulation/amd-epyc-avx512": lambda r: simulation_block(
         r, "simulation-cpu-amd-epyc-avx512.json"),
-    "simulation-sequential/amd-epyc-avx512": lambda r: simulation_block(
-        r, "simulation-sequential-cpu-amd-epyc-avx512.json"),
     "pseudo-labels/intel-xeon-avx512": lambda r: pseudo_labels_block(r, INTEL),
     "pseudo-labels/amd-epyc-avx512": lambda r: pseudo_labels_block(r, ZEN4),
     "distill-kl/intel-xeon-avx512": lambda r: distill_kl_block(r, INTEL),
