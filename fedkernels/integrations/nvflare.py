@@ -332,7 +332,7 @@ class WeightedAggregationHelper:
             # One fused pass per device over the new keys (acc = step·x) and one over the
             # arrays of keys seen before (acc += step·x). The new keys first: their pass writes
             # only new tensors, so if it fails no running sum has been changed.
-            weights = torch.tensor([step], dtype=torch.float64) if fresh or fused else None
+            weights = torch.tensor([step], dtype=torch.float64, device="cpu") if fresh or fused else None
             with torch.no_grad():
                 for keys, xs in fresh.values():
                     new_arrays.update(zip(keys, summation.weighted_sum(xs, weights)))

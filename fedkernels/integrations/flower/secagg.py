@@ -169,7 +169,7 @@ def _masked_vector(state: SecAggPlusState, configs: ConfigRecord, num_examples: 
             "clipped", num_examples, state.max_weight)
     w = round(ratio * scale) / scale
     tensors = [torch.from_numpy(np.asarray(a, dtype=np.float64) * w) for a in arrays]
-    tensors.append(torch.tensor([w], dtype=torch.float64))
+    tensors.append(torch.tensor([w], dtype=torch.float64, device="cpu"))
     peers = {nid: state.public_keys_dict[nid][0] for nid in srcs}
     seeds, signs = sk.client_masks(state.nid, state.sk1, peers, state.rd_seed)
     masked = secagg_mask(tensors, clip=state.clipping_range, scale=scale, seeds=seeds,

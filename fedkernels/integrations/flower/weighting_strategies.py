@@ -274,7 +274,7 @@ class _NodeIndex:
             self.index.setdefault(int(node), len(self.index))
 
     def __call__(self, node_ids: Iterable[int]) -> Tensor:
-        return torch.tensor([self.index[int(n)] for n in node_ids], dtype=torch.int64)
+        return torch.tensor([self.index[int(n)] for n in node_ids], dtype=torch.int64, device="cpu")
 
     def __len__(self) -> int:
         return len(self.index)
