@@ -36,7 +36,7 @@ from fedkernels.sim.models import (
     build_model,
 )
 from fedkernels.sim.strategy import SetupInfo
-from fedkernels.sim.vmap import BatchedTrainer
+from fedkernels.sim.vmap import BatchedTrainer, conv1d_as_matmul, convs_as_matmuls
 
 # more than about a second to build and differentiate on a busy 2-core machine
 LARGE = {"resnet18", "vgg11", "superfed_resnet9", "fedevg_resnet10", "superfed_mobilenet",
@@ -322,6 +322,55 @@ def test_vmap_path_equals_sequential(name, shape, options):
         for key, value in s.state.items():
             torch.testing.assert_close(b.state[key], value, rtol=1e-4, atol=1e-5)
         assert b.train_loss == pytest.approx(s.train_loss, rel=1e-4)
+
+
+@pytest.mark.parametrize("channels, out_channels, length, width, stride, padding, bias", [
+    (1, 25, 40, 5, 2, 1, True), (25, 25, 19, 3, 2, 1, True), (3, 4, 7, 7, 1, 0, False),
+    (2, 3, 9, 3, 3, 4, True), (4, 2, 5, 1, 1, 0, True), (2, 2, 3, 5, 1, 1, True)])
+def test_conv1d_as_matmul_equals_conv1d_in_values_and_gradients(
+        channels, out_channels, length, width, stride, padding, bias):
+    gen = torch.Generator().manual_seed(length * width)
+    clients, batch = 3, 5
+    x = torch.randn(clients, batch, channels, length, generator=gen)
+    w = torch.randn(clients, out_channels, channels, width, generator=gen)
+    b = torch.randn(clients, out_channels, generator=gen) if bias else None
+
+    def per_client(conv):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+        args = (*leaves, None) if b is None else leaves
+        out = torch.func.vmap(lambda xi, wi, bi=None: conv(xi, wi, bi, stride, padding))(
+            *[a for a in args if a is not None])
+        grads = torch.autograd.grad((out * out.detach().sin()).sum(), leaves)
+        return out, grads
+
+    reference = per_client(torch.nn.functional.conv1d)
+    batched = per_client(conv1d_as_matmul)
+    torch.testing.assert_close(batched[0], reference[0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(batched[1], reference[1]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_batched_trainer_runs_the_mnist1d_cnn_convs_as_matmuls_and_only_plain_convs():
+    model = build_model(ModelConfig(name="mnist1d_cnn"), 40, 10, None, seed=0)
+    trainer = BatchedTrainer(model, ClientConfig(steps=1, batch_size=4), FedAvg(), seed=0)
+    assert all(type(m).__name__ == "_MatmulConv1d"
+               for m in trainer.model.modules() if isinstance(m, nn.Conv1d))
+    assert all(type(m) is nn.Conv1d for m in model.modules() if isinstance(m, nn.Conv1d))
+    assert list(trainer.model.state_dict()) == list(model.state_dict())
+
+    odd = nn.Sequential(nn.Conv1d(2, 4, 3, groups=2), nn.Conv1d(4, 4, 3, dilation=2),
+                        nn.Conv1d(4, 4, 3, padding="same"),
+                        nn.Conv1d(4, 4, 3, padding=1, padding_mode="reflect"),
+                        nn.Conv1d(4, 4, 3, padding=1))
+    convs_as_matmuls(odd)
+    assert [type(m).__name__ for m in odd] == ["Conv1d"] * 4 + ["_MatmulConv1d"]
+    # unbatched input and too-short signals take (and fail in) PyTorch's own path
+    x = torch.randn(4, 6)
+    torch.testing.assert_close(odd[4](x), nn.functional.conv1d(x, odd[4].weight, odd[4].bias,
+                                                               padding=1))
+    with pytest.raises(RuntimeError, match="Kernel size"):
+        convs_as_matmuls(short := nn.Sequential(nn.Conv1d(1, 1, 5)))
+        short(torch.randn(2, 1, 3))
 
 
 def test_vmap_path_trains_the_lstm_on_tokens():

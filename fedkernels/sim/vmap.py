@@ -107,6 +107,8 @@ class BatchedTrainer:
         check_batchable(model)
         self.model = copy.deepcopy(model)
         self.device = model_device(self.model)
+        if getattr(model, "stacked_conv_as_matmul", False) and self.device.type == "cpu":
+            convs_as_matmuls(self.model)
         self.config = config
         self.strategy = strategy
         self.seed = seed
@@ -217,6 +219,47 @@ class BatchedTrainer:
             )
             for k in range(k_count)
         ]
+
+
+def conv1d_as_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int,
+                     padding: int) -> Tensor:
+    """``F.conv1d(x, weight, bias, stride, padding)`` for ``x`` of ``[B, C_in, L]`` as one
+    matrix product over the input's taps (equal up to float rounding). Under ``vmap`` over
+    clients it becomes a batched matrix product, where ``F.conv1d`` becomes a grouped
+    convolution."""
+    batch, channels, _ = x.shape
+    out_channels, _, width = weight.shape
+    padded = F.pad(x, (padding, padding)).transpose(0, 1)  # [C_in, B, L + 2 padding]
+    length = (padded.shape[-1] - width) // stride + 1
+    span = stride * (length - 1) + 1
+    # [C_in, width, B, L_out]: tap j of output position l reads input position stride·l + j
+    taps = torch.stack([padded[..., j: j + span: stride] for j in range(width)], dim=1)
+    out = torch.matmul(weight.reshape(out_channels, channels * width),
+                       taps.reshape(channels * width, batch * length))
+    out = out.view(out_channels, batch, length)
+    if bias is not None:
+        out = out + bias[:, None, None]
+    return out.permute(1, 0, 2)
+
+
+class _MatmulConv1d(nn.Conv1d):
+    """``nn.Conv1d`` whose batched 3-D forward is :func:`conv1d_as_matmul`."""
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out_length = (input.shape[-1] + 2 * self.padding[0] - self.kernel_size[0]) \
+            // self.stride[0] + 1
+        if input.dim() != 3 or out_length < 1:
+            return super()._conv_forward(input, weight, bias)
+        return conv1d_as_matmul(input, weight, bias, self.stride[0], self.padding[0])
+
+
+def convs_as_matmuls(model: nn.Module) -> None:
+    """Runs the plain ``nn.Conv1d`` layers of ``model`` (no groups, dilation or padding
+    other than zeros) as :func:`conv1d_as_matmul`, in place; parameters and names stay."""
+    for module in model.modules():
+        if (type(module) is nn.Conv1d and module.groups == 1 and module.dilation == (1,)
+                and module.padding_mode == "zeros" and not isinstance(module.padding, str)):
+            module.__class__ = _MatmulConv1d
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -16,6 +16,11 @@ class MNIST1DCNN(nn.Module):
     ``signal_shape`` ``(channels, length)``, or as one channel when it is ``None``. The
     published MLP is ``mlp`` with ``model.hidden 100,100`` (15,210 parameters)."""
 
+    # With --vmap on the CPU its convolutions run as matrix products (vmap.conv1d_as_matmul),
+    # faster than the grouped convolution vmap makes of them at these sizes only
+    # (docs/results/simulation.md).
+    stacked_conv_as_matmul = True
+
     def __init__(
         self, signal_shape: tuple[int, ...] | None, num_features: int, num_classes: int
     ) -> None:
