@@ -350,6 +350,17 @@ def test_conv1d_as_matmul_equals_conv1d_in_values_and_gradients(
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_conv1d_as_matmul_refuses_shapes_it_cannot_convolve():
+    with pytest.raises(ValueError, match="expected, got"):
+        conv1d_as_matmul(torch.randn(4, 6), torch.randn(2, 4, 3), None, 1, 0)
+    with pytest.raises(ValueError, match="expected, got"):
+        conv1d_as_matmul(torch.randn(1, 4, 6), torch.randn(2, 3, 3), None, 1, 0)
+    with pytest.raises(ValueError, match="no output position"):
+        conv1d_as_matmul(torch.randn(1, 4, 2), torch.randn(2, 4, 5), None, 1, 1)
+    with pytest.raises(ValueError, match="no output position"):
+        conv1d_as_matmul(torch.randn(1, 4, 6), torch.randn(2, 4, 3), None, 0, 0)
+
+
 def test_batched_trainer_runs_the_mnist1d_cnn_convs_as_matmuls_and_only_plain_convs():
     model = build_model(ModelConfig(name="mnist1d_cnn"), 40, 10, None, seed=0)
     trainer = BatchedTrainer(model, ClientConfig(steps=1, batch_size=4), FedAvg(), seed=0)

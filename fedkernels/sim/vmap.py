@@ -227,6 +227,12 @@ def conv1d_as_matmul(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int
     matrix product over the input's taps (equal up to float rounding). Under ``vmap`` over
     clients it becomes a batched matrix product, where ``F.conv1d`` becomes a grouped
     convolution."""
+    if x.dim() != 3 or weight.dim() != 3 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"conv1d_as_matmul: x [B, C_in, L] and weight [C_out, C_in, width] "
+                         f"expected, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if stride < 1 or padding < 0 or x.shape[-1] + 2 * padding < weight.shape[-1]:
+        raise ValueError(f"conv1d_as_matmul: stride {stride}, padding {padding} and width "
+                         f"{weight.shape[-1]} give no output position on length {x.shape[-1]}")
     batch, channels, _ = x.shape
     out_channels, _, width = weight.shape
     padded = F.pad(x, (padding, padding)).transpose(0, 1)  # [C_in, B, L + 2 padding]

@@ -18,7 +18,7 @@ class MNIST1DCNN(nn.Module):
 
     # With --vmap on the CPU its convolutions run as matrix products (vmap.conv1d_as_matmul),
     # faster than the grouped convolution vmap makes of them at these sizes only
-    # (docs/results/simulation.md).
+    # (docs/guide/models.md, the vmap path).
     stacked_conv_as_matmul = True
 
     def __init__(
